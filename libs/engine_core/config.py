@@ -1,0 +1,224 @@
+"""Typed, validated configuration: the model's architecture (from an HF config.json) and the engine's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "deepseek_v3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A model or engine configuration that cannot be used; the message names the setting."""
+
+
+def _require(raw: dict[str, Any], key: str, kind: type) -> Any:
+    if key not in raw:
+        raise ConfigError(f"malformed model config: missing {key!r}")
+    value = raw[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ConfigError(f"malformed model config: {key!r} must be {kind.__name__}, got {value!r}")
+    if kind in (int, float) and value <= 0:
+        raise ConfigError(f"malformed model config: {key!r} must be positive, got {value!r}")
+    return value
+
+
+def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from either the old (`rope_theta` + `rope_scaling`) or new (`rope_parameters`) form."""
+    params = raw.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling") or None
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return theta, scaling
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3)."""
+
+    q_lora_rank: int | None  # None: a plain q_proj
+    kv_lora_rank: int  # R: the latent cached per token
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # P: the rotary part, cached per token beside the latent
+    v_head_dim: int
+    rope_interleave: bool  # rotary dims stored as (x0, x1), (x2, x3) pairs, as DeepSeek's checkpoints are
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeekMoE: sigmoid scores, group-limited top-k with a score-correction bias, shared experts."""
+
+    num_experts: int
+    num_shared_experts: int
+    num_experts_per_tok: int
+    num_groups: int
+    topk_groups: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    moe_intermediate_size: int
+    first_k_dense_replace: int  # layers before this index use a dense MLP
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # llama: per-head size; deepseek: the rotary dims (HF's convention)
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str  # the checkpoint's dtype, informational
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        hidden = _require(raw, "hidden_size", int)
+        heads = _require(raw, "num_attention_heads", int)
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ConfigError(f"malformed model config: num_attention_heads {heads} not a multiple of kv heads {kv_heads}")
+        theta, scaling = _rope_params(raw)
+        mla = moe = None
+        if model_type == "deepseek_v3":
+            mla, moe = _mla_config(raw), _moe_config(raw)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if mla is not None:
+            head_dim = mla.qk_rope_head_dim
+        return cls(
+            model_type=model_type,
+            vocab_size=_require(raw, "vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=_require(raw, "intermediate_size", int),
+            num_layers=_require(raw, "num_hidden_layers", int),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=_require(raw, "max_position_embeddings", int),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            mla=mla,
+            moe=moe,
+            raw=raw,
+        )
+
+    @property
+    def kv_entry_shape(self) -> tuple[int, ...]:
+        """Shape of one token's KV in one layer: (2, K, D) for GQA, (R + P,) for MLA's latent cache."""
+        if self.mla is not None:
+            return (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim,)
+        return (2, self.num_kv_heads, self.head_dim)
+
+
+def _mla_config(raw: dict[str, Any]) -> MLAConfig:
+    q_lora = raw.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=_require(raw, "kv_lora_rank", int),
+        qk_nope_head_dim=_require(raw, "qk_nope_head_dim", int),
+        qk_rope_head_dim=_require(raw, "qk_rope_head_dim", int),
+        v_head_dim=_require(raw, "v_head_dim", int),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+    )
+
+
+def _moe_config(raw: dict[str, Any]) -> MoEConfig:
+    scoring = raw.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ConfigError(f"unsupported scoring_func {scoring!r} for deepseek_v3: only 'sigmoid'")
+    experts = _require(raw, "n_routed_experts", int)
+    groups = int(raw.get("n_group") or 1)
+    if experts % groups:
+        raise ConfigError(f"malformed model config: n_routed_experts {experts} not a multiple of n_group {groups}")
+    topk_groups = int(raw.get("topk_group") or groups)
+    top_k = _require(raw, "num_experts_per_tok", int)
+    if topk_groups > groups or top_k > topk_groups * (experts // groups):
+        raise ConfigError(
+            f"malformed model config: num_experts_per_tok {top_k} cannot be chosen from topk_group {topk_groups} "
+            f"of n_group {groups} groups"
+        )
+    return MoEConfig(
+        num_experts=experts,
+        num_shared_experts=int(raw.get("n_shared_experts") or 0),
+        num_experts_per_tok=top_k,
+        num_groups=groups,
+        topk_groups=topk_groups,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        moe_intermediate_size=_require(raw, "moe_intermediate_size", int),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model. Validated when built; a bad value names the setting."""
+
+    model: str  # a known name (`kvmesh models list`), an HF directory, or a .gguf file
+    device: str = "auto"  # auto | cpu | cuda | ascend
+    dtype: str = "auto"  # auto (bfloat16 on accelerators, float32 on cpu) | float32 | bfloat16 | float16
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_bytes: int = 512 * 2**20  # the KV cache never takes more than this
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes when set
+    max_num_seqs: int = 64  # requests in one batch
+    max_num_batched_tokens: int = 2048  # tokens computed in one step (chunked prefill splits longer prompts)
+    max_model_len: int | None = None  # context limit; defaults to the model's, capped by the KV cache's capacity
+    enable_prefix_caching: bool = True
+    seed: int = 0  # seeds unseeded sampling
+    served_name: str | None = None  # the model's name in block hashes and APIs (default: the `model` argument)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+
+    def torch_dtype(self, device_name: str) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if device_name == "cpu" else torch.bfloat16
+        return _DTYPES[self.dtype]

@@ -1,0 +1,248 @@
+"""The step API the services drive: add requests, step, abort, export and import KV.
+
+    engine = LLMEngine(EngineConfig(model="smollm2-135m"))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+
+One step = schedule, run the model, sample, update (the scheduler owns request state; the model runner
+owns the KV cache tensor; the KV cache manager owns block ownership).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from devices import get_device
+from engine_core import model_store
+from engine_core.config import ConfigError, EngineConfig, ModelConfig
+from engine_core.kv_cache.block_hash import root_hash
+from engine_core.kv_cache.events import KVCacheEvent
+from engine_core.kv_cache.manager import KVCacheManager, cdiv
+from engine_core.kv_transfer import KVExport, KVLayout, bytes_to_tensor, dtype_name, tensor_to_bytes
+from engine_core.loader.checkpoint import open_checkpoint
+from engine_core.model_runner import ModelRunner
+from engine_core.models import build_model
+from engine_core.request import Request, RequestStatus
+from engine_core.sampler import Sampler
+from engine_core.sampling_params import SamplingParams
+from engine_core.scheduler import RequestOutput, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot take (empty, out of vocabulary, longer than the context)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_usage: float  # share of blocks held by requests
+    num_prompt_tokens_computed: int  # prompt tokens this engine computed (not imported, not cache hits)
+    num_prefix_hit_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+    num_evictions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.ops = get_device(config.device)
+        checkpoint = open_checkpoint(model_store.resolve(config.model))
+        self.model_config: ModelConfig = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.served_name = config.served_name or config.model
+        self.dtype = config.torch_dtype(self.ops.name)
+        model = build_model(self.model_config, self.ops, self.dtype)
+        model.load_weights(checkpoint.tensors())  # type: ignore[operator]
+        num_blocks = self._num_blocks(model)
+        self.runner = ModelRunner(model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.sampler = Sampler(config.seed)
+        model_len = min(config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings)
+        self.max_model_len = min(model_len, num_blocks * config.block_size)  # a request alone must always fit
+        self.eos_token_ids = self._eos_token_ids()
+        self._arrivals = itertools.count()
+        self.num_generated_tokens = 0
+        log.info("engine ready: %s on %s, %d KV blocks (%d MiB), context %d", self.served_name, self.ops.name,
+                 num_blocks, self.runner.kv_cache_bytes >> 20, self.max_model_len)
+
+    def _num_blocks(self, model: torch.nn.Module) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        shape = model.kv_cache_shape(1, self.config.block_size)  # type: ignore[operator]
+        bytes_per_block = self.model_config.num_layers * self.dtype.itemsize * int(torch.tensor(shape).prod())
+        num_blocks = self.config.kv_cache_memory_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no block: one block needs {bytes_per_block}"
+            )
+        return num_blocks
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        shape = self.runner.model.kv_cache_shape(1, self.config.block_size)  # type: ignore[operator]
+        return KVLayout(self.served_name, dtype_name(self.dtype), self.config.block_size,
+                        self.model_config.num_layers, tuple(shape), self.runner.block_axis)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise PromptError("this model has no tokenizer: pass the prompt as token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _new_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, keep_kv: bool
+    ) -> Request:
+        token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:
+            raise PromptError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise PromptError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptError(
+                f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len} tokens "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_seq=next(self._arrivals),
+            eos_token_ids=self.eos_token_ids,
+            cache_root=root_hash(self.served_name, cache_salt),
+            keep_kv=keep_kv,
+            max_total_tokens=self.max_model_len,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        keep_kv: bool = False,
+    ) -> Request:
+        """Queue a request. keep_kv=True holds its blocks after it finishes, for `export_kv`, until `release`."""
+        request = self._new_request(request_id, prompt, params or SamplingParams(), cache_salt, keep_kv)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a finished request that was kept for KV export."""
+        self.scheduler.release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            return self.scheduler.update(output, {})
+        logits = self.runner.execute(output)
+        sampling = [s.request for s in output.scheduled if s.needs_sample]
+        sampled = self.sampler(logits, sampling)
+        self.num_generated_tokens += len(sampling)
+        tokens = {r.request_id: t for r, t in zip(sampling, sampled.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(sampling, sampled.logprobs) if lp is not None}
+        return self.scheduler.update(output, tokens, logprobs)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv.pool.take_events()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=self.kv.num_blocks,
+            num_free_kv_blocks=self.kv.pool.num_free_blocks,
+            kv_usage=self.kv.usage,
+            num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_evictions=self.kv.pool.num_evictions,
+        )
+
+    # -- KV export / import -------------------------------------------------------------------------
+    def export_kv(self, request_id: str) -> KVExport:
+        """The KV of a request kept with keep_kv (typically finished after prefill's first token)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or not request.keep_kv:
+            raise KeyError(f"no request {request_id!r} kept for KV export")
+        num_tokens = request.num_computed_tokens
+        block_ids = self.kv.block_ids(request_id)[: cdiv(num_tokens, self.config.block_size)]
+        chunks = ((layer, tensor_to_bytes(self.runner.read_blocks(layer, block_ids)))
+                  for layer in range(self.model_config.num_layers))
+        return KVExport(self.kv_layout, request_id, list(request.prompt_token_ids), list(request.output_token_ids),
+                        num_tokens, len(block_ids), chunks)
+
+    def begin_kv_import(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        layout: KVLayout,
+        num_tokens: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> bool:
+        """Reserve blocks for a request whose KV (for its first `num_tokens` tokens) will arrive by layer.
+
+        Returns False, changing nothing, when too few blocks are free right now.
+        """
+        self.kv_layout.check_compatible(layout)
+        request = self._new_request(request_id, prompt_token_ids, params, cache_salt, keep_kv=False)
+        for token in output_token_ids:
+            request.append_output_token(token)
+        if not 0 < num_tokens < request.num_tokens:
+            raise PromptError(f"imported KV covers {num_tokens} tokens; the request has {request.num_tokens}")
+        request.status = RequestStatus.IMPORTING
+        if self.kv.allocate_slots(request, num_tokens) is None:
+            return False
+        request.num_computed_tokens = num_tokens
+        self.scheduler.add_request(request)
+        return True
+
+    def import_kv_layer(self, request_id: str, layer: int, data: bytes) -> None:
+        request = self._importing(request_id)
+        if not 0 <= layer < self.model_config.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.model_config.num_layers})")
+        block_ids = self.kv.block_ids(request_id)[: cdiv(request.num_computed_tokens, self.config.block_size)]
+        self.runner.write_blocks(layer, block_ids, bytes_to_tensor(data, self.kv_layout, len(block_ids)))
+
+    def finish_kv_import(self, request_id: str) -> None:
+        """All layers arrived: the request joins the running batch (its blocks may now be shared)."""
+        request = self._importing(request_id)
+        self.kv.cache_computed_blocks(request)
+        self.scheduler.start_running(request)
+
+    def _importing(self, request_id: str) -> Request:
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status != RequestStatus.IMPORTING:
+            raise KeyError(f"no KV import in progress for {request_id!r}")
+        return request

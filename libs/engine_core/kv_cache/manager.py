@@ -1,0 +1,107 @@
+"""Which KV blocks each request holds, and the prefix-cache lookups and registrations on its behalf.
+
+`KVCacheManager` is the only writer of the per-request block lists and of `Request.block_hashes`.
+A block enters the prefix cache only once its KV has been computed (or imported), never when it is
+merely allocated, so a cache hit always finds finished KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine_core.kv_cache.block_hash import hash_token_blocks
+from engine_core.kv_cache.block_pool import BlockPool, KVBlock
+from engine_core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks of the request already in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of the request, in full blocks, and its length in tokens.
+
+        At least one token is always left to compute: the last prompt token's logits are needed.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones (and the `computed_blocks` hit).
+
+        Returns the newly allocated blocks, or None (changing nothing) when too few blocks are free.
+        """
+        held = self._req_blocks.setdefault(request.request_id, [])
+        assert not computed_blocks or not held, "cache hits are taken only by a request holding no blocks"
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_required = cdiv(num_tokens, self.block_size) - len(held) - len(computed_blocks)
+        # hits that sit in the free queue stop being allocatable once we take them
+        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_required > self.pool.num_free_blocks - num_free_hits:
+            if not held:
+                del self._req_blocks[request.request_id]
+            return None
+        self.pool.touch(computed_blocks)
+        held.extend(computed_blocks)
+        self._num_cached_blocks.setdefault(request.request_id, len(computed_blocks))
+        new_blocks = self.pool.allocate(max(num_required, 0))
+        held.extend(new_blocks)
+        return new_blocks
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Enter the request's full blocks whose KV is computed into the prefix cache."""
+        if not self.enable_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_hashes(request)
+        blocks = self._req_blocks[request.request_id]
+        parent = request.block_hashes[start - 1] if start > 0 else request.cache_root
+        tokens = request.all_token_ids[start * self.block_size : num_full * self.block_size]
+        self.pool.cache_blocks(blocks[start:num_full], request.block_hashes[start:num_full], parent, tokens, self.block_size)
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds, last block first (so tails are evicted before heads)."""
+        blocks = self._req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def _update_hashes(self, request: Request) -> None:
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            request.block_hashes = hash_token_blocks(
+                request.cache_root, request.all_token_ids, self.block_size, request.block_hashes
+            )

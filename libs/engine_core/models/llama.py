@@ -1,0 +1,133 @@
+"""Llama (grouped-query attention, SwiGLU MLP, RMSNorm, RoPE); covers SmolLM2.
+
+Shapes: T tokens in the flattened batch, Hd hidden size, H query heads, K kv heads, D head size.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from devices.base import DeviceOps
+from engine_core.config import ModelConfig
+from engine_core.models.batch import ForwardBatch, write_cache
+from engine_core.models.layers import GatedMLP, RMSNorm
+from engine_core.models.loading import Target, load_weights
+from engine_core.models.rope import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        self.split = (q_size, kv_size, kv_size)
+        self.scale = self.head_dim**-0.5
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
+        cache: torch.Tensor, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = rope(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)  # (T, H, D)
+        k = rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)  # (T, K, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, K, D)
+        k_cache, v_cache = cache[0], cache[1]  # (N, S, K, D) each
+        write_cache(k_cache, batch.slot_mapping, k)
+        write_cache(v_cache, batch.slot_mapping, v)
+        out = torch.empty_like(q)  # (T, H, D)
+        num_decode = batch.num_decode_tokens
+        if num_decode:
+            assert batch.decode is not None
+            out[:num_decode] = self.ops.paged_decode_attention(q[:num_decode], k_cache, v_cache, batch.decode, self.scale)
+        for seg in batch.prefills:
+            if seg.num_cached == 0:  # the whole context is this segment: use the fresh k, v
+                seg_k, seg_v = k[seg.start : seg.end], v[seg.start : seg.end]
+            else:
+                num_total = seg.num_cached + seg.end - seg.start
+                seg_k = self.ops.gather_cache(k_cache, seg.block_ids, num_total)
+                seg_v = self.ops.gather_cache(v_cache, seg.block_ids, num_total)
+            out[seg.start : seg.end] = self.ops.prefill_attention(
+                q[seg.start : seg.end], seg_k, seg_v, seg.num_cached, self.scale
+            )
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ops)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
+        cache: torch.Tensor, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rope, cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, ops)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, interleaved=False
+        )
+
+    kv_block_axis = 1  # the block dimension of kv_cache_shape
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Per layer: keys and values, (2, N, S, K, D)."""
+        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
+        """input_ids (T,) -> final hidden states (T, Hd)."""
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(batch.positions)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos_sin, self.rope, cache, batch)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights(self, weights, self._target)
+
+    def _target(self, name: str) -> Target:
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        cfg = self.config
+        q_size, kv_size, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        fused = {
+            "q_proj": ("qkv_proj", slice(0, q_size)),
+            "k_proj": ("qkv_proj", slice(q_size, q_size + kv_size)),
+            "v_proj": ("qkv_proj", slice(q_size + kv_size, q_size + 2 * kv_size)),
+            "gate_proj": ("gate_up_proj", slice(0, inter)),
+            "up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+        }
+        match = re.fullmatch(r"(model\.layers\.\d+\.\w+)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)", name)
+        if match:
+            fused_name, rows = fused[match.group(2)]
+            return f"{match.group(1)}.{fused_name}.{match.group(3)}", rows
+        return name, None

@@ -1,0 +1,213 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption by recompute.
+
+Every request is described by one number, `num_computed_tokens`, against its known tokens (prompt plus
+outputs so far): each step the scheduler gives each running request the tokens it still lacks (1 for a
+decoding request, a chunk for a prefilling one) under a token budget, then admits waiting requests in
+arrival order. When blocks run out, the most recently arrived running request is preempted: its blocks
+are freed (they stay in the prefix cache until evicted) and it goes back to the head of the queue,
+to be recomputed. Arrival order decides both admission and preemption, so the oldest request always
+makes progress and none starves; a request alone always fits (the engine caps the context at the cache's
+capacity), so none deadlocks.
+
+The scheduler is the only writer of the queues and of each request's status, tokens and progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.request import Request, RequestStatus, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed for it this step, starting at request.num_computed_tokens
+    block_ids: tuple[int, ...]  # its whole block table after this step's allocation
+
+    @property
+    def needs_sample(self) -> bool:
+        """Whether this step reaches the request's last known token (so its logits give the next token)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]  # single-token requests first, then multi-token (prefill) ones
+    preempted_ids: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a token, a finish, or both)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # arrival order
+        self.requests: dict[str, Request] = {}
+        self._finished_outputs: list[RequestOutput] = []  # finishes that happened outside a step (aborts)
+        self.num_prompt_tokens_computed = 0  # prompt tokens whose KV this engine computed
+        self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        if request.status == RequestStatus.WAITING:
+            self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_outputs)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None or request.status.is_finished:
+            return False
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED, force_free=True)
+        self._finished_outputs.append(_output(request, [], []))
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free a finished request kept for KV export, and forget it."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+
+    def start_running(self, request: Request) -> None:
+        """Move an imported request (its KV complete) into the running batch."""
+        assert request.status == RequestStatus.IMPORTING
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.running.sort(key=lambda r: r.arrival_seq)
+
+    # -- one step -----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # the latest arrival
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                index += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # stable: decodes first, each group in order
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                self.num_prefix_hit_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, TokenLogprobs] | None = None,
+    ) -> list[RequestOutput]:
+        """Advance every scheduled request by the tokens computed and append the sampled ones."""
+        results, self._finished_outputs = self._finished_outputs, []
+        for item in output.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            start = request.num_computed_tokens
+            request.num_computed_tokens += item.num_new_tokens
+            self.num_prompt_tokens_computed += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - start)
+            self.kv.cache_computed_blocks(request)
+            if request.request_id not in sampled:
+                continue
+            request.append_output_token(sampled[request.request_id])
+            new_logprobs = []
+            if logprobs is not None and request.request_id in logprobs:
+                new_logprobs = [logprobs[request.request_id]]
+                request.logprobs.extend(new_logprobs)
+            reason = request.stop_reason()
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+            results.append(_output(request, [request.output_token_ids[-1]], new_logprobs))
+        return results
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, tuple(self.kv.block_ids(request.request_id)))
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: RequestStatus, force_free: bool = False) -> None:
+        request.status = reason
+        if force_free or not request.keep_kv:
+            self.kv.free(request)
+            self.requests.pop(request.request_id, None)
+
+
+def _output(request: Request, new_token_ids: list[int], new_logprobs: list[TokenLogprobs]) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        finished=request.status.is_finished,
+        finish_reason=request.status.value if request.status.is_finished else None,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        new_logprobs=new_logprobs,
+    )
