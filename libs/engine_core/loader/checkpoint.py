@@ -49,10 +49,11 @@ def _open_gguf(path: Path) -> Checkpoint:
 
     try:
         gguf = GGUFCheckpoint(path)
-    except ValueError as exc:
+        backend = gguf.tokenizer()
+    except ValueError as exc:  # unsupported architecture, tensor type or tokenizer: the message names it
         raise ConfigError(str(exc)) from exc
     tokenizer = Tokenizer(
-        gguf.tokenizer(),
+        backend,
         chat_template=gguf.chat_template,
         bos_token=gguf.bos_token,
         eos_token=gguf.eos_token,

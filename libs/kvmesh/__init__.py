@@ -1,0 +1,1 @@
+"""kvmesh's command line (`kvmesh ...`) and benchmarks (`kvmesh bench ...`)."""

@@ -1,0 +1,99 @@
+"""`kvmesh` — one entry point for models, benchmarks and (later) the mesh's roles.
+
+    kvmesh models list                  known models and whether they are on disk
+    kvmesh models pull [NAME ...]       fetch real weights (smollm2-135m) and write deepseek-tiny
+    kvmesh models make-tiny             write deepseek-tiny (random weights, fixed seed)
+    kvmesh generate MODEL PROMPT        one completion, offline
+    kvmesh bench engine --json          engine throughput against transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine_core import model_store
+
+
+def _models(args: argparse.Namespace) -> int:
+    if args.models_command == "list":
+        for name, known in model_store.KNOWN_MODELS.items():
+            state = "present" if model_store.is_present(name) else "absent"
+            print(f"{name:15} {state:8} {known.description}  [{model_store.model_path(name)}]")
+        return 0
+    names = ["deepseek-tiny"] if args.models_command == "make-tiny" else (args.names or list(model_store.KNOWN_MODELS))
+    for name in names:
+        if name == "deepseek-tiny" and args.models_command == "make-tiny" and args.force:
+            from engine_core.tiny import write_deepseek_tiny
+
+            write_deepseek_tiny(model_store.model_dir() / name)
+        path = model_store.ensure(name, progress=sys.stderr.isatty())
+        print(f"{name}: {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine_core import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.text)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "engine":
+        from kvmesh.bench.engine import run_engine_bench
+
+        result = run_engine_bench(args.model, args.concurrency, args.device, args.seed)
+    else:
+        raise AssertionError(args.bench_command)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    models = commands.add_parser("models", help="list, pull and make models")
+    models_commands = models.add_subparsers(dest="models_command", required=True)
+    models_commands.add_parser("list", help="known models and whether they are on disk")
+    pull = models_commands.add_parser("pull", help="fetch known models (all by default)")
+    pull.add_argument("names", nargs="*", metavar="NAME", help=", ".join(model_store.KNOWN_MODELS))
+    tiny = models_commands.add_parser("make-tiny", help="write the deepseek-tiny model directory")
+    tiny.add_argument("--force", action="store_true", help="rewrite it even if present")
+
+    generate = commands.add_parser("generate", help="generate one completion offline")
+    generate.add_argument("model")
+    generate.add_argument("prompt")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--device", default="auto")
+
+    bench = commands.add_parser("bench", help="benchmarks that print JSON")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    engine = bench_commands.add_parser("engine", help="engine prefill/decode tokens/s against transformers")
+    engine.add_argument("--model", default="smollm2-135m")
+    engine.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--json", action="store_true", help="one line of JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"models": _models, "generate": _generate, "bench": _bench}
+    try:
+        return handlers[args.command](args)
+    except ValueError as exc:  # ConfigError, PromptError, SamplingParamsError: the message names the problem
+        print(f"kvmesh: error: {exc}", file=sys.stderr)
+        return 2

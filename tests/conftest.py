@@ -1,0 +1,76 @@
+"""Models shared across the suite: built or fetched once per session.
+
+Reference models come from `transformers` (a test-only dependency): random weights saved with
+`save_pretrained`, then loaded by our engine from that directory, exactly as a real checkpoint would be.
+initializer_range=0.1 makes random models pick varied tokens, so greedy-parity tests compare real choices.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Triton picks interpreter or compiler when a kernel is decorated (at import): decide before anything imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEEPSEEK_TEST_CONFIG = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
+    n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=1024, initializer_range=0.1,
+    routed_scaling_factor=2.5,
+    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+)
+
+LLAMA_TEST_CONFIG = dict(
+    vocab_size=500, hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,
+    num_key_value_heads=2, max_position_embeddings=1024, rope_theta=100000.0, initializer_range=0.1,
+)
+
+
+@pytest.fixture(scope="session")
+def deepseek_reference(tmp_path_factory: pytest.TempPathFactory):
+    """(directory, transformers model): a random DeepSeek-V3 with YaRN rope and a non-zero correction bias."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_TEST_CONFIG)).eval()
+    with torch.no_grad():  # transformers initialises the bias at zero; a real checkpoint's is not
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.uniform_(0.0, 0.2)
+    path = tmp_path_factory.mktemp("deepseek-v3-random")
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def llama_reference(tmp_path_factory: pytest.TempPathFactory):
+    """(directory, transformers model): a random Llama with grouped-query attention (6 heads, 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_TEST_CONFIG)).eval()
+    path = tmp_path_factory.mktemp("llama-random")
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB), fetched once by the project's own `kvmesh models pull` code."""
+    from engine_core import model_store
+
+    return model_store.ensure("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf_path: Path):
+    from engine_core import LLM
+
+    return LLM(str(smollm2_gguf_path), device="cpu", num_kv_blocks=512, served_name="smollm2-135m")

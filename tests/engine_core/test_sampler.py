@@ -1,0 +1,147 @@
+import math
+
+import pytest
+import torch
+
+from engine_core.sampler import Sampler
+from engine_core.sampling_params import SamplingParams, SamplingParamsError
+
+from .helpers import make_request
+
+VOCAB = 50
+
+
+def logits_row(seed=0):
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def sample(params_list, rows=None, outputs=None, sampler=None):
+    requests = [make_request(f"r{i}", [1, 2, 3], p) for i, p in enumerate(params_list)]
+    for request, tokens in zip(requests, outputs or [[]] * len(requests)):
+        for t in tokens:
+            request.append_output_token(t)
+    logits = torch.stack(rows or [logits_row(i) for i in range(len(requests))])
+    return (sampler or Sampler()).__call__(logits, requests)
+
+
+def test_greedy_is_argmax():
+    row = logits_row()
+    assert sample([SamplingParams(temperature=0)], [row]).token_ids == [int(row.argmax())]
+
+
+def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch():
+    params = SamplingParams(temperature=1.0, seed=1234)
+    alone = sample([params], [logits_row(7)]).token_ids[0]
+    crowded = sample(
+        [SamplingParams(temperature=1.0), params, SamplingParams(temperature=0.5, seed=9)],
+        [logits_row(1), logits_row(7), logits_row(2)],
+        sampler=Sampler(seed=99),
+    ).token_ids[1]
+    assert alone == crowded
+    draws = {sample([SamplingParams(temperature=1.0, seed=s)], [logits_row(7)]).token_ids[0] for s in range(40)}
+    assert len(draws) > 3  # different seeds do differ
+
+
+def test_the_seeded_stream_depends_on_the_output_position():
+    params = SamplingParams(temperature=2.0, seed=5)
+    flat = torch.zeros(VOCAB)
+    at = [sample([params], [flat], outputs=[[0] * n]).token_ids[0] for n in range(6)]
+    assert len(set(at)) > 1
+    assert at == [sample([params], [flat], outputs=[[0] * n]).token_ids[0] for n in range(6)]
+
+
+def test_top_k_and_top_p_and_min_p_restrict_draws():
+    row = torch.linspace(0, 10, VOCAB)  # token 49 most likely, then 48, ...
+    top_k = {sample([SamplingParams(temperature=5.0, top_k=3, seed=s)], [row]).token_ids[0] for s in range(200)}
+    assert top_k == {47, 48, 49}
+    probs = row.softmax(-1)
+    # top_p=0.5 keeps the smallest set of most likely tokens whose mass reaches 0.5
+    needed = int((probs.sort(descending=True).values.cumsum(0) < 0.5).sum()) + 1
+    top_p = {sample([SamplingParams(top_p=0.5, seed=s)], [row]).token_ids[0] for s in range(300)}
+    assert top_p <= set(range(VOCAB - needed, VOCAB)) and len(top_p) > 1
+    min_p = {sample([SamplingParams(min_p=0.5, seed=s)], [row]).token_ids[0] for s in range(300)}
+    # min_p keeps tokens with at least half the best probability: logit within ln 2 of the max
+    assert min_p == {t for t in range(VOCAB) if row[t] >= 10 - math.log(2)}
+
+
+def test_sampling_follows_the_distribution():
+    row = torch.log(torch.tensor([0.7, 0.2, 0.1] + [0.0] * (VOCAB - 3)))
+    counts = torch.zeros(VOCAB)
+    for s in range(2000):
+        counts[sample([SamplingParams(seed=s)], [row]).token_ids[0]] += 1
+    assert counts[3:].sum() == 0
+    torch.testing.assert_close(counts[:3] / 2000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03, rtol=0)
+
+
+def test_penalties_change_logits_exactly():
+    row = torch.zeros(VOCAB)
+    row[5], row[6], row[7] = 2.0, -2.0, 1.0
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
+    requests = [make_request("r", [7], params)]
+    for t in (5, 5, 6):
+        requests[0].append_output_token(t)
+    from engine_core.sampler import _apply_penalties
+
+    out = _apply_penalties(row[None].clone(), requests)[0]
+    assert out[5].item() == 2.0 - 0.5 - 0.25 * 2
+    assert out[6].item() == -2.0 - 0.5 - 0.25
+    assert out[7].item() == 1.0  # a prompt token: presence/frequency only count outputs
+    rep = [make_request("r", [7], SamplingParams(repetition_penalty=2.0))]
+    rep[0].append_output_token(6)
+    out = _apply_penalties(row[None].clone(), rep)[0]
+    assert (out[5].item(), out[6].item(), out[7].item()) == (2.0, -4.0, 0.5)
+
+
+def test_logprobs_come_from_the_raw_distribution_with_ranks():
+    row = logits_row(3)
+    result = sample([SamplingParams(temperature=0, logprobs=3, presence_penalty=1.0)], [row])
+    entry = result.logprobs[0]
+    reference = row.log_softmax(-1)
+    assert entry.token_id == int(row.argmax()) and entry.rank == 1
+    assert entry.logprob == pytest.approx(float(reference.max()))
+    assert [t for t, _ in entry.top] == reference.topk(3).indices.tolist()
+    assert sample([SamplingParams(temperature=0)], [row]).logprobs == [None]
+
+
+def test_token_mask_hook_restricts_choices():
+    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed[[3, 4]] = True
+    seen = []
+
+    def mask(outputs):
+        seen.append(list(outputs))
+        return allowed
+
+    row = logits_row(0)
+    row[4] = row.max() + 1
+    result = sample([SamplingParams(temperature=0, token_mask=mask)], [row], outputs=[[9]])
+    assert result.token_ids == [4] and seen == [[9]]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    row = torch.zeros(VOCAB)
+    row[2], row[8], row[11] = 9.0, 8.0, 1.0  # 2 is EOS (helpers), 8 a stop token
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[8])
+    assert sample([params], [row], outputs=[[1]]).token_ids == [11]
+    assert sample([params], [row], outputs=[[1, 1]]).token_ids == [2]
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_invalid_parameters_name_the_parameter(kwargs, param):
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param and str(info.value).startswith(param)
