@@ -15,15 +15,16 @@ class ConfigError(ValueError):
     """A model or engine configuration that cannot be used; the message names the setting."""
 
 
-def _require(raw: dict[str, Any], key: str, kind: type) -> Any:
+def _require(raw: dict[str, Any], key: str, kind: type[int] | type[float]) -> Any:
+    """A positive number the model cannot do without."""
     if key not in raw:
         raise ConfigError(f"malformed model config: missing {key!r}")
     value = raw[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or isinstance(value, bool):
         raise ConfigError(f"malformed model config: {key!r} must be {kind.__name__}, got {value!r}")
-    if kind in (int, float) and value <= 0:
+    if value <= 0:
         raise ConfigError(f"malformed model config: {key!r} must be positive, got {value!r}")
     return value
 

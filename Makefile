@@ -1,0 +1,32 @@
+# kvmesh: `make test` installs what it needs into .venv and runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install models test typecheck unit bench-engine gpu-check clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+models: install  ## fetch smollm2-135m and write deepseek-tiny (once)
+	$(BIN)/kvmesh models pull
+
+typecheck: install
+	$(BIN)/mypy
+
+test: install typecheck  ## the whole suite (type check, unit, parity, kernel-interpreter tests)
+	$(BIN)/python -m pytest -q
+
+bench-engine: install models
+	$(BIN)/kvmesh bench engine --model smollm2-135m --json
+
+gpu-check:  ## on a CUDA machine: kernels against the reference, and their speed
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache
