@@ -20,10 +20,12 @@ import torch
 from devices import get_device
 from engine_core import model_store
 from engine_core.config import ConfigError, EngineConfig, ModelConfig
-from engine_core.kv_cache.block_hash import root_hash
+from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
 from engine_core.kv_cache.events import KVCacheEvent
 from engine_core.kv_cache.manager import KVCacheManager, cdiv
-from engine_core.kv_transfer import KVExport, KVLayout, bytes_to_tensor, dtype_name, tensor_to_bytes
+from engine_core.kv_transfer import (
+    KVExport, KVLayout, KVLayoutError, block_bytes_to_tensor, bytes_to_tensor, dtype_name, tensor_to_bytes,
+)
 from engine_core.loader.checkpoint import open_checkpoint
 from engine_core.model_runner import ModelRunner
 from engine_core.models import build_model
@@ -187,6 +189,46 @@ class LLMEngine:
             num_evictions=self.kv.pool.num_evictions,
         )
 
+    # -- prefix cache blocks, for a KV store ----------------------------------------------------------
+    def prompt_block_hashes(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
+        """The keys of the prompt's full blocks, as this engine computes them."""
+        root = root_hash(self.served_name, cache_salt)
+        return hash_token_blocks(root, prompt_token_ids, self.config.block_size)
+
+    def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
+        """How many of the keys, from the first, this engine's prefix cache holds."""
+        count = 0
+        for block_hash in block_hashes:
+            if self.kv.pool.get_cached_block(block_hash) is None:
+                break
+            count += 1
+        return count
+
+    def read_cached_blocks(self, block_hashes: list[bytes]) -> list[bytes | None]:
+        """Each cached block's KV, every layer (layer-major), or None for a key not cached."""
+        out: list[bytes | None] = []
+        for block_hash in block_hashes:
+            block = self.kv.pool.get_cached_block(block_hash)
+            out.append(None if block is None else tensor_to_bytes(self.runner.read_all_layers(block.block_id)))
+        return out
+
+    def inject_cached_blocks(self, parent_hash: bytes, block_hashes: list[bytes], token_ids: list[int],
+                             blocks_data: list[bytes]) -> int:
+        """Enter blocks fetched from elsewhere (a KV store) into the prefix cache, as a chain after `parent_hash`.
+
+        Returns how many were entered (fewer when blocks run short). They sit in the free queue as cached
+        blocks, most recently used, so the next request with this prefix hits them.
+        """
+        count = min(len(block_hashes), len(blocks_data), self.kv.pool.num_free_blocks)
+        blocks = self.kv.pool.allocate(count)
+        for block, data in zip(blocks, blocks_data):
+            self.runner.write_all_layers(block.block_id, block_bytes_to_tensor(data, self.kv_layout))
+        size = self.config.block_size
+        # a key already cached here stays with its block; the duplicate becomes a plain free block
+        self.kv.pool.cache_blocks(blocks, block_hashes[:count], parent_hash, token_ids[: count * size], size)
+        self.kv.pool.free(reversed(blocks))
+        return count
+
     # -- KV export / import -------------------------------------------------------------------------
     def export_kv(self, request_id: str) -> KVExport:
         """The KV of a request kept with keep_kv (typically finished after prefill's first token)."""
@@ -195,10 +237,12 @@ class LLMEngine:
             raise KeyError(f"no request {request_id!r} kept for KV export")
         num_tokens = request.num_computed_tokens
         block_ids = self.kv.block_ids(request_id)[: cdiv(num_tokens, self.config.block_size)]
-        chunks = ((layer, tensor_to_bytes(self.runner.read_blocks(layer, block_ids)))
-                  for layer in range(self.model_config.num_layers))
+
+        def read(layer: int, first: int, count: int) -> bytes:
+            return tensor_to_bytes(self.runner.read_blocks(layer, block_ids[first : first + count]))
+
         return KVExport(self.kv_layout, request_id, list(request.prompt_token_ids), list(request.output_token_ids),
-                        num_tokens, len(block_ids), chunks)
+                        num_tokens, len(block_ids), read)
 
     def begin_kv_import(
         self,
@@ -228,12 +272,20 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return True
 
-    def import_kv_layer(self, request_id: str, layer: int, data: bytes) -> None:
+    def import_kv_chunk(self, request_id: str, layer: int, data: bytes, first_block: int = 0) -> None:
+        """Write one chunk of the request's KV: blocks [first_block, ...) of `layer`, as many as `data` holds."""
         request = self._importing(request_id)
         if not 0 <= layer < self.model_config.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.model_config.num_layers})")
+            raise KVLayoutError(f"layer {layer} out of range [0, {self.model_config.num_layers})")
         block_ids = self.kv.block_ids(request_id)[: cdiv(request.num_computed_tokens, self.config.block_size)]
-        self.runner.write_blocks(layer, block_ids, bytes_to_tensor(data, self.kv_layout, len(block_ids)))
+        num_blocks = len(data) // max(self.kv_layout.chunk_bytes(1), 1)
+        if first_block < 0 or num_blocks < 1 or first_block + num_blocks > len(block_ids):
+            raise KVLayoutError(
+                f"KV chunk of {len(data)} bytes at block {first_block} does not fit the request's {len(block_ids)} blocks "
+                f"({self.kv_layout.chunk_bytes(1)} bytes each), expected {self.kv_layout.chunk_bytes(len(block_ids))}"
+            )
+        values = bytes_to_tensor(data, self.kv_layout, num_blocks)
+        self.runner.write_blocks(layer, block_ids[first_block : first_block + num_blocks], values)
 
     def finish_kv_import(self, request_id: str) -> None:
         """All layers arrived: the request joins the running batch (its blocks may now be shared)."""

@@ -7,7 +7,7 @@ restricted to the request's blocks, in the engine's own block format: the descri
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +65,28 @@ def bytes_to_tensor(data: bytes, layout: KVLayout, num_blocks: int) -> torch.Ten
     return raw.view(layout.torch_dtype).view(layout.chunk_shape(num_blocks))
 
 
+def block_bytes_to_tensor(data: bytes, layout: KVLayout) -> torch.Tensor:
+    """One block's KV across every layer (as a KV store holds it): (num_layers, *layer_shape)."""
+    expected = layout.num_layers * layout.chunk_bytes(1)
+    if len(data) != expected:
+        raise KVLayoutError(f"KV block has {len(data)} bytes, expected {expected}")
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return raw.view(layout.torch_dtype).view(layout.num_layers, *layout.layer_shape)
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    """Blocks [first_block, first_block + num_blocks) of a request, in one layer."""
+
+    layer: int
+    first_block: int
+    num_blocks: int
+    data: bytes  # layout.chunk_shape(num_blocks), raw
+
+
 @dataclass(frozen=True)
 class KVExport:
-    """A request's KV, ready to send: read `layers()` before the request is released."""
+    """A request's KV, ready to send: iterate `chunks()` before the request is released."""
 
     layout: KVLayout
     request_id: str
@@ -75,8 +94,14 @@ class KVExport:
     output_token_ids: list[int]  # tokens sampled so far (after prefill: the first token)
     num_tokens: int  # tokens whose KV the chunks hold (all prompt tokens, after prefill)
     num_blocks: int
-    _chunks: Iterator[tuple[int, bytes]]
+    _read: Callable[[int, int, int], bytes]  # (layer, first_block, num_blocks) -> bytes
 
-    def layers(self) -> Iterator[tuple[int, bytes]]:
-        """(layer index, chunk bytes), layer 0 first."""
-        return self._chunks
+    def chunks(self, max_bytes: int | None = None) -> Iterator[KVChunk]:
+        """Layer-major chunks, layer 0 first; a layer larger than `max_bytes` comes in several."""
+        per_chunk = self.num_blocks
+        if max_bytes is not None:
+            per_chunk = max(1, min(self.num_blocks, max_bytes // self.layout.chunk_bytes(1)))
+        for layer in range(self.layout.num_layers):
+            for first in range(0, self.num_blocks, per_chunk):
+                count = min(per_chunk, self.num_blocks - first)
+                yield KVChunk(layer, first, count, self._read(layer, first, count))

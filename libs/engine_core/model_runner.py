@@ -80,3 +80,12 @@ class ModelRunner:
     def write_blocks(self, layer: int, block_ids: list[int], values: torch.Tensor) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches.device)
         self.kv_caches[layer].index_copy_(self.block_axis, index, values.to(self.kv_caches.device))
+
+    def read_all_layers(self, block_id: int) -> torch.Tensor:
+        """One block across every layer: (num_layers, *layer_shape with a block axis of 1), on the CPU."""
+        index = torch.tensor([block_id], dtype=torch.long, device=self.kv_caches.device)
+        return self.kv_caches.index_select(self.block_axis + 1, index).cpu()
+
+    def write_all_layers(self, block_id: int, values: torch.Tensor) -> None:
+        index = torch.tensor([block_id], dtype=torch.long, device=self.kv_caches.device)
+        self.kv_caches.index_copy_(self.block_axis + 1, index, values.to(self.kv_caches.device))

@@ -50,7 +50,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.bench_command == "engine":
         from kvmesh.bench.engine import run_engine_bench
 
-        result = run_engine_bench(args.model, args.concurrency, args.device, args.seed)
+        result = run_engine_bench(args.model, args.concurrency, args.device, args.seed, quick=args.quick,
+                                  max_prompt_tokens=args.max_prompt_tokens,
+                                  max_output_tokens=args.max_output_tokens, repeats=args.repeats)
     else:
         raise AssertionError(args.bench_command)
     print(json.dumps(result, indent=None if args.json else 2))
@@ -82,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     engine = bench_commands.add_parser("engine", help="engine prefill/decode tokens/s against transformers")
     engine.add_argument("--model", default="smollm2-135m")
-    engine.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    engine.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 1 8 32 (--quick: 1 4)")
+    engine.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt lengths up to this (default 256)")
+    engine.add_argument("--max-output-tokens", type=int, default=None, help="output lengths up to this (default 128)")
+    engine.add_argument("--repeats", type=int, default=None, help="runs per measurement, median reported (default 3)")
+    engine.add_argument("--quick", action="store_true", help="smoke test: C 1 4, short lengths, 1 repeat")
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--json", action="store_true", help="one line of JSON")

@@ -29,8 +29,8 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt: list
     assert export.num_tokens == len(prompt) and export.output_token_ids == first
     assert decode.begin_kv_import(request_id, export.prompt_token_ids, export.output_token_ids, params,
                                   export.layout, export.num_tokens)
-    for layer, chunk in export.layers():
-        decode.import_kv_layer(request_id, layer, chunk)
+    for chunk in export.chunks(max_bytes=export.layout.chunk_bytes(2)):  # a layer in several chunks
+        decode.import_kv_chunk(request_id, chunk.layer, chunk.data, chunk.first_block)
     decode.finish_kv_import(request_id)
     prefill.release(request_id)
     return first + run_to_completion(decode)[request_id]
@@ -68,8 +68,10 @@ def test_kv_import_refuses_foreign_layouts_and_wrong_sizes(llama_reference, deep
     other = LLMEngine(EngineConfig(str(llama_reference[0]), device="cpu", num_kv_blocks=16))
     assert other.begin_kv_import("r", export.prompt_token_ids, export.output_token_ids, SamplingParams(),
                                  export.layout, export.num_tokens)
-    with pytest.raises(KVLayoutError, match="expected"):
-        other.import_kv_layer("r", 0, b"\0" * 10)
+    with pytest.raises(KVLayoutError, match="does not fit"):
+        other.import_kv_chunk("r", 0, b"\0" * 10)
+    with pytest.raises(KVLayoutError, match="does not fit"):
+        other.import_kv_chunk("r", 0, b"\0" * export.layout.chunk_bytes(1), first_block=5)
     assert other.abort_request("r") and other.stats().num_free_kv_blocks == 16
 
 
@@ -174,3 +176,27 @@ def test_real_weights_answer_sensibly(smollm2_llm):
     out = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                            SamplingParams(temperature=0, max_tokens=16))
     assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("reference", ["deepseek_reference", "llama_reference"])
+def test_blocks_read_from_one_engine_serve_as_prefix_hits_in_another(reference, request):
+    path, _ = request.getfixturevalue(reference)
+    prompt = torch.randint(3, 400, (45,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    source = LLM(str(path), device="cpu", num_kv_blocks=32, served_name="m")
+    expected = source.generate([prompt], params)[0].token_ids
+    hashes = source.engine.prompt_block_hashes(prompt)
+    assert len(hashes) == 2 and source.engine.num_cached_blocks(hashes) == 2
+    data = source.engine.read_cached_blocks(hashes + [b"\0" * 32])
+    assert data[2] is None and len(data[0]) == source.engine.kv_layout.num_layers * source.engine.kv_layout.chunk_bytes(1)
+
+    target = LLM(str(path), device="cpu", num_kv_blocks=32, served_name="m")
+    from engine_core.kv_cache.block_hash import root_hash
+
+    assert target.engine.inject_cached_blocks(root_hash("m"), hashes, prompt[:32], data[:2]) == 2
+    assert target.engine.num_cached_blocks(hashes) == 2 and target.engine.stats().num_free_kv_blocks == 32
+    out = target.generate([prompt], params)[0]
+    assert out.num_cached_tokens == 32 and out.token_ids == expected
+    assert target.engine.stats().num_prompt_tokens_computed == 45 - 32
+    salted = target.engine.prompt_block_hashes(prompt, cache_salt="tenant")
+    assert target.engine.num_cached_blocks(salted) == 0  # another tenant's keys never match

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvmesh bench`: each returns a JSON-ready dict."""

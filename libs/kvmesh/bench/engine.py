@@ -1,0 +1,301 @@
+"""`kvmesh bench engine`: our engine's prefill, decode and end-to-end tokens/s against transformers.
+
+At each concurrency C one fixed, seeded workload of C requests (mixed prompt and output lengths, greedy,
+ignore_eos so every output has its exact length) runs on three systems, all in this process on the same
+weights: our `LLM` (all C requests submitted at once), transformers' batched `generate` (left-padded, one
+call), and transformers one request at a time. Each measurement runs `repeats` times, interleaved across
+systems so that a burst of load elsewhere on the machine hits all of them alike; the median is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_core import LLM, SamplingParams, model_store
+
+BLOCK_SIZE = 16
+GOAL_CONCURRENCY, GOAL_RATIO = 32, 1.5
+
+# Prompts are slices of this text when the model has a tokenizer (real text gives the attention realistic
+# inputs; the cost per token is the same either way). Slices wrap around, so any prompt length works.
+PROMPT_TEXT = (
+    "The harbour town woke slowly in winter. Fishing boats came in before dawn, their lamps swinging over "
+    "the black water, and the men unloaded crates of cod and mackerel onto the stone quay while gulls "
+    "circled overhead. By eight the bakery on the corner had sold its first trays of bread, and the old "
+    "ferry, painted blue and white, sounded its horn twice before leaving for the islands. Children walked "
+    "to school along the sea wall, counting the waves that broke against it, and the postmistress sorted "
+    "letters from cities most of the town had never seen. In the afternoon the wind turned, carrying rain "
+    "from the west; shutters banged, the market traders packed their tables early, and the lighthouse "
+    "keeper climbed the hundred and twelve steps to check the lens. Evenings were for the tavern by the "
+    "harbour, where sailors argued about the weather, the price of diesel and whether the new breakwater "
+    "would ever be finished. Nobody was in a hurry. The tide decided most things, and everyone had long "
+    "ago agreed that it was better at it than they were. Scientists who visited in summer to study the "
+    "currents said the bay was unusual: a deep channel ran close to the shore, so that large ships could "
+    "anchor within sight of the church, and cold water rose from the depths carrying nutrients that fed "
+    "the fish. The town had known this for centuries without the charts, and it said so, politely."
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    concurrencies: tuple[int, ...]
+    prompt_lens: tuple[int, int]  # inclusive range each prompt's length is drawn from
+    output_lens: tuple[int, int]  # inclusive range each output's length is drawn from
+    repeats: int
+
+    def __post_init__(self) -> None:
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"concurrencies must be positive, got {self.concurrencies}")
+        for name in ("prompt_lens", "output_lens"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name} must satisfy 1 <= min <= max, got {low}..{high}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+
+
+DEFAULT = BenchConfig(concurrencies=(1, 8, 32), prompt_lens=(32, 256), output_lens=(16, 128), repeats=3)
+QUICK = BenchConfig(concurrencies=(1, 4), prompt_lens=(8, 32), output_lens=(4, 12), repeats=1)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]  # token ids
+    output_lens: list[int]  # exact output length of each request
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(num_requests: int, config: BenchConfig, source_ids: list[int] | None, vocab_size: int,
+                  rng: random.Random) -> Workload:
+    """Prompts are slices of `source_ids` at random offsets, or uniform random ids when it is None."""
+    prompts, output_lens = [], []
+    for _ in range(num_requests):
+        length = rng.randint(*config.prompt_lens)
+        if source_ids is None:
+            prompts.append([rng.randrange(vocab_size) for _ in range(length)])
+        else:
+            start = rng.randrange(len(source_ids))
+            prompts.append([source_ids[(start + i) % len(source_ids)] for i in range(length)])
+        output_lens.append(rng.randint(*config.output_lens))
+    return Workload(prompts, output_lens)
+
+
+class OurSystem:
+    """One `LLM` for the whole benchmark; prefix caching off because the same prompts run repeatedly."""
+
+    def __init__(self, model: str, device: str, config: BenchConfig) -> None:
+        # A KV cache that holds the largest workload whole: a preemption would measure the cache size instead.
+        max_blocks_per_request = -(-(config.prompt_lens[1] + config.output_lens[1]) // BLOCK_SIZE)
+        num_requests = max(config.concurrencies)
+        self.llm = LLM(model, device=device, enable_prefix_caching=False, block_size=BLOCK_SIZE,
+                       num_kv_blocks=num_requests * max_blocks_per_request, max_num_seqs=max(64, num_requests))
+        self.ops = self.llm.engine.ops
+
+    def run(self, workload: Workload, output_lens: Sequence[int]) -> float:
+        """Wall seconds to serve every request with the given output lengths, all submitted at once."""
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        start = time.perf_counter()
+        outputs = self.llm.generate(workload.prompts, params)
+        self.ops.synchronize()
+        seconds = time.perf_counter() - start
+        assert [len(o.token_ids) for o in outputs] == list(output_lens), "ignore_eos must give exact lengths"
+        return seconds
+
+    def prefill(self, workload: Workload) -> float:
+        return self.run(workload, [1] * workload.num_requests)
+
+    def e2e(self, workload: Workload) -> float:
+        return self.run(workload, workload.output_lens)
+
+
+class HFSystem:
+    """The same weights through transformers' `generate`: what a user gets without a serving engine."""
+
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if path.suffix == ".gguf":  # transformers dequantizes GGUF weights to `dtype` when loading
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        self.model = model.to(device).eval()
+        self.device = device
+        eos = self.model.config.eos_token_id
+        self.pad_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], num_new_tokens: int) -> float:
+        """Wall seconds of one `generate` over left-padded prompts; every row gets exactly num_new_tokens."""
+        from transformers import GenerationConfig
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        config = GenerationConfig(do_sample=False, max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
+                                  pad_token_id=self.pad_id, eos_token_id=self.model.config.eos_token_id)
+        start = time.perf_counter()
+        output = self.model.generate(input_ids, attention_mask=mask, generation_config=config)
+        output = output.cpu()  # waits for the device
+        seconds = time.perf_counter() - start
+        assert output.shape == (len(prompts), width + num_new_tokens), "min_new_tokens must give exact lengths"
+        return seconds
+
+    def batched_prefill(self, workload: Workload) -> float:
+        return self._generate(workload.prompts, 1)
+
+    def batched_e2e(self, workload: Workload) -> float:
+        """One call: it cannot stop a row at its own length, so it runs every row to the longest one."""
+        return self._generate(workload.prompts, max(workload.output_lens))
+
+    def sequential(self, workload: Workload) -> float:
+        return sum(self._generate([p], n) for p, n in zip(workload.prompts, workload.output_lens))
+
+
+def _timed_runs(measurements: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Every measurement's seconds over `repeats` rounds, one run of each per round."""
+    seconds: dict[str, list[float]] = {name: [] for name in measurements}
+    for _ in range(repeats):
+        for name, measure in measurements.items():
+            seconds[name].append(measure())
+    return seconds
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    return round(tokens / seconds, 2) if seconds > 0 else None
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return round(ours / theirs, 3) if ours and theirs else None
+
+
+def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, repeats: int) -> dict[str, Any]:
+    stats_before = ours.llm.engine.stats()
+    runs = _timed_runs({
+        "ours_prefill": lambda: ours.prefill(workload),
+        "ours_e2e": lambda: ours.e2e(workload),
+        "hf_batched_prefill": lambda: hf.batched_prefill(workload),
+        "hf_batched_e2e": lambda: hf.batched_e2e(workload),
+        "hf_sequential": lambda: hf.sequential(workload),
+    }, repeats)
+    stats_after = ours.llm.engine.stats()
+    med = {name: statistics.median(values) for name, values in runs.items()}
+    num, num_prompt, num_out = workload.num_requests, workload.num_prompt_tokens, workload.num_output_tokens
+    # Decode rates count the tokens after each request's first one, over the time the prefill run did not take.
+    ours_result = {
+        "prefill_tok_s": _rate(num_prompt, med["ours_prefill"]),
+        "decode_tok_s": _rate(num_out - num, med["ours_e2e"] - med["ours_prefill"]),
+        "throughput_tok_s": _rate(num_out, med["ours_e2e"]),
+        "num_preemptions": stats_after.num_preemptions - stats_before.num_preemptions,
+        "num_prefix_hit_tokens": stats_after.num_prefix_hit_tokens - stats_before.num_prefix_hit_tokens,
+    }
+    batched = {
+        "prefill_tok_s": _rate(num_prompt, med["hf_batched_prefill"]),
+        "decode_tok_s": _rate(num_out - num, med["hf_batched_e2e"] - med["hf_batched_prefill"]),
+        "throughput_tok_s": _rate(num_out, med["hf_batched_e2e"]),
+        "generated_tokens": num * max(workload.output_lens),
+        "counted_tokens": num_out,  # each request's own output length; the padding rows' extra tokens are waste
+    }
+    sequential = {"throughput_tok_s": _rate(num_out, med["hf_sequential"]), "counted_tokens": num_out}
+    return {
+        "num_requests": num,
+        "num_prompt_tokens": num_prompt,
+        "num_output_tokens": num_out,
+        "ours": ours_result,
+        "hf_batched": batched,
+        "hf_sequential": sequential,
+        "ours_vs_hf_batched": _ratio(ours_result["throughput_tok_s"], batched["throughput_tok_s"]),
+        "ours_vs_hf_sequential": _ratio(ours_result["throughput_tok_s"], sequential["throughput_tok_s"]),
+        "seconds": {name: [round(s, 4) for s in values] for name, values in runs.items()},
+    }
+
+
+def _prompt_source(llm: LLM) -> list[int] | None:
+    tokenizer = llm.tokenizer
+    return None if tokenizer is None else tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)
+
+
+def _warm_up(ours: OurSystem, hf: HFSystem, workload: Workload) -> None:
+    """First calls pay one-time costs (allocator growth, lazy imports, kernel selection) not worth measuring."""
+    ours.prefill(workload)
+    ours.e2e(workload)
+    hf.batched_e2e(workload)
+    hf.sequential(workload)
+
+
+def bench_config(concurrencies: Sequence[int] | None, quick: bool, max_prompt_tokens: int | None,
+                 max_output_tokens: int | None, repeats: int | None) -> BenchConfig:
+    base = QUICK if quick else DEFAULT
+    prompt_max = max_prompt_tokens or base.prompt_lens[1]
+    output_max = max_output_tokens or base.output_lens[1]
+    return BenchConfig(
+        concurrencies=tuple(concurrencies or base.concurrencies),
+        prompt_lens=(min(base.prompt_lens[0], prompt_max), prompt_max),
+        output_lens=(min(base.output_lens[0], output_max), output_max),
+        repeats=repeats or base.repeats,
+    )
+
+
+def run_engine_bench(model: str, concurrencies: Sequence[int] | None, device: str, seed: int, *,
+                     quick: bool = False, max_prompt_tokens: int | None = None,
+                     max_output_tokens: int | None = None, repeats: int | None = None) -> dict[str, Any]:
+    """The whole benchmark as a JSON-ready dict (see the module docstring for what is measured)."""
+    config = bench_config(concurrencies, quick, max_prompt_tokens, max_output_tokens, repeats)
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    path = model_store.resolve(model)
+    ours = OurSystem(model, device, config)
+    hf = HFSystem(path, ours.ops.torch_device, ours.llm.engine.dtype)
+    source_ids, vocab_size = _prompt_source(ours.llm), ours.llm.engine.model_config.vocab_size
+    workloads = {c: make_workload(c, config, source_ids, vocab_size, random.Random(f"{seed}:{c}"))
+                 for c in config.concurrencies}
+    warmup = make_workload(2, config, source_ids, vocab_size, random.Random(f"{seed}:warmup"))
+    _warm_up(ours, hf, warmup)
+    results = {str(c): bench_concurrency(ours, hf, w, config.repeats) for c, w in workloads.items()}
+    goal = results.get(str(GOAL_CONCURRENCY), {}).get("ours_vs_hf_batched")
+    return {
+        "model": model,
+        "model_path": str(path),
+        "device": ours.ops.name,
+        "dtype": str(ours.llm.engine.dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        "workload": _describe(config, seed, source_ids is not None),
+        "results": results,
+        "goal": f"ours_vs_hf_batched at C={GOAL_CONCURRENCY} >= {GOAL_RATIO}",
+        "goal_met": None if goal is None else goal >= GOAL_RATIO,
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def _describe(config: BenchConfig, seed: int, is_text: bool) -> dict[str, Any]:
+    prompts = ("slices of a fixed English paragraph, tokenized by the model's tokenizer" if is_text
+               else "random token ids, uniform over the vocabulary (the model has no tokenizer)")
+    return {
+        "prompts": prompts,
+        "prompt_tokens": list(config.prompt_lens),
+        "output_tokens": list(config.output_lens),
+        "seed": seed,
+        "sampling": "greedy, ignore_eos (ours) / min_new_tokens = max_new_tokens (transformers): exact lengths",
+        "repeats": config.repeats,
+        "statistic": "median of the repeats, interleaved across systems, after one warm-up run per system",
+        "concurrencies": list(config.concurrencies),
+    }

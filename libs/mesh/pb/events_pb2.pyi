@@ -1,0 +1,62 @@
+from mesh.pb import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerHeartbeat(_message.Message):
+    __slots__ = ("worker", "load", "timestamp_ms", "leaving")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    worker: _common_pb2.WorkerInfo
+    load: _common_pb2.WorkerLoad
+    timestamp_ms: int
+    leaving: bool
+    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., timestamp_ms: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class KVBlocksStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_hash", "block_size", "model")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_hash: bytes
+    block_size: int
+    model: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class KVBlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes", "model")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    model: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("stored", "removed", "all_cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: KVBlocksStored
+    removed: KVBlocksRemoved
+    all_cleared: bool
+    def __init__(self, stored: _Optional[_Union[KVBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KVBlocksRemoved, _Mapping]] = ..., all_cleared: _Optional[bool] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("worker_id", "seq", "tier", "events")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    seq: int
+    tier: str
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., tier: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
