@@ -53,6 +53,8 @@ class EngineStats:
     num_generated_tokens: int
     num_preemptions: int
     num_evictions: int
+    num_kv_tokens: int  # tokens of KV held by running requests
+    num_queued_prompt_tokens: int  # prompt tokens admitted but not yet computed (waiting and running)
 
 
 class LLMEngine:
@@ -187,6 +189,11 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_evictions=self.kv.pool.num_evictions,
+            num_kv_tokens=sum(r.num_computed_tokens for r in self.scheduler.running),
+            num_queued_prompt_tokens=sum(
+                max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+                for r in (*self.scheduler.waiting, *self.scheduler.running)
+            ),
         )
 
     # -- prefix cache blocks, for a KV store ----------------------------------------------------------

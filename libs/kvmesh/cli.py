@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default="smollm2-135m")
     engine.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 1 8 32 (--quick: 1 4)")
     engine.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt lengths up to this (default 256)")
-    engine.add_argument("--max-output-tokens", type=int, default=None, help="output lengths up to this (default 128)")
+    engine.add_argument("--max-output-tokens", type=int, default=None, help="output lengths up to this (default 64)")
     engine.add_argument("--repeats", type=int, default=None, help="runs per measurement, median reported (default 3)")
     engine.add_argument("--quick", action="store_true", help="smoke test: C 1 4, short lengths, 1 repeat")
     engine.add_argument("--device", default="cpu")

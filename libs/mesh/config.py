@@ -1,0 +1,104 @@
+"""Typed service configuration from the environment: every field `foo` of a settings dataclass is read from
+`KVMESH_FOO`. A bad value fails at start with an error naming the variable.
+
+    @dataclass(frozen=True)
+    class DecodeSettings(ServiceSettings):
+        models: tuple[str, ...] = ("smollm2-135m",)
+
+    settings = load_settings(DecodeSettings)             # from os.environ
+    settings = load_settings(DecodeSettings, grpc_port=0)  # explicit values win over the environment
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+ENV_PREFIX = "KVMESH_"
+T = TypeVar("T")
+
+
+class SettingError(ValueError):
+    """A setting that cannot be used; the message names the environment variable."""
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _parse(raw: str, kind: Any, name: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):  # X | None: empty means None
+        inner = [k for k in typing.get_args(kind) if k is not type(None)]
+        return None if raw.strip() == "" else _parse(raw, inner[0], name)
+    if origin is tuple:
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(raw)
+            return lowered in ("1", "true", "yes", "on")
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+    return raw
+
+
+def load_settings(cls: type[T], env: Mapping[str, str] | None = None, **overrides: Any) -> T:
+    """Build `cls` from KVMESH_* variables, then `overrides` (None values in overrides are ignored)."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = env_name(field.name)
+        if name in env:
+            values[field.name] = _parse(env[name], hints[field.name], name)
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise SettingError(f"unknown settings: {', '.join(sorted(unknown))}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**values)
+
+
+def require(condition: bool, field_name: str, value: Any, expectation: str) -> None:
+    """For __post_init__ checks: fail naming the variable."""
+    if not condition:
+        raise SettingError(f"{env_name(field_name)}={value!r}: {expectation}")
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """What every role reads. Roles subclass it with their own fields."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    host: str = "127.0.0.1"  # interface the servers bind to
+    advertise_host: str = ""  # the address other roles dial; default: host (or this machine's name for 0.0.0.0)
+    grpc_port: int = 0  # 0: any free port (it is announced, so nobody needs to know it in advance)
+    http_port: int = 0  # /healthz, /readyz, /metrics
+    worker_id: str = ""  # default: <role>-<host>-<pid>
+    heartbeat_interval_s: float = 1.0
+    log_level: str = "info"
+    log_format: str = "auto"  # auto (json unless a terminal) | json | console
+    drain_timeout_s: float = 30.0  # on shutdown, how long in-flight requests may finish
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "http_port"):
+            value = getattr(self, name)
+            require(0 <= value < 65536, name, value, "must be a port number (0 for any free port)")
+        require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s, "must be positive")
+        require(self.drain_timeout_s >= 0, "drain_timeout_s", self.drain_timeout_s, "must not be negative")
+        require(self.log_format in ("auto", "json", "console"), "log_format", self.log_format,
+                "must be auto, json or console")
+        require(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", self.log_level,
+                "must be debug, info, warning or error")
+        require(self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")), "nats_url", self.nats_url,
+                "must be a nats:// URL")

@@ -1,0 +1,49 @@
+"""Every Prometheus metric of the mesh, in one place (the README's table lists them).
+
+Core objects return stats; services set these from them. Histograms use latency buckets suited to both a
+CPU laptop and a GPU cluster.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+# gateway
+GATEWAY_REQUESTS = Counter("kvmesh_gateway_requests_total", "Requests answered, by API, model and status code",
+                           ["api", "model", "code"])
+GATEWAY_TTFT = Histogram("kvmesh_gateway_time_to_first_token_seconds", "Arrival to first token", ["model"],
+                         buckets=_LATENCY)
+GATEWAY_ITL = Histogram("kvmesh_gateway_inter_token_latency_seconds", "Time between streamed tokens", ["model"],
+                        buckets=_TOKEN_LATENCY)
+GATEWAY_E2E = Histogram("kvmesh_gateway_e2e_request_latency_seconds", "Arrival to last token", ["model"],
+                        buckets=_LATENCY)
+GATEWAY_IN_FLIGHT = Gauge("kvmesh_gateway_requests_in_flight", "Requests being served", ["model"])
+
+# prefill
+PREFILL_PROMPT_TOKENS = Counter("kvmesh_prefill_prompt_tokens_total", "Prompt tokens received", ["model"])
+PREFILL_CACHED_TOKENS = Counter("kvmesh_prefill_cached_tokens_total",
+                                "Prompt tokens not computed, by where their KV was found", ["model", "tier"])
+PREFILL_SECONDS = Histogram("kvmesh_prefill_seconds", "Engine time from admission to first token", ["model"],
+                            buckets=_LATENCY)
+
+# decode
+DECODE_RUNNING = Gauge("kvmesh_decode_running_requests", "Requests in the decode batch", ["model"])
+DECODE_KV_TOKENS = Gauge("kvmesh_decode_kv_tokens", "Tokens of KV held by running requests", ["model"])
+DECODE_PROMPT_TOKENS_COMPUTED = Gauge("kvmesh_decode_prompt_tokens_computed",
+                                      "Prompt tokens decode computed itself (0 when every prompt came by KV transfer)",
+                                      ["model"])
+
+# KV movement and the store
+KV_TRANSFER_BYTES = Counter("kvmesh_kv_transfer_bytes_total", "KV bytes moved over gRPC, by direction",
+                            ["direction"])  # prefill_to_decode | store_put | store_get
+KVCACHE_BLOCKS = Gauge("kvmesh_kvcache_blocks", "Blocks held by this KV store node", ["tier"])
+KVCACHE_BYTES = Gauge("kvmesh_kvcache_bytes", "Bytes held by this KV store node", ["tier"])
+KVCACHE_LOOKUPS = Counter("kvmesh_kvcache_lookup_blocks_total", "Blocks asked for, by outcome", ["outcome"])
+KVCACHE_EVICTIONS = Counter("kvmesh_kvcache_evictions_total", "Blocks evicted, by reason", ["reason"])
+
+# balancer
+BALANCER_ROUTES = Counter("kvmesh_balancer_routes_total", "Requests routed, by pool and worker", ["pool", "worker"])
+BALANCER_WORKERS = Gauge("kvmesh_balancer_workers", "Live workers per pool", ["pool"])

@@ -1,0 +1,100 @@
+"""gRPC helpers every role uses: servers and channels with the same options, deadlines, request ids,
+and one mapping from exceptions to status codes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import grpc
+import grpc.aio
+
+from mesh.logging import REQUEST_ID_KEY, current_request_id
+
+MAX_MESSAGE_BYTES = 64 * 2**20  # KV chunks are split well below this; the margin is for odd layouts
+KV_CHUNK_BYTES = 4 * 2**20  # target size of one KV chunk on the wire
+OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+# Deadlines (seconds) for calls between roles.
+ROUTE_TIMEOUT_S = 5.0
+PREFILL_TIMEOUT_S = 600.0  # a long prompt on a busy CPU worker takes a while
+KVCACHE_TIMEOUT_S = 10.0
+ABORT_TIMEOUT_S = 2.0
+
+
+def create_server() -> grpc.aio.Server:
+    return grpc.aio.server(options=OPTIONS)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind to host:port (0: any free port); returns the bound port."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind a gRPC server to {host}:{port}")
+    return bound
+
+
+class Channels:
+    """One channel per address, reused by every call to it."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    async def drop(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+def metadata(request_id: str | None = None) -> tuple[tuple[str, str], ...]:
+    request_id = request_id or current_request_id()
+    return ((REQUEST_ID_KEY, request_id),) if request_id else ()
+
+
+def request_id_of(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY:
+            return str(value)
+    return None
+
+
+class ServiceError(Exception):
+    """An error a handler reports to its caller with a status code (the one place codes are chosen)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@contextlib.contextmanager
+def status_on_error() -> Iterator[None]:
+    """Inside a handler: map library exceptions to status codes (raised as ServiceError)."""
+    try:
+        yield
+    except ServiceError:
+        raise
+    except (ValueError, KeyError) as exc:  # PromptError, SamplingParamsError, KVLayoutError, unknown ids
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc).strip("'\"")) from exc
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: ServiceError) -> None:
+    await context.abort(error.code, str(error))

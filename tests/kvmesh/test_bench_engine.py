@@ -1,0 +1,63 @@
+"""`kvmesh bench engine` in quick mode on a small random Llama: the report's shape and arithmetic, not speed."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvmesh.bench.engine import QUICK, make_workload, run_engine_bench
+
+
+@pytest.fixture(scope="module")
+def report(llama_reference) -> dict[str, Any]:
+    path, _ = llama_reference
+    return run_engine_bench(str(path), None, "cpu", seed=0, quick=True)
+
+
+def test_workload_is_seeded_and_within_ranges() -> None:
+    first = make_workload(6, QUICK, None, 500, random.Random("0:6"))
+    assert first == make_workload(6, QUICK, None, 500, random.Random("0:6"))
+    assert all(QUICK.prompt_lens[0] <= len(p) <= QUICK.prompt_lens[1] for p in first.prompts)
+    assert all(QUICK.output_lens[0] <= n <= QUICK.output_lens[1] for n in first.output_lens)
+    assert all(0 <= t < 500 for p in first.prompts for t in p)
+
+
+def test_text_prompts_are_slices_of_the_source() -> None:
+    source = list(range(100, 140))
+    workload = make_workload(3, QUICK, source, 500, random.Random(1))
+    for prompt in workload.prompts:
+        start = source.index(prompt[0])
+        assert prompt == [source[(start + i) % len(source)] for i in range(len(prompt))]
+
+
+def test_top_level_fields(report: dict[str, Any]) -> None:
+    assert report["device"] == "cpu" and report["dtype"] == "float32"
+    assert report["torch_threads"] >= 1
+    assert report["workload"]["prompts"].startswith("random token ids")  # the random Llama has no tokenizer
+    assert report["workload"]["concurrencies"] == [1, 4] and report["workload"]["repeats"] == 1
+    assert list(report["results"]) == ["1", "4"]
+    assert report["goal_met"] is None  # no C=32 in quick mode
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_results_are_consistent(report: dict[str, Any], concurrency: int) -> None:
+    result = report["results"][str(concurrency)]
+    ours, batched, sequential = result["ours"], result["hf_batched"], result["hf_sequential"]
+    assert result["num_requests"] == concurrency
+    lo, hi = QUICK.output_lens
+    assert concurrency * lo <= result["num_output_tokens"] <= concurrency * hi
+    for rate in (ours["prefill_tok_s"], ours["decode_tok_s"], ours["throughput_tok_s"],
+                 batched["prefill_tok_s"], batched["throughput_tok_s"], sequential["throughput_tok_s"]):
+        assert rate is not None and rate > 0
+    assert ours["num_preemptions"] == 0 and ours["num_prefix_hit_tokens"] == 0
+    assert batched["counted_tokens"] == sequential["counted_tokens"] == result["num_output_tokens"]
+    assert batched["generated_tokens"] >= batched["counted_tokens"]
+    assert result["ours_vs_hf_batched"] == pytest.approx(ours["throughput_tok_s"] / batched["throughput_tok_s"], rel=1e-2)
+    assert result["ours_vs_hf_sequential"] == pytest.approx(
+        ours["throughput_tok_s"] / sequential["throughput_tok_s"], rel=1e-2
+    )
+    e2e = result["seconds"]["ours_e2e"][0]
+    assert ours["throughput_tok_s"] == pytest.approx(result["num_output_tokens"] / e2e, rel=1e-3)
+    assert all(len(runs) == 1 for runs in result["seconds"].values())
