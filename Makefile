@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install models test typecheck unit bench-engine gpu-check clean
+.PHONY: install models up test typecheck bench-engine gpu-check clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +16,14 @@ install: $(BIN)/.installed
 models: install  ## fetch smollm2-135m and write deepseek-tiny (once)
 	$(BIN)/kvmesh models pull
 
+up: models  ## the whole mesh on this machine: http://127.0.0.1:8080 (prints an API key)
+	$(BIN)/kvmesh up $(UP_ARGS)
+
 typecheck: install
 	$(BIN)/mypy
 
-test: install typecheck  ## the whole suite (type check, unit, parity, kernel-interpreter tests)
+test: install typecheck  ## the whole suite (type check, generated-code check, unit, parity, kernels, mesh)
+	$(BIN)/python -m mesh.protogen --check
 	$(BIN)/python -m pytest -q
 
 bench-engine: install models

@@ -4,6 +4,8 @@
     kvmesh models pull [NAME ...]       fetch real weights (smollm2-135m) and write deepseek-tiny
     kvmesh models make-tiny             write deepseek-tiny (random weights, fixed seed)
     kvmesh generate MODEL PROMPT        one completion, offline
+    kvmesh up [--prefill N] [--decode N] [--kvcache N]   the whole mesh on this machine
+    kvmesh serve ROLE                   one role (gateway, prefill, decode, kvcache, balancer), configured by KVMESH_*
     kvmesh bench engine --json          engine throughput against transformers
 """
 
@@ -46,6 +48,42 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+ROLES = ("gateway", "prefill", "decode", "kvcache", "balancer")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(f"services.{args.role}.__main__").main()
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from kvmesh.up import Mesh, MeshPlan
+
+    for model in args.models:
+        if model in model_store.KNOWN_MODELS:
+            model_store.ensure(model, progress=sys.stderr.isatty())
+    plan = MeshPlan(prefill=args.prefill, decode=args.decode, kvcache=args.kvcache, balancer=args.balancer,
+                    models=tuple(args.models), http_port=args.port, grpc_port=args.grpc_port, nats_url=args.nats)
+    mesh = Mesh(plan)
+    try:
+        mesh.start()
+        mesh.wait_ready()
+        key = mesh.api_keys[0]
+        origin = "generated for this run" if mesh.generated_key else "from KVMESH_API_KEYS"
+        print(f"\nkvmesh is up: {mesh.base_url}  (gRPC on :{plan.grpc_port})\n"
+              f"API key ({origin}): {key}\n"
+              f"  curl {mesh.base_url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+              "-H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{plan.models[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'\n"
+              "Ctrl-C stops everything.\n", file=sys.stderr, flush=True)
+        mesh.run_forever()
+    finally:
+        mesh.stop()
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.bench_command == "engine":
         from kvmesh.bench.engine import run_engine_bench
@@ -80,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--device", default="auto")
 
+    up = commands.add_parser("up", help="run the whole mesh locally (embedded NATS, every role a child process)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--kvcache", type=int, default=1, help="KV store nodes")
+    up.add_argument("--balancer", type=int, default=1, help="balancer replicas")
+    up.add_argument("--models", nargs="+", default=["smollm2-135m", "deepseek-tiny"])
+    up.add_argument("--port", type=int, default=8080, help="the gateway's HTTP port")
+    up.add_argument("--grpc-port", type=int, default=50050, help="the gateway's gRPC port")
+    up.add_argument("--nats", default=None, metavar="URL", help="use this NATS instead of an embedded one")
+
+    serve = commands.add_parser("serve", help="run one role in the foreground (configured by KVMESH_* variables)")
+    serve.add_argument("role", choices=ROLES)
+
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     engine = bench_commands.add_parser("engine", help="engine prefill/decode tokens/s against transformers")
@@ -97,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"models": _models, "generate": _generate, "bench": _bench}
+    handlers = {"models": _models, "generate": _generate, "up": _up, "serve": _serve, "bench": _bench}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # ConfigError, PromptError, SamplingParamsError: the message names the problem

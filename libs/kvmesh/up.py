@@ -1,0 +1,189 @@
+"""`kvmesh up`: the whole mesh on one machine, every role a child process, NATS embedded.
+
+    mesh = Mesh(MeshPlan(prefill=2, decode=2))
+    mesh.start()            # NATS (unless a URL is given), then kvcache, balancer, prefill, decode, gateway
+    mesh.wait_ready()       # the gateway's /readyz says a balancer and workers are live
+    mesh.run_forever()      # report children that die; Ctrl-C stops everything cleanly
+    mesh.stop()
+
+Each child is `python -m kvmesh serve ROLE` configured through KVMESH_* variables; its output is prefixed
+with its name. Nothing here knows a worker's address: workers announce themselves on NATS.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import IO
+
+from kvmesh.nats_server import EmbeddedNats
+
+DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny")
+START_ORDER = ("kvcache", "balancer", "prefill", "decode", "gateway")
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    prefill: int = 1
+    decode: int = 1
+    kvcache: int = 1
+    balancer: int = 1
+    models: tuple[str, ...] = DEFAULT_MODELS
+    http_port: int = 8080
+    grpc_port: int = 50050
+    nats_url: str | None = None  # None: start an embedded server
+    api_keys: tuple[str, ...] = ()  # empty: generate a development key
+    env: dict[str, str] = field(default_factory=dict)  # extra KVMESH_* settings for every child
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode", "kvcache", "balancer"):
+            if getattr(self, role) < 0:
+                raise ValueError(f"--{role} must not be negative")
+        if self.prefill < 1 or self.decode < 1 or self.balancer < 1:
+            raise ValueError("a mesh needs at least one prefill, one decode and one balancer")
+
+
+@dataclass
+class Child:
+    name: str  # e.g. prefill-1
+    role: str
+    process: subprocess.Popen
+    reported: bool = False  # its exit has been reported
+
+
+class Mesh:
+    def __init__(self, plan: MeshPlan, out: IO[str] | None = None) -> None:
+        self.plan = plan
+        self.out = out or sys.stderr
+        self.api_keys = plan.api_keys or (os.environ.get("KVMESH_API_KEYS", "") and
+                                          tuple(os.environ["KVMESH_API_KEYS"].split(",")))
+        self.generated_key = None
+        if not self.api_keys:
+            self.generated_key = "sk-kvmesh-dev-" + secrets.token_urlsafe(18)
+            self.api_keys = (self.generated_key,)
+        self.nats: EmbeddedNats | None = None
+        self.nats_url = plan.nats_url or ""
+        self.children: list[Child] = []
+        self._lock = threading.Lock()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.plan.http_port}"
+
+    def start(self) -> None:
+        if not self.nats_url:
+            self.nats = EmbeddedNats().start()
+            self.nats_url = self.nats.url
+            self._say(f"nats: embedded server at {self.nats_url} (JetStream on)")
+        for role in START_ORDER:
+            for index in range(self._count(role)):
+                self.spawn(role, index)
+
+    def _count(self, role: str) -> int:
+        return 1 if role == "gateway" else int(getattr(self.plan, role))
+
+    def child_env(self, role: str, index: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+        env.update({k: v for k, v in os.environ.items() if k.startswith("KVMESH_")})  # the user's settings pass through
+        env.update(self.plan.env)
+        env.update({
+            "KVMESH_NATS_URL": self.nats_url,
+            "KVMESH_WORKER_ID": f"{role}-{index}",
+            "KVMESH_MODELS": ",".join(self.plan.models),
+            "KVMESH_API_KEYS": ",".join(self.api_keys),
+            "PYTHONUNBUFFERED": "1",
+        })
+        if role == "gateway":
+            env.update({"KVMESH_HTTP_PORT": str(self.plan.http_port), "KVMESH_GRPC_PORT": str(self.plan.grpc_port)})
+        else:  # any free ports: workers announce where they are
+            env.update({"KVMESH_HTTP_PORT": "0", "KVMESH_GRPC_PORT": "0"})
+        return env
+
+    def spawn(self, role: str, index: int) -> Child:
+        name = f"{role}-{index}"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh", "serve", role], env=self.child_env(role, index),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        child = Child(name, role, process)
+        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+        with self._lock:
+            self.children = [c for c in self.children if c.name != name] + [child]
+        return child
+
+    def _pump(self, child: Child) -> None:
+        assert child.process.stdout is not None
+        for line in child.process.stdout:
+            self._say(f"{child.name:>11} | {line.rstrip()}")
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until the gateway reports a balancer and workers live (raises if a child dies or time runs out)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = self.dead_children()
+            if dead:
+                names = ", ".join(f"{c.name} (exit {c.process.returncode})" for c in dead)
+                raise RuntimeError(f"mesh failed to start: {names} exited")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/readyz", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the mesh was not ready after {timeout_s:.0f}s")
+
+    def dead_children(self) -> list[Child]:
+        with self._lock:
+            return [c for c in self.children if c.process.poll() is not None]
+
+    def report_dead(self) -> list[Child]:
+        """Say (once) which children exited; returns them."""
+        newly = [c for c in self.dead_children() if not c.reported]
+        for child in newly:
+            child.reported = True
+            self._say(f"kvmesh: {child.name} exited with code {child.process.returncode}")
+        return newly
+
+    def run_forever(self) -> None:
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            self.report_dead()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to one child (fault tests)."""
+        for child in self.children:
+            if child.name == name:
+                child.process.send_signal(sig)
+                child.process.wait(timeout=30)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Gateway first (no new requests), then workers, then the rest; SIGKILL what outlives the grace."""
+        for role in reversed(START_ORDER):
+            for child in self.children:
+                if child.role == role and child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._say(f"kvmesh: {child.name} did not stop in {grace_s:.0f}s; killing it")
+                child.process.kill()
+                child.process.wait()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
