@@ -267,6 +267,8 @@ class LLMEngine:
         Returns False, changing nothing, when too few blocks are free right now.
         """
         self.kv_layout.check_compatible(layout)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
         request = self._new_request(request_id, prompt_token_ids, params, cache_salt, keep_kv=False)
         for token in output_token_ids:
             request.append_output_token(token)

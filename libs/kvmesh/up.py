@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import IO
 
-from kvmesh.nats_server import EmbeddedNats
+from kvmesh.nats_server import EmbeddedNats, free_port
 
 DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny")
 START_ORDER = ("kvcache", "balancer", "prefill", "decode", "gateway")
@@ -56,6 +56,7 @@ class Child:
     name: str  # e.g. prefill-1
     role: str
     process: subprocess.Popen
+    http_port: int  # its /healthz, /readyz and /metrics
     reported: bool = False  # its exit has been reported
 
 
@@ -90,7 +91,7 @@ class Mesh:
     def _count(self, role: str) -> int:
         return 1 if role == "gateway" else int(getattr(self.plan, role))
 
-    def child_env(self, role: str, index: int) -> dict[str, str]:
+    def child_env(self, role: str, index: int, http_port: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
         env.update({k: v for k, v in os.environ.items() if k.startswith("KVMESH_")})  # the user's settings pass through
         env.update(self.plan.env)
@@ -101,19 +102,19 @@ class Mesh:
             "KVMESH_API_KEYS": ",".join(self.api_keys),
             "PYTHONUNBUFFERED": "1",
         })
-        if role == "gateway":
-            env.update({"KVMESH_HTTP_PORT": str(self.plan.http_port), "KVMESH_GRPC_PORT": str(self.plan.grpc_port)})
-        else:  # any free ports: workers announce where they are
-            env.update({"KVMESH_HTTP_PORT": "0", "KVMESH_GRPC_PORT": "0"})
+        env["KVMESH_HTTP_PORT"] = str(http_port)
+        # workers take any free gRPC port and announce it; only the gateway's ports are fixed
+        env["KVMESH_GRPC_PORT"] = str(self.plan.grpc_port) if role == "gateway" else "0"
         return env
 
     def spawn(self, role: str, index: int) -> Child:
         name = f"{role}-{index}"
+        http_port = self.plan.http_port if role == "gateway" else free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh", "serve", role], env=self.child_env(role, index),
+            [sys.executable, "-m", "kvmesh", "serve", role], env=self.child_env(role, index, http_port),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
-        child = Child(name, role, process)
+        child = Child(name, role, process, http_port)
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
         with self._lock:
             self.children = [c for c in self.children if c.name != name] + [child]
@@ -163,12 +164,16 @@ class Mesh:
         while not stop.wait(1.0):
             self.report_dead()
 
+    def child(self, name: str) -> Child:
+        with self._lock:
+            return next(c for c in self.children if c.name == name)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` to one child (fault tests)."""
-        for child in self.children:
-            if child.name == name:
-                child.process.send_signal(sig)
-                child.process.wait(timeout=30)
+        """Send `sig` to one child and wait for it to exit (fault tests)."""
+        child = self.child(name)
+        child.process.send_signal(sig)
+        child.process.wait(timeout=60)
+        child.reported = True
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Gateway first (no new requests), then workers, then the rest; SIGKILL what outlives the grace."""

@@ -71,8 +71,13 @@ class Bus:
         await self.client.flush()
 
     async def close(self) -> None:
-        if not self.client.is_closed:
-            await self.client.drain()
+        """Drain (deliver what is queued) and close; if NATS is already gone, just close."""
+        if self.client.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.client.drain(), timeout=5)
+        except (nats.errors.Error, asyncio.TimeoutError, OSError):
+            await self.client.close()
 
     @property
     def is_connected(self) -> bool:

@@ -28,6 +28,11 @@ PREFILL_CACHED_TOKENS = Counter("kvmesh_prefill_cached_tokens_total",
                                 "Prompt tokens not computed, by where their KV was found", ["model", "tier"])
 PREFILL_SECONDS = Histogram("kvmesh_prefill_seconds", "Engine time from admission to first token", ["model"],
                             buckets=_LATENCY)
+PREFILL_STORE_ERRORS = Counter("kvmesh_prefill_store_errors_total",
+                               "KV store calls from prefill that failed or timed out (a miss, never a failed request)",
+                               ["op"])  # lookup | get | put
+PREFILL_STORE_DROPPED_BLOCKS = Counter("kvmesh_prefill_store_dropped_blocks_total",
+                                       "Blocks not written to the KV store: the write queue was full")
 
 # decode
 DECODE_RUNNING = Gauge("kvmesh_decode_running_requests", "Requests in the decode batch", ["model"])

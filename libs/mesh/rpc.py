@@ -28,6 +28,13 @@ PREFILL_TIMEOUT_S = 600.0  # a long prompt on a busy CPU worker takes a while
 KVCACHE_TIMEOUT_S = 10.0
 ABORT_TIMEOUT_S = 2.0
 
+# Trailing metadata of a failed call that names the worker at fault (prefill sets it when its push to a
+# decode worker fails), so the caller can route around that worker and retry elsewhere.
+FAILED_WORKER_KEY = "kvmesh-failed-worker"
+# Initial metadata decode sends on Decode.PushKV once it has reserved the blocks, so prefill learns of a refusal
+# (RESOURCE_EXHAUSTED) from the status itself, before it streams chunks into a call that is already over.
+KV_RESERVED_KEY = "kvmesh-kv-reserved"
+
 
 def create_server() -> grpc.aio.Server:
     return grpc.aio.server(options=OPTIONS)
@@ -78,11 +85,16 @@ def request_id_of(context: grpc.aio.ServicerContext) -> str | None:
 
 
 class ServiceError(Exception):
-    """An error a handler reports to its caller with a status code (the one place codes are chosen)."""
+    """An error a handler reports to its caller with a status code (the one place codes are chosen).
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `trailing_metadata` travels with the status, e.g. FAILED_WORKER_KEY naming the worker to route around.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code = code
+        self.trailing_metadata = trailing_metadata
 
 
 @contextlib.contextmanager
@@ -97,4 +109,4 @@ def status_on_error() -> Iterator[None]:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: ServiceError) -> None:
-    await context.abort(error.code, str(error))
+    await context.abort(error.code, str(error), trailing_metadata=error.trailing_metadata)

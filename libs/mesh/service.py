@@ -117,8 +117,12 @@ class ServiceRuntime:
         max_num_seqs: int = 0,
         num_kv_blocks: int = 0,
         block_size: int = 0,
+        serve_status: bool = True,
     ) -> None:
-        """Serve gRPC and status, then announce (so nobody routes here before we can answer)."""
+        """Serve gRPC and status, then announce (so nobody routes here before we can answer).
+
+        serve_status=False: the role serves /healthz, /readyz and /metrics itself (the gateway's REST app).
+        """
         if self.bus is None:
             await self.connect_bus()
         assert self.bus is not None
@@ -126,11 +130,12 @@ class ServiceRuntime:
         register(self.server)
         self.grpc_port = rpc.bind(self.server, self.settings.host, self.settings.grpc_port)
         await self.server.start()
-        self._status = web.AppRunner(status_app(ready), access_log=None)
-        await self._status.setup()
-        site = web.TCPSite(self._status, self.settings.host, self.settings.http_port)
-        await site.start()
-        self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if serve_status:
+            self._status = web.AppRunner(status_app(ready), access_log=None)
+            await self._status.setup()
+            site = web.TCPSite(self._status, self.settings.host, self.settings.http_port)
+            await site.start()
+            self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         info = common_pb2.WorkerInfo(worker_id=self.worker_id, role=self.role, address=self.address, models=models,  # type: ignore[arg-type]
                                      max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, block_size=block_size)
         self._announcer = Announcer(self.bus, info, load, self.settings.heartbeat_interval_s)

@@ -1,0 +1,86 @@
+"""Protobuf <-> engine types that both compute roles use (each server converts its own messages with these)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine_core import EngineStats, SamplingParams
+from engine_core.kv_transfer import KVLayout
+from engine_core.request import TokenLogprobs
+from mesh.pb import common_pb2
+
+FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises SamplingParamsError (a ValueError naming the parameter) for values the engine refuses.
+
+    proto3 zero defaults: top_p and repetition_penalty 0 mean 1 (off); unset max_tokens means no limit.
+    """
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+        min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """The inverse of sampling_from_proto (the token mask, a local callable, does not travel)."""
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        seed=params.seed, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+    )
+
+
+def layout_from_proto(p: common_pb2.KVLayout) -> KVLayout:
+    return KVLayout(p.model, p.dtype, p.block_size, p.num_layers, tuple(p.layer_shape), p.block_axis)
+
+
+def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
+                               num_layers=layout.num_layers, layer_shape=layout.layer_shape,
+                               block_axis=layout.block_axis)
+
+
+def logprob_to_proto(logprob: TokenLogprobs) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, rank=logprob.rank,
+                                   top_token_ids=[t for t, _ in logprob.top],
+                                   top_logprobs=[lp for _, lp in logprob.top])
+
+
+def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:
+    return FINISH_REASONS[reason]
+
+
+def worker_load(stats: Iterable[EngineStats], num_cached_blocks: int = 0) -> common_pb2.WorkerLoad:
+    """One worker's load over all its engines; kv_usage is the share of all their blocks held by requests."""
+    stats = list(stats)
+    num_blocks = sum(s.num_kv_blocks for s in stats)
+    num_free = sum(s.num_free_kv_blocks for s in stats)
+    return common_pb2.WorkerLoad(
+        num_running=sum(s.num_running for s in stats),
+        num_waiting=sum(s.num_waiting for s in stats),
+        num_free_kv_blocks=num_free,
+        kv_usage=1.0 - num_free / num_blocks if num_blocks else 0.0,
+        num_kv_tokens=sum(s.num_kv_tokens for s in stats),
+        num_queued_prompt_tokens=sum(s.num_queued_prompt_tokens for s in stats),
+        num_cached_blocks=num_cached_blocks,
+    )

@@ -1,0 +1,80 @@
+"""One engine per served model, each on its own thread (engine_core.AsyncEngine).
+
+`ModelEngines` is built once at start and read-only afterwards; each engine's state is written only by its
+own thread. What the event loop reads directly here is immutable after loading: layouts and context limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+import torch
+
+from engine_core import EngineStats, LLMEngine
+from engine_core.async_engine import AsyncEngine, KVEventHook
+from engine_core.kv_transfer import KVLayout
+from mesh.logging import get_logger
+from services.compute.settings import WorkerSettings
+
+log = get_logger(__name__)
+
+
+class UnknownModelError(LookupError):
+    """A request named a model this worker does not serve."""
+
+
+class ModelEngines:
+    def __init__(self, engines: dict[str, AsyncEngine]) -> None:
+        self._engines = engines
+        self._layouts = {name: e.engine.kv_layout for name, e in engines.items()}
+
+    @classmethod
+    async def load(cls, settings: WorkerSettings,
+                   kv_event_hook: Callable[[str], KVEventHook | None] = lambda model: None) -> ModelEngines:
+        """Build and start an engine for each configured model (`kv_event_hook(model)` gives its KV event hook)."""
+        torch.set_num_threads(settings.torch_threads)
+        loop = asyncio.get_running_loop()
+        engines: dict[str, AsyncEngine] = {}
+        try:
+            for model in settings.models:
+                # loading reads weights from disk: off the event loop, which may already serve NATS
+                engine = await loop.run_in_executor(None, LLMEngine, settings.engine_config(model))
+                engines[model] = AsyncEngine(engine, kv_event_hook(model), name=f"engine-{model}")
+                await engines[model].start()
+        except BaseException:
+            await cls(engines).stop()
+            raise
+        return cls(engines)
+
+    async def stop(self) -> None:
+        for engine in self._engines.values():
+            await engine.stop()
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._engines)
+
+    def get(self, model: str) -> AsyncEngine:
+        engine = self._engines.get(model)
+        if engine is None:
+            raise UnknownModelError(f"model {model!r} is not served here (serving: {', '.join(self._engines)})")
+        return engine
+
+    def layout(self, model: str) -> KVLayout:
+        self.get(model)
+        return self._layouts[model]
+
+    def max_model_len(self, model: str) -> int:
+        return self.get(model).engine.max_model_len  # set at load, never written again
+
+    def items(self) -> Iterator[tuple[str, AsyncEngine]]:
+        return iter(self._engines.items())
+
+    def stats(self) -> dict[str, EngineStats]:
+        """Each engine's latest stats (replaced whole by its thread after each step, so safe to read here)."""
+        return {model: engine.stats for model, engine in self._engines.items()}
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return sum(s.num_kv_blocks for s in self.stats().values())

@@ -1,0 +1,36 @@
+"""Settings every compute worker (prefill, decode) reads, from KVMESH_* like every other setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_core import EngineConfig
+from mesh.config import ServiceSettings, require
+
+DEVICES = ("auto", "cpu", "cuda", "ascend")
+
+
+@dataclass(frozen=True)
+class WorkerSettings(ServiceSettings):
+    models: tuple[str, ...] = ("smollm2-135m", "deepseek-tiny")  # known names or paths; each is its served name
+    device: str = "cpu"
+    kv_cache_memory_bytes: int = 256 * 2**20  # per model
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    torch_threads: int = 1  # several roles often share one machine's cores
+    block_size: int = 16  # tokens per KV block: prefill and decode must agree (the KV layout says so)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(len(self.models) > 0, "models", self.models, "must name at least one model")
+        require(len(set(self.models)) == len(self.models), "models", self.models, "must not repeat a model")
+        require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
+        for name in ("kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "torch_threads",
+                     "block_size"):
+            value = getattr(self, name)
+            require(value > 0, name, value, "must be positive")
+
+    def engine_config(self, model: str) -> EngineConfig:
+        return EngineConfig(model, device=self.device, block_size=self.block_size,
+                            kv_cache_memory_bytes=self.kv_cache_memory_bytes, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, served_name=model)

@@ -1,0 +1,18 @@
+"""Decode settings: the compute worker's, plus how long a pushed request waits for its follower."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh.config import require
+from services.compute.settings import WorkerSettings
+
+
+@dataclass(frozen=True)
+class DecodeSettings(WorkerSettings):
+    stream_attach_timeout_s: float = 30.0  # a pushed request nobody follows within this is aborted
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.stream_attach_timeout_s > 0, "stream_attach_timeout_s", self.stream_attach_timeout_s,
+                "must be positive")

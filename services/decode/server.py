@@ -1,0 +1,154 @@
+"""The Decode servicer and `serve()`: protobuf <-> the Decoder, status codes in one place, load and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+
+from engine_core import EngineStats
+from engine_core.kv_transfer import KVChunk
+from mesh import metrics, rpc
+from mesh.logging import bind_request_id
+from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from mesh.rpc import ServiceError
+from mesh.service import Lifecycle, ServiceRuntime
+from services.compute.convert import (
+    finish_reason_to_proto, layout_from_proto, logprob_to_proto, sampling_from_proto, worker_load,
+)
+from services.compute.engines import ModelEngines
+from services.compute.errors import abort, status_on_error
+from services.decode.config import DecodeSettings
+from services.decode.decoder import Decoder, PushHeader, TokenBatch
+
+PREFILL_TO_DECODE = "prefill_to_decode"
+
+
+def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
+    """Raises SamplingParamsError (INVALID_ARGUMENT) for parameters the engine refuses."""
+    return PushHeader(
+        request_id=h.request_id, model=h.model, prompt_token_ids=list(h.prompt_token_ids),
+        output_token_ids=list(h.output_token_ids), params=sampling_from_proto(h.sampling),
+        cache_salt=h.cache_salt or None, layout=layout_from_proto(h.layout), num_tokens=h.num_tokens,
+        num_blocks=h.num_blocks,
+    )
+
+
+def token_batch_to_proto(batch: TokenBatch) -> decode_pb2.TokenBatch:
+    return decode_pb2.TokenBatch(token_ids=batch.token_ids, logprobs=[logprob_to_proto(lp) for lp in batch.logprobs],
+                                 finish_reason=finish_reason_to_proto(batch.finish_reason),
+                                 num_output_tokens=batch.num_output_tokens)
+
+
+async def read_header(messages: AsyncIterator[decode_pb2.KVPushMessage]) -> PushHeader:
+    first = await anext(messages, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
+    return header_from_proto(first.header)
+
+
+async def read_chunks(messages: AsyncIterator[decode_pb2.KVPushMessage]) -> AsyncIterator[KVChunk]:
+    async for message in messages:
+        if message.WhichOneof("kind") != "chunk":
+            raise ValueError("a KV push has exactly one header, and it comes first")
+        chunk = message.chunk
+        yield KVChunk(chunk.layer, chunk.first_block, chunk.num_blocks, chunk.data)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, decoder: Decoder, lifecycle: Lifecycle, worker_id: str) -> None:
+        self.decoder = decoder
+        self.lifecycle = lifecycle
+        self.worker_id = worker_id
+
+    async def PushKV(self, request_iterator: AsyncIterator[decode_pb2.KVPushMessage],
+                     context: grpc.aio.ServicerContext) -> decode_pb2.PushKVResponse:
+        messages = aiter(request_iterator)
+        try:
+            with self.lifecycle.track(), status_on_error():
+                header = await read_header(messages)
+                with bind_request_id(header.request_id):
+                    num_bytes = await self.decoder.receive(
+                        header, read_chunks(messages),
+                        on_reserved=lambda: context.send_initial_metadata(((rpc.KV_RESERVED_KEY, "1"),)))
+        except ServiceError as error:
+            await abort(context, error)
+        metrics.KV_TRANSFER_BYTES.labels(direction=PREFILL_TO_DECODE).inc(num_bytes)
+        return decode_pb2.PushKVResponse(worker_id=self.worker_id, num_bytes=num_bytes)
+
+    async def Stream(self, request: decode_pb2.StreamRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenBatch]:
+        with bind_request_id(request.request_id):
+            try:
+                with self.lifecycle.track(), status_on_error():
+                    async for batch in self.decoder.follow(request.request_id):
+                        yield token_batch_to_proto(batch)
+            except ServiceError as error:
+                await abort(context, error)
+
+    async def Abort(self, request: decode_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> decode_pb2.AbortResponse:
+        # not tracked: aborting must work while draining too (it only shortens the drain)
+        with bind_request_id(request.request_id):
+            return decode_pb2.AbortResponse(aborted=await self.decoder.abort(request.request_id))
+
+
+def export_metrics(stats: dict[str, EngineStats]) -> None:
+    for model, s in stats.items():
+        metrics.DECODE_RUNNING.labels(model=model).set(s.num_running)
+        metrics.DECODE_KV_TOKENS.labels(model=model).set(s.num_kv_tokens)
+        metrics.DECODE_PROMPT_TOKENS_COMPUTED.labels(model=model).set(s.num_prompt_tokens_computed)
+
+
+async def export_metrics_forever(engines: ModelEngines, interval_s: float) -> None:
+    while True:
+        export_metrics(engines.stats())
+        await asyncio.sleep(interval_s)
+
+
+class DecodeService:
+    """A running decode worker: its engines, the Decoder, the servicer and the runtime, started and stopped together."""
+
+    def __init__(self, settings: DecodeSettings, runtime: ServiceRuntime, engines: ModelEngines) -> None:
+        self.settings = settings
+        self.runtime = runtime
+        self.engines = engines
+        self.decoder = Decoder(engines, settings.stream_attach_timeout_s)
+        self._exporter = asyncio.create_task(export_metrics_forever(engines, settings.heartbeat_interval_s))
+
+    @classmethod
+    async def start(cls, settings: DecodeSettings) -> DecodeService:
+        runtime = ServiceRuntime(settings, common_pb2.ROLE_DECODE)  # first: it configures logging
+        engines = await ModelEngines.load(settings)
+        service = cls(settings, runtime, engines)
+        servicer = DecodeServicer(service.decoder, runtime.lifecycle, runtime.worker_id)
+        try:
+            await runtime.start(
+                register=lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server),
+                load=lambda: worker_load(engines.stats().values()), models=engines.models,
+                max_num_seqs=settings.max_num_seqs, num_kv_blocks=engines.num_kv_blocks,
+                block_size=settings.block_size)
+        except BaseException:
+            await service.stop()
+            raise
+        return service
+
+    async def stop(self) -> None:
+        """Leave the pool, let followed requests finish (up to drain_timeout_s), then close."""
+        await self.runtime.shutdown()
+        self.decoder.close()
+        self._exporter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._exporter
+        await self.engines.stop()
+
+
+async def serve(settings: DecodeSettings) -> None:
+    service = await DecodeService.start(settings)
+    try:
+        await service.runtime.wait_for_stop()
+    finally:
+        await service.stop()

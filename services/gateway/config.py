@@ -1,0 +1,29 @@
+"""The gateway's settings: every field `foo` is read from `KVMESH_FOO` (see mesh.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mesh.config import ServiceSettings, require
+
+
+@dataclass(frozen=True)
+class GatewaySettings(ServiceSettings):
+    http_port: int = 8080  # the REST API, with /healthz, /readyz and /metrics beside it
+    grpc_port: int = 50050  # the Gateway gRPC service
+    # KVMESH_API_KEYS, comma-separated. Never printed: kept out of repr, and auth.KeyRing holds only digests.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    models: tuple[str, ...] = ("smollm2-135m", "deepseek-tiny")  # whose tokenizers the gateway loads
+    block_size: int = 16  # tokens per KV block: must match the workers' for cache-aware routing to hit
+    max_retries: int = 2  # re-routes after a prefill fails with UNAVAILABLE or RESOURCE_EXHAUSTED
+    request_timeout_s: float = 600.0  # arrival to last token; past it the request fails with 504
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(bool(self.api_keys), "api_keys", "", "set at least one API key (comma-separated)")
+        require(all(key.strip() == key and key for key in self.api_keys), "api_keys", "<hidden>",
+                "keys must be non-empty and without surrounding spaces")
+        require(bool(self.models), "models", self.models, "name at least one model")
+        require(self.block_size > 0, "block_size", self.block_size, "must be positive")
+        require(self.max_retries >= 0, "max_retries", self.max_retries, "must not be negative")
+        require(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be positive")

@@ -1,0 +1,86 @@
+"""What both front ends (REST and gRPC) share: keys, models, the mesh view, the pipeline, and the checks that
+turn a tokenized prompt into a Generation. Built once by server.py; read-only afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import secrets
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from mesh.pb import common_pb2
+from mesh.rpc import ServiceError
+from mesh.service import Lifecycle
+from services.gateway.auth import KeyRing
+from services.gateway.catalog import ModelCatalog, ServedModel
+from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.mesh_view import MeshView
+from services.gateway.pipeline import Deadline, Generation, Pipeline
+
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def new_request_id(client_request_id: str | None = None) -> str:
+    """The id the mesh knows a request by. A client's id is kept as a prefix, made unique, so two requests
+    sent with the same id never collide in a worker."""
+    if client_request_id and _CLIENT_REQUEST_ID.fullmatch(client_request_id):
+        return f"{client_request_id}-{secrets.token_hex(4)}"
+    return uuid.uuid4().hex
+
+
+def echoed_request_id(client_request_id: str | None, request_id: str) -> str:
+    """What the response's x-request-id says: the client's own id if it sent a usable one."""
+    if client_request_id and _CLIENT_REQUEST_ID.fullmatch(client_request_id):
+        return client_request_id
+    return request_id
+
+
+@dataclass(frozen=True)
+class GatewayCore:
+    keys: KeyRing
+    catalog: ModelCatalog
+    mesh: MeshView
+    pipeline: Pipeline
+    lifecycle: Lifecycle
+    request_timeout_s: float
+
+    def served_models(self) -> list[ServedModel]:
+        """Models this gateway can tokenize that have a live prefill and a live decode worker."""
+        return [self.catalog.require(name) for name in self.mesh.served_models(self.catalog.names)]
+
+    def is_ready(self) -> bool:
+        return not self.lifecycle.draining and self.mesh.is_ready(self.catalog.names)
+
+    def deadline(self) -> Deadline:
+        return Deadline(self.request_timeout_s)
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Count the request as in flight (for a graceful stop); refused while draining."""
+        try:
+            with self.lifecycle.track():
+                yield
+        except ServiceError as exc:
+            raise GatewayError(ErrorKind.UNAVAILABLE, str(exc)) from None
+
+    def generation(
+        self,
+        request_id: str,
+        model: ServedModel,
+        prompt_token_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        stop: Sequence[str],
+        cache_salt: str,
+        traffic_class: str,
+        prompt_param: str,
+        max_tokens_param: str,
+    ) -> Generation:
+        """The last checks before the mesh: the prompt and max_tokens fit the context, and workers exist."""
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else None
+        model.check_lengths(len(prompt_token_ids), max_tokens, prompt_param, max_tokens_param)
+        if not self.mesh.is_served(model.name):
+            raise GatewayError(ErrorKind.UNAVAILABLE, f"no workers serve {model.name!r} right now; retry shortly")
+        return Generation(request_id=request_id, model=model, prompt_token_ids=prompt_token_ids,
+                          sampling=sampling, stop=tuple(stop), cache_salt=cache_salt, traffic_class=traffic_class)

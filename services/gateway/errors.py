@@ -1,0 +1,90 @@
+"""The gateway's errors and the one place they become HTTP statuses, OpenAI error bodies and gRPC codes.
+
+Everything that can go wrong for a request ends as a GatewayError: bad input (raised by the parsers), an
+unknown model, no workers, and a worker's gRPC status (`from_rpc_error`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import grpc
+
+
+class ErrorKind(enum.Enum):
+    # (HTTP status, gRPC code, OpenAI error type, OpenAI error code)
+    INVALID_REQUEST = (400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", None)
+    CONTEXT_LENGTH = (400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", "context_length_exceeded")
+    INVALID_API_KEY = (401, grpc.StatusCode.UNAUTHENTICATED, "invalid_request_error", "invalid_api_key")
+    MODEL_NOT_FOUND = (404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", "model_not_found")
+    NOT_FOUND = (404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", "not_found")
+    METHOD_NOT_ALLOWED = (405, grpc.StatusCode.UNIMPLEMENTED, "invalid_request_error", "method_not_allowed")
+    TOO_LARGE = (413, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", "request_too_large")
+    RATE_LIMITED = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error", "rate_limit_exceeded")
+    INTERNAL = (500, grpc.StatusCode.INTERNAL, "server_error", "internal_error")
+    UPSTREAM = (502, grpc.StatusCode.INTERNAL, "server_error", "upstream_error")
+    UNAVAILABLE = (503, grpc.StatusCode.UNAVAILABLE, "server_error", "service_unavailable")
+    TIMEOUT = (504, grpc.StatusCode.DEADLINE_EXCEEDED, "server_error", "timeout")
+
+    @property
+    def http_status(self) -> int:
+        return int(self.value[0])
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        code: grpc.StatusCode = self.value[1]
+        return code
+
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+
+
+class GatewayError(Exception):
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    @property
+    def http_status(self) -> int:
+        return self.kind.http_status
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object; `code` is a string or null, never a number."""
+        _, _, error_type, code = self.kind.value
+        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": code}}
+
+    def http_headers(self) -> dict[str, str]:
+        return {"retry-after": str(RETRY_AFTER_S)} if self.kind is ErrorKind.RATE_LIMITED else {}
+
+
+def invalid(param: str | None, message: str) -> GatewayError:
+    return GatewayError(ErrorKind.INVALID_REQUEST, message, param)
+
+
+_FROM_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID_REQUEST,
+    grpc.StatusCode.OUT_OF_RANGE: ErrorKind.INVALID_REQUEST,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorKind.RATE_LIMITED,
+    grpc.StatusCode.UNAVAILABLE: ErrorKind.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED: ErrorKind.UNAVAILABLE,  # a worker going away cancels its calls
+    grpc.StatusCode.NOT_FOUND: ErrorKind.UNAVAILABLE,  # the worker lost the request or lacks the model
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.TIMEOUT,
+}
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError, role: str) -> GatewayError:
+    """A worker's status as the client sees it: the worker's message for bad input, a plain one otherwise
+    (transport details name internal addresses; the pipeline logs them)."""
+    kind = _FROM_GRPC.get(error.code(), ErrorKind.UPSTREAM)
+    if kind is ErrorKind.INVALID_REQUEST:
+        return GatewayError(kind, error.details() or f"the {role} worker rejected the request")
+    if kind is ErrorKind.RATE_LIMITED:
+        return GatewayError(kind, f"the {role} pool is at capacity; retry shortly")
+    if kind is ErrorKind.TIMEOUT:
+        return GatewayError(kind, f"the {role} worker did not answer in time")
+    if kind is ErrorKind.UNAVAILABLE:
+        return GatewayError(kind, f"no {role} worker is available for this request; retry shortly")
+    return GatewayError(kind, f"the {role} worker failed ({error.code().name})")

@@ -1,0 +1,260 @@
+"""One request's life in the mesh, after the front end has tokenized it:
+
+1. block keys of the prompt (root: model + cache salt), for cache-aware routing;
+2. Balancer.Route on a live balancer (the next one if it cannot answer) -> a (prefill, decode) pair;
+3. Prefill.Prefill, which pushes the KV to the decode worker and returns the first token. On UNAVAILABLE or
+   RESOURCE_EXHAUSTED the failed worker (prefill's `kvmesh-failed-worker` trailer names a failed decode
+   worker; without it, the prefill worker failed) is excluded and the request re-routed, up to max_retries;
+4. Decode.Stream: the remaining tokens, detokenized as they come, cut at a stop string (then the call is
+   cancelled, which makes decode abort the request and free its KV).
+
+`Pipeline.start` does 1-3 and returns a GenerationStream once the first token is known, so the front end
+knows the serving workers before it sends a byte. The stream's owner must `close()` it (in a finally):
+that cancels a decode stream still running, or aborts a request decode holds but nobody followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
+from mesh import rpc
+from mesh.logging import get_logger
+from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc
+from mesh.pb import prefill_pb2, prefill_pb2_grpc
+from services.gateway.catalog import ServedModel
+from services.gateway.detokenizer import Detokenizer
+from services.gateway.errors import ErrorKind, GatewayError, from_rpc_error
+from services.gateway.mesh_view import MeshView
+
+log = get_logger(__name__)
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+NOT_FINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a front end asks of the mesh (built by http_app or grpc_api, after validation)."""
+
+    request_id: str
+    model: ServedModel
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    stop: tuple[str, ...] = ()
+    cache_salt: str = ""
+    traffic_class: str = ""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a started generation runs."""
+
+    request_id: str  # the id the workers know this attempt by (the request id, suffixed on a retry)
+    prefill_worker: str
+    decode_worker: str
+    decode_address: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # new text since the last delta (maybe "" while a character or a possible stop is held back)
+    token_ids: list[int]  # the tokens it came from (none after a stop string)
+    finish_reason: int  # common_pb2.FinishReason: STOP or LENGTH on the last delta, else UNSPECIFIED
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Deadline:
+    def __init__(self, timeout_s: float) -> None:
+        self.at = time.monotonic() + timeout_s
+
+    def remaining(self, cap: float | None = None) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise GatewayError(ErrorKind.TIMEOUT, "the request took longer than this server allows")
+        return left if cap is None else min(left, cap)
+
+
+def failed_worker(error: grpc.aio.AioRpcError, prefill_worker: str) -> str:
+    for key, value in error.trailing_metadata() or ():
+        if key == rpc.FAILED_WORKER_KEY and value:
+            return str(value)
+    return prefill_worker
+
+
+class Pipeline:
+    def __init__(self, channels: rpc.Channels, mesh: MeshView, block_size: int, max_retries: int) -> None:
+        self.channels = channels
+        self.mesh = mesh
+        self.block_size = block_size
+        self.max_retries = max_retries
+        self._aborts: set[asyncio.Task[None]] = set()  # fire-and-forget Decode.Abort calls, held until done
+
+    async def start(self, generation: Generation, deadline: Deadline) -> GenerationStream:
+        """Route and prefill (re-routing around failed workers): a stream whose first token is known."""
+        root = root_hash(generation.model.name, generation.cache_salt or None)
+        block_hashes = hash_token_blocks(root, generation.prompt_token_ids, self.block_size)
+        excluded: list[str] = []
+        last_error: grpc.aio.AioRpcError | None = None
+        for attempt in range(self.max_retries + 1):
+            attempt_id = generation.request_id if attempt == 0 else f"{generation.request_id}.{attempt}"
+            try:
+                route = await self._route(generation, attempt_id, block_hashes, excluded, deadline)
+            except GatewayError:
+                if last_error is None:
+                    raise
+                raise from_rpc_error(last_error, "prefill") from None  # nothing left to try: say why
+            try:
+                first = await self._prefill(generation, attempt_id, route, deadline)
+            except grpc.aio.AioRpcError as error:
+                failed = failed_worker(error, route.prefill.worker_id)
+                log.warning("prefill failed", prefill_worker=route.prefill.worker_id, failed_worker=failed,
+                            code=error.code().name, details=error.details(), attempt=attempt)
+                if error.code() not in RETRYABLE or attempt == self.max_retries:
+                    raise from_rpc_error(error, "prefill") from None
+                excluded.append(failed)
+                last_error = error
+                continue
+            except asyncio.CancelledError:  # the client left mid-prefill: decode may already hold the KV
+                self.abort_later(route.decode.address, attempt_id)
+                raise
+            placement = Placement(attempt_id, route.prefill.worker_id, route.decode.worker_id, route.decode.address)
+            return GenerationStream(self, generation, placement, first, deadline)
+        raise AssertionError("unreachable: the last attempt raises")
+
+    async def _route(self, generation: Generation, attempt_id: str, block_hashes: Sequence[bytes],
+                     excluded: Sequence[str], deadline: Deadline) -> balancer_pb2.RouteResponse:
+        request = balancer_pb2.RouteRequest(
+            request_id=attempt_id, model=generation.model.name, block_hashes=block_hashes,
+            num_prompt_tokens=len(generation.prompt_token_ids), traffic_class=generation.traffic_class,
+            exclude_worker_ids=excluded)
+        for balancer in self.mesh.balancers():
+            stub = balancer_pb2_grpc.BalancerStub(self.channels.get(balancer.info.address))
+            try:
+                response: balancer_pb2.RouteResponse = await stub.Route(
+                    request, timeout=deadline.remaining(rpc.ROUTE_TIMEOUT_S), metadata=rpc.metadata(attempt_id))
+                return response
+            except grpc.aio.AioRpcError as error:
+                log.warning("route failed", balancer=balancer.worker_id, code=error.code().name,
+                            details=error.details())
+                if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # any balancer would say the same
+                    raise from_rpc_error(error, "balancer") from None
+        raise GatewayError(ErrorKind.UNAVAILABLE,
+                           f"no worker is available to serve {generation.model.name!r}; retry shortly")
+
+    async def _prefill(self, generation: Generation, attempt_id: str, route: balancer_pb2.RouteResponse,
+                       deadline: Deadline) -> prefill_pb2.PrefillResponse:
+        request = prefill_pb2.PrefillRequest(
+            request_id=attempt_id, model=generation.model.name, prompt_token_ids=generation.prompt_token_ids,
+            sampling=generation.sampling, cache_salt=generation.cache_salt,
+            decode_address=route.decode.address, decode_worker_id=route.decode.worker_id)
+        stub = prefill_pb2_grpc.PrefillStub(self.channels.get(route.prefill.address))
+        response: prefill_pb2.PrefillResponse = await stub.Prefill(
+            request, timeout=deadline.remaining(rpc.PREFILL_TIMEOUT_S), metadata=rpc.metadata(attempt_id))
+        return response
+
+    def open_decode_stream(self, placement: Placement, deadline: Deadline) -> grpc.aio.UnaryStreamCall:
+        stub = decode_pb2_grpc.DecodeStub(self.channels.get(placement.decode_address))
+        call: grpc.aio.UnaryStreamCall = stub.Stream(
+            decode_pb2.StreamRequest(request_id=placement.request_id), timeout=deadline.remaining(),
+            metadata=rpc.metadata(placement.request_id))
+        return call
+
+    def abort_later(self, decode_address: str, request_id: str) -> None:
+        """Tell decode to drop a request nobody will follow (best effort; decode also times such out)."""
+        task = asyncio.get_running_loop().create_task(self._abort(decode_address, request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, decode_address: str, request_id: str) -> None:
+        stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode_address))
+        try:
+            await stub.Abort(decode_pb2.AbortRequest(request_id=request_id), timeout=rpc.ABORT_TIMEOUT_S,
+                             metadata=rpc.metadata(request_id))
+        except grpc.aio.AioRpcError as error:
+            log.info("abort failed", request_id=request_id, code=error.code().name)
+
+
+class GenerationStream:
+    """A started generation. Only `deltas()` writes the counters; front ends read them."""
+
+    def __init__(self, pipeline: Pipeline, generation: Generation, placement: Placement,
+                 first: prefill_pb2.PrefillResponse, deadline: Deadline) -> None:
+        self.placement = placement
+        self.num_prompt_tokens = len(generation.prompt_token_ids)
+        self.num_cached_tokens = first.num_cached_tokens
+        self.num_completion_tokens = 0
+        self.finish_reason: int = NOT_FINISHED  # common_pb2.FinishReason
+        self._pipeline = pipeline
+        self._first = first
+        self._deadline = deadline
+        self._detokenizer = Detokenizer(generation.model.tokenizer, generation.prompt_token_ids, generation.stop)
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._is_held_by_decode = first.finish_reason == NOT_FINISHED  # decode holds the KV until it finishes
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The output, batch by batch, until a finish reason (raises GatewayError if a worker fails)."""
+        yield self._accept([self._first.first_token_id], self._first.finish_reason)
+        if self.finish_reason != NOT_FINISHED:
+            return
+        self._call = self._pipeline.open_decode_stream(self.placement, self._deadline)
+        try:
+            async for batch in self._call:
+                if batch.finish_reason != NOT_FINISHED:
+                    self._is_held_by_decode = False
+                delta = self._accept(batch.token_ids, batch.finish_reason)
+                if delta.text or delta.finish_reason != NOT_FINISHED:
+                    yield delta
+                if self.finish_reason != NOT_FINISHED:
+                    break
+        except grpc.aio.AioRpcError as error:
+            log.warning("decode stream failed", decode_worker=self.placement.decode_worker,
+                        code=error.code().name, details=error.details())
+            raise from_rpc_error(error, "decode") from None
+        finally:
+            self._call.cancel()  # a no-op once decode ended it; after a stop string, decode aborts the request
+        if self.finish_reason == NOT_FINISHED:
+            raise GatewayError(ErrorKind.UNAVAILABLE, "the decode worker ended the stream before the request finished")
+
+    def _accept(self, token_ids: Sequence[int], finish_reason: int) -> Delta:
+        if finish_reason == common_pb2.FINISH_REASON_ABORT:
+            raise GatewayError(ErrorKind.UNAVAILABLE, "the worker aborted the request; retry shortly")
+        texts, accepted = [], []
+        for token_id in token_ids:
+            accepted.append(token_id)
+            texts.append(self._detokenizer.push(token_id))
+            if self._detokenizer.is_stopped:
+                break
+        if finish_reason != NOT_FINISHED and not self._detokenizer.is_stopped:
+            texts.append(self._detokenizer.finish())
+        if self._detokenizer.is_stopped:
+            finish_reason = common_pb2.FINISH_REASON_STOP
+        self.num_completion_tokens += len(accepted)
+        self.finish_reason = finish_reason
+        return Delta("".join(texts), accepted, finish_reason)
+
+    def close(self) -> None:
+        """Free what the workers hold for an unfinished generation. Safe to call twice. Cancelling the stream
+        makes decode abort the request, but a call cancelled before decode saw it tells decode nothing, so an
+        unfinished request also gets an explicit Abort (idempotent)."""
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
+        if self._is_held_by_decode:
+            self._pipeline.abort_later(self.placement.decode_address, self.placement.request_id)
+            self._is_held_by_decode = False

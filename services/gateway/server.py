@@ -1,0 +1,83 @@
+"""The gateway process: load the models' tokenizers, follow the mesh's heartbeats, serve the REST API on
+http_port (with /healthz, /readyz, /metrics) and the Gateway gRPC service on grpc_port, announce itself as
+ROLE_GATEWAY, and stop gracefully (deregister, refuse new requests, let in-flight ones finish)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from mesh.discovery import WorkerRegistry
+from mesh.logging import get_logger
+from mesh.pb import common_pb2, gateway_pb2_grpc
+from mesh.service import ServiceRuntime
+from services.gateway.auth import KeyRing
+from services.gateway.catalog import ModelCatalog
+from services.gateway.config import GatewaySettings
+from services.gateway.core import GatewayCore
+from services.gateway.grpc_api import GatewayServicer
+from services.gateway.http_app import create_app, start_http
+from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
+from services.gateway.pipeline import Pipeline
+
+log = get_logger(__name__)
+
+
+class GatewayServer:
+    """start() / stop() for tests and embedding; `serve` runs one until SIGTERM or SIGINT."""
+
+    def __init__(self, settings: GatewaySettings, catalog: ModelCatalog | None = None) -> None:
+        self.settings = settings
+        self.runtime = ServiceRuntime(settings, common_pb2.ROLE_GATEWAY)
+        self._catalog = catalog
+        self.registry: WorkerRegistry | None = None
+        self.core: GatewayCore | None = None
+        self.http_port = 0
+        self._http: web.AppRunner | None = None
+
+    @property
+    def grpc_port(self) -> int:
+        return self.runtime.grpc_port
+
+    async def start(self) -> None:
+        settings = self.settings
+        catalog = self._catalog
+        if catalog is None:  # opening a GGUF's metadata takes seconds: off the event loop
+            catalog = await asyncio.to_thread(ModelCatalog.load, settings.models)
+        bus = await self.runtime.connect_bus()
+        self.registry = WorkerRegistry(bus, FOLLOWED_ROLES, settings.heartbeat_interval_s)
+        await self.registry.start()
+        mesh = MeshView(self.registry)
+        self.core = GatewayCore(
+            keys=KeyRing(settings.api_keys), catalog=catalog, mesh=mesh,
+            pipeline=Pipeline(self.runtime.channels, mesh, settings.block_size, settings.max_retries),
+            lifecycle=self.runtime.lifecycle, request_timeout_s=settings.request_timeout_s)
+        self._http, self.http_port = await start_http(create_app(self.core), settings.host, settings.http_port)
+        servicer = GatewayServicer(self.core)
+        await self.runtime.start(
+            register=lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
+            load=self._load, ready=self.core.is_ready, models=catalog.names,
+            serve_status=False)  # the REST app serves /healthz, /readyz and /metrics on http_port itself
+        log.info("gateway serving", http_port=self.http_port, grpc_port=self.grpc_port, models=catalog.names)
+
+    def _load(self) -> common_pb2.WorkerLoad:
+        return common_pb2.WorkerLoad(num_running=self.runtime.lifecycle.in_flight)
+
+    async def stop(self) -> None:
+        async def stop_following() -> None:
+            if self.registry is not None:
+                await self.registry.stop()
+
+        await self.runtime.shutdown(before_drain=stop_following)
+        if self._http is not None:
+            await self._http.cleanup()
+
+
+async def serve(settings: GatewaySettings) -> None:
+    server = GatewayServer(settings)
+    await server.start()
+    try:
+        await server.runtime.wait_for_stop()
+    finally:
+        await server.stop()

@@ -1,0 +1,256 @@
+"""The prefill role's core: compute a prompt's KV, sample the first token, hand the KV to a decode worker.
+
+One request, in order:
+  1. its cached prefix: blocks this engine holds, then the blocks after them that the KV store holds;
+     store blocks enter the prefix cache right before the request is admitted (one engine call, so nothing
+     evicts them in between);
+  2. the request runs with the user's sampling but one token, kept (keep_kv) so its KV survives finishing;
+  3. unless that token already ends the request, the KV is exported and pushed to the decode worker;
+  4. the kept request is always released (success, failure or cancellation).
+Talking to decode and to the store is behind two small interfaces (`KVPusher`, `BlockStore`) implemented by
+the gRPC clients; this module holds no gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+from engine_core import LLMEngine, RequestOutput, SamplingParams
+from engine_core.async_engine import AsyncEngine, EngineFailure
+from engine_core.kv_cache.block_hash import root_hash
+from engine_core.kv_transfer import KVChunk, KVExport, KVLayout
+from engine_core.request import TokenLogprobs
+from mesh.logging import get_logger
+from services.compute.engines import ModelEngines
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # the user's
+    cache_salt: str | None  # tenant salt: enters every block key
+    decode_address: str
+    decode_worker_id: str
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprob: TokenLogprobs | None  # when the user asked for logprobs
+    finish_reason: str | None  # set when the first token ends the request (then nothing was pushed)
+    num_prompt_tokens: int
+    num_cached_tokens: int  # not computed here: device cache and KV store hits
+    num_store_tokens: int  # of those, fetched from the KV store
+    prefill_seconds: float  # admission to the first token
+    kv_bytes_sent: int
+
+
+@dataclass(frozen=True)
+class StoreBlock:
+    """One block as the KV store holds it: every layer's KV, layer 0 first."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    layout: KVLayout
+    data: bytes
+
+
+class BlockStore(Protocol):
+    """The KV store, read side. A failure is a miss: `fetch` never raises."""
+
+    def is_available(self) -> bool: ...
+
+    async def fetch(self, model: str, block_hashes: Sequence[bytes]) -> list[StoreBlock]:
+        """The stored blocks for the first keys, in order, up to the first one not found."""
+        ...
+
+
+class PushError(RuntimeError):
+    """The KV did not reach the decode worker. `is_exhausted`: it had no room; else it failed or is unreachable."""
+
+    def __init__(self, message: str, decode_worker_id: str, is_exhausted: bool) -> None:
+        super().__init__(message)
+        self.decode_worker_id = decode_worker_id
+        self.is_exhausted = is_exhausted
+
+
+class KVPusher(Protocol):
+    async def push(self, job: PrefillJob, export: KVExport, chunks: AsyncIterator[KVChunk]) -> int:
+        """Hand the KV to job.decode_address; returns the bytes sent. Raises PushError."""
+        ...
+
+
+@dataclass(frozen=True)
+class _StoreHit:
+    """Blocks fetched from the store, to enter the prefix cache as a chain after `parent_hash`."""
+
+    parent_hash: bytes
+    block_hashes: list[bytes]
+    token_ids: list[int]  # the blocks' tokens
+    blocks_data: list[bytes]
+    num_local_blocks: int  # blocks before these that the device cache held
+
+
+# Called on the engine thread with the keys just injected from the store (the store has them already).
+InjectedHook = Callable[[str, list[bytes]], None]
+
+
+class Prefiller:
+    def __init__(self, engines: ModelEngines, pusher: KVPusher, store: BlockStore | None = None,
+                 on_injected: InjectedHook = lambda model, block_hashes: None,
+                 max_chunk_bytes: int | None = None) -> None:
+        self.engines = engines
+        self.pusher = pusher
+        self.store = store
+        self.on_injected = on_injected
+        self.max_chunk_bytes = max_chunk_bytes
+        self._active: set[str] = set()  # request ids in flight; written only here, on the event loop
+
+    async def prefill(self, job: PrefillJob) -> PrefillResult:
+        """Raises UnknownModelError, ValueError (bad prompt or parameters), PushError, EngineFailure."""
+        engine = self.engines.get(job.model)
+        first_params = first_token_params(job.params)
+        if job.request_id in self._active:  # its stream and its kept KV would collide with the other's
+            raise ValueError(f"duplicate request id {job.request_id!r}")
+        self._active.add(job.request_id)
+        try:
+            return await self._prefill(engine, job, first_params)
+        finally:
+            self._active.discard(job.request_id)
+
+    async def _prefill(self, engine: AsyncEngine, job: PrefillJob, first_params: SamplingParams) -> PrefillResult:
+        hit = await self._fetch_from_store(engine, job)
+        request_id = job.request_id
+        outputs = engine.open_stream(request_id)
+        try:
+            started = time.monotonic()
+            num_injected = await engine.call(lambda e: self._admit(e, job, first_params, hit))
+            first = await _first_output(engine, request_id, outputs)
+            seconds = time.monotonic() - started
+            finish_reason = self._finish_reason(job, first)
+            num_bytes = 0
+            if finish_reason is None:
+                export = await engine.call(lambda e: e.export_kv(request_id))
+                num_bytes = await self.pusher.push(job, export, self._read_chunks(export))
+        finally:
+            engine.close_stream(request_id)
+            engine.call_soon(lambda e: _discard(e, request_id))
+        block_size = self.engines.layout(job.model).block_size
+        return PrefillResult(
+            first_token_id=first.new_token_ids[0],
+            first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
+            finish_reason=finish_reason, num_prompt_tokens=first.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            num_store_tokens=_num_store_tokens(first.num_cached_tokens, hit, num_injected, block_size),
+            prefill_seconds=seconds, kv_bytes_sent=num_bytes,
+        )
+
+    def _admit(self, engine: LLMEngine, job: PrefillJob, params: SamplingParams, hit: _StoreHit | None) -> int:
+        """On the engine thread: enter the store's blocks, then the request (so it finds them still cached)."""
+        num_injected = 0
+        if hit is not None:
+            num_injected = engine.inject_cached_blocks(hit.parent_hash, hit.block_hashes, hit.token_ids,
+                                                       hit.blocks_data)
+            self.on_injected(job.model, hit.block_hashes[:num_injected])
+        engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt, keep_kv=True)
+        return num_injected
+
+    def _finish_reason(self, job: PrefillJob, first: RequestOutput) -> str | None:
+        """Whether prefill's one token ends the request for real: a stop, max_tokens 1, or a full context."""
+        if first.finish_reason == "stop":
+            return "stop"
+        if job.params.max_tokens == 1 or first.num_prompt_tokens + 1 >= self.engines.max_model_len(job.model):
+            return "length"
+        return None
+
+    async def _read_chunks(self, export: KVExport) -> AsyncIterator[KVChunk]:
+        # Read off the engine thread: a kept request's blocks are immutable until `release` (it finished, so no
+        # step writes them, and nothing else frees them), and release comes only after the push. The executor
+        # keeps the event loop serving while a chunk (up to max_chunk_bytes) is copied.
+        loop = asyncio.get_running_loop()
+        chunks = export.chunks(max_bytes=self.max_chunk_bytes)
+        while (chunk := await loop.run_in_executor(None, next, chunks, None)) is not None:
+            yield chunk
+
+    # -- the KV store ---------------------------------------------------------------------------------
+    async def _fetch_from_store(self, engine: AsyncEngine, job: PrefillJob) -> _StoreHit | None:
+        """The blocks right after the locally cached ones that the store holds; None when there are none."""
+        if self.store is None or not self.store.is_available() or not _is_valid_prompt(engine.engine, job):
+            return None
+        block_size = self.engines.layout(job.model).block_size
+        # prompt_block_hashes reads only immutable config (block size, served name): safe off the engine thread.
+        # The last prompt token is always computed (its logits give the first token), so its block never helps.
+        hashes = engine.engine.prompt_block_hashes(job.prompt_token_ids, job.cache_salt)
+        hashes = hashes[: (len(job.prompt_token_ids) - 1) // block_size]
+        num_local = await engine.call(lambda e: e.num_cached_blocks(hashes))
+        if num_local == len(hashes):
+            return None
+        wanted = hashes[num_local:]
+        blocks = _usable_prefix(await self.store.fetch(job.model, wanted), wanted, self.engines.layout(job.model))
+        if not blocks:
+            return None
+        parent = hashes[num_local - 1] if num_local else root_hash(engine.engine.served_name, job.cache_salt)
+        tokens = job.prompt_token_ids[num_local * block_size : (num_local + len(blocks)) * block_size]
+        return _StoreHit(parent, [b.block_hash for b in blocks], tokens, [b.data for b in blocks], num_local)
+
+
+def first_token_params(params: SamplingParams) -> SamplingParams:
+    """The user's sampling for prefill's one token: max_tokens 1 (min_tokens capped to match: a min_tokens
+    of 1 or more masks EOS and stop tokens for the first token, exactly as the user's value does)."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+
+def _num_store_tokens(num_cached_tokens: int, hit: _StoreHit | None, num_injected: int, block_size: int) -> int:
+    """The store's share of the engine's hit: what it found beyond the local blocks, at most what was injected."""
+    if hit is None:
+        return 0
+    beyond_local = num_cached_tokens - hit.num_local_blocks * block_size
+    return max(0, min(beyond_local, num_injected * block_size))
+
+
+def _is_valid_prompt(engine: LLMEngine, job: PrefillJob) -> bool:
+    """Whether the prompt can be hashed and admitted; if not, skip the store and let the engine say why."""
+    prompt = job.prompt_token_ids
+    vocab = engine.model_config.vocab_size  # immutable after load
+    return 0 < len(prompt) < engine.max_model_len and all(0 <= t < vocab for t in prompt)
+
+
+def _usable_prefix(blocks: list[StoreBlock], wanted: list[bytes], layout: KVLayout) -> list[StoreBlock]:
+    """The leading blocks that are the ones asked for and in this engine's layout (others cannot be used)."""
+    usable = []
+    for block, block_hash in zip(blocks, wanted):
+        if block.block_hash != block_hash or block.layout != layout:
+            log.warning("store block skipped", block_hash=block.block_hash.hex()[:16],
+                        reason="wrong key" if block.block_hash != block_hash else "layout mismatch")
+            break
+        usable.append(block)
+    return usable
+
+
+async def _first_output(engine: AsyncEngine, request_id: str,
+                        outputs: asyncio.Queue[RequestOutput | BaseException]) -> RequestOutput:
+    # aclosing: leaving early (cancelled) aborts the request at once, inside follow (an async generator)
+    follow = cast(AsyncGenerator[RequestOutput, None], engine.follow(request_id, outputs))
+    async with contextlib.aclosing(follow) as stream:
+        async for output in stream:
+            if output.finished:
+                if not output.new_token_ids:
+                    raise EngineFailure(f"request {request_id!r} ended without a token ({output.finish_reason})")
+                return output
+    raise EngineFailure(f"request {request_id!r} produced no output")
+
+
+def _discard(engine: LLMEngine, request_id: str) -> None:
+    """Free the request whatever its state: abort if still running, release if kept after finishing."""
+    engine.abort_request(request_id)
+    engine.release(request_id)

@@ -1,0 +1,155 @@
+"""The Prefill servicer and `serve()`: protobuf <-> the Prefiller, status codes in one place, load and metrics."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import grpc
+import grpc.aio
+
+from mesh import metrics, rpc
+from mesh.discovery import WorkerRegistry
+from mesh.logging import bind_request_id, get_logger
+from mesh.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
+from mesh.rpc import ServiceError
+from mesh.service import Lifecycle, ServiceRuntime
+from services.compute.convert import finish_reason_to_proto, logprob_to_proto, sampling_from_proto, worker_load
+from services.compute.engines import ModelEngines
+from services.compute.errors import abort, status_on_error
+from services.prefill.config import PrefillSettings
+from services.prefill.decode_client import DecodePusher
+from services.prefill.kv_events import KVEventRelay
+from services.prefill.prefiller import PrefillJob, Prefiller, PrefillResult, PushError
+from services.prefill.store_client import StoreClient, StoreWriter
+
+log = get_logger(__name__)
+
+
+def job_from_proto(r: prefill_pb2.PrefillRequest) -> PrefillJob:
+    """Raises ValueError (INVALID_ARGUMENT) for a request that cannot be served as sent."""
+    if not r.request_id:
+        raise ValueError("request_id is required")
+    if not r.decode_address:
+        raise ValueError("decode_address is required")
+    return PrefillJob(request_id=r.request_id, model=r.model, prompt_token_ids=list(r.prompt_token_ids),
+                      params=sampling_from_proto(r.sampling), cache_salt=r.cache_salt or None,
+                      decode_address=r.decode_address, decode_worker_id=r.decode_worker_id)
+
+
+def response_to_proto(result: PrefillResult, worker_id: str) -> prefill_pb2.PrefillResponse:
+    response = prefill_pb2.PrefillResponse(
+        worker_id=worker_id, first_token_id=result.first_token_id,
+        finish_reason=finish_reason_to_proto(result.finish_reason), num_prompt_tokens=result.num_prompt_tokens,
+        num_cached_tokens=result.num_cached_tokens, num_store_tokens=result.num_store_tokens,
+        prefill_seconds=result.prefill_seconds, kv_bytes_sent=result.kv_bytes_sent)
+    if result.first_logprob is not None:
+        response.first_logprob.CopyFrom(logprob_to_proto(result.first_logprob))
+    return response
+
+
+@contextlib.contextmanager
+def prefill_status_on_error() -> Iterator[None]:
+    """The compute roles' mapping, plus a failed push: its code, and the decode worker to route around."""
+    try:
+        with status_on_error():
+            yield
+    except PushError as exc:
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.is_exhausted else grpc.StatusCode.UNAVAILABLE
+        raise ServiceError(code, str(exc), ((rpc.FAILED_WORKER_KEY, exc.decode_worker_id),)) from exc
+
+
+def export_metrics(model: str, result: PrefillResult) -> None:
+    metrics.PREFILL_PROMPT_TOKENS.labels(model=model).inc(result.num_prompt_tokens)
+    metrics.PREFILL_CACHED_TOKENS.labels(model=model, tier="device").inc(
+        result.num_cached_tokens - result.num_store_tokens)
+    metrics.PREFILL_CACHED_TOKENS.labels(model=model, tier="store").inc(result.num_store_tokens)
+    metrics.PREFILL_SECONDS.labels(model=model).observe(result.prefill_seconds)
+    metrics.KV_TRANSFER_BYTES.labels(direction="prefill_to_decode").inc(result.kv_bytes_sent)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, prefiller: Prefiller, lifecycle: Lifecycle, worker_id: str) -> None:
+        self.prefiller = prefiller
+        self.lifecycle = lifecycle
+        self.worker_id = worker_id
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        with bind_request_id(request.request_id or rpc.request_id_of(context)):
+            try:
+                with self.lifecycle.track(), prefill_status_on_error():
+                    result = await self.prefiller.prefill(job_from_proto(request))
+            except ServiceError as error:
+                await abort(context, error)
+        export_metrics(request.model, result)
+        return response_to_proto(result, self.worker_id)
+
+
+class PrefillService:
+    """A running prefill worker: engines, the Prefiller with its decode and store clients, the KV event relay,
+    the servicer and the runtime, started and stopped together."""
+
+    def __init__(self, settings: PrefillSettings, runtime: ServiceRuntime, registry: WorkerRegistry | None,
+                 writer: StoreWriter | None, relay: KVEventRelay) -> None:
+        self.settings = settings
+        self.runtime = runtime
+        self.registry = registry
+        self.writer = writer
+        self.relay = relay
+        self.engines: ModelEngines | None = None
+
+    @classmethod
+    async def start(cls, settings: PrefillSettings) -> PrefillService:
+        runtime = ServiceRuntime(settings, common_pb2.ROLE_PREFILL)  # first: it configures logging
+        bus = await runtime.connect_bus()
+        registry = store = writer = None
+        if settings.kvcache_enabled:
+            registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], settings.heartbeat_interval_s)
+            await registry.start()
+            store = StoreClient(registry, runtime.channels)
+            writer = StoreWriter(store, settings.store_write_queue_bytes)
+            writer.start()
+        relay = KVEventRelay(runtime.worker_id, bus, writer)
+        relay.start()
+        service = cls(settings, runtime, registry, writer, relay)
+        try:
+            service.engines = engines = await ModelEngines.load(settings, relay.hook)
+            prefiller = Prefiller(engines, DecodePusher(runtime.channels), store, relay.note_injected,
+                                  max_chunk_bytes=rpc.KV_CHUNK_BYTES)
+            servicer = PrefillServicer(prefiller, runtime.lifecycle, runtime.worker_id)
+            await runtime.start(
+                register=lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server),
+                load=lambda: worker_load(engines.stats().values(), relay.num_cached_blocks),
+                models=engines.models, max_num_seqs=settings.max_num_seqs, num_kv_blocks=engines.num_kv_blocks,
+                block_size=settings.block_size)
+        except BaseException:
+            await service.stop()
+            raise
+        return service
+
+    async def stop(self) -> None:
+        """Leave the pool, finish in-flight requests, write what the store still lacks, then close."""
+
+        async def finish_work() -> None:
+            await self.runtime.lifecycle.drain(self.settings.drain_timeout_s)
+            if self.writer is not None and not await self.writer.flush(self.settings.drain_timeout_s):
+                log.warning("KV store writes still queued at shutdown were dropped")
+
+        await self.runtime.shutdown(before_drain=finish_work)
+        if self.engines is not None:
+            await self.engines.stop()
+        await self.relay.stop()
+        if self.writer is not None:
+            await self.writer.stop()
+        if self.registry is not None:
+            with contextlib.suppress(Exception):  # the bus is closed by now
+                await self.registry.stop()
+
+
+async def serve(settings: PrefillSettings) -> None:
+    service = await PrefillService.start(settings)
+    try:
+        await service.runtime.wait_for_stop()
+    finally:
+        await service.stop()

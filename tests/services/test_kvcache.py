@@ -1,0 +1,207 @@
+"""The KV store: HostBlockStore's LRU and byte accounting with exact values, then the service on a real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import grpc.aio
+import pytest
+from prometheus_client import REGISTRY
+
+from kvmesh.nats_server import EmbeddedNats, free_port
+from mesh import subjects
+from mesh.bus import Bus
+from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
+from services.kvcache.config import KVCacheSettings
+from services.kvcache.server import block_to_pb, layout_to_pb, serve
+from services.kvcache.store import (
+    Block,
+    BlocksRemoved,
+    BlocksStored,
+    HostBlockStore,
+    KVLayout,
+    StoreStats,
+)
+from tests.services.harness import serving
+
+LAYOUT = KVLayout(model="m", dtype="float32", block_size=4, num_layers=2, layer_shape=(1, 2, 4), block_axis=0)
+BLOCK_BYTES = 64  # 2 layers x 8 float32
+ROOT = b"\0" * 32
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def block(i: int, parent: int | None = None, layout: KVLayout = LAYOUT) -> Block:
+    """Block `i` with key(i), chained after block `parent` (the root when None)."""
+    parent_hash = ROOT if parent is None else key(parent)
+    return Block(key(i), parent_hash, layout, bytes([i]) * layout.num_block_bytes)
+
+
+def chain(*ids: int) -> list[Block]:
+    return [block(i, None if n == 0 else ids[n - 1]) for n, i in enumerate(ids)]
+
+
+# --- HostBlockStore ----------------------------------------------------------------------------------------------
+
+def test_put_stores_a_chain_as_one_event_and_counts_bytes() -> None:
+    store = HostBlockStore(capacity_bytes=1000)
+    result = store.put(chain(1, 2, 3))
+    assert (result.num_stored, result.num_present, result.rejections) == (3, 0, [])
+    assert result.events == [BlocksStored([key(1), key(2), key(3)], ROOT, 4, "m")]
+    assert store.stats() == StoreStats(num_blocks=3, num_bytes=3 * BLOCK_BYTES, capacity_bytes=1000)
+
+
+def test_put_of_a_held_block_is_present_and_refreshes_its_recency() -> None:
+    store = HostBlockStore(capacity_bytes=3 * BLOCK_BYTES)
+    store.put(chain(1, 2, 3))
+    again = store.put([block(1)])
+    assert (again.num_stored, again.num_present, again.events) == (0, 1, [])
+    result = store.put([block(4, 3)])
+    assert result.events == [BlocksRemoved([key(2)], "m", "capacity"), BlocksStored([key(4)], key(3), 4, "m")]
+    assert store.lookup([key(1)], "m") == 1
+
+
+def test_get_returns_blocks_in_order_stops_at_the_first_miss_and_refreshes_hits() -> None:
+    store = HostBlockStore(capacity_bytes=3 * BLOCK_BYTES)
+    store.put(chain(1, 2, 3))
+    found = store.get([key(2), key(1), key(9), key(3)], "m")
+    assert [b.block_hash for b in found] == [key(2), key(1)]
+    assert found[0] == block(2, 1)
+    # recency is now 3, 2, 1 (least recent first): the next block evicts 3
+    result = store.put([block(4, 3)])
+    assert result.events[0] == BlocksRemoved([key(3)], "m", "capacity")
+
+
+def test_lookup_counts_leading_hits_and_leaves_recency_alone() -> None:
+    store = HostBlockStore(capacity_bytes=3 * BLOCK_BYTES)
+    store.put(chain(1, 2, 3))
+    assert store.lookup([key(1), key(2), key(9), key(3)], "m") == 2
+    assert store.lookup([key(9), key(1)], "m") == 0
+    assert store.lookup([key(1), key(2), key(3)], "other-model") == 0
+    assert store.get([key(1)], "other-model") == []
+    result = store.put([block(4, 3)])
+    assert result.events[0] == BlocksRemoved([key(1)], "m", "capacity")
+
+
+def test_a_larger_block_evicts_least_recently_used_blocks_until_it_fits() -> None:
+    store = HostBlockStore(capacity_bytes=3 * BLOCK_BYTES)
+    store.put(chain(1, 2, 3))
+    wide = KVLayout(model="m", dtype="float32", block_size=4, num_layers=4, layer_shape=(1, 2, 4), block_axis=0)
+    result = store.put([block(7, 3, wide)])
+    assert result.events == [BlocksRemoved([key(1), key(2)], "m", "capacity"), BlocksStored([key(7)], key(3), 4, "m")]
+    assert store.stats() == StoreStats(num_blocks=2, num_bytes=3 * BLOCK_BYTES, capacity_bytes=3 * BLOCK_BYTES)
+    assert [b.block_hash for b in store.get([key(3), key(7)], "m")] == [key(3), key(7)]
+
+
+def test_bad_blocks_are_rejected_with_a_reason_and_the_others_kept() -> None:
+    store = HostBlockStore(capacity_bytes=2 * BLOCK_BYTES)
+    huge = KVLayout(model="m", dtype="float32", block_size=4, num_layers=6, layer_shape=(1, 2, 4), block_axis=0)
+    bad = [
+        Block(b"", ROOT, LAYOUT, bytes(BLOCK_BYTES)),
+        Block(key(5), ROOT, LAYOUT, b""),
+        Block(key(6), ROOT, LAYOUT, bytes(10)),
+        Block(key(7), ROOT, KVLayout("m", "int8", 4, 2, (1, 2, 4), 0), bytes(16)),
+        block(8, None, huge),
+    ]
+    result = store.put([bad[0], bad[1], block(1), *bad[2:]])
+    assert result.rejections == [
+        "a block has an empty block_hash",
+        f"block {key(5).hex()[:16]} has no data",
+        f"block {key(6).hex()[:16]} has 10 bytes, its layout says 64",
+        f"block {key(7).hex()[:16]} has an unknown dtype 'int8'",
+        f"block {key(8).hex()[:16]} has 192 bytes, more than the store's 128",
+    ]
+    assert (result.num_stored, result.events) == (1, [BlocksStored([key(1)], ROOT, 4, "m")])
+    assert store.stats() == StoreStats(num_blocks=1, num_bytes=BLOCK_BYTES, capacity_bytes=2 * BLOCK_BYTES)
+
+
+# --- the service on a real NATS ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with EmbeddedNats(store_dir=tmp_path_factory.mktemp("nats")) as nats:
+        yield nats.url
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def collect(bus: Bus, subject: str, message_type: type) -> asyncio.Queue:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def on_message(message: object, _: str) -> None:
+        queue.put_nowait(message)
+
+    await bus.subscribe(subject, message_type, on_message)
+    return queue
+
+
+async def test_service_puts_gets_looks_up_publishes_events_and_heartbeats(nats_url: str) -> None:
+    settings = KVCacheSettings(nats_url=nats_url, grpc_port=free_port(), http_port=free_port(), worker_id="kv-test",
+                               heartbeat_interval_s=0.2, capacity_bytes=3 * BLOCK_BYTES)
+    bus = await Bus.connect(nats_url, name="test")
+    batches = await collect(bus, subjects.kv_events("kv-test"), events_pb2.KVEventBatch)
+    beats = await collect(bus, subjects.heartbeat("kvcache"), events_pb2.WorkerHeartbeat)
+    evictions_before = sample("kvmesh_kvcache_evictions_total", reason="capacity")
+    hits_before = sample("kvmesh_kvcache_lookup_blocks_total", outcome="hit")
+    misses_before = sample("kvmesh_kvcache_lookup_blocks_total", outcome="miss")
+    async with serving(serve, settings) as channel:
+        stub = kvcache_pb2_grpc.KVCacheStub(channel)
+        no_layout = kvcache_pb2.Block(block_hash=key(8), parent_hash=ROOT, data=bytes(BLOCK_BYTES))
+        empty = kvcache_pb2.Block(block_hash=key(9), parent_hash=ROOT, layout=layout_to_pb(LAYOUT))
+        stream = [block_to_pb(b) for b in chain(1, 2, 3)]
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Put(iter([stream[0], no_layout, stream[1], empty, stream[2]]))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details() == (f"rejected 2 block(s), stored 3, already present 0: block "
+                                         f"{key(8).hex()[:16]} has no layout; block {key(9).hex()[:16]} has no data")
+        first = await asyncio.wait_for(batches.get(), 5)
+        assert (first.worker_id, first.seq, first.tier) == ("kv-test", 1, "host")
+        assert list(first.events) == [events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(
+            block_hashes=[key(1), key(2), key(3)], parent_hash=ROOT, block_size=4, model="m"))]
+
+        lookup = await stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=[key(1), key(2), key(3), key(4)], model="m"))
+        assert lookup.num_hits == 3
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=[key(1)]))
+        assert (error.value.code(), error.value.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "model is required (a block of another model never matches)")
+        got = [b async for b in stub.Get(kvcache_pb2.GetRequest(block_hashes=[key(2), key(1), key(4)], model="m"))]
+        assert got == [stream[1], stream[0]]
+
+        put = await stub.Put(iter([block_to_pb(block(4, 3))]))
+        assert (put.num_stored, put.num_present) == (1, 0)
+        second = await asyncio.wait_for(batches.get(), 5)
+        assert (second.seq, [e.WhichOneof("event") for e in second.events]) == (2, ["removed", "stored"])
+        assert list(second.events[0].removed.block_hashes) == [key(3)]  # 1 and 2 were read after 3
+        assert (list(second.events[1].stored.block_hashes), second.events[1].stored.parent_hash) == ([key(4)], key(3))
+
+        async def cached_three() -> events_pb2.WorkerHeartbeat:
+            while True:
+                beat = await beats.get()
+                if beat.worker.worker_id == "kv-test" and beat.load.num_cached_blocks == 3:
+                    return beat
+        beat = await asyncio.wait_for(cached_three(), 5)
+        assert beat.worker.role == common_pb2.ROLE_KVCACHE
+        assert beat.worker.address == f"127.0.0.1:{settings.grpc_port}"
+        assert sample("kvmesh_kvcache_blocks", tier="host") == 3
+        assert sample("kvmesh_kvcache_bytes", tier="host") == 3 * BLOCK_BYTES
+        assert sample("kvmesh_kvcache_evictions_total", reason="capacity") - evictions_before == 1
+        assert sample("kvmesh_kvcache_lookup_blocks_total", outcome="hit") - hits_before == 5
+        assert sample("kvmesh_kvcache_lookup_blocks_total", outcome="miss") - misses_before == 2
+    last = await asyncio.wait_for(_last_beat_of(beats, "kv-test"), 5)
+    assert last.leaving
+    await bus.close()
+
+
+async def _last_beat_of(beats: asyncio.Queue, worker_id: str) -> events_pb2.WorkerHeartbeat:
+    """The `leaving` heartbeat a graceful stop sends (earlier ones are skipped)."""
+    while True:
+        beat = await beats.get()
+        if beat.worker.worker_id == worker_id and beat.leaving:
+            return beat
