@@ -12,10 +12,14 @@ from devices.base import DecodeBatch, DeviceOps
 
 @dataclass(frozen=True)
 class _CpuDecodeIndex:
-    """Gather indices shared by every layer's decode attention in one step."""
+    """Gather indices shared by every layer's decode attention in one step.
 
-    slots: torch.Tensor  # (B, L) int64: flat cache slot of each context position (padding points at slot 0)
-    valid: torch.Tensor  # (B, L) bool: position < context length
+    Whole blocks are gathered (index_select of contiguous S-token slabs), not single tokens: on a CPU that
+    is about twice as fast, and attention over the padding positions is masked out.
+    """
+
+    block_ids: torch.Tensor  # (B * M,) int64: every sequence's block table, flattened
+    valid: torch.Tensor  # (B, M * S) bool: position < context length
 
 
 class CpuOps(DeviceOps):
@@ -34,20 +38,19 @@ class CpuOps(DeviceOps):
         return F.silu(gate) * up
 
     def prepare_decode(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodeBatch:
-        max_len = int(context_lens.max().item()) if context_lens.numel() else 0
-        positions = torch.arange(max_len, device=block_tables.device)  # (L,)
-        block_idx = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
-        slots = block_tables.long()[:, block_idx] * block_size + positions % block_size  # (B, L)
-        valid = positions[None, :] < context_lens[:, None]  # (B, L)
-        return DecodeBatch(block_tables, context_lens, block_size, _CpuDecodeIndex(slots, valid))
+        num_positions = block_tables.shape[1] * block_size
+        positions = torch.arange(num_positions, device=block_tables.device)  # (M * S,)
+        valid = positions[None, :] < context_lens[:, None]  # (B, M * S)
+        index = _CpuDecodeIndex(block_tables.flatten().long(), valid)
+        return DecodeBatch(block_tables, context_lens, block_size, index)
 
     def paged_decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
     ) -> torch.Tensor:
         index: _CpuDecodeIndex = batch.extra
-        num_kv_heads, head_size = k_cache.shape[-2:]
-        k = k_cache.view(-1, num_kv_heads, head_size)[index.slots]  # (B, L, K, D)
-        v = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])[index.slots]  # (B, L, K, Dv)
+        num_seqs, num_positions = index.valid.shape
+        k = k_cache.index_select(0, index.block_ids).view(num_seqs, num_positions, *k_cache.shape[2:])  # (B, L, K, D)
+        v = v_cache.index_select(0, index.block_ids).view(num_seqs, num_positions, *v_cache.shape[2:])  # (B, L, K, Dv)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # (B, H, 1, D)
             k.transpose(1, 2),  # (B, K, L, D)
@@ -62,8 +65,9 @@ class CpuOps(DeviceOps):
         self, q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float
     ) -> torch.Tensor:
         index: _CpuDecodeIndex = batch.extra
+        num_seqs, num_positions = index.valid.shape
         rank = q_latent.shape[-1]
-        entries = kv_cache.view(-1, kv_cache.shape[-1])[index.slots]  # (B, L, R+P)
+        entries = kv_cache.index_select(0, index.block_ids).view(num_seqs, num_positions, -1)  # (B, L, R+P)
         q = torch.cat([q_latent, q_rope], dim=-1)  # (B, H, R+P)
         scores = torch.bmm(q.float(), entries.float().transpose(1, 2)) * scale  # (B, H, L)
         scores = scores.masked_fill(~index.valid[:, None, :], float("-inf"))

@@ -52,7 +52,9 @@ def _dumps(obj: Any) -> str:
 def _served_headers(request: web.Request, stream: GenerationStream) -> dict[str, str]:
     return {"x-request-id": request[ECHOED_ID],
             "x-kvmesh-prefill-worker": stream.placement.prefill_worker,
-            "x-kvmesh-decode-worker": stream.placement.decode_worker}
+            "x-kvmesh-decode-worker": stream.placement.decode_worker,
+            # the engine's prefill time, so a client can tell the mesh's overhead from compute
+            "server-timing": f"prefill;dur={stream.prefill_seconds * 1000:.3f}"}
 
 
 @web.middleware

@@ -195,6 +195,7 @@ class GenerationStream:
         self.placement = placement
         self.num_prompt_tokens = len(generation.prompt_token_ids)
         self.num_cached_tokens = first.num_cached_tokens
+        self.prefill_seconds = first.prefill_seconds  # the prefill engine's own time, for overhead accounting
         self.num_completion_tokens = 0
         self.finish_reason: int = NOT_FINISHED  # common_pb2.FinishReason
         self._pipeline = pipeline

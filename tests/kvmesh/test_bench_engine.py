@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -70,3 +71,21 @@ def test_results_are_consistent(report: dict[str, Any], concurrency: int) -> Non
 def test_cli_passes_the_options() -> None:
     args = build_parser().parse_args(["bench", "engine", "--quick", "--max-output-tokens", "8", "--repeats", "2"])
     assert (args.quick, args.max_output_tokens, args.repeats, args.concurrency) == (True, 8, 2, None)
+
+
+def test_runs_interleave_and_sequential_can_run_once() -> None:
+    from kvmesh.bench.engine import _timed_runs
+
+    order: list[str] = []
+
+    def measure(name: str) -> Callable[[], float]:
+        def run() -> float:
+            order.append(name)
+            return 1.0
+
+        return run
+
+    measurements = {name: measure(name) for name in ("a", "hf_sequential")}
+    seconds = _timed_runs(measurements, {"a": 3, "hf_sequential": 1})
+    assert order == ["a", "hf_sequential", "a", "a"]
+    assert seconds == {"a": [1.0, 1.0, 1.0], "hf_sequential": [1.0]}

@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ class BenchConfig:
     prompt_lens: tuple[int, int]  # inclusive range each prompt's length is drawn from
     output_lens: tuple[int, int]  # inclusive range each output's length is drawn from
     repeats: int  # runs per measurement
-    sequential_once_over_s: float  # transformers one-at-a-time runs once when its first run took longer
+    max_repeated_sequential: int  # transformers one request at a time runs once above this many requests
 
     def __post_init__(self) -> None:
         if not self.concurrencies or min(self.concurrencies) < 1:
@@ -64,13 +64,13 @@ class BenchConfig:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
 
 
-# Outputs up to 64 (not 128), and transformers one request at a time run once when a run is long (it is the
-# costliest measurement, not part of the goal, and one run already spans C separate generate calls), keep the
-# default run near 10 minutes on 2 idle CPU cores.
+# Outputs up to 64 (not 128), and transformers one request at a time run once above C=1 (it is the costliest
+# measurement, not part of the goal, and one run already spans C separate generate calls), keep the default
+# run near 10 minutes on 2 idle CPU cores. The rule depends on the workload, not on a (noisy) first run.
 DEFAULT = BenchConfig(concurrencies=(1, 8, 32), prompt_lens=(32, 256), output_lens=(16, 64), repeats=3,
-                      sequential_once_over_s=15.0)
+                      max_repeated_sequential=1)
 QUICK = BenchConfig(concurrencies=(1, 4), prompt_lens=(8, 32), output_lens=(4, 12), repeats=1,
-                    sequential_once_over_s=15.0)
+                    max_repeated_sequential=1)
 
 
 @dataclass(frozen=True)
@@ -177,15 +177,13 @@ class HFSystem:
         return sum(self._generate([p], n) for p, n in zip(workload.prompts, workload.output_lens))
 
 
-def _timed_runs(measurements: dict[str, Callable[[], float]], config: BenchConfig) -> dict[str, list[float]]:
-    """Every measurement's seconds over `repeats` rounds, one run of each per round (hf_sequential maybe once)."""
+def _timed_runs(measurements: dict[str, Callable[[], float]], repeats: dict[str, int]) -> dict[str, list[float]]:
+    """Every measurement's seconds, one run of each per round, interleaved so load bursts hit all alike."""
     seconds: dict[str, list[float]] = {name: [] for name in measurements}
-    for _ in range(config.repeats):
+    for round_index in range(max(repeats.values())):
         for name, measure in measurements.items():
-            runs = seconds[name]
-            if name == "hf_sequential" and runs and runs[0] > config.sequential_once_over_s:
-                continue
-            runs.append(measure())
+            if round_index < repeats[name]:
+                seconds[name].append(measure())
     return seconds
 
 
@@ -200,13 +198,17 @@ def _speedup(ours_s: float, theirs_s: float) -> float:
 
 def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config: BenchConfig) -> dict[str, Any]:
     stats_before = ours.llm.engine.stats()
-    runs = _timed_runs({
+    measurements = {
         "ours_prefill": lambda: ours.prefill(workload),
         "ours_e2e": lambda: ours.e2e(workload),
         "hf_batched_prefill": lambda: hf.batched_prefill(workload),
         "hf_batched_e2e": lambda: hf.batched_e2e(workload),
         "hf_sequential": lambda: hf.sequential(workload),
-    }, config)
+    }
+    repeats = dict.fromkeys(measurements, config.repeats)
+    if workload.num_requests > config.max_repeated_sequential:
+        repeats["hf_sequential"] = 1
+    runs = _timed_runs(measurements, repeats)
     stats_after = ours.llm.engine.stats()
     med = {name: statistics.median(values) for name, values in runs.items()}
     num, num_prompt, num_out = workload.num_requests, workload.num_prompt_tokens, workload.num_output_tokens
@@ -262,7 +264,7 @@ def bench_config(concurrencies: Sequence[int] | None, quick: bool, max_prompt_to
         prompt_lens=(min(base.prompt_lens[0], prompt_max), prompt_max),
         output_lens=(min(base.output_lens[0], output_max), output_max),
         repeats=repeats or base.repeats,
-        sequential_once_over_s=base.sequential_once_over_s,
+        max_repeated_sequential=base.max_repeated_sequential,
     )
 
 
@@ -278,7 +280,8 @@ def run_engine_bench(model: str, concurrencies: Sequence[int] | None, device: st
     source_ids, vocab_size = _prompt_source(ours.llm), ours.llm.engine.model_config.vocab_size
     workloads = {c: make_workload(c, config, source_ids, vocab_size, random.Random(f"{seed}:{c}"))
                  for c in config.concurrencies}
-    warmup = make_workload(2, config, source_ids, vocab_size, random.Random(f"{seed}:warmup"))
+    shortest = replace(config, prompt_lens=(config.prompt_lens[0],) * 2, output_lens=(config.output_lens[0],) * 2)
+    warmup = make_workload(2, shortest, source_ids, vocab_size, random.Random(f"{seed}:warmup"))
     _warm_up(ours, hf, warmup)
     results = {str(c): bench_concurrency(ours, hf, w, config) for c, w in workloads.items()}
     goal = results.get(str(GOAL_CONCURRENCY), {}).get("ours_vs_hf_batched")
@@ -308,7 +311,7 @@ def _describe(config: BenchConfig, seed: int, is_text: bool) -> dict[str, Any]:
         "sampling": "greedy, ignore_eos (ours) / min_new_tokens = max_new_tokens (transformers): exact lengths",
         "repeats": config.repeats,
         "statistic": ("median of `repeats` runs, interleaved across systems, after one warm-up run per system; "
-                      f"hf_sequential runs once when its first run took over {config.sequential_once_over_s} s; "
+                      f"hf_sequential runs once above C={config.max_repeated_sequential}; "
                       "every run's seconds under `seconds`"),
         "concurrencies": list(config.concurrencies),
     }
