@@ -112,12 +112,12 @@ class AsyncEngine:
             except Exception as exc:  # a bug or a device fault: fail what was running, keep serving
                 self._fail_all(exc)
                 continue
+            self.stats = self.engine.stats()
+            if outputs:  # first: the hook below may copy megabytes, and tokens should not wait for it
+                self._post(self._deliver, outputs)
             events = self.engine.take_kv_events()
             if events and self.on_kv_events is not None:
                 self.on_kv_events(self.engine, events)
-            self.stats = self.engine.stats()
-            if outputs:
-                self._post(self._deliver, outputs)
 
     def _run_calls(self) -> None:
         while True:

@@ -92,7 +92,10 @@ def _bench(args: argparse.Namespace) -> int:
                                   max_prompt_tokens=args.max_prompt_tokens,
                                   max_output_tokens=args.max_output_tokens, repeats=args.repeats)
     else:
-        raise AssertionError(args.bench_command)
+        from kvmesh.bench.serve import run_serve_bench
+
+        result = run_serve_bench(args.concurrency, args.requests, args.model, args.prompt_words, args.max_tokens,
+                                 url=args.url, seed=args.seed)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -133,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    serve_bench = bench_commands.add_parser("serve", help="the mesh under load through its REST API")
+    serve_bench.add_argument("--concurrency", type=int, default=4)
+    serve_bench.add_argument("--requests", type=int, default=32)
+    serve_bench.add_argument("--model", default="smollm2-135m")
+    serve_bench.add_argument("--prompt-words", type=int, default=64, help="words per prompt (plus a short preamble)")
+    serve_bench.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (EOS ignored)")
+    serve_bench.add_argument("--url", default=None, help="an already running gateway (default: start a mesh)")
+    serve_bench.add_argument("--seed", type=int, default=0)
+    serve_bench.add_argument("--json", action="store_true", help="one line of JSON")
+
     engine = bench_commands.add_parser("engine", help="engine prefill/decode tokens/s against transformers")
     engine.add_argument("--model", default="smollm2-135m")
     engine.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 1 8 32 (--quick: 1 4)")

@@ -96,12 +96,13 @@ class Decoder:
     async def _import(self, engine: AsyncEngine, header: PushHeader, chunks: AsyncIterator[KVChunk]) -> int:
         """Write the chunks, check they were all there, and start decoding with the outputs queued."""
         request_id = header.request_id
-        num_bytes = await self._write_chunks(engine, request_id, header.layout, chunks)
+        received = await self._receive_chunks(header.layout, chunks)
+        num_bytes = sum(len(chunk.data) for chunk in received)
         expected = header.layout.num_layers * header.layout.chunk_bytes(header.num_blocks)
         if num_bytes != expected:
             raise KVLayoutError(f"incomplete KV push: {num_bytes} of {expected} bytes arrived")
         outputs = engine.open_stream(request_id)  # before decoding starts, so no token is lost
-        await engine.call(lambda e: e.finish_kv_import(request_id))
+        await engine.call(_import_all(request_id, received))
         expiry = asyncio.get_running_loop().call_later(self.attach_timeout_s, self._expire, request_id)
         self._pushed[request_id] = _Pushed(header.model, outputs, len(header.output_token_ids), expiry)
         return num_bytes
@@ -127,18 +128,17 @@ class Decoder:
                                 f"in blocks of {header.layout.block_size}")
 
     @staticmethod
-    async def _write_chunks(engine: AsyncEngine, request_id: str, layout: KVLayout,
-                            chunks: AsyncIterator[KVChunk]) -> int:
-        num_bytes = 0
+    async def _receive_chunks(layout: KVLayout, chunks: AsyncIterator[KVChunk]) -> list[KVChunk]:
+        """Every chunk of the push, size-checked. They are written to the cache in one engine call afterwards:
+        on the engine thread (an Abort may free the blocks at any moment, and there a write can never land in a
+        block already handed to another request), and at once (each call waits for a step boundary, so a call
+        per chunk would cost a decode step per chunk under load)."""
+        received = []
         async for chunk in chunks:
             if len(chunk.data) != layout.chunk_bytes(chunk.num_blocks):
                 raise KVLayoutError(f"KV chunk of {len(chunk.data)} bytes does not hold {chunk.num_blocks} blocks")
-            # Written on the engine thread (call), not in an executor: the blocks are ours alone until
-            # finish_kv_import, but an Abort may free them at any moment, and on the engine thread a write can
-            # never land in a block already handed to another request. The copy is a few MB at most.
-            await engine.call(_import_chunk(request_id, chunk))
-            num_bytes += len(chunk.data)
-        return num_bytes
+            received.append(chunk)
+        return received
 
     # -- Stream ---------------------------------------------------------------------------------------
     async def follow(self, request_id: str) -> AsyncIterator[TokenBatch]:
@@ -190,5 +190,11 @@ class Decoder:
             self._expire(request_id, reason="shutting down")
 
 
-def _import_chunk(request_id: str, chunk: KVChunk) -> Callable[[LLMEngine], None]:
-    return lambda engine: engine.import_kv_chunk(request_id, chunk.layer, chunk.data, chunk.first_block)
+def _import_all(request_id: str, chunks: list[KVChunk]) -> Callable[[LLMEngine], None]:
+    """Write every chunk, then start decoding: one engine call."""
+    def run(engine: LLMEngine) -> None:
+        for chunk in chunks:
+            engine.import_kv_chunk(request_id, chunk.layer, chunk.data, chunk.first_block)
+        engine.finish_kv_import(request_id)
+
+    return run

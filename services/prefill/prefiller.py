@@ -108,8 +108,10 @@ InjectedHook = Callable[[str, list[bytes]], None]
 class Prefiller:
     def __init__(self, engines: ModelEngines, pusher: KVPusher, store: BlockStore | None = None,
                  on_injected: InjectedHook = lambda model, block_hashes: None,
-                 max_chunk_bytes: int | None = None) -> None:
+                 max_chunk_bytes: int | None = None,
+                 critical: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
         self.engines = engines
+        self.critical = critical  # wraps each request's path to its first token (background work waits)
         self.pusher = pusher
         self.store = store
         self.on_injected = on_injected
@@ -124,11 +126,13 @@ class Prefiller:
             raise ValueError(f"duplicate request id {job.request_id!r}")
         self._active.add(job.request_id)
         try:
-            return await self._prefill(engine, job, first_params)
+            with self.critical():
+                return await self._prefill(engine, job, first_params)
         finally:
             self._active.discard(job.request_id)
 
     async def _prefill(self, engine: AsyncEngine, job: PrefillJob, first_params: SamplingParams) -> PrefillResult:
+        arrived = time.monotonic()
         hit = await self._fetch_from_store(engine, job)
         request_id = job.request_id
         outputs = engine.open_stream(request_id)
@@ -136,12 +140,15 @@ class Prefiller:
             started = time.monotonic()
             num_injected = await engine.call(lambda e: self._admit(e, job, first_params, hit))
             first = await _first_output(engine, request_id, outputs)
-            seconds = time.monotonic() - started
+            computed = time.monotonic()
+            seconds = computed - started
             finish_reason = self._finish_reason(job, first)
             num_bytes = 0
             if finish_reason is None:
                 export = await engine.call(lambda e: e.export_kv(request_id))
                 num_bytes = await self.pusher.push(job, export, self._read_chunks(export))
+            log.debug("prefill timing", store_ms=round((started - arrived) * 1000, 2),
+                      compute_ms=round(seconds * 1000, 2), push_ms=round((time.monotonic() - computed) * 1000, 2))
         finally:
             engine.close_stream(request_id)
             engine.call_soon(lambda e: _discard(e, request_id))
@@ -176,10 +183,10 @@ class Prefiller:
     async def _read_chunks(self, export: KVExport) -> AsyncIterator[KVChunk]:
         # Read off the engine thread: a kept request's blocks are immutable until `release` (it finished, so no
         # step writes them, and nothing else frees them), and release comes only after the push. The executor
-        # keeps the event loop serving while a chunk (up to max_chunk_bytes) is copied.
-        loop = asyncio.get_running_loop()
-        chunks = export.chunks(max_bytes=self.max_chunk_bytes)
-        while (chunk := await loop.run_in_executor(None, next, chunks, None)) is not None:
+        # keeps the event loop serving while the chunks are copied.
+        # All chunks are read in one executor job: one thread hop instead of one per chunk.
+        chunks = await asyncio.to_thread(lambda: list(export.chunks(max_bytes=self.max_chunk_bytes)))
+        for chunk in chunks:
             yield chunk
 
     # -- the KV store ---------------------------------------------------------------------------------

@@ -116,7 +116,8 @@ class PrefillService:
         try:
             service.engines = engines = await ModelEngines.load(settings, relay.hook)
             prefiller = Prefiller(engines, DecodePusher(runtime.channels), store, relay.note_injected,
-                                  max_chunk_bytes=rpc.KV_CHUNK_BYTES)
+                                  max_chunk_bytes=rpc.KV_CHUNK_BYTES,
+                                  critical=writer.defer_while if writer is not None else contextlib.nullcontext)
             servicer = PrefillServicer(prefiller, runtime.lifecycle, runtime.worker_id)
             await runtime.start(
                 register=lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc.aio
 
@@ -144,8 +144,9 @@ class StoreWriter:
     written by the writer's task and read by engine threads (to skip copying blocks nobody would put)."""
 
     def __init__(self, client: StoreClient, max_queued_bytes: int, max_batch_bytes: int = 16 * 2**20,
-                 refresh_s: float = 0.25) -> None:
+                 refresh_s: float = 0.25, max_defer_s: float = 0.5) -> None:
         self.client = client
+        self.max_defer_s = max_defer_s
         self.max_queued_bytes = max_queued_bytes
         self.max_batch_bytes = max_batch_bytes
         self.refresh_s = refresh_s
@@ -155,6 +156,9 @@ class StoreWriter:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # nothing queued and no put in flight
         self._idle.set()
+        self._num_critical = 0  # requests on their way to a first token; puts wait for them (a while)
+        self._no_critical = asyncio.Event()
+        self._no_critical.set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -178,6 +182,20 @@ class StoreWriter:
             self._idle.clear()
         self._wake.set()
 
+    @contextlib.contextmanager
+    def defer_while(self) -> Iterator[None]:
+        """Around a request's critical path (store fetch, compute, KV push): puts are background work, and
+        serialising megabytes of blocks on the same event loop would delay the push to decode. They wait at
+        most `max_defer_s`, so a steady stream of requests cannot starve the store."""
+        self._num_critical += 1
+        self._no_critical.clear()
+        try:
+            yield
+        finally:
+            self._num_critical -= 1
+            if self._num_critical == 0:
+                self._no_critical.set()
+
     async def flush(self, timeout_s: float) -> bool:
         """Wait until every queued block was put (at shutdown); False at the timeout."""
         try:
@@ -192,6 +210,8 @@ class StoreWriter:
                 await asyncio.wait_for(self._wake.wait(), self.refresh_s)
             self._wake.clear()
             while self._queue:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._no_critical.wait(), self.max_defer_s)
                 await self.client.put(self._take_batch())
             self._idle.set()
             self.is_accepting = self._num_queued_bytes < self.max_queued_bytes and self.client.is_available()
