@@ -19,6 +19,7 @@ NUM_NEW = 12
 def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     """Last-position logits of every prompt, computed as one batch by the engine's own step machinery."""
     engine = llm.engine
+    assert engine.kv.pool.reset_prefix_cache()  # a shared engine may hold these prefixes from other tests
     for i, prompt in enumerate(prompts):
         engine.add_request(f"logits-{i}", prompt, SamplingParams(max_tokens=1))
     output = engine.scheduler.schedule()
