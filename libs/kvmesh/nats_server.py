@@ -56,7 +56,9 @@ class EmbeddedNats:
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedNats:
         command = [str(nats_server_binary()), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # its own session: a Ctrl-C on the terminal must not stop NATS before the roles have said goodbye on it
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True)
         try:
             wait_for_port(self.host, self.port, timeout_s, self.process)
         except Exception:

@@ -21,6 +21,13 @@ OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# Servers must accept the clients' keepalive pings (by default they answer pings more often than every 5 minutes
+# on an idle connection with GOAWAY "too_many_pings", which kills the connection and its calls).
+SERVER_OPTIONS = [
+    *OPTIONS,
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),  # never close a connection for pinging
+]
 
 # Deadlines (seconds) for calls between roles.
 ROUTE_TIMEOUT_S = 5.0
@@ -37,7 +44,7 @@ KV_RESERVED_KEY = "kvmesh-kv-reserved"
 
 
 def create_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=OPTIONS)
+    return grpc.aio.server(options=SERVER_OPTIONS)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
