@@ -13,7 +13,6 @@ E routed experts, k experts per token.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -21,8 +20,8 @@ from torch import nn
 from devices.base import DeviceOps
 from engine_core.config import MLAConfig, ModelConfig, MoEConfig
 from engine_core.models.batch import ForwardBatch, write_cache
-from engine_core.models.layers import GatedMLP, RMSNorm
-from engine_core.models.loading import Target, load_weights
+from engine_core.models.layers import CausalLM, CosSin, DecoderLayer, GatedMLP, RMSNorm
+from engine_core.models.loading import Target
 from engine_core.models.rope import RotaryEmbedding, _yarn_mscale
 
 
@@ -66,7 +65,7 @@ class MLAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, -1)  # (T, H, dn + dr)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
+        self, x: torch.Tensor, cos_sin: CosSin, rope: RotaryEmbedding,
         cache: torch.Tensor, batch: ForwardBatch,
     ) -> torch.Tensor:
         mla = self.mla
@@ -160,72 +159,30 @@ class DeepseekMoE(nn.Module):
         return out
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, ops: DeviceOps) -> None:
-        super().__init__()
-        assert config.moe is not None
-        self.self_attn = MLAttention(config, ops)
-        self.mlp: nn.Module
-        if layer_idx >= config.moe.first_k_dense_replace:
-            self.mlp = DeepseekMoE(config, ops)
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+class DeepseekV3ForCausalLM(CausalLM):
+    kv_block_axis = 0
 
-    def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
-        cache: torch.Tensor, batch: ForwardBatch,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rope, cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekV3Model(nn.Module):
     def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i, ops) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-
-
-class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
-        super().__init__()
         assert config.mla is not None and config.moe is not None
-        self.config = config
-        self.model = DeepseekV3Model(config, ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(
-            config.mla.qk_rope_head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings,
-            interleaved=config.mla.rope_interleave,
-        )
-
-    kv_block_axis = 0  # the block dimension of kv_cache_shape
+        first_moe = config.moe.first_k_dense_replace
+        layers = (DecoderLayer(config, ops, MLAttention(config, ops),
+                               DeepseekMoE(config, ops) if i >= first_moe
+                               else GatedMLP(config.hidden_size, config.intermediate_size, ops))
+                  for i in range(config.num_layers))
+        rope = RotaryEmbedding(config.mla.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
+                               config.max_position_embeddings, interleaved=config.mla.rope_interleave)
+        super().__init__(config, ops, layers, rope)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Per layer: the latent and the rope key, (N, S, R + P)."""
         assert self.config.mla is not None
         return (num_blocks, block_size, self.config.mla.kv_lora_rank + self.config.mla.qk_rope_head_dim)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rope.cos_sin(batch.positions)
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos_sin, self.rope, cache, batch)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weights(self, weights, self._target)
-
     def _target(self, name: str) -> Target:
         match = re.match(r"model\.layers\.(\d+)\.", name)
         if match and int(match.group(1)) >= self.config.num_layers:
             return None  # multi-token-prediction layers, which serving does not use
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+        if self._skips(name):
             return None
         assert self.config.moe is not None
         inter = self.config.moe.moe_intermediate_size

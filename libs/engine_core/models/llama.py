@@ -6,7 +6,6 @@ Shapes: T tokens in the flattened batch, Hd hidden size, H query heads, K kv hea
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -14,8 +13,8 @@ from torch import nn
 from devices.base import DeviceOps
 from engine_core.config import ModelConfig
 from engine_core.models.batch import ForwardBatch, write_cache
-from engine_core.models.layers import GatedMLP, RMSNorm
-from engine_core.models.loading import Target, load_weights
+from engine_core.models.layers import CausalLM, CosSin, DecoderLayer, GatedMLP
+from engine_core.models.loading import Target
 from engine_core.models.rope import RotaryEmbedding
 
 
@@ -31,7 +30,7 @@ class LlamaAttention(nn.Module):
         self.ops = ops
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
+        self, x: torch.Tensor, cos_sin: CosSin, rope: RotaryEmbedding,
         cache: torch.Tensor, batch: ForwardBatch,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -60,62 +59,23 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.view(num_tokens, -1))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaForCausalLM(CausalLM):
+    kv_block_axis = 1
+
     def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, ops)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-
-    def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding,
-        cache: torch.Tensor, batch: ForwardBatch,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rope, cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-
-
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, interleaved=False
-        )
-
-    kv_block_axis = 1  # the block dimension of kv_cache_shape
+        layers = (DecoderLayer(config, ops, LlamaAttention(config, ops),
+                               GatedMLP(config.hidden_size, config.intermediate_size, ops))
+                  for _ in range(config.num_layers))
+        rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                               config.max_position_embeddings, interleaved=False)
+        super().__init__(config, ops, layers, rope)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Per layer: keys and values, (2, N, S, K, D)."""
         return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
-        """input_ids (T,) -> final hidden states (T, Hd)."""
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rope.cos_sin(batch.positions)
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos_sin, self.rope, cache, batch)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weights(self, weights, self._target)
-
     def _target(self, name: str) -> Target:
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+        if self._skips(name):
             return None
         cfg = self.config
         q_size, kv_size, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
