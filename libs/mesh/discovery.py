@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from mesh import subjects
 from mesh.bus import Bus
@@ -37,13 +38,47 @@ def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def advertise_host(bind_host: str, configured: str) -> str:
-    """The host other roles should dial: configured, else the bind host, else this machine's name."""
+def advertise_host(bind_host: str, configured: str, bus_url: str = "") -> str:
+    """The host other roles should dial: configured, else the bind host, else (bound to every interface) the
+    address of the interface this machine reaches the bus through, else this machine's name.
+
+    Why not the name: it works only where some DNS knows it. Docker's DNS on a user-defined network resolves a
+    container's id (its default hostname), but not on the default bridge, nor a custom `hostname:`; Kubernetes
+    pods' names need a headless service. Every role reaches the bus, so the address of the interface on the
+    bus's network is one every peer can dial, with no DNS at all.
+    """
     if configured:
         return configured
     if bind_host in ("0.0.0.0", "::", ""):
-        return socket.gethostname()
+        return address_towards(bus_url) or socket.gethostname()
     return bind_host
+
+
+def address_towards(url: str) -> str | None:
+    """This machine's address on the route to `url`'s host (the first, for a list of servers), or None.
+
+    A UDP connect sends nothing: it only asks the kernel which local address it would send from.
+    """
+    host, port = _first_host_port(url)
+    if not host:
+        return None
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            address = str(probe.getsockname()[0])
+    except OSError:  # unresolvable or no route: the caller falls back
+        return None
+    return f"[{address}]" if ":" in address else address  # an IPv6 address in host:port form
+
+
+def _first_host_port(url: str) -> tuple[str | None, int]:
+    parts = urlsplit(url.split(",")[0].strip())
+    try:
+        port = parts.port or 4222
+    except ValueError:
+        port = 4222
+    return parts.hostname, port
 
 
 def now_ms() -> int:

@@ -1,0 +1,97 @@
+"""docker-compose.yml against the Compose JSON Schema, and the properties the mesh relies on (no Docker needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+# shared/ lies beside the repository (in CI too); KVMESH_COMPOSE_SCHEMA points elsewhere where it does not.
+SCHEMA_FILE = Path(os.environ.get("KVMESH_COMPOSE_SCHEMA")
+                   or REPO_ROOT.parent / "shared" / "data" / "compose-spec" / "compose-spec.json")
+ROLES = ("gateway", "prefill", "decode", "kvcache", "balancer")
+WORKERS = ("prefill", "decode", "kvcache", "balancer")
+
+
+@pytest.fixture(scope="module")
+def validator() -> jsonschema.protocols.Validator:
+    assert SCHEMA_FILE.is_file(), f"the Compose schema is not at {SCHEMA_FILE} (set KVMESH_COMPOSE_SCHEMA)"
+    schema = yaml.safe_load(SCHEMA_FILE.read_text())  # JSON is YAML
+    assert "draft-07" in schema["$schema"]  # spelled without the "#" jsonschema looks up, so named here
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())  # merge keys (<<) resolved, as compose does
+
+
+def test_the_compose_file_validates_against_the_compose_spec(validator, compose):
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+    assert errors == []
+
+
+def test_the_validator_rejects_what_compose_would(validator, compose):
+    broken = yaml.safe_load(COMPOSE_FILE.read_text())
+    broken["services"]["gateway"]["ports"] = "8080:8080"  # a string, not a list
+    broken["services"]["decode"]["depends_on"] = {"nats": {"condition": "service_ready"}}  # no such condition
+    broken["services"]["prefill"]["scale_me"] = True  # no such key
+    paths = sorted("/".join(map(str, e.absolute_path)) for e in validator.iter_errors(broken))
+    assert paths == ["services/decode/depends_on", "services/gateway/ports", "services/prefill"]
+
+
+def test_every_role_is_a_service_of_one_image_that_one_service_builds(compose):
+    services = compose["services"]
+    assert set(services) == {"nats", "models", *ROLES}
+    images = {services[name]["image"] for name in ("models", *ROLES)}
+    assert images == {"${KVMESH_IMAGE:-kvmesh:latest}"}
+    assert [name for name, service in services.items() if "build" in service] == ["models"]
+    for role in ROLES:
+        assert services[role]["command"] == ["serve", role]
+    assert services["models"]["command"] == ["models", "pull"]
+    assert services["nats"]["image"] == "nats:2.10-alpine" and "-js" in services["nats"]["command"]
+
+
+def test_only_the_gateway_publishes_a_port_and_no_service_has_a_fixed_name(compose):
+    services = compose["services"]
+    assert {name for name, service in services.items() if service.get("ports")} == {"gateway"}
+    assert services["gateway"]["ports"] == ["${KVMESH_PUBLISH:-8080}:8080"]
+    assert not [name for name, service in services.items() if "container_name" in service or "hostname" in service]
+
+
+def test_healthchecks_dial_each_role_on_its_own_status_port(compose):
+    services = compose["services"]
+    for role in ROLES:
+        port = services[role]["environment"]["KVMESH_HTTP_PORT"]
+        test = services[role]["healthcheck"]["test"]
+        assert test[0] == "CMD" and f"http://127.0.0.1:{port}/readyz" in test[-1], role
+    assert services["gateway"]["environment"]["KVMESH_HTTP_PORT"] == "8080"
+    assert "8222/healthz" in services["nats"]["healthcheck"]["test"][-1]
+
+
+def test_roles_start_after_the_bus_and_the_models_and_read_the_models_volume_read_only(compose):
+    services = compose["services"]
+    for role in ("gateway", "prefill", "decode"):
+        depends = services[role]["depends_on"]
+        assert depends["nats"] == {"condition": "service_healthy"}
+        assert depends["models"] == {"condition": "service_completed_successfully"}
+        assert services[role]["volumes"] == ["models:/models:ro"]
+    assert services["gateway"]["depends_on"]["balancer"] == {"condition": "service_healthy"}
+    assert services["models"]["volumes"] == ["models:/models"]
+    assert set(compose["volumes"]) == {"models", "nats-data"}
+
+
+def test_settings_reach_every_role_and_the_host_api_keys_are_required(compose):
+    services = compose["services"]
+    for role in ROLES:
+        env = services[role]["environment"]
+        assert env["KVMESH_NATS_URL"] == "nats://nats:4222" and env["KVMESH_HOST"] == "0.0.0.0"
+        assert "KVMESH_MODELS" in env and env["KVMESH_MODELS"] is None  # passed through from the host when set
+        assert "KVMESH_WORKER_ID" not in env  # the default names each container apart (its hostname)
+    assert services["gateway"]["environment"]["KVMESH_API_KEYS"].startswith("${KVMESH_API_KEYS:?")
