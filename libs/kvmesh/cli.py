@@ -2,17 +2,23 @@
 
     kvmesh models list                  known models and whether they are on disk
     kvmesh models pull [NAME ...]       fetch real weights (smollm2-135m) and write deepseek-tiny
+                                        (default: the known models in $KVMESH_MODELS, else all)
     kvmesh models make-tiny             write deepseek-tiny (random weights, fixed seed)
     kvmesh generate MODEL PROMPT        one completion, offline
     kvmesh up [--prefill N] [--decode N] [--kvcache N]   the whole mesh on this machine
-    kvmesh serve ROLE                   one role (gateway, prefill, decode, kvcache, balancer), configured by KVMESH_*
+    kvmesh serve ROLE                   one role (gateway, prefill, decode, kvcache, balancer, expert_lb),
+                                        configured by KVMESH_*
     kvmesh bench engine --json          engine throughput against transformers
+    kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store (also kv-transfer, kv-ttft)
+    kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
+    kvmesh expert-plan --input FILE     an expert placement planned offline from a load matrix (JSON)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from engine_core import model_store
@@ -24,7 +30,7 @@ def _models(args: argparse.Namespace) -> int:
             state = "present" if model_store.is_present(name) else "absent"
             print(f"{name:15} {state:8} {known.description}  [{model_store.model_path(name)}]")
         return 0
-    names = ["deepseek-tiny"] if args.models_command == "make-tiny" else (args.names or list(model_store.KNOWN_MODELS))
+    names = ["deepseek-tiny"] if args.models_command == "make-tiny" else (args.names or _default_pulls())
     for name in names:
         if name == "deepseek-tiny" and args.models_command == "make-tiny" and args.force:
             from engine_core.tiny import write_deepseek_tiny
@@ -33,6 +39,13 @@ def _models(args: argparse.Namespace) -> int:
         path = model_store.ensure(name, progress=sys.stderr.isatty())
         print(f"{name}: {path}")
     return 0
+
+
+def _default_pulls() -> list[str]:
+    """The known models named in KVMESH_MODELS (what the roles will serve; paths need no pull), else all."""
+    configured = [m.strip() for m in os.environ.get("KVMESH_MODELS", "").split(",") if m.strip()]
+    known = [m for m in configured if m in model_store.KNOWN_MODELS]
+    return known if configured else list(model_store.KNOWN_MODELS)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -48,7 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-ROLES = ("gateway", "prefill", "decode", "kvcache", "balancer")
+ROLES = ("gateway", "prefill", "decode", "kvcache", "balancer", "expert_lb")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -84,8 +97,26 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _expert_plan(args: argparse.Namespace) -> int:
+    from kvmesh.expert_plan import run
+
+    result = run(args.input, args.policy, args.max_moves, args.replan_gain)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.bench_command == "engine":
+    from kvmesh.bench.kv_cli import COMMANDS as KV_BENCHES
+
+    if args.bench_command in KV_BENCHES:
+        from kvmesh.bench.kv_cli import run
+
+        return run(args)
+    if args.bench_command == "expert":
+        from kvmesh.bench.expert import run_expert_bench
+
+        result = run_expert_bench(quick=args.quick, seed=args.seed)
+    elif args.bench_command == "engine":
         from kvmesh.bench.engine import run_engine_bench
 
         result = run_engine_bench(args.model, args.concurrency, args.device, args.seed, quick=args.quick,
@@ -107,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="list, pull and make models")
     models_commands = models.add_subparsers(dest="models_command", required=True)
     models_commands.add_parser("list", help="known models and whether they are on disk")
-    pull = models_commands.add_parser("pull", help="fetch known models (all by default)")
+    pull = models_commands.add_parser("pull", help="fetch known models (default: those in $KVMESH_MODELS, else all)")
     pull.add_argument("names", nargs="*", metavar="NAME", help=", ".join(model_store.KNOWN_MODELS))
     tiny = models_commands.add_parser("make-tiny", help="write the deepseek-tiny model directory")
     tiny.add_argument("--force", action="store_true", help="rewrite it even if present")
@@ -136,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    from kvmesh.bench.kv_cli import add_parsers as add_kv_bench_parsers  # kvcache, kv-transfer, kv-ttft, kv-index
+
+    add_kv_bench_parsers(bench_commands)
     serve_bench = bench_commands.add_parser("serve", help="the mesh under load through its REST API")
     serve_bench.add_argument("--concurrency", type=int, default=4)
     serve_bench.add_argument("--requests", type=int, default=32)
@@ -156,12 +190,30 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--json", action="store_true", help="one line of JSON")
+
+    expert = bench_commands.add_parser("expert", help="expert placement on drifting skewed loads vs DeepSeek EPLB")
+    expert.add_argument("--quick", action="store_true", help="smoke test: fewer layers and intervals")
+    expert.add_argument("--seed", type=int, default=0)
+    expert.add_argument("--json", action="store_true", help="one line of JSON")
+
+    expert_plan = commands.add_parser("expert-plan", help="plan an expert placement offline from a load matrix")
+    expert_plan.add_argument("--input", required=True, metavar="FILE",
+                             help="JSON: weight, num_replicas, num_groups, num_nodes, num_gpus (top level or under "
+                                  "`inputs`), optionally the current phy2log")
+    expert_plan.add_argument("--policy", default="auto", choices=("auto", "hierarchical", "global"))
+    expert_plan.add_argument("--max-moves", type=int, default=None,
+                             help="change at most this many slots per layer of the current placement")
+    expert_plan.add_argument("--replan-gain", type=float, default=1.0,
+                             help="with --max-moves: a full plan when it beats the limited one by more "
+                                  "(default: never)")
+    expert_plan.add_argument("--json", action="store_true", help="one line of JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"models": _models, "generate": _generate, "up": _up, "serve": _serve, "bench": _bench}
+    handlers = {"models": _models, "generate": _generate, "up": _up, "serve": _serve, "bench": _bench,
+                "expert-plan": _expert_plan}
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # ConfigError, PromptError, SamplingParamsError: the message names the problem

@@ -27,7 +27,7 @@ from typing import IO
 from kvmesh.nats_server import EmbeddedNats, free_port
 
 DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny")
-START_ORDER = ("kvcache", "balancer", "prefill", "decode", "gateway")
+START_ORDER = ("kvcache", "balancer", "expert_lb", "prefill", "decode", "gateway")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,9 @@ class Mesh:
                 self.spawn(role, index)
 
     def _count(self, role: str) -> int:
+        if role == "expert_lb":  # only when the workers report expert loads (KVMESH_EXPERT_REPORT_STEPS > 0)
+            steps = self.plan.env.get("KVMESH_EXPERT_REPORT_STEPS", os.environ.get("KVMESH_EXPERT_REPORT_STEPS", "0"))
+            return 1 if steps.strip().isdigit() and int(steps) > 0 else 0
         return 1 if role == "gateway" else int(getattr(self.plan, role))
 
     def child_env(self, role: str, index: int, http_port: int) -> dict[str, str]:

@@ -81,7 +81,7 @@ class ServiceSettings:
 
     nats_url: str = "nats://127.0.0.1:4222"
     host: str = "127.0.0.1"  # interface the servers bind to
-    advertise_host: str = ""  # the address other roles dial; default: host (or this machine's name for 0.0.0.0)
+    advertise_host: str = ""  # the address other roles dial; default: host (for 0.0.0.0: our address towards NATS)
     grpc_port: int = 0  # 0: any free port (it is announced, so nobody needs to know it in advance)
     http_port: int = 0  # /healthz, /readyz, /metrics
     worker_id: str = ""  # default: <role>-<host>-<pid>

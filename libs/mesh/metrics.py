@@ -31,6 +31,10 @@ PREFILL_SECONDS = Histogram("kvmesh_prefill_seconds", "Engine time from admissio
 PREFILL_STORE_ERRORS = Counter("kvmesh_prefill_store_errors_total",
                                "KV store calls from prefill that failed or timed out (a miss, never a failed request)",
                                ["op"])  # lookup | get | put
+PREFILL_STORE_READS = Counter("kvmesh_prefill_store_reads_total",
+                              "Prefix reads from the KV store, by how: stream (layer-major into the engine while it "
+                              "computes), fetch (whole blocks first), skipped (the global index says none is stored)",
+                              ["mode"])
 PREFILL_STORE_DROPPED_BLOCKS = Counter("kvmesh_prefill_store_dropped_blocks_total",
                                        "Blocks not written to the KV store: the write queue was full")
 
@@ -43,12 +47,30 @@ DECODE_PROMPT_TOKENS_COMPUTED = Gauge("kvmesh_decode_prompt_tokens_computed",
 
 # KV movement and the store
 KV_TRANSFER_BYTES = Counter("kvmesh_kv_transfer_bytes_total", "KV bytes moved over gRPC, by direction",
-                            ["direction"])  # prefill_to_decode | store_put | store_get
+                            ["direction"])  # prefill_to_decode | store_put | store_get (prefill); store_in | store_out
 KVCACHE_BLOCKS = Gauge("kvmesh_kvcache_blocks", "Blocks held by this KV store node", ["tier"])
 KVCACHE_BYTES = Gauge("kvmesh_kvcache_bytes", "Bytes held by this KV store node", ["tier"])
 KVCACHE_LOOKUPS = Counter("kvmesh_kvcache_lookup_blocks_total", "Blocks asked for, by outcome", ["outcome"])
-KVCACHE_EVICTIONS = Counter("kvmesh_kvcache_evictions_total", "Blocks evicted, by reason", ["reason"])
+KVCACHE_EVICTIONS = Counter("kvmesh_kvcache_evictions_total", "Blocks removed from a tier, by reason",
+                            ["reason"])  # capacity | ttl | corrupt
+KVCACHE_HIT_TOKENS = Counter("kvmesh_kvcache_hit_tokens_total", "Tokens of KV served by this store node, by tier",
+                             ["tier"])  # host | ssd
+KVCACHE_PINNED_BLOCKS = Gauge("kvmesh_kvcache_pinned_blocks", "Blocks pinned on this store node")
+KVCACHE_UNDER_PROTECTED = Gauge("kvmesh_kvcache_under_protected_blocks",
+                                "Erasure-coded blocks this node leads with a fragment lost with a node (not yet rebuilt)")
+KVCACHE_REPAIRED_FRAGMENTS = Counter("kvmesh_kvcache_repaired_fragments_total",
+                                     "Fragments rebuilt and placed on another node by repair")
+KV_INDEX_LAG_SECONDS = Gauge("kvmesh_kv_index_lag_seconds",
+                             "Age of the last KV event batch applied to this process's global index (publish to apply)")
+KV_INDEX_BLOCKS = Gauge("kvmesh_kv_index_blocks", "Blocks the global KV index knows of, in any tier of any worker")
 
 # balancer
 BALANCER_ROUTES = Counter("kvmesh_balancer_routes_total", "Requests routed, by pool and worker", ["pool", "worker"])
 BALANCER_WORKERS = Gauge("kvmesh_balancer_workers", "Live workers per pool", ["pool"])
+
+# expert rebalancer
+EXPERT_BALANCEDNESS = Gauge("kvmesh_expert_balancedness",
+                            "Mean / max GPU load of the current expert placement on its smoothed window, per MoE layer",
+                            ["model", "layer"])
+EXPERT_MOVES = Counter("kvmesh_expert_moves_total", "Expert slots given a different expert by published plans",
+                       ["model"])

@@ -102,7 +102,8 @@ class ServiceRuntime:
 
     @property
     def address(self) -> str:
-        return f"{advertise_host(self.settings.host, self.settings.advertise_host)}:{self.grpc_port}"
+        host = advertise_host(self.settings.host, self.settings.advertise_host, self.settings.nats_url)
+        return f"{host}:{self.grpc_port}"
 
     async def connect_bus(self) -> Bus:
         self.bus = await Bus.connect(self.settings.nats_url, name=self.worker_id)

@@ -17,3 +17,24 @@ def kv_events(worker_id: str) -> str:
 
 
 ALL_KV_EVENTS = f"{KV_EVENTS_PREFIX}.>"
+
+EXPERT_LOAD_PREFIX = "kvmesh.experts.load"
+EXPERT_PLAN_PREFIX = "kvmesh.experts.plan"
+
+
+def _model_token(model: str) -> str:
+    """A model name as one subject token (names may hold dots or be paths; the payload carries the real name)."""
+    return "".join("_" if c in ". *>\t\r\n" else c for c in model) or "_"
+
+
+def expert_load(model: str) -> str:
+    """ExpertLoad reports of every worker serving `model`."""
+    return f"{EXPERT_LOAD_PREFIX}.{_model_token(model)}"
+
+
+def expert_plan(model: str) -> str:
+    """ExpertPlan placements for every worker serving `model`."""
+    return f"{EXPERT_PLAN_PREFIX}.{_model_token(model)}"
+
+
+ALL_EXPERT_LOADS = f"{EXPERT_LOAD_PREFIX}.>"

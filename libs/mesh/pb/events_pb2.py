@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mesh.pb import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/events.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x84\x01\n\x0fWorkerHeartbeat\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\x12\x0f\n\x07leaving\x18\x04 \x01(\x08\"^\n\x0eKVBlocksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\"6\n\x0fKVBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\"\x85\x01\n\x07KVEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.kvmesh.v1.KVBlocksStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.kvmesh.v1.KVBlocksRemovedH\x00\x12\x15\n\x0b\x61ll_cleared\x18\x03 \x01(\x08H\x00\x42\x07\n\x05\x65vent\"`\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.kvmesh.v1.KVEventb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/events.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x84\x01\n\x0fWorkerHeartbeat\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x14\n\x0ctimestamp_ms\x18\x03 \x01(\x03\x12\x0f\n\x07leaving\x18\x04 \x01(\x08\"\xab\x01\n\x0eKVBlocksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x18\n\x10\x66ragment_indices\x18\x05 \x03(\x05\x12\x1a\n\x12num_data_fragments\x18\x06 \x01(\x05\x12\x15\n\rnum_fragments\x18\x07 \x01(\x05\"F\n\x0fKVBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x85\x01\n\x07KVEvent\x12+\n\x06stored\x18\x01 \x01(\x0b\x32\x19.kvmesh.v1.KVBlocksStoredH\x00\x12-\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.kvmesh.v1.KVBlocksRemovedH\x00\x12\x15\n\x0b\x61ll_cleared\x18\x03 \x01(\x08H\x00\x42\x07\n\x05\x65vent\"`\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\"\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x12.kvmesh.v1.KVEventb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,12 +34,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERHEARTBEAT']._serialized_start=62
   _globals['_WORKERHEARTBEAT']._serialized_end=194
-  _globals['_KVBLOCKSSTORED']._serialized_start=196
-  _globals['_KVBLOCKSSTORED']._serialized_end=290
-  _globals['_KVBLOCKSREMOVED']._serialized_start=292
-  _globals['_KVBLOCKSREMOVED']._serialized_end=346
-  _globals['_KVEVENT']._serialized_start=349
-  _globals['_KVEVENT']._serialized_end=482
-  _globals['_KVEVENTBATCH']._serialized_start=484
-  _globals['_KVEVENTBATCH']._serialized_end=580
+  _globals['_KVBLOCKSSTORED']._serialized_start=197
+  _globals['_KVBLOCKSSTORED']._serialized_end=368
+  _globals['_KVBLOCKSREMOVED']._serialized_start=370
+  _globals['_KVBLOCKSREMOVED']._serialized_end=440
+  _globals['_KVEVENT']._serialized_start=443
+  _globals['_KVEVENT']._serialized_end=576
+  _globals['_KVEVENTBATCH']._serialized_start=578
+  _globals['_KVEVENTBATCH']._serialized_end=674
 # @@protoc_insertion_point(module_scope)

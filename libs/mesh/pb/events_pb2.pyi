@@ -20,24 +20,32 @@ class WorkerHeartbeat(_message.Message):
     def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., timestamp_ms: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class KVBlocksStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "block_size", "model")
+    __slots__ = ("block_hashes", "parent_hash", "block_size", "model", "fragment_indices", "num_data_fragments", "num_fragments")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DATA_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     block_size: int
     model: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    fragment_indices: _containers.RepeatedScalarFieldContainer[int]
+    num_data_fragments: int
+    num_fragments: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., fragment_indices: _Optional[_Iterable[int]] = ..., num_data_fragments: _Optional[int] = ..., num_fragments: _Optional[int] = ...) -> None: ...
 
 class KVBlocksRemoved(_message.Message):
-    __slots__ = ("block_hashes", "model")
+    __slots__ = ("block_hashes", "model", "reason")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     model: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., model: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., model: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("stored", "removed", "all_cleared")

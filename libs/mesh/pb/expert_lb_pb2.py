@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/expert_lb.proto\x12\tkvmesh.v1\"u\n\nExpertLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x04 \x01(\x05\x12\x0e\n\x06\x63ounts\x18\x05 \x03(\x03\x12\x0c\n\x04step\x18\x06 \x01(\x04\"\x1f\n\x0eGetPlanRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x98\x01\n\nExpertPlan\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x1c\n\x14num_physical_experts\x18\x04 \x01(\x05\x12\x0f\n\x07phy2log\x18\x05 \x03(\x05\x12\x14\n\x0c\x62\x61lancedness\x18\x06 \x03(\x02\x12\x11\n\tnum_moved\x18\x07 \x01(\x05\x32M\n\x0e\x45xpertBalancer\x12;\n\x07GetPlan\x12\x19.kvmesh.v1.GetPlanRequest\x1a\x15.kvmesh.v1.ExpertPlanb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/expert_lb.proto\x12\tkvmesh.v1\"\x8a\x02\n\nExpertLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x04 \x01(\x05\x12\x0e\n\x06\x63ounts\x18\x05 \x03(\x03\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x13\n\x0b\x66irst_layer\x18\x07 \x01(\x05\x12\x12\n\nnum_groups\x18\x08 \x01(\x05\x12\x1c\n\x14num_physical_experts\x18\t \x01(\x05\x12\x10\n\x08num_gpus\x18\n \x01(\x05\x12\x11\n\tgpu_loads\x18\x0b \x03(\x03\x12\x14\n\x0cplan_version\x18\x0c \x01(\x04\x12\x11\n\tnum_steps\x18\r \x01(\x05\"\x1f\n\x0eGetPlanRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xf7\x01\n\nExpertPlan\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x1c\n\x14num_physical_experts\x18\x04 \x01(\x05\x12\x0f\n\x07phy2log\x18\x05 \x03(\x05\x12\x14\n\x0c\x62\x61lancedness\x18\x06 \x03(\x02\x12\x11\n\tnum_moved\x18\x07 \x01(\x05\x12\x10\n\x08num_gpus\x18\x08 \x01(\x05\x12\x13\n\x0b\x66irst_layer\x18\t \x01(\x05\x12\x13\n\x0bnum_experts\x18\n \x01(\x05\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x11\n\tgpu_loads\x18\x0c \x03(\x02\x32M\n\x0e\x45xpertBalancer\x12;\n\x07GetPlan\x12\x19.kvmesh.v1.GetPlanRequest\x1a\x15.kvmesh.v1.ExpertPlanb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.expert_lb_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EXPERTLOAD']._serialized_start=40
-  _globals['_EXPERTLOAD']._serialized_end=157
-  _globals['_GETPLANREQUEST']._serialized_start=159
-  _globals['_GETPLANREQUEST']._serialized_end=190
-  _globals['_EXPERTPLAN']._serialized_start=193
-  _globals['_EXPERTPLAN']._serialized_end=345
-  _globals['_EXPERTBALANCER']._serialized_start=347
-  _globals['_EXPERTBALANCER']._serialized_end=424
+  _globals['_EXPERTLOAD']._serialized_start=41
+  _globals['_EXPERTLOAD']._serialized_end=307
+  _globals['_GETPLANREQUEST']._serialized_start=309
+  _globals['_GETPLANREQUEST']._serialized_end=340
+  _globals['_EXPERTPLAN']._serialized_start=343
+  _globals['_EXPERTPLAN']._serialized_end=590
+  _globals['_EXPERTBALANCER']._serialized_start=592
+  _globals['_EXPERTBALANCER']._serialized_end=669
 # @@protoc_insertion_point(module_scope)

@@ -45,7 +45,7 @@ class ExpertBalancerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetPlan(self, request, context):
-        """The current placement for a model.
+        """The current placement for a model (NOT_FOUND before the first plan).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

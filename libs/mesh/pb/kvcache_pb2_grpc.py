@@ -49,6 +49,11 @@ class KVCacheStub:
                 request_serializer=kvmesh_dot_v1_dot_kvcache__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvmesh.v1.KVCache/Pin',
+                request_serializer=kvmesh_dot_v1_dot_kvcache__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.PinResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -62,14 +67,21 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
-        """The blocks for `block_hashes` in order, stopping at the first one not stored.
+        """The blocks for `block_hashes` in order, stopping at the first one not stored (or skipping it: skip_missing).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """How many of `block_hashes`, from the first, are stored.
+        """How many of `block_hashes`, from the first, are stored (and, with per_block, which fragment of each).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pin(self, request, context):
+        """Keep the held ones of `block_hashes` until the pin expires: no eviction, no TTL.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +104,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.LookupRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kvcache__pb2.LookupResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvmesh_dot_v1_dot_kvcache__pb2.PinRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kvcache__pb2.PinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class KVCache:
             '/kvmesh.v1.KVCache/Lookup',
             kvmesh_dot_v1_dot_kvcache__pb2.LookupRequest.SerializeToString,
             kvmesh_dot_v1_dot_kvcache__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVCache/Pin',
+            kvmesh_dot_v1_dot_kvcache__pb2.PinRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kvcache__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,
