@@ -1,58 +1,36 @@
-"""The KVCache servicer and `serve()`: protobuf <-> store dataclasses, KV events on NATS, metrics.
+"""The KVCache servicer and `serve()`: protobuf <-> store values, KV events on JetStream, TTLs, repair, metrics.
 
-The store's changes are published as KVEventBatch (tier "host") on kvmesh.kv.<worker_id>, numbered by `seq`.
-A handler changes the store and asks for the publish without yielding in between, and publishes are serialized
-in that order, so batches leave in the order the changes happened.
+The store's changes are published as KVEventBatch, one batch per tier ("host", "ssd"), on kvmesh.kv.<worker_id>
+(kept by the JetStream stream KVMESH_KV), numbered by `seq`. A handler changes the store and asks for the publish
+without yielding in between, and publishes are serialized in that order, so batches leave in the order the changes
+happened. At start the node says `all_cleared`, then announces what its SSD directory still holds.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import NoReturn
 
 import grpc.aio
 
 from mesh import metrics, rpc, subjects
 from mesh.bus import Bus
+from mesh.discovery import WorkerRegistry
+from mesh.kv_index import GlobalKVIndex
+from mesh.kv_stream import KVEventFollower, ensure_kv_stream, publish_acked
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.service import Lifecycle, ServiceRuntime
+from services.kvcache.blocks import BlocksRemoved, BlocksStored, StoreEvent
+from services.kvcache.codec import block_from_pb, block_to_pb, layout_from_pb, layout_to_pb
 from services.kvcache.config import KVCacheSettings
-from services.kvcache.store import (
-    Block,
-    BlockError,
-    BlocksRemoved,
-    BlocksStored,
-    HostBlockStore,
-    KVLayout,
-    StoreEvent,
-)
+from services.kvcache.repair import Repairer
+from services.kvcache.store import Block, BlockError, BlockStore
 
-TIER = "host"
+__all__ = ["block_from_pb", "block_to_pb", "layout_from_pb", "layout_to_pb", "serve", "KVCacheServicer"]
 log = get_logger(__name__)
-
-
-def layout_from_pb(layout: common_pb2.KVLayout) -> KVLayout:
-    return KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
-                    num_layers=layout.num_layers, layer_shape=tuple(layout.layer_shape), block_axis=layout.block_axis)
-
-
-def layout_to_pb(layout: KVLayout) -> common_pb2.KVLayout:
-    return common_pb2.KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
-                               num_layers=layout.num_layers, layer_shape=layout.layer_shape,
-                               block_axis=layout.block_axis)
-
-
-def block_from_pb(block: kvcache_pb2.Block) -> Block:
-    if not block.HasField("layout"):
-        raise BlockError(f"block {block.block_hash.hex()[:16]} has no layout")
-    return Block(block.block_hash, block.parent_hash, layout_from_pb(block.layout), block.data)
-
-
-def block_to_pb(block: Block) -> kvcache_pb2.Block:
-    return kvcache_pb2.Block(block_hash=block.block_hash, parent_hash=block.parent_hash,
-                             layout=layout_to_pb(block.layout), data=block.data)
 
 
 def required_model(model: str) -> str:
@@ -65,39 +43,84 @@ def event_to_pb(event: StoreEvent) -> events_pb2.KVEvent:
     if isinstance(event, BlocksStored):
         return events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(
             block_hashes=event.block_hashes, parent_hash=event.parent_hash, block_size=event.block_size,
-            model=event.model))
-    return events_pb2.KVEvent(removed=events_pb2.KVBlocksRemoved(block_hashes=event.block_hashes, model=event.model))
+            model=event.model, fragment_indices=event.fragment_indices,
+            num_data_fragments=event.num_data_fragments if event.fragment_indices else 0,
+            num_fragments=event.num_fragments if event.fragment_indices else 0))
+    return events_pb2.KVEvent(removed=events_pb2.KVBlocksRemoved(block_hashes=event.block_hashes, model=event.model,
+                                                                 reason=event.reason))
 
 
 class EventPublisher:
     """This node's KV event stream. Only `publish` writes `seq` (under the lock, so numbers follow call order)."""
 
-    def __init__(self, bus: Bus, worker_id: str) -> None:
+    def __init__(self, bus: Bus, worker_id: str, jetstream: bool = True) -> None:
         self.bus = bus
         self.worker_id = worker_id
+        self.jetstream = jetstream  # False: NATS has no JetStream, plain publishes only
         self.seq = 0
         self._lock = asyncio.Lock()  # FIFO: callers are served in the order they called
 
     async def publish(self, events: Sequence[StoreEvent]) -> None:
-        if not events:
-            return
+        """Consecutive events of one tier go out as one batch."""
         async with self._lock:
-            self.seq += 1
-            batch = events_pb2.KVEventBatch(worker_id=self.worker_id, seq=self.seq, tier=TIER,
-                                            events=[event_to_pb(e) for e in events])
-            try:
+            for tier, run in _runs_by_tier(events):
+                await self._send(tier, [event_to_pb(e) for e in run])
+
+    async def clear_all(self) -> None:
+        async with self._lock:
+            await self._send("", [events_pb2.KVEvent(all_cleared=True)])
+
+    async def _send(self, tier: str, events: list[events_pb2.KVEvent]) -> None:
+        self.seq += 1
+        batch = events_pb2.KVEventBatch(worker_id=self.worker_id, seq=self.seq, tier=tier, events=events)
+        try:
+            if not self.jetstream:
                 await self.bus.publish(subjects.kv_events(self.worker_id), batch)
-            except Exception:  # a lost batch shows as a seq gap to followers: at worst a cache miss
-                log.warning("KV event batch not published", seq=self.seq, exc_info=True)
+                return
+            await publish_acked(self.bus, batch)
+        except Exception:  # JetStream away: try plain NATS; a lost batch shows as a seq gap (at worst a miss)
+            log.warning("KV event batch not acked by JetStream", seq=self.seq, exc_info=True)
+            with contextlib.suppress(Exception):
+                await self.bus.publish(subjects.kv_events(self.worker_id), batch)
 
 
-def export_metrics(store: HostBlockStore, events: Sequence[StoreEvent]) -> None:
-    stats = store.stats()
-    metrics.KVCACHE_BLOCKS.labels(tier=TIER).set(stats.num_blocks)
-    metrics.KVCACHE_BYTES.labels(tier=TIER).set(stats.num_bytes)
+def _runs_by_tier(events: Sequence[StoreEvent]) -> list[tuple[str, list[StoreEvent]]]:
+    runs: list[tuple[str, list[StoreEvent]]] = []
+    for event in events:
+        if runs and runs[-1][0] == event.tier:
+            runs[-1][1].append(event)
+        else:
+            runs.append((event.tier, [event]))
+    return runs
+
+
+def export_metrics(store: BlockStore, events: Sequence[StoreEvent]) -> None:
+    for name, tier in store.stats().tiers.items():
+        metrics.KVCACHE_BLOCKS.labels(tier=name).set(tier.num_blocks)
+        metrics.KVCACHE_BYTES.labels(tier=name).set(tier.num_bytes)
     for event in events:
         if isinstance(event, BlocksRemoved):
             metrics.KVCACHE_EVICTIONS.labels(reason=event.reason).inc(len(event.block_hashes))
+
+
+CHUNK_BYTES = 2**20  # grpc-python moves ~1 MiB messages fastest (kvmesh bench kv-transfer --explore)
+
+
+def layer_major_chunks(datas: Sequence[bytes], slice_bytes: int) -> Iterator[kvcache_pb2.Block]:
+    """Slice s (bytes [s * slice_bytes, (s + 1) * slice_bytes)) of every block in order, in chunks of about
+    CHUNK_BYTES, each naming its first block (see GetRequest.slice_bytes)."""
+    if slice_bytes <= 0 or not datas:
+        return
+    views = [memoryview(data) for data in datas]
+    for offset in range(0, max(len(v) for v in views), slice_bytes):
+        first, parts, size = 0, [], 0
+        for index, view in enumerate(views):
+            part = view[offset : offset + slice_bytes]
+            parts.append(part)
+            size += len(part)
+            if size >= CHUNK_BYTES or index == len(views) - 1:
+                yield kvcache_pb2.Block(offset=offset, first_block=first, data=b"".join(parts))
+                first, parts, size = index + 1, [], 0
 
 
 def count_lookup(num_asked: int, num_hits: int) -> None:
@@ -111,10 +134,15 @@ async def abort(context: grpc.aio.ServicerContext, error: rpc.ServiceError) -> N
 
 
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
-    def __init__(self, store: HostBlockStore, lifecycle: Lifecycle, publisher: EventPublisher) -> None:
-        self.store = store  # written only through this servicer
+    def __init__(self, store: BlockStore, lifecycle: Lifecycle, publisher: EventPublisher) -> None:
+        self.store = store  # written only through this servicer (and its expire loop, on the same event loop)
         self.lifecycle = lifecycle
         self.publisher = publisher
+
+    async def changed(self, events: Sequence[StoreEvent]) -> None:
+        export_metrics(self.store, events)
+        if events:
+            await self.publisher.publish(events)
 
     async def Put(self, request_iterator: AsyncIterator[kvcache_pb2.Block],
                   context: grpc.aio.ServicerContext) -> kvcache_pb2.PutResponse:
@@ -134,8 +162,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             except BlockError as exc:
                 rejections.append(str(exc))
         result = self.store.put(blocks)
-        export_metrics(self.store, result.events)
-        await self.publisher.publish(result.events)
+        metrics.KV_TRANSFER_BYTES.labels(direction="store_in").inc(sum(len(b.data) for b in blocks))
+        await self.changed(result.events)
         rejections += result.rejections
         if rejections:
             raise BlockError(f"rejected {len(rejections)} block(s), stored {result.num_stored}, "
@@ -146,10 +174,17 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                   context: grpc.aio.ServicerContext) -> AsyncIterator[kvcache_pb2.Block]:
         try:
             with self.lifecycle.track(), rpc.status_on_error():
-                blocks = self.store.get(request.block_hashes, required_model(request.model))
-                count_lookup(len(request.block_hashes), len(blocks))
-                for block in blocks:
-                    yield block_to_pb(block)
+                if request.slice_bytes < 0:
+                    raise ValueError("slice_bytes must not be negative")
+                result = self.store.get(request.block_hashes, required_model(request.model), request.skip_missing)
+                count_lookup(len(request.block_hashes), len(result.blocks))
+                await self.changed(result.events)
+                for block, tier in result.blocks:
+                    metrics.KVCACHE_HIT_TOKENS.labels(tier=tier).inc(block.layout.block_size)
+                    metrics.KV_TRANSFER_BYTES.labels(direction="store_out").inc(len(block.data))
+                    yield block_to_pb(block.without_data() if request.slice_bytes else block, tier)
+                for chunk in layer_major_chunks([b.data for b, _ in result.blocks], request.slice_bytes):
+                    yield chunk
         except rpc.ServiceError as error:
             await abort(context, error)
 
@@ -157,22 +192,63 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                      context: grpc.aio.ServicerContext) -> kvcache_pb2.LookupResponse:
         try:
             with self.lifecycle.track(), rpc.status_on_error():
-                num_hits = self.store.lookup(request.block_hashes, required_model(request.model))
+                model = required_model(request.model)
+                if request.per_block:
+                    indices = self.store.fragment_indices(request.block_hashes, model)
+                    num_hits = next((n for n, i in enumerate(indices) if i < 0), len(indices))
+                    return kvcache_pb2.LookupResponse(num_hits=num_hits, fragment_indices=indices)
+                num_hits = self.store.lookup(request.block_hashes, model)
                 count_lookup(len(request.block_hashes), num_hits)
                 return kvcache_pb2.LookupResponse(num_hits=num_hits)
         except rpc.ServiceError as error:
             await abort(context, error)
 
+    async def Pin(self, request: kvcache_pb2.PinRequest,
+                  context: grpc.aio.ServicerContext) -> kvcache_pb2.PinResponse:
+        try:
+            with self.lifecycle.track(), rpc.status_on_error():
+                if request.ttl_seconds < 0:
+                    raise ValueError("ttl_seconds must not be negative")
+                num_pinned = self.store.pin(request.block_hashes, required_model(request.model), request.ttl_seconds)
+                metrics.KVCACHE_PINNED_BLOCKS.set(self.store.stats().num_pinned)
+                return kvcache_pb2.PinResponse(num_pinned=num_pinned)
+        except rpc.ServiceError as error:
+            await abort(context, error)
+
+    async def expire_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.changed(self.store.expire())
+            metrics.KVCACHE_PINNED_BLOCKS.set(self.store.stats().num_pinned)
+
 
 async def serve(settings: KVCacheSettings) -> None:
     runtime = ServiceRuntime(settings, common_pb2.ROLE_KVCACHE)
-    store = HostBlockStore(settings.capacity_bytes)
-    publisher = EventPublisher(await runtime.connect_bus(), runtime.worker_id)
+    store = BlockStore(settings.store_config(runtime.worker_id))
+    bus = await runtime.connect_bus()
+    publisher = EventPublisher(bus, runtime.worker_id, jetstream=await ensure_kv_stream(bus))
     servicer = KVCacheServicer(store, runtime.lifecycle, publisher)
-    export_metrics(store, ())
+    await publisher.clear_all()  # whatever an earlier process under this id announced is gone, except ...
+    await servicer.changed(store.recover())  # ... what its SSD directory still holds
+    registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], settings.heartbeat_interval_s)
+    index = GlobalKVIndex()
+    follower = KVEventFollower(bus, index, tiers=frozenset({"host", "ssd"}))
+    repairer = Repairer(runtime.worker_id, store, index, registry, runtime.channels, settings.repair_delay_s)
+    await registry.start()
+    try:
+        await follower.start()
+    except RuntimeError:  # no JetStream: no global index here, so no repair (the node still serves)
+        log.warning("no KV event stream: repair is off on this node")
     await runtime.start(register=lambda server: kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server),
                         load=lambda: common_pb2.WorkerLoad(num_cached_blocks=store.num_blocks))
+    tasks = [asyncio.create_task(servicer.expire_forever(settings.expire_interval_s))]
+    if publisher.jetstream:
+        tasks.append(asyncio.create_task(repairer.run_forever(settings.repair_interval_s, follower)))
     try:
         await runtime.wait_for_stop()
     finally:  # in-flight Puts finish (and publish their events) before the bus closes
+        for task in tasks:
+            task.cancel()
+        await follower.stop()
+        await registry.stop()
         await runtime.shutdown()

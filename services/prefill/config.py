@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.config import require
+from mesh.erasure import Protection
 from services.compute.settings import WorkerSettings
 
 
@@ -12,8 +13,15 @@ from services.compute.settings import WorkerSettings
 class PrefillSettings(WorkerSettings):
     kvcache_enabled: bool = True  # read prefixes from and write new blocks to the KV store nodes heard on NATS
     store_write_queue_bytes: int = 256 * 2**20  # blocks waiting to be written to the store; more are dropped
+    kv_protection: str = "1+0"  # k+m: each block as k data + m parity fragments on k+m store nodes (1+2: 3 copies)
+    kv_index_enabled: bool = True  # read the store through the global KV index (JetStream replay)
+    kv_stream_layers: bool = True  # with the index: read layer-major into the engine while it computes
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.store_write_queue_bytes > 0, "store_write_queue_bytes", self.store_write_queue_bytes,
                 "must be positive")
+        try:
+            Protection.parse(self.kv_protection)
+        except ValueError as exc:
+            require(False, "kv_protection", self.kv_protection, str(exc))

@@ -24,6 +24,7 @@ from typing import Protocol, cast
 from engine_core import LLMEngine, RequestOutput, SamplingParams
 from engine_core.async_engine import AsyncEngine, EngineFailure
 from engine_core.kv_cache.block_hash import root_hash
+from engine_core.kv_load import LayerLoad
 from engine_core.kv_transfer import KVChunk, KVExport, KVLayout
 from engine_core.request import TokenLogprobs
 from mesh.logging import get_logger
@@ -41,6 +42,7 @@ class PrefillJob:
     cache_salt: str | None  # tenant salt: enters every block key
     decode_address: str
     decode_worker_id: str
+    traffic_class: str = ""  # agent | chat | ...: the TTL class of the blocks it writes to the KV store
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,28 @@ class BlockStore(Protocol):
 
     def is_available(self) -> bool: ...
 
+    def note_traffic_class(self, block_hashes: Sequence[bytes], traffic_class: str) -> None:
+        """The request's class, for the TTL of these blocks when they are written."""
+        ...
+
     async def fetch(self, model: str, block_hashes: Sequence[bytes]) -> list[StoreBlock]:
         """The stored blocks for the first keys, in order, up to the first one not found."""
+        ...
+
+    def plan_stream(self, model: str, block_hashes: Sequence[bytes]) -> StoreStream | None:
+        """A layer-major read of the leading blocks that feeds a load while the engine computes (None: `fetch`)."""
+        ...
+
+
+class StoreStream(Protocol):
+    """A planned read of a prefix from the KV store, fed into a layer-by-layer load (engine_core.kv_load)."""
+
+    block_hashes: list[bytes]  # the blocks it will read, in order
+
+    async def run(self, layout: KVLayout, num_blocks: int,
+                  write_layer: Callable[[int, list[memoryview]], None]) -> bool:
+        """Read the first `num_blocks`, calling write_layer(layer, each block's bytes of it) in layer order as
+        layers complete (the last one only once every block passed its checksum); True when all were written."""
         ...
 
 
@@ -99,6 +121,7 @@ class _StoreHit:
     token_ids: list[int]  # the blocks' tokens
     blocks_data: list[bytes]
     num_local_blocks: int  # blocks before these that the device cache held
+    stream: StoreStream | None = None  # set instead of blocks_data: the blocks arrive while the request computes
 
 
 # Called on the engine thread with the keys just injected from the store (the store has them already).
@@ -133,12 +156,15 @@ class Prefiller:
 
     async def _prefill(self, engine: AsyncEngine, job: PrefillJob, first_params: SamplingParams) -> PrefillResult:
         arrived = time.monotonic()
+        await engine.prepare_grammar(job.params)  # off the engine thread, bounded; GrammarError: a bad request
         hit = await self._fetch_from_store(engine, job)
         request_id = job.request_id
         outputs = engine.open_stream(request_id)
+        feeding: asyncio.Task[None] | None = None
         try:
             started = time.monotonic()
-            num_injected = await engine.call(lambda e: self._admit(e, job, first_params, hit))
+            num_injected, load = await engine.call(lambda e: self._admit(e, job, first_params, hit))
+            feeding = self._feed(engine, job, hit, load)
             first = await _first_output(engine, request_id, outputs)
             computed = time.monotonic()
             seconds = computed - started
@@ -152,6 +178,7 @@ class Prefiller:
         finally:
             engine.close_stream(request_id)
             engine.call_soon(lambda e: _discard(e, request_id))
+            _settle(feeding)
         block_size = self.engines.layout(job.model).block_size
         return PrefillResult(
             first_token_id=first.new_token_ids[0],
@@ -162,15 +189,41 @@ class Prefiller:
             prefill_seconds=seconds, kv_bytes_sent=num_bytes,
         )
 
-    def _admit(self, engine: LLMEngine, job: PrefillJob, params: SamplingParams, hit: _StoreHit | None) -> int:
+    def _admit(self, engine: LLMEngine, job: PrefillJob, params: SamplingParams,
+               hit: _StoreHit | None) -> tuple[int, LayerLoad | None]:
         """On the engine thread: enter the store's blocks, then the request (so it finds them still cached)."""
-        num_injected = 0
-        if hit is not None:
+        num_injected, load = 0, None
+        if hit is not None and hit.stream is not None:  # cached now, their KV written layer by layer as it comes
+            load = engine.loads.begin(hit.parent_hash, hit.block_hashes, hit.token_ids)
+            num_injected = load.num_blocks
+        elif hit is not None:
             num_injected = engine.inject_cached_blocks(hit.parent_hash, hit.block_hashes, hit.token_ids,
                                                        hit.blocks_data)
+        if hit is not None:
             self.on_injected(job.model, hit.block_hashes[:num_injected])
         engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt, keep_kv=True)
-        return num_injected
+        return num_injected, load
+
+    def _feed(self, engine: AsyncEngine, job: PrefillJob, hit: _StoreHit | None,
+              load: LayerLoad | None) -> asyncio.Task[None] | None:
+        """Stream the store's blocks into the load while the request computes; the load fails (and the engine
+        recomputes) unless every layer was written."""
+        if hit is None or hit.stream is None or load is None or load.num_blocks == 0:
+            return None
+        stream, layout, loads = hit.stream, self.engines.layout(job.model), engine.engine.loads
+
+        async def feed() -> None:
+            is_complete = False
+            try:
+                is_complete = await stream.run(layout, load.num_blocks,
+                                               lambda layer, pieces: loads.write_layer(load, layer, pieces))
+            except Exception:
+                log.warning("KV store stream failed; its blocks are recomputed", exc_info=True)
+            finally:
+                if not is_complete:
+                    loads.fail(load)
+
+        return asyncio.create_task(feed())
 
     def _finish_reason(self, job: PrefillJob, first: RequestOutput) -> str | None:
         """Whether prefill's one token ends the request for real: a stop, max_tokens 1, or a full context."""
@@ -198,15 +251,21 @@ class Prefiller:
         # prompt_block_hashes reads only immutable config (block size, served name): safe off the engine thread.
         # The last prompt token is always computed (its logits give the first token), so its block never helps.
         hashes = engine.engine.prompt_block_hashes(job.prompt_token_ids, job.cache_salt)
+        self.store.note_traffic_class(hashes, job.traffic_class)
         hashes = hashes[: (len(job.prompt_token_ids) - 1) // block_size]
         num_local = await engine.call(lambda e: e.num_cached_blocks(hashes))
         if num_local == len(hashes):
             return None
         wanted = hashes[num_local:]
+        parent = hashes[num_local - 1] if num_local else root_hash(engine.engine.served_name, job.cache_salt)
+        stream = self.store.plan_stream(job.model, wanted)
+        if stream is not None:
+            count = len(stream.block_hashes)
+            tokens = job.prompt_token_ids[num_local * block_size : (num_local + count) * block_size]
+            return _StoreHit(parent, list(stream.block_hashes), tokens, [], num_local, stream)
         blocks = _usable_prefix(await self.store.fetch(job.model, wanted), wanted, self.engines.layout(job.model))
         if not blocks:
             return None
-        parent = hashes[num_local - 1] if num_local else root_hash(engine.engine.served_name, job.cache_salt)
         tokens = job.prompt_token_ids[num_local * block_size : (num_local + len(blocks)) * block_size]
         return _StoreHit(parent, [b.block_hash for b in blocks], tokens, [b.data for b in blocks], num_local)
 
@@ -255,6 +314,12 @@ async def _first_output(engine: AsyncEngine, request_id: str,
                     raise EngineFailure(f"request {request_id!r} ended without a token ({output.finish_reason})")
                 return output
     raise EngineFailure(f"request {request_id!r} produced no output")
+
+
+def _settle(feeding: asyncio.Task[None] | None) -> None:
+    """The store stream is over by the first token (the last layer gates it); on any other way out, stop it."""
+    if feeding is not None and not feeding.done():
+        feeding.cancel()  # its load fails, so the engine never waits on it
 
 
 def _discard(engine: LLMEngine, request_id: str) -> None:

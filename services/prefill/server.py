@@ -10,6 +10,7 @@ import grpc.aio
 
 from mesh import metrics, rpc
 from mesh.discovery import WorkerRegistry
+from mesh.erasure import Protection
 from mesh.logging import bind_request_id, get_logger
 from mesh.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
 from mesh.rpc import ServiceError
@@ -34,7 +35,8 @@ def job_from_proto(r: prefill_pb2.PrefillRequest) -> PrefillJob:
         raise ValueError("decode_address is required")
     return PrefillJob(request_id=r.request_id, model=r.model, prompt_token_ids=list(r.prompt_token_ids),
                       params=sampling_from_proto(r.sampling), cache_salt=r.cache_salt or None,
-                      decode_address=r.decode_address, decode_worker_id=r.decode_worker_id)
+                      decode_address=r.decode_address, decode_worker_id=r.decode_worker_id,
+                      traffic_class=r.traffic_class)
 
 
 def response_to_proto(result: PrefillResult, worker_id: str) -> prefill_pb2.PrefillResponse:
@@ -97,6 +99,7 @@ class PrefillService:
         self.registry = registry
         self.writer = writer
         self.relay = relay
+        self.store: StoreClient | None = None
         self.engines: ModelEngines | None = None
 
     @classmethod
@@ -107,12 +110,15 @@ class PrefillService:
         if settings.kvcache_enabled:
             registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], settings.heartbeat_interval_s)
             await registry.start()
-            store = StoreClient(registry, runtime.channels)
+            store = StoreClient(registry, runtime.channels, protection=Protection.parse(settings.kv_protection),
+                                use_index=settings.kv_index_enabled, stream_layers=settings.kv_stream_layers)
+            await store.start(bus)
             writer = StoreWriter(store, settings.store_write_queue_bytes)
             writer.start()
         relay = KVEventRelay(runtime.worker_id, bus, writer)
         relay.start()
         service = cls(settings, runtime, registry, writer, relay)
+        service.store = store
         try:
             service.engines = engines = await ModelEngines.load(settings, relay.hook)
             prefiller = Prefiller(engines, DecodePusher(runtime.channels), store, relay.note_injected,
@@ -124,6 +130,7 @@ class PrefillService:
                 load=lambda: worker_load(engines.stats().values(), relay.num_cached_blocks),
                 models=engines.models, max_num_seqs=settings.max_num_seqs, num_kv_blocks=engines.num_kv_blocks,
                 block_size=settings.block_size)
+            await engines.start_expert_sync(runtime.bus, runtime.worker_id, settings.expert_report_steps)
         except BaseException:
             await service.stop()
             raise
@@ -143,6 +150,8 @@ class PrefillService:
         await self.relay.stop()
         if self.writer is not None:
             await self.writer.stop()
+        if self.store is not None:
+            await self.store.stop()
         if self.registry is not None:
             with contextlib.suppress(Exception):  # the bus is closed by now
                 await self.registry.stop()

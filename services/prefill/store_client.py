@@ -1,7 +1,12 @@
-"""The KV store as a prefill worker sees it: nodes heard on NATS, each block key on its rendezvous owner.
+"""The KV store as a prefill worker sees it: nodes heard on NATS, each block's fragments on its rendezvous nodes.
 
-`StoreClient` reads (Lookup, then Get of the consecutive hits) and writes (Put, batched per node). A store
-that fails, times out or is unreachable is a miss, never a failed request: errors are logged and counted.
+`StoreClient` writes each block as k+m fragments (erasure coding, `mesh.erasure`; 1+0 is a whole block on one
+node) on the block's first k+m nodes in rendezvous order, and reads a prefix back. Reads go straight to the nodes
+the global KV index (JetStream replay, `mesh.kv_index`) says hold each block, preferring data fragments (no
+decoding) and host memory; a prefix the index says is not stored costs no call at all. Until the index has caught
+up, reads probe the rendezvous nodes with Lookup first. Every fragment is checked against its checksum and every
+decoded block against the whole block's before use, so a stale index or a bad node costs a miss, never wrong KV.
+A store that fails, times out or is unreachable is a miss, never a failed request: errors are logged and counted.
 `StoreWriter` puts newly computed blocks in the background from a bounded queue, never making anyone wait.
 """
 
@@ -9,20 +14,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc.aio
 
-from mesh import metrics, rpc
+from mesh import erasure, metrics, rpc
+from mesh.bus import Bus
 from mesh.discovery import WorkerRegistry
+from mesh.kv_index import GlobalKVIndex
+from mesh.kv_stream import KVEventFollower
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
-from mesh.placement import rendezvous_owner
+from mesh.placement import rank_nodes
 from services.compute.convert import layout_from_proto, layout_to_proto
+from services.kvcache.blocks import checksum
 from services.prefill.prefiller import StoreBlock
 
+if TYPE_CHECKING:
+    from services.prefill.store_stream import LayerStream
+
 log = get_logger(__name__)
+MAX_REMEMBERED_CLASSES = 1 << 16
 
 
 def block_to_proto(block: StoreBlock) -> kvcache_pb2.Block:
@@ -32,6 +47,19 @@ def block_to_proto(block: StoreBlock) -> kvcache_pb2.Block:
 
 def block_from_proto(block: kvcache_pb2.Block) -> StoreBlock:
     return StoreBlock(block.block_hash, block.parent_hash, layout_from_proto(block.layout), block.data)
+
+
+def fragments_to_proto(block: StoreBlock, protection: erasure.Protection, traffic_class: str) -> list[kvcache_pb2.Block]:
+    """The block's k+m fragments, each with its own checksum and the whole block's."""
+    k, n = protection.num_data, protection.num_total
+    layout = layout_to_proto(block.layout)
+    block_checksum = checksum(block.data)
+    coded = n > 1
+    return [kvcache_pb2.Block(block_hash=block.block_hash, parent_hash=block.parent_hash, layout=layout, data=data,
+                              checksum=checksum(data) if coded else block_checksum, block_checksum=block_checksum,
+                              fragment_index=index, num_data_fragments=k if coded else 0,
+                              num_fragments=n if coded else 0, traffic_class=traffic_class)
+            for index, data in enumerate(erasure.encode(block.data, k, n))]
 
 
 def group_by_owner(keys: Sequence[bytes], owners: Sequence[str]) -> dict[str, list[bytes]]:
@@ -56,12 +84,66 @@ def stored_prefix_length(owners: Sequence[str], num_hits: dict[str, int]) -> int
     return len(owners)
 
 
+@dataclass(frozen=True)
+class Source:
+    """A node holding one fragment of a block."""
+
+    node: str
+    fragment_index: int
+    is_host: bool  # in host memory (else SSD, or not known)
+
+
+@dataclass
+class _Fetched:
+    """The checked fragments of one block that arrived, by fragment index."""
+
+    pieces: dict[int, bytes] = field(default_factory=dict)
+    meta: kvcache_pb2.Block | None = None  # one of them, without its data
+
+
+def plan_reads(sources: Sequence[Sequence[Source]], num_data: Sequence[int]) -> list[list[Source]]:
+    """For each key in order, the k sources to read: distinct fragments, data fragments first (no decoding),
+    then host memory before SSD. Ends before the first key with fewer than k distinct fragments."""
+    plan: list[list[Source]] = []
+    for key_sources, k in zip(sources, num_data):
+        ordered = sorted(key_sources, key=lambda s: (s.fragment_index >= k, not s.is_host))
+        chosen: dict[int, Source] = {}
+        for source in ordered:
+            chosen.setdefault(source.fragment_index, source)
+        if len(chosen) < k:
+            break
+        plan.append(list(chosen.values())[:k])
+    return plan
+
+
 class StoreClient:
     def __init__(self, registry: WorkerRegistry, channels: rpc.Channels,
-                 timeout_s: float = rpc.KVCACHE_TIMEOUT_S) -> None:
+                 timeout_s: float = rpc.KVCACHE_TIMEOUT_S, protection: erasure.Protection = erasure.Protection(),
+                 use_index: bool = True, stream_layers: bool = True) -> None:
         self.registry = registry
         self.channels = channels
         self.timeout_s = timeout_s
+        self.protection = protection
+        self.index = GlobalKVIndex()  # written only by the follower
+        self.follower: KVEventFollower | None = None
+        self.use_index = use_index
+        self.stream_layers = stream_layers  # read layer-major into the engine while it computes (store_stream.py)
+        self._classes: OrderedDict[bytes, str] = OrderedDict()  # block key -> traffic class of its request
+
+    async def start(self, bus: Bus) -> None:
+        """Follow the KV event stream (store tiers only) into the index: replay, then live."""
+        if self.use_index:
+            follower = KVEventFollower(bus, self.index, tiers=frozenset({"host", "ssd"}))
+            try:
+                await follower.start()
+            except Exception:  # no JetStream: reads probe the nodes (Lookup) instead
+                log.warning("KV store reads go without the global index", exc_info=True)
+                return
+            self.follower = follower
+
+    async def stop(self) -> None:
+        if self.follower is not None:
+            await self.follower.stop()
 
     def nodes(self) -> dict[str, str]:
         """Live store nodes: worker id -> address. Placement is by worker id (stable across restarts)."""
@@ -70,67 +152,188 @@ class StoreClient:
     def is_available(self) -> bool:
         return bool(self.nodes())
 
+    def note_traffic_class(self, keys: Sequence[bytes], traffic_class: str) -> None:
+        """The class of the request these prompt blocks belong to: it sets their TTL when they are written."""
+        if not traffic_class:
+            return
+        for key in keys:
+            self._classes[key] = traffic_class
+            self._classes.move_to_end(key)
+        while len(self._classes) > MAX_REMEMBERED_CLASSES:
+            self._classes.popitem(last=False)
+
     def _stub(self, address: str) -> kvcache_pb2_grpc.KVCacheStub:
         return kvcache_pb2_grpc.KVCacheStub(self.channels.get(address))
 
     # -- reads ----------------------------------------------------------------------------------------
+    def plan_stream(self, model: str, block_hashes: Sequence[bytes]) -> LayerStream | None:
+        """A layer-major read of the leading blocks into a layer-by-layer load (None: use `fetch`)."""
+        from services.prefill.store_stream import plan_stream
+
+        return plan_stream(self, model, block_hashes)
+
     async def fetch(self, model: str, block_hashes: Sequence[bytes]) -> list[StoreBlock]:
         """The stored blocks for the first keys, in order, up to the first miss. Never raises."""
         nodes = self.nodes()
         if not nodes or not block_hashes:
             return []
-        owners = [rendezvous_owner(key, list(nodes)) for key in block_hashes]
-        groups = group_by_owner(block_hashes, owners)
-        hits = await asyncio.gather(*(self._lookup(nodes[n], model, keys) for n, keys in groups.items()))
-        num_stored = stored_prefix_length(owners, dict(zip(groups, hits)))
-        wanted = group_by_owner(block_hashes[:num_stored], owners[:num_stored])
-        fetched = await asyncio.gather(*(self._get(nodes[n], model, keys) for n, keys in wanted.items()))
-        found = {block.block_hash: block for blocks in fetched for block in blocks}
-        result = []
-        for key in block_hashes[:num_stored]:  # a block evicted between Lookup and Get ends the prefix
-            if key not in found:
-                break
-            result.append(found[key])
-        return result
+        if self.follower is not None and self.follower.is_caught_up:
+            sources, num_data = self._sources_from_index(block_hashes, nodes)
+            plan = plan_reads(sources, num_data)
+            if not plan:
+                metrics.PREFILL_STORE_READS.labels(mode="skipped").inc()
+                return []
+        else:
+            sources, num_data = await self._sources_from_lookup(model, block_hashes, nodes)
+            plan = plan_reads(sources, num_data)
+            plan = [list(s) for s in sources[: len(plan)]]  # no tier or coding known: read every fragment
+        if not plan:
+            return []
+        metrics.PREFILL_STORE_READS.labels(mode="fetch").inc()
+        fetched = await self._get_planned(model, block_hashes, plan, nodes)
+        spare = [[s for s in sources[i] if s not in plan[i]] for i in range(len(plan))]
+        if any(not self._is_complete(fetched.get(key)) and spare[i] for i, key in enumerate(block_hashes[: len(plan)])):
+            await self._get_planned(model, block_hashes, spare, nodes, fetched)  # one more round for the gaps
+        return await asyncio.to_thread(self._assemble, block_hashes[: len(plan)], fetched)
 
-    async def _lookup(self, address: str, model: str, keys: list[bytes]) -> int:
+    def _sources_from_index(self, keys: Sequence[bytes],
+                            nodes: dict[str, str]) -> tuple[list[list[Source]], list[int]]:
+        sources, num_data = [], []
+        for key in keys:
+            holders = self.index.holders(key)
+            found = [Source(w, h.fragment_index, h.has_tier("host")) for w, h in sorted(holders.items()) if w in nodes]
+            if not found:
+                break  # the index says the prefix ends here: no call needed
+            sources.append(found)
+            num_data.append(self.index.coding(key).num_data)
+        return sources, num_data
+
+    async def _sources_from_lookup(self, model: str, keys: Sequence[bytes],
+                                   nodes: dict[str, str]) -> tuple[list[list[Source]], list[int]]:
+        """Ask each key's first k+m rendezvous nodes which fragment they hold."""
+        n = min(self.protection.num_total, len(nodes))
+        asked: dict[str, list[int]] = {}
+        for position, key in enumerate(keys):
+            for node in rank_nodes(key, list(nodes))[:n]:
+                asked.setdefault(node, []).append(position)
+        answers = await asyncio.gather(*(self._lookup(nodes[node], model, [keys[p] for p in positions])
+                                         for node, positions in asked.items()))
+        sources: list[list[Source]] = [[] for _ in keys]
+        for (node, positions), indices in zip(asked.items(), answers):
+            for position, index in zip(positions, indices):
+                if index >= 0:
+                    sources[position].append(Source(node, index, False))
+        k = self.protection.num_data
+        num_data = [1 if [s.fragment_index for s in found] == [0] else k for found in sources]
+        return sources, num_data
+
+    async def _lookup(self, address: str, model: str, keys: list[bytes]) -> list[int]:
+        request = kvcache_pb2.LookupRequest(block_hashes=keys, model=model, per_block=True)
         try:
-            response = await self._stub(address).Lookup(kvcache_pb2.LookupRequest(block_hashes=keys, model=model),
-                                                        timeout=self.timeout_s)
+            response = await self._stub(address).Lookup(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             _store_failed("lookup", address, exc)
-            return 0
-        return min(response.num_hits, len(keys))
+            return [-1] * len(keys)
+        indices = list(response.fragment_indices)
+        return indices + [-1] * (len(keys) - len(indices))
 
-    async def _get(self, address: str, model: str, keys: list[bytes]) -> list[StoreBlock]:
-        blocks: list[StoreBlock] = []
+    async def _get_planned(self, model: str, keys: Sequence[bytes], plan: Sequence[Sequence[Source]],
+                           nodes: dict[str, str], fetched: dict[bytes, _Fetched] | None = None) -> dict[bytes, _Fetched]:
+        fetched = {} if fetched is None else fetched
+        by_node: dict[str, list[bytes]] = {}
+        for key, sources in zip(keys, plan):
+            for source in sources:
+                by_node.setdefault(source.node, []).append(key)
+        await asyncio.gather(*(self._get(nodes[node], model, node_keys, fetched) for node, node_keys in by_node.items()))
+        return fetched
+
+    async def _get(self, address: str, model: str, keys: list[bytes], fetched: dict[bytes, _Fetched]) -> None:
+        request = kvcache_pb2.GetRequest(block_hashes=keys, model=model, skip_missing=True)
+        received = metrics.KV_TRANSFER_BYTES.labels(direction="store_get")
         try:
-            async for block in self._stub(address).Get(kvcache_pb2.GetRequest(block_hashes=keys, model=model),
-                                                        timeout=self.timeout_s):
-                blocks.append(block_from_proto(block))
-                metrics.KV_TRANSFER_BYTES.labels(direction="store_get").inc(len(block.data))
+            async for message in self._stub(address).Get(request, timeout=self.timeout_s):
+                data = message.data  # each access to a bytes field copies it (upb): once
+                received.inc(len(data))
+                # a fragment is checked here; a whole block once, by _assemble, against the block's checksum
+                coded = message.num_fragments > 1
+                if coded and message.HasField("checksum") and checksum(data) != message.checksum:
+                    metrics.PREFILL_STORE_ERRORS.labels(op="checksum").inc()
+                    log.warning("store fragment fails its checksum; skipped", node=address,
+                                block_hash=message.block_hash.hex()[:16])
+                    continue
+                entry = fetched.setdefault(message.block_hash, _Fetched())
+                entry.pieces[message.fragment_index] = data
+                if entry.meta is None:
+                    message.ClearField("data")
+                    entry.meta = message
         except grpc.aio.AioRpcError as exc:
-            _store_failed("get", address, exc)  # the blocks that did arrive are still a good prefix
+            _store_failed("get", address, exc)  # the fragments that did arrive are still good
+
+    @staticmethod
+    def _is_complete(entry: _Fetched | None) -> bool:
+        return entry is not None and entry.meta is not None and len(entry.pieces) >= max(entry.meta.num_data_fragments, 1)
+
+    def _assemble(self, keys: Sequence[bytes], fetched: dict[bytes, _Fetched]) -> list[StoreBlock]:
+        """Decode each block from its fragments, in order, up to the first one missing or failing its checksum."""
+        blocks: list[StoreBlock] = []
+        for key in keys:
+            entry = fetched.get(key)
+            if not self._is_complete(entry):
+                break
+            assert entry is not None and entry.meta is not None
+            meta = entry.meta
+            layout = layout_from_proto(meta.layout)
+            k, n = max(meta.num_data_fragments, 1), max(meta.num_fragments, 1)
+            try:
+                data = erasure.decode(entry.pieces, k, n, layout.num_layers * layout.chunk_bytes(1))
+            except (ValueError, KeyError):
+                break
+            if checksum(data) != meta.block_checksum:
+                metrics.PREFILL_STORE_ERRORS.labels(op="checksum").inc()
+                log.warning("store block fails its checksum after decoding", block_hash=key.hex()[:16])
+                break
+            blocks.append(StoreBlock(key, meta.parent_hash, layout, data))
         return blocks
 
     # -- writes ---------------------------------------------------------------------------------------
     async def put(self, blocks: Sequence[StoreBlock]) -> None:
-        """Each block to its owner, one Put stream per node, in parallel. Never raises."""
+        """Each block's fragments to its first k+m nodes, one Put stream per node, in parallel. Never raises."""
         nodes = self.nodes()
-        if not nodes:
+        if len(nodes) < self.protection.num_data:
+            if nodes:
+                metrics.PREFILL_STORE_DROPPED_BLOCKS.inc(len(blocks))  # too few nodes to hold k fragments
             return
-        by_node: dict[str, list[StoreBlock]] = {}
-        for block in blocks:
-            by_node.setdefault(rendezvous_owner(block.block_hash, list(nodes)), []).append(block)
-        await asyncio.gather(*(self._put(nodes[n], node_blocks) for n, node_blocks in by_node.items()))
+        messages = await asyncio.to_thread(self._encode, blocks, list(nodes))
+        await asyncio.gather(*(self._put(nodes[n], node_messages) for n, node_messages in messages.items()))
 
-    async def _put(self, address: str, blocks: list[StoreBlock]) -> None:
+    def _encode(self, blocks: Sequence[StoreBlock], nodes: list[str]) -> dict[str, list[kvcache_pb2.Block]]:
+        by_node: dict[str, list[kvcache_pb2.Block]] = {}
+        for block in blocks:
+            fragments = fragments_to_proto(block, self.protection, self._classes.get(block.block_hash, ""))
+            for node, fragment in zip(rank_nodes(block.block_hash, nodes), fragments):
+                by_node.setdefault(node, []).append(fragment)  # fewer nodes than k+m: repair adds the rest later
+        return by_node
+
+    async def _put(self, address: str, blocks: list[kvcache_pb2.Block]) -> None:
         try:
-            await self._stub(address).Put(iter([block_to_proto(b) for b in blocks]), timeout=self.timeout_s)
+            await self._stub(address).Put(iter(blocks), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             _store_failed("put", address, exc)
             return
         metrics.KV_TRANSFER_BYTES.labels(direction="store_put").inc(sum(len(b.data) for b in blocks))
+
+    async def pin(self, model: str, block_hashes: Sequence[bytes], ttl_s: float) -> int:
+        """Pin the blocks on every node holding a fragment of them (0 unpins); returns fragments pinned."""
+        request = kvcache_pb2.PinRequest(block_hashes=block_hashes, model=model, ttl_seconds=ttl_s)
+
+        async def pin_on(address: str) -> int:
+            try:
+                return int((await self._stub(address).Pin(request, timeout=self.timeout_s)).num_pinned)
+            except grpc.aio.AioRpcError as exc:
+                _store_failed("pin", address, exc)
+                return 0
+
+        return sum(await asyncio.gather(*(pin_on(address) for address in self.nodes().values())))
 
 
 def _store_failed(op: str, address: str, exc: grpc.aio.AioRpcError) -> None:

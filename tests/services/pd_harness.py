@@ -45,14 +45,26 @@ class DictKVCache(kvcache_pb2_grpc.KVCacheServicer):
             found.append(block)
         return found
 
+    def _held(self, key: bytes, model: str) -> kvcache_pb2.Block | None:
+        block = self.blocks.get(key)
+        return block if block is not None and block.layout.model == model else None
+
     async def Get(self, request: kvcache_pb2.GetRequest,
                   context: grpc.aio.ServicerContext) -> AsyncIterator[kvcache_pb2.Block]:
+        if request.skip_missing:
+            for key in request.block_hashes:
+                block = self._held(key, request.model)
+                if block is not None:
+                    yield block
+            return
         for block in self._prefix(list(request.block_hashes), request.model):
             yield block
 
     async def Lookup(self, request: kvcache_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvcache_pb2.LookupResponse:
-        return kvcache_pb2.LookupResponse(num_hits=len(self._prefix(list(request.block_hashes), request.model)))
+        indices = [-1 if self._held(key, request.model) is None else 0 for key in request.block_hashes]
+        return kvcache_pb2.LookupResponse(num_hits=len(self._prefix(list(request.block_hashes), request.model)),
+                                          fragment_indices=indices if request.per_block else [])
 
 
 async def start_store_node(nats_url: str, worker_id: str) -> tuple[ServiceRuntime, DictKVCache]:

@@ -95,7 +95,9 @@ async def mesh(nats_url, llama_reference, deepseek_reference) -> AsyncIterator[M
     small_decode = await DecodeService.start(load_settings(
         DecodeSettings, env={}, **{**common, "models": (llama,), "kv_cache_memory_bytes": 8 * LLAMA_BLOCK_BYTES},
         worker_id="decode-small"))
-    prefill = await PrefillService.start(load_settings(PrefillSettings, env={}, worker_id="prefill-t", **common))
+    # the store double publishes no KV events, so prefill probes it (Lookup) instead of reading the global index
+    prefill = await PrefillService.start(load_settings(PrefillSettings, env={}, worker_id="prefill-t",
+                                                       kv_index_enabled=False, **common))
     assert prefill.registry is not None
     await wait_until(lambda: len(prefill.registry.workers()) == 2, what="prefill to hear both store nodes")
     assert prefill.writer is not None
@@ -535,6 +537,24 @@ async def test_a_failing_or_foreign_store_block_is_a_miss_never_a_failure(mesh: 
         await announcer.stop()
         await bus.close()
     await wait_for_free_blocks(mesh.decode, model)
+
+
+async def test_one_tenant_never_gets_another_tenants_kv_through_the_store(mesh: Mesh):
+    model, prompt = mesh.llama, prompt_of(50, seed=11)
+    engine = mesh.prefill.engines.get(model)
+    one_token = dataclasses.replace(GREEDY, max_tokens=1)
+    keys_a = engine.engine.prompt_block_hashes(prompt, "tenant-a")
+    keys_b = engine.engine.prompt_block_hashes(prompt, "tenant-b")
+    assert len(keys_a) == 3 and not set(keys_a) & set(keys_b)  # the salt enters every key: same tokens, other keys
+    await mesh.prefill_stub.Prefill(mesh.request("tenant-a", model, prompt, one_token, cache_salt="tenant-a"))
+    await wait_until(lambda: all(any(k in s.blocks for s in mesh.stores.values()) for k in keys_a),
+                     what="tenant a's blocks in the store")
+    assert await engine.call(lambda e: e.kv.pool.reset_prefix_cache())
+    other = await mesh.prefill_stub.Prefill(mesh.request("tenant-b", model, prompt, one_token, cache_salt="tenant-b"))
+    assert (other.num_cached_tokens, other.num_store_tokens) == (0, 0)  # the same prompt, none of a's KV
+    assert await engine.call(lambda e: e.kv.pool.reset_prefix_cache())
+    again = await mesh.prefill_stub.Prefill(mesh.request("tenant-a2", model, prompt, one_token, cache_salt="tenant-a"))
+    assert (again.num_cached_tokens, again.num_store_tokens) == (48, 48)  # a itself gets its prefix back
 
 
 def _block(key: bytes, parent: bytes, layout: common_pb2.KVLayout, data: bytes) -> kvcache_pb2.Block:

@@ -111,6 +111,11 @@ class BlockPool:
         if stored:
             self._events.append(BlockStored(tuple(stored), parent_hash, tuple(token_ids), block_size))
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Take blocks out of the prefix cache: their KV is not what their key says (a load from elsewhere failed)."""
+        for block in blocks:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached key. Refused (False) while any block is referenced."""
         if len(self._free) != self.num_blocks:

@@ -1,0 +1,152 @@
+"""`kvmesh bench kv-transfer`: GB/s through the KV store over loopback against a raw TCP socket pushing the same bytes.
+
+The store side is the real thing: a kvcache node in its own process (embedded NATS with JetStream), and this
+process as a prefill worker (`StoreClient`: Put of whole blocks with their checksums; `fetch` through the global
+index, every block checked against its checksum on arrival). The raw side is one TCP connection on loopback to a
+process that reads into a buffer and acknowledges: the ceiling of a Python process pushing bytes on this machine.
+Measurements are interleaved (store, then TCP, per repeat) so a burst of load elsewhere hits both; the best of
+each is reported. `store_gbps` is the read path prefill uses (the layer-major stream through the global index that
+feeds an engine while it computes; every block checked; the engine's own writes left out); `ratio` = store / raw.
+`store_fetch_gbps` is the other read path (whole blocks; used without the index or when parity must be decoded),
+`store_put_gbps` the write path (every block checked by the node, written to host memory, events acked by
+JetStream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from engine_core.kv_transfer import KVLayout
+from kvmesh.nats_server import EmbeddedNats, free_port
+from mesh import rpc
+from mesh.bus import Bus
+from mesh.discovery import WorkerRegistry
+from mesh.pb import common_pb2
+from services.prefill.prefiller import StoreBlock
+from services.prefill.store_client import StoreClient
+
+MODEL = "bench"
+
+
+def bench_layout(block_kib: int) -> KVLayout:
+    """float16 KV of 16 tokens, 8 heads of 128, (k, v): 64 KiB per layer; layers make up the block size."""
+    num_layers = max(1, block_kib // 64)
+    return KVLayout(MODEL, "float16", 16, num_layers, (2, 1, 16, 8, 128), 1)
+
+
+def _tcp_sink(port: int, ready: Any) -> None:
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen(1)
+    ready.set()
+    connection, _ = server.accept()
+    buffer = memoryview(bytearray(8 << 20))
+    while True:
+        header = connection.recv(8, socket.MSG_WAITALL)
+        if len(header) < 8:
+            return
+        remaining = int.from_bytes(header, "little")
+        while remaining:
+            received = connection.recv_into(buffer[: min(len(buffer), remaining)])
+            if not received:
+                return
+            remaining -= received
+        connection.sendall(b"k")
+
+
+def _tcp_push(connection: socket.socket, blocks: list[StoreBlock]) -> float:
+    started = time.perf_counter()
+    connection.sendall(sum(len(b.data) for b in blocks).to_bytes(8, "little"))
+    for block in blocks:
+        connection.sendall(block.data)
+    connection.recv(1)
+    return time.perf_counter() - started
+
+
+async def _store_round(client: StoreClient, blocks: list[StoreBlock], round_id: int) -> tuple[float, float, float]:
+    """(put, fetch, layer-stream seconds) for fresh keys, so every Put stores and every read gets the whole chain."""
+    fresh = [StoreBlock(round_id.to_bytes(4, "little") + b.block_hash[4:], b.parent_hash, b.layout, b.data)
+             for b in blocks]
+    keys = [b.block_hash for b in fresh]
+    started = time.perf_counter()
+    await client.put(fresh)
+    put_s = time.perf_counter() - started
+    while client.index.num_leading_hits("kv-bench", keys) < len(keys):  # the node's events reached the index
+        await asyncio.sleep(0.005)
+    started = time.perf_counter()
+    got = await client.fetch(MODEL, keys)
+    fetch_s = time.perf_counter() - started
+    assert len(got) == len(keys) and got[-1].data == fresh[-1].data, "the store did not give every block back"
+    stream = client.plan_stream(MODEL, keys)
+    assert stream is not None
+    started = time.perf_counter()
+    assert await stream.run(blocks[0].layout, len(keys), lambda layer, pieces: None)
+    return put_s, fetch_s, time.perf_counter() - started
+
+
+async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
+    layout = bench_layout(block_kib)
+    num_block_bytes = layout.num_layers * layout.chunk_bytes(1)
+    num_blocks = max(1, megabytes * 2**20 // num_block_bytes)
+    payload = os.urandom(num_block_bytes)
+    blocks = [StoreBlock(n.to_bytes(32, "big"), b"\0" * 32, layout, payload) for n in range(num_blocks)]  # distinct
+    total = num_blocks * num_block_bytes
+    with EmbeddedNats() as nats:
+        env = {**os.environ, "KVMESH_NATS_URL": nats.url, "KVMESH_WORKER_ID": "kv-bench", "KVMESH_LOG_LEVEL": "warning",
+               "KVMESH_CAPACITY_BYTES": str(total * (repeats + 2)), "KVMESH_HEARTBEAT_INTERVAL_S": "0.2",
+               "KVMESH_HTTP_PORT": str(free_port())}
+        node = subprocess.Popen([sys.executable, "-m", "services.kvcache"], env=env)
+        ready = multiprocessing.Event()
+        port = free_port()
+        sink = multiprocessing.Process(target=_tcp_sink, args=(port, ready), daemon=True)
+        sink.start()
+        bus = await Bus.connect(nats.url, "bench-kv-transfer")
+        registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], 0.2)
+        channels = rpc.Channels()
+        client = StoreClient(registry, channels, timeout_s=120.0)
+        try:
+            await registry.start()
+            await client.start(bus)
+            while not client.is_available():
+                if node.poll() is not None:
+                    raise RuntimeError("the kvcache node exited")
+                await asyncio.sleep(0.05)
+            ready.wait(10)
+            connection = socket.create_connection(("127.0.0.1", port))
+            _tcp_push(connection, blocks[:2])  # warm up both paths
+            await _store_round(client, blocks[:2], 0)
+            put_s, fetch_s, stream_s, tcp_s = [], [], [], []
+            for round_id in range(1, repeats + 1):
+                put, fetch, streamed = await _store_round(client, blocks, round_id)
+                put_s.append(put)
+                fetch_s.append(fetch)
+                stream_s.append(streamed)
+                tcp_s.append(_tcp_push(connection, blocks))
+            connection.close()
+        finally:
+            await client.stop()
+            await registry.stop()
+            await channels.close()
+            await bus.close()
+            node.terminate()
+            node.wait(10)
+            sink.terminate()
+    store_gbps = total / min(stream_s) / 1e9
+    raw_gbps = total / min(tcp_s) / 1e9
+    return {"store_gbps": round(store_gbps, 3), "raw_tcp_gbps": round(raw_gbps, 3),
+            "ratio": round(store_gbps / raw_gbps, 3), "store_fetch_gbps": round(total / min(fetch_s) / 1e9, 3),
+            "store_put_gbps": round(total / min(put_s) / 1e9, 3),
+            "megabytes": round(total / 2**20, 1), "block_bytes": num_block_bytes, "repeats": repeats,
+            "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
+def run_transfer_bench(megabytes: int = 256, block_kib: int = 2048, repeats: int = 3) -> dict[str, Any]:
+    return asyncio.run(_run(megabytes, block_kib, repeats))

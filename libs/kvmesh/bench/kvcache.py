@@ -1,0 +1,128 @@
+"""`kvmesh bench kvcache`: replay a Mooncake trace's prefix blocks through the real KV store (services.kvcache's
+BlockStore, host tier, the chosen eviction policy) and report its hit rate against an unlimited cache's.
+
+Each request, in trace order: probe how many of its blocks from the first the store holds (Lookup), read them (Get,
+which is what a prefill worker does and what a policy sees as use), then write the rest (Put) as a chain. A hit
+counts only as part of the leading prefix, exactly as an engine can use it. The store's clock is the trace's.
+Blocks are tiny (one float32), so capacity is counted in blocks; the policy sees exactly the trace's key order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from services.kvcache.blocks import Block, KVLayout, checksum
+from services.kvcache.policy import POLICIES
+from services.kvcache.store import BlockStore, StoreConfig
+
+LAYOUT = KVLayout(model="trace", dtype="float32", block_size=512, num_layers=1, layer_shape=(1,), block_axis=0)
+BLOCK_BYTES = LAYOUT.num_block_bytes
+DATA = bytes(BLOCK_BYTES)
+DATA_CHECKSUM = checksum(DATA)
+ROOT = b"\0" * 32
+
+
+def load_trace(path: str | Path) -> list[tuple[float, list[int]]]:
+    """(timestamp in seconds, hash_ids) per request, in trace order."""
+    requests = []
+    with open(path) as file:
+        for line in file:
+            if line.strip():
+                record = json.loads(line)
+                requests.append((record["timestamp"] / 1000.0, list(record["hash_ids"])))
+    return requests
+
+
+def key_of(hash_id: int) -> bytes:
+    return hash_id.to_bytes(8, "little") + bytes(24)
+
+
+def ideal_hit_rate(requests: Sequence[tuple[float, list[int]]]) -> float:
+    """An unlimited cache: a block hits when it was seen before (hash_ids chain, so its prefix was seen too)."""
+    seen: set[int] = set()
+    hits = total = 0
+    for _, ids in requests:
+        for hash_id in ids:
+            hits += hash_id in seen
+            seen.add(hash_id)
+        total += len(ids)
+    return hits / max(total, 1)
+
+
+class _TraceClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def replay(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int, policy: str) -> float:
+    """The hit rate of the real store with room for `capacity_blocks` blocks."""
+    clock = _TraceClock()
+    store = BlockStore(StoreConfig(host_capacity_bytes=capacity_blocks * BLOCK_BYTES, policy=policy), clock)
+    hits = total = 0
+    for timestamp, ids in requests:
+        clock.now = timestamp
+        keys = [key_of(i) for i in ids]
+        num_hits = store.lookup(keys, LAYOUT.model)
+        store.get(keys[:num_hits], LAYOUT.model)
+        parents = [ROOT, *keys[:-1]]
+        store.put([Block(k, p, LAYOUT, DATA, checksum=DATA_CHECKSUM) for k, p in zip(keys[num_hits:], parents[num_hits:])])
+        hits += num_hits
+        total += len(keys)
+    return hits / max(total, 1)
+
+
+def run_kvcache_bench(trace: str, capacity_blocks: int | None, policy: str,
+                      capacity_fraction: float | None = None) -> dict[str, Any]:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    requests = load_trace(trace)
+    unique = len({i for _, ids in requests for i in ids})
+    if capacity_blocks is None:
+        capacity_blocks = max(1, int(unique * (capacity_fraction if capacity_fraction is not None else 0.25)))
+    started = time.perf_counter()
+    hit_rate = replay(requests, capacity_blocks, policy)
+    ideal = ideal_hit_rate(requests)
+    return {"trace": Path(trace).name, "policy": policy, "capacity_blocks": capacity_blocks, "unique_blocks": unique,
+            "capacity_fraction": round(capacity_blocks / unique, 4), "num_requests": len(requests),
+            "hit_rate": round(hit_rate, 4), "ideal_hit_rate": round(ideal, 4),
+            "fraction_of_ideal": round(hit_rate / ideal, 4) if ideal else None,
+            "seconds": round(time.perf_counter() - started, 2)}
+
+
+def sweep(traces: Sequence[str], fractions: Sequence[float], policies: Sequence[str]) -> list[dict[str, Any]]:
+    rows = []
+    for trace in traces:
+        for fraction in fractions:
+            for policy in policies:
+                rows.append(run_kvcache_bench(trace, None, policy, capacity_fraction=fraction))
+    return rows
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
+    """Hit rate against capacity (share of unique blocks), one line per policy, one panel per trace."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = sorted({r["trace"] for r in rows})
+    figure, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.2), squeeze=False)
+    for axis, trace in zip(axes[0], traces):
+        ours = [r for r in rows if r["trace"] == trace]
+        for policy in sorted({r["policy"] for r in ours}):
+            line = sorted((r["capacity_fraction"], r["hit_rate"]) for r in ours if r["policy"] == policy)
+            axis.plot([x for x, _ in line], [y for _, y in line], marker="o", label=policy)
+        axis.axhline(ours[0]["ideal_hit_rate"], color="grey", linestyle="--", label="unlimited (ideal)")
+        axis.axvline(0.25, color="grey", linestyle=":", linewidth=0.8)
+        axis.set(title=f"{trace}", xlabel="capacity (share of unique blocks)", ylabel="prefix hit rate")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)

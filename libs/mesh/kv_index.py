@@ -1,0 +1,156 @@
+"""The global KV index: which worker holds each block, in which tiers, and which erasure-coded fragment of it.
+
+Built only from KV event batches (`apply`), in the order each worker published them: every tier of every worker
+publishes on kvmesh.kv.<worker_id>, and the JetStream stream KVMESH_KV keeps them, so a follower that starts late
+replays the stream from the beginning and ends up with the same index (`mesh.kv_stream.KVEventFollower`).
+
+The index may lag or miss a batch (a seq gap): that costs at most a cache miss or a wasted fetch, never a wrong
+answer, because keys are content hashes and every fetched block is checked (its checksum, its layout) before use.
+One writer: the follower's callback (or the owner's explicit calls); readers get copies or plain answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from mesh.pb import events_pb2
+
+TIER_BITS = {"device": 1, "host": 2, "ssd": 4}
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one worker holds of one block."""
+
+    fragment_index: int  # 0 for a whole block
+    tier_mask: int  # TIER_BITS of the tiers it is in
+
+    def has_tier(self, tier: str) -> bool:
+        return bool(self.tier_mask & TIER_BITS.get(tier, 0))
+
+
+@dataclass(frozen=True)
+class Coding:
+    num_data: int  # k: any k distinct fragments give the block back (1: whole blocks, maybe replicated)
+    num_total: int  # k + m
+
+
+WHOLE = Coding(1, 1)
+
+
+class GlobalKVIndex:
+    def __init__(self) -> None:
+        self._holders: dict[bytes, dict[str, Holding]] = {}  # key -> worker id -> holding
+        self._coding: dict[bytes, Coding] = {}  # key -> how it is coded (only for fragments)
+        self._by_worker: dict[str, set[bytes]] = {}
+        self._last_seq: dict[str, int] = {}
+        self.num_batches = 0
+        self.num_missed_batches = 0
+
+    # -- writes ---------------------------------------------------------------------------------------------
+    def apply(self, batch: events_pb2.KVEventBatch, worker_id: str = "") -> int:
+        """One batch, its events in order; returns how many batches of its worker were missed before it."""
+        worker_id = worker_id or batch.worker_id
+        num_missed = self.check_seq(worker_id, batch.seq)
+        bit = TIER_BITS.get(batch.tier, TIER_BITS["device"])
+        for event in batch.events:
+            kind = event.WhichOneof("event")
+            if kind == "stored":
+                self._stored(worker_id, event.stored, bit)
+            elif kind == "removed":
+                self._removed(worker_id, event.removed.block_hashes, bit)
+            elif kind == "all_cleared" and event.all_cleared:
+                self.clear(worker_id)
+        self.num_batches += 1
+        self.num_missed_batches += num_missed
+        return num_missed
+
+    def check_seq(self, worker_id: str, seq: int) -> int:
+        """Record batch `seq`; returns how many were skipped before it (0 in order and for a first batch). A seq
+        that does not increase means the worker started over (a new process): what was known of it is forgotten."""
+        last = self._last_seq.get(worker_id)
+        self._last_seq[worker_id] = seq
+        if last is None:
+            return 0
+        if seq <= last:
+            self.clear(worker_id)
+            return 0
+        return seq - last - 1
+
+    def add(self, worker_id: str, block_hashes: Iterable[bytes], tier: str = "device") -> None:
+        stored = events_pb2.KVBlocksStored(block_hashes=block_hashes)
+        self._stored(worker_id, stored, TIER_BITS[tier])
+
+    def remove(self, worker_id: str, block_hashes: Iterable[bytes], tier: str = "device") -> None:
+        self._removed(worker_id, block_hashes, TIER_BITS[tier])
+
+    def clear(self, worker_id: str) -> None:
+        for key in self._by_worker.pop(worker_id, set()):
+            self._drop_holding(key, worker_id)
+
+    def drop(self, worker_id: str) -> None:
+        """The worker left the mesh for good: forget its blocks and its event numbering."""
+        self.clear(worker_id)
+        self._last_seq.pop(worker_id, None)
+
+    def _stored(self, worker_id: str, stored: events_pb2.KVBlocksStored, bit: int) -> None:
+        indices = list(stored.fragment_indices)
+        coding = Coding(stored.num_data_fragments, stored.num_fragments) if stored.num_fragments > 1 else None
+        held = self._by_worker.setdefault(worker_id, set())
+        for n, key in enumerate(stored.block_hashes):
+            holders = self._holders.setdefault(key, {})
+            old = holders.get(worker_id)
+            index = indices[n] if n < len(indices) else 0
+            holders[worker_id] = Holding(index, (old.tier_mask if old is not None else 0) | bit)
+            if coding is not None:
+                self._coding[key] = coding
+            held.add(key)
+
+    def _removed(self, worker_id: str, block_hashes: Iterable[bytes], bit: int) -> None:
+        for key in block_hashes:
+            holding = self._holders.get(key, {}).get(worker_id)
+            if holding is None:
+                continue
+            mask = holding.tier_mask & ~bit
+            if mask:
+                self._holders[key][worker_id] = Holding(holding.fragment_index, mask)
+            else:
+                self._drop_holding(key, worker_id)
+                self._by_worker.get(worker_id, set()).discard(key)
+
+    def _drop_holding(self, key: bytes, worker_id: str) -> None:
+        holders = self._holders.get(key)
+        if holders is None:
+            return
+        holders.pop(worker_id, None)
+        if not holders:
+            del self._holders[key]
+            self._coding.pop(key, None)
+
+    # -- reads ----------------------------------------------------------------------------------------------
+    def holders(self, key: bytes) -> Mapping[str, Holding]:
+        return dict(self._holders.get(key, {}))
+
+    def coding(self, key: bytes) -> Coding:
+        return self._coding.get(key, WHOLE)
+
+    def keys_of(self, worker_id: str) -> list[bytes]:
+        return list(self._by_worker.get(worker_id, ()))
+
+    def num_blocks(self, worker_id: str | None = None) -> int:
+        if worker_id is None:
+            return len(self._holders)
+        return len(self._by_worker.get(worker_id, ()))
+
+    def num_leading_hits(self, worker_id: str, block_hashes: Sequence[bytes]) -> int:
+        """How many of `block_hashes`, from the first, the worker holds (a prefix is usable only up to a gap)."""
+        held = self._by_worker.get(worker_id)
+        if not held:
+            return 0
+        return next((n for n, key in enumerate(block_hashes) if key not in held), len(block_hashes))
+
+    def num_readable(self, key: bytes, workers: Iterable[str]) -> int:
+        """Distinct fragments of `key` held by `workers` (the live ones): the block is readable at >= k."""
+        holders = self._holders.get(key, {})
+        return len({holders[w].fragment_index for w in workers if w in holders})

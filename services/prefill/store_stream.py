@@ -1,0 +1,194 @@
+"""A prefix read from the KV store, layer-major, straight into an engine's layer-by-layer load, so that prefill
+computes while later layers are still arriving (engine_core.kv_load).
+
+The plan comes from the global index (no call before the read): for each block, its k data fragments (systematic
+erasure coding: their bytes are the block's, in order; 1+0 is the whole block). Each node streams its fragments
+with `GetRequest.slice_bytes`: one header per block (checksums, layout), then chunks holding a slice of every
+block. Each block's bytes land in a buffer at their place; as soon as layer l is complete in every block it is
+written to the engine (whose forward pass waits for exactly that). The last layer is written only after every
+block passed its checksum, so the engine can never finish a step on unchecked KV. A node that fails mid-stream
+costs a detour, not a recompute: the missing blocks are read whole from the other nodes (parity decoded) and the
+remaining layers written then; only when that fails too does the load fail, and the engine recomputes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc.aio
+
+from engine_core.kv_transfer import KVLayout
+from mesh import metrics
+from mesh.pb import kvcache_pb2
+from services.compute.convert import layout_to_proto
+from services.kvcache.blocks import checksum
+from services.prefill.store_client import Source, StoreClient, _Fetched, _store_failed, plan_reads
+
+MAX_CHUNK_BYTES = 2 * 2**20  # a slice of every block, past which more layers per slice only add latency
+MAX_LAYERS_PER_SLICE = 4
+
+WriteLayer = Callable[[int, list[memoryview]], None]  # (layer, each block's bytes of it)
+
+
+def slice_bytes_for(layout: KVLayout, num_blocks: int) -> int:
+    """Whole layers per slice, as many as keep a chunk (a slice of every block) near MAX_CHUNK_BYTES."""
+    layer_bytes = layout.chunk_bytes(1)
+    layers = max(1, min(MAX_LAYERS_PER_SLICE, MAX_CHUNK_BYTES // max(layer_bytes * num_blocks, 1)))
+    return layers * layer_bytes
+
+
+@dataclass
+class _Buffers:
+    """Every block's bytes as they arrive. Written only by the stream's tasks (one event loop)."""
+
+    layout: KVLayout
+    num_data: list[int]  # k, per block
+    data: list[bytearray] = field(init=False)
+    filled: list[list[int]] = field(init=False)  # per block, per data fragment: bytes arrived (in order)
+    block_checksums: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.data = [bytearray(self.fragment_bytes(i) * k) for i, k in enumerate(self.num_data)]
+        self.filled = [[0] * k for k in self.num_data]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.num_layers * self.layout.chunk_bytes(1)
+
+    def fragment_bytes(self, index: int) -> int:
+        return -(-self.block_bytes // self.num_data[index])
+
+    def put(self, index: int, fragment: int, offset: int, data: memoryview) -> None:
+        start = fragment * self.fragment_bytes(index) + offset
+        self.data[index][start : start + len(data)] = data
+        self.filled[index][fragment] = offset + len(data)
+
+    def put_whole(self, index: int, data: bytes) -> None:
+        self.data[index][: len(data)] = data
+        self.filled[index] = [self.fragment_bytes(index)] * self.num_data[index]
+
+    def prefix(self, index: int) -> int:
+        """Bytes of block `index` complete from its start."""
+        size = self.fragment_bytes(index)
+        for fragment, done in enumerate(self.filled[index]):
+            if done < size:
+                return fragment * size + done
+        return self.block_bytes
+
+    def num_layers_ready(self) -> int:
+        layer_bytes = self.layout.chunk_bytes(1)
+        return min((self.prefix(i) // layer_bytes for i in range(len(self.data))), default=0)
+
+    def layer(self, layer: int) -> list[memoryview]:
+        size = self.layout.chunk_bytes(1)
+        return [memoryview(data)[layer * size : (layer + 1) * size] for data in self.data]
+
+    def is_checked(self, index: int) -> bool:
+        expected = self.block_checksums.get(index)
+        return expected is not None and checksum(memoryview(self.data[index])[: self.block_bytes]) == expected
+
+
+class LayerStream:
+    """One planned read (StoreClient.plan_stream). `run` feeds a load of its first `num_blocks` blocks."""
+
+    def __init__(self, client: StoreClient, model: str, block_hashes: list[bytes], plan: list[list[Source]],
+                 num_data: list[int]) -> None:
+        self.client = client
+        self.model = model
+        self.block_hashes = block_hashes
+        self.plan = plan
+        self.num_data = num_data
+
+    async def run(self, layout: KVLayout, num_blocks: int, write_layer: WriteLayer) -> bool:
+        """Stream, writing layers as they complete; True once every layer of every block is written."""
+        keys = self.block_hashes[:num_blocks]
+        buffers = _Buffers(layout, self.num_data[:num_blocks])
+        written = 0
+
+        def advance(limit: int) -> None:
+            nonlocal written
+            while written < min(buffers.num_layers_ready(), limit):
+                write_layer(written, buffers.layer(written))
+                written += 1
+
+        slice_bytes = slice_bytes_for(layout, num_blocks)
+        by_node: dict[str, list[tuple[int, int]]] = {}  # node -> (block index, fragment index)
+        for index, sources in enumerate(self.plan[:num_blocks]):
+            for source in sources:
+                by_node.setdefault(source.node, []).append((index, source.fragment_index))
+        nodes = self.client.nodes()
+        expected = layout_to_proto(layout)
+        await asyncio.gather(*(
+            self._pull(nodes.get(node, ""), keys, items, slice_bytes, buffers, expected,
+                       lambda: advance(layout.num_layers - 1))
+            for node, items in by_node.items()))
+        missing = [i for i in range(num_blocks) if buffers.prefix(i) < buffers.block_bytes or not buffers.is_checked(i)]
+        if missing and not await self._fill_whole(keys, missing, buffers):
+            return False
+        advance(layout.num_layers)  # every block checked: the last layer may go
+        return written == layout.num_layers
+
+    async def _pull(self, address: str, keys: list[bytes], items: list[tuple[int, int]], slice_bytes: int,
+                    buffers: _Buffers, expected: object, on_data: Callable[[], None]) -> bool:
+        if not address:
+            return False
+        positions = {keys[index]: (index, fragment) for index, fragment in items}
+        request = kvcache_pb2.GetRequest(block_hashes=[keys[i] for i, _ in items], model=self.model,
+                                         skip_missing=True, slice_bytes=slice_bytes)
+        headers: list[tuple[int, int]] = []  # (block index, fragment index), in the node's order
+        call = self.client._stub(address).Get(request, timeout=self.client.timeout_s)
+        try:
+            async for message in call:
+                if message.HasField("layout"):  # a header
+                    index, fragment = positions.get(message.block_hash, (-1, -1))
+                    if index < 0 or message.fragment_index != fragment or message.layout != expected:
+                        call.cancel()
+                        return False  # not what was planned: the detour reads it whole
+                    buffers.block_checksums[index] = message.block_checksum
+                    headers.append((index, fragment))
+                    continue
+                data = message.data  # each access to a bytes field copies it (upb): once
+                view, position = memoryview(data), 0
+                for index, fragment in headers[message.first_block :]:
+                    if position >= len(view):
+                        break
+                    size = max(0, min(slice_bytes, buffers.fragment_bytes(index) - message.offset))
+                    buffers.put(index, fragment, message.offset, view[position : position + size])
+                    position += size
+                metrics.KV_TRANSFER_BYTES.labels(direction="store_get").inc(len(data))
+                on_data()
+        except grpc.aio.AioRpcError as exc:
+            _store_failed("get", address, exc)
+            return False
+        return len(headers) == len(items)
+
+    async def _fill_whole(self, keys: list[bytes], missing: list[int], buffers: _Buffers) -> bool:
+        """The detour: read the missing blocks whole from any live holders (decoding parity), then check them."""
+        nodes = self.client.nodes()
+        wanted = [keys[i] for i in missing]
+        sources, _ = self.client._sources_from_index(wanted, nodes)
+        if len(sources) < len(wanted):
+            return False
+        fetched: dict[bytes, _Fetched] = await self.client._get_planned(self.model, wanted, sources, nodes)
+        for index, key in zip(missing, wanted):
+            blocks = await asyncio.to_thread(self.client._assemble, [key], fetched)
+            if not blocks:
+                return False
+            buffers.put_whole(index, blocks[0].data)
+            buffers.block_checksums[index] = checksum(blocks[0].data)
+        return True
+
+
+def plan_stream(client: StoreClient, model: str, block_hashes: Sequence[bytes]) -> LayerStream | None:
+    """The leading blocks the index says are stored, when all of them can be read from data fragments alone;
+    else None (then `fetch`, which decodes parity: a lost node must cost no block)."""
+    if not client.stream_layers or client.follower is None or not client.follower.is_caught_up:
+        return None
+    sources, num_data = client._sources_from_index(block_hashes, client.nodes())
+    plan = plan_reads(sources, num_data)
+    if not plan or any(s.fragment_index >= num_data[n] for n, chosen in enumerate(plan) for s in chosen):
+        return None
+    metrics.PREFILL_STORE_READS.labels(mode="stream").inc()
+    return LayerStream(client, model, list(block_hashes[: len(plan)]), plan, num_data[: len(plan)])

@@ -1,0 +1,162 @@
+"""Three real KV store nodes (serve(), in this process) on a real NATS with JetStream, and the prefill side's
+StoreClient writing 2+1 erasure-coded blocks: stopping any node loses no block, a node that returns with its SSD
+announces its fragments again, a replacement node gets the lost fragments back by repair, and a new follower
+rebuilds the global index by replaying the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from engine_core.kv_transfer import KVLayout
+from kvmesh.nats_server import EmbeddedNats, free_port
+from mesh import rpc
+from mesh.bus import Bus
+from mesh.discovery import WorkerRegistry
+from mesh.erasure import Protection
+from mesh.kv_index import GlobalKVIndex
+from mesh.kv_stream import KVEventFollower
+from mesh.pb import common_pb2
+from services.kvcache.config import KVCacheSettings
+from services.kvcache.server import serve
+from services.prefill.prefiller import StoreBlock
+from services.prefill.store_client import StoreClient
+
+from .harness import serving, wait_until
+
+LAYOUT = KVLayout("m", "float32", 16, 2, (2, 1, 16, 1, 8), 1)  # 2 layers of (k, v) x 16 tokens x 8: 2 KiB
+ROOT = b"\0" * 32
+
+
+def chain_blocks(count: int, seed: int) -> list[StoreBlock]:
+    keys = [bytes([seed, i]) * 16 for i in range(count)]
+    size = LAYOUT.num_layers * LAYOUT.chunk_bytes(1)
+    return [StoreBlock(key, keys[i - 1] if i else ROOT, LAYOUT, os.urandom(size)) for i, key in enumerate(keys)]
+
+
+class Node:
+    def __init__(self, nats_url: str, worker_id: str, data_dir: Path | None) -> None:
+        self.settings = KVCacheSettings(nats_url=nats_url, grpc_port=free_port(), http_port=free_port(),
+                                        worker_id=worker_id, heartbeat_interval_s=0.2, log_level="warning",
+                                        data_dir=str(data_dir) if data_dir else "", repair_interval_s=0.2,
+                                        repair_delay_s=0.3, drain_timeout_s=2.0)
+        self._stack: contextlib.AsyncExitStack | None = None
+
+    async def start(self) -> Node:
+        self._stack = contextlib.AsyncExitStack()
+        await self._stack.enter_async_context(serving(serve, self.settings))
+        return self
+
+    async def stop(self) -> None:
+        assert self._stack is not None
+        await self._stack.aclose()
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, Node], StoreClient, Path]]:
+    with EmbeddedNats(store_dir=tmp_path / "nats") as nats:
+        nodes = {f"kv-{i}": await Node(nats.url, f"kv-{i}", tmp_path / "ssd").start() for i in range(3)}
+        bus = await Bus.connect(nats.url, "test-client")
+        registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], 0.2)
+        await registry.start()
+        channels = rpc.Channels()
+        client = StoreClient(registry, channels, timeout_s=5.0, protection=Protection(2, 1))
+        await client.start(bus)
+        await wait_until(_async(lambda: len(client.nodes()) == 3))
+        try:
+            yield nats.url, nodes, client, tmp_path
+        finally:
+            await client.stop()
+            await registry.stop()
+            await channels.close()
+            for node in nodes.values():
+                with contextlib.suppress(Exception):
+                    await node.stop()
+            await bus.close()
+
+
+def _async(condition):
+    async def check() -> bool:
+        return condition()
+    return check
+
+
+def fragments_on(client: StoreClient, key: bytes, live: set[str]) -> dict[str, int]:
+    return {w: h.fragment_index for w, h in client.index.holders(key).items() if w in live}
+
+
+async def test_a_stopped_node_loses_no_block_and_a_replacement_is_repaired(cluster) -> None:
+    nats_url, nodes, client, tmp_path = cluster
+    blocks = chain_blocks(8, seed=1)
+    keys = [b.block_hash for b in blocks]
+    await client.put(blocks)
+    every = {"kv-0", "kv-1", "kv-2"}
+    await wait_until(_async(lambda: all(sorted(fragments_on(client, k, every).values()) == [0, 1, 2] for k in keys)))
+    assert await client.fetch("m", keys) == blocks
+    assert await client.fetch("m", [bytes(32)]) == []  # the index says no: not a single call
+
+    for stopped in sorted(nodes):  # any one node: every block is still read back, decoded from the other two
+        await nodes[stopped].stop()
+        await wait_until(_async(lambda: stopped not in client.nodes()))
+        assert await client.fetch("m", keys) == blocks, f"with {stopped} stopped"
+        nodes[stopped] = await Node(nats_url, stopped, tmp_path / "ssd").start()  # back, with its SSD
+        await wait_until(_async(lambda: all(stopped in fragments_on(client, k, every) for k in keys)))
+
+    # kv-1 is lost for good and kv-3 (empty) replaces it: repair rebuilds kv-1's fragments on kv-3
+    await nodes.pop("kv-1").stop()
+    nodes["kv-3"] = await Node(nats_url, "kv-3", None).start()
+    live = {"kv-0", "kv-2", "kv-3"}
+    await wait_until(_async(lambda: all(sorted(fragments_on(client, k, live).values()) == [0, 1, 2] for k in keys)),
+                     timeout_s=15)
+    await nodes.pop("kv-0").stop()  # and now any other node can go
+    assert await client.fetch("m", keys) == blocks
+
+
+async def test_a_new_follower_rebuilds_the_index_by_replay(cluster) -> None:
+    nats_url, nodes, client, _ = cluster
+    blocks = chain_blocks(40, seed=2)
+    await client.put(blocks)
+    await wait_until(_async(lambda: client.index.num_blocks() == 40))
+    bus = await Bus.connect(nats_url, "test-replay")
+    index = GlobalKVIndex()
+    follower = KVEventFollower(bus, index, tiers=frozenset({"host", "ssd"}))
+    try:
+        await follower.start()
+        assert await follower.wait_caught_up(timeout_s=10)
+        assert follower.replay_seconds is not None and follower.replay_seconds < 5
+        assert [index.holders(b.block_hash) for b in blocks] == [client.index.holders(b.block_hash) for b in blocks]
+    finally:
+        await follower.stop()
+        await bus.close()
+
+
+async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after_the_checksums(cluster) -> None:
+    nats_url, nodes, client, _ = cluster
+    blocks = chain_blocks(6, seed=3)
+    keys = [b.block_hash for b in blocks]
+    await client.put(blocks)
+    every = {"kv-0", "kv-1", "kv-2"}
+    await wait_until(_async(lambda: all(sorted(fragments_on(client, k, every).values()) == [0, 1, 2] for k in keys)))
+    stream = client.plan_stream("m", [*keys, bytes(32)])
+    assert stream is not None and stream.block_hashes == keys  # ends where the index says the prefix ends
+    written: list[tuple[int, list[bytes]]] = []
+    assert await stream.run(LAYOUT, len(keys), lambda layer, pieces: written.append((layer, [bytes(p) for p in pieces])))
+    size = LAYOUT.chunk_bytes(1)
+    assert [layer for layer, _ in written] == list(range(LAYOUT.num_layers))
+    assert all(pieces == [b.data[layer * size : (layer + 1) * size] for b in blocks] for layer, pieces in written)
+
+    # a node that dies after the plan was made: its blocks are read whole from the others (parity decoded)
+    stream = client.plan_stream("m", keys)
+    assert stream is not None
+    await nodes.pop("kv-1").stop()
+    written.clear()
+    assert await stream.run(LAYOUT, len(keys), lambda layer, pieces: written.append((layer, [bytes(p) for p in pieces])))
+    assert all(pieces == [b.data[layer * size : (layer + 1) * size] for b in blocks] for layer, pieces in written)
+    await wait_until(_async(lambda: "kv-1" not in client.nodes()))
+    assert client.plan_stream("m", keys) is None  # now some blocks need parity: fetch decodes them instead
+    assert await client.fetch("m", keys) == blocks
