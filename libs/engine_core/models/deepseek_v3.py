@@ -20,6 +20,7 @@ from torch import nn
 from devices.base import DeviceOps
 from engine_core.config import MLAConfig, ModelConfig, MoEConfig
 from engine_core.models.batch import ForwardBatch, write_cache
+from engine_core.models.experts import ExpertCounters, PhysicalExperts
 from engine_core.models.layers import CausalLM, CosSin, DecoderLayer, GatedMLP, RMSNorm
 from engine_core.models.loading import Target
 from engine_core.models.rope import RotaryEmbedding, _yarn_mscale
@@ -140,6 +141,11 @@ class MoEGate(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
+    """Shared experts plus the routed ones. The routed experts' logical weights (E, ...) are what checkpoints
+    load; under expert parallelism the engine sets `placement` (their copies in slot order, replicas of hot
+    experts included) and the tokens go to slots. `placement` and `counters` are set and replaced only by the
+    engine thread (engine_core.expert_parallel), between steps; a model outside an engine has neither."""
+
     def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
         super().__init__()
         moe = config.moe
@@ -150,10 +156,22 @@ class DeepseekMoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(moe.num_experts, hidden, inter), requires_grad=False)
         self.shared_experts = GatedMLP(hidden, inter * moe.num_shared_experts, ops) if moe.num_shared_experts else None
         self.ops = ops
+        self.placement: PhysicalExperts | None = None  # None: the logical experts are the slots, on one rank
+        self.counters: ExpertCounters | None = None
+        self.num_routed_tokens = 0  # every token so far: rotates tokens over an expert's replicas
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
-        out = self.ops.moe_experts(x, self.w_gate_up, self.w_down, topk_ids, topk_weights)
+        placement = self.placement
+        if placement is None:
+            slot_ids = None
+            out = self.ops.moe_experts(x, self.w_gate_up, self.w_down, topk_ids, topk_weights)
+        else:
+            slot_ids = placement.dispatch(topk_ids, self.num_routed_tokens)  # (T, k)
+            out = self.ops.moe_experts(x, placement.w_gate_up, placement.w_down, slot_ids, topk_weights)
+        self.num_routed_tokens += x.shape[0]
+        if self.counters is not None:
+            self.counters.record(topk_ids, slot_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
