@@ -17,12 +17,16 @@ from engine_core.engine import EngineStats, LLMEngine
 from engine_core.kv_cache.events import KVCacheEvent
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import RequestOutput
+from engine_core.structured_output import GrammarError
 
 T = TypeVar("T")
 
 # Called on the engine thread after each step that changed the prefix cache, so a hook can read the KV of
 # newly stored blocks before they could be evicted.
 KVEventHook = Callable[[LLMEngine, list[KVCacheEvent]], None]
+
+
+GRAMMAR_TIMEOUT_S = 10.0  # a grammar that compiles longer is refused (grammar blow-ups are an attack)
 
 
 class EngineFailure(RuntimeError):
@@ -63,6 +67,17 @@ class AsyncEngine:
         assert self._loop is not None, "start() first"
         self._calls.put((fn, self._loop.create_future()))
         self._wake.set()
+
+    async def prepare_grammar(self, params: SamplingParams, timeout_s: float = GRAMMAR_TIMEOUT_S) -> None:
+        """Compile the request's grammar, if any, on a worker thread (the engine thread only finds it in the
+        cache then). Past `timeout_s` it fails with GrammarError; the compile runs on but the request is refused."""
+        structured = params.structured_output
+        if structured is None or self.engine.grammars.is_cached(structured):
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.engine.grammars.compile, structured), timeout_s)
+        except asyncio.TimeoutError:
+            raise GrammarError(f"the {structured.kind} grammar took over {timeout_s:g} s to compile") from None
 
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
         """The queue that will receive the request's outputs; open it before the request can produce any."""

@@ -206,12 +206,19 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds unseeded sampling
     served_name: str | None = None  # the model's name in block hashes and APIs (default: the `model` argument)
+    # MoE models only (others ignore them): ranks the routed experts run on, and spare slots for replicas of hot
+    # experts; (experts + num_redundant_experts) must be a multiple of expert_parallel_size
+    expert_parallel_size: int = 1
+    num_redundant_experts: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+                     "expert_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ConfigError(f"num_redundant_experts must be a non-negative integer, got {self.num_redundant_experts!r}")
         for name in ("num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

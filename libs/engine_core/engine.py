@@ -11,8 +11,10 @@ owns the KV cache tensor; the KV cache manager owns block ownership).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +22,11 @@ import torch
 from devices import get_device
 from engine_core import model_store
 from engine_core.config import ConfigError, EngineConfig, ModelConfig
+from engine_core.expert_parallel import ExpertLayout, ExpertLoadReport, ExpertParallel, PreparedPlacement
 from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
 from engine_core.kv_cache.events import KVCacheEvent
 from engine_core.kv_cache.manager import KVCacheManager, cdiv
+from engine_core.kv_load import KVLoadFailed, LayerLoads
 from engine_core.kv_transfer import (
     KVExport, KVLayout, KVLayoutError, block_bytes_to_tensor, bytes_to_tensor, dtype_name, tensor_to_bytes,
 )
@@ -32,7 +36,8 @@ from engine_core.models import build_model
 from engine_core.request import Request, RequestStatus
 from engine_core.sampler import Sampler
 from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from engine_core.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from engine_core.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +75,15 @@ class LLMEngine:
         model.load_weights(checkpoint.tensors())  # type: ignore[operator]
         num_blocks = self._num_blocks(model)
         self.runner = ModelRunner(model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size)
+        self.experts = ExpertParallel.attach(model, self.model_config, config)  # None without MoE layers
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.loads = LayerLoads(self.kv.pool, self.runner.kv_caches, self.kv_layout, self.runner.block_axis)
         self.sampler = Sampler(config.seed)
         model_len = min(config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings)
         self.max_model_len = min(model_len, num_blocks * config.block_size)  # a request alone must always fit
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
         log.info("engine ready: %s on %s, %d KV blocks (%d MiB), context %d", self.served_name, self.ops.name,
@@ -127,6 +135,9 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len} tokens "
                 "(the prompt must leave room for at least one generated token)"
             )
+        if params.structured_output is not None and params.token_mask is None:
+            # compiled here only on a cache miss: the services compile ahead, off this thread (prepare_grammar)
+            params = dataclasses.replace(params, token_mask=self.grammars.token_mask(params.structured_output))
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -166,7 +177,15 @@ class LLMEngine:
         output = self.scheduler.schedule()
         if not output.scheduled:
             return self.scheduler.update(output, {})
-        logits = self.runner.execute(output)
+        self.loads.release_done()
+        wait_for_layer = self.loads.waiter([s.block_ids for s in output.scheduled])
+        try:
+            logits = self.runner.execute(output) if wait_for_layer is None else self.runner.execute(output, wait_for_layer)
+        except KVLoadFailed:
+            return self._recompute_failed_loads(output)
+        self.loads.release_done()  # a load this step waited for is complete: its requests hold its blocks now
+        if self.experts is not None:
+            self.experts.note_step()
         sampling = [s.request for s in output.scheduled if s.needs_sample]
         sampled = self.sampler(logits, sampling)
         self.num_generated_tokens += len(sampling)
@@ -174,8 +193,48 @@ class LLMEngine:
         logprobs = {r.request_id: lp for r, lp in zip(sampling, sampled.logprobs) if lp is not None}
         return self.scheduler.update(output, tokens, logprobs)
 
+    def _recompute_failed_loads(self, output: SchedulerOutput) -> list[RequestOutput]:
+        """A layer-by-layer load failed mid-step (engine_core.kv_load): the requests that read its blocks go back
+        to waiting and recompute; the step changed no other request's state, so the next step simply redoes it."""
+        failed = self.loads.failed_block_ids()
+        for item in output.scheduled:
+            if failed.intersection(item.block_ids):
+                self.scheduler.requeue(item.request)
+        self.loads.release_done()
+        log.warning("a KV load failed mid-step; %d block(s) dropped from the prefix cache, their requests recompute",
+                    len(failed))
+        return []
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.kv.pool.take_events()
+
+    # -- MoE experts: load counts and placements (engine_core.expert_parallel) --------------------------------
+    @property
+    def expert_layout(self) -> ExpertLayout | None:
+        return None if self.experts is None else self.experts.layout
+
+    def take_expert_report(self, min_steps: int = 1) -> ExpertLoadReport | None:
+        """Tokens per expert (and per rank) since the last report, once at least `min_steps` steps ran; None
+        before that, and for models without MoE layers."""
+        if self.experts is None or self.experts.num_steps < min_steps:
+            return None
+        return self.experts.take_report()
+
+    def prepare_expert_placement(self, phy2log: Sequence[Sequence[int]], version: int) -> PreparedPlacement:
+        """The weights of a new placement (layers, slots). Safe on any thread: it reads only the logical expert
+        weights, which nothing writes after loading. ValueError for a placement that does not fit."""
+        if self.experts is None:
+            raise ValueError(f"{self.served_name} has no MoE layers to place")
+        return self.experts.prepare(phy2log, version)
+
+    def apply_expert_placement(self, prepared: PreparedPlacement) -> bool:
+        """Switch every MoE layer to a prepared placement (between steps). False for a version not newer than
+        the current one."""
+        assert self.experts is not None
+        return self.experts.apply(prepared)
+
+    def set_expert_placement(self, phy2log: Sequence[Sequence[int]], version: int) -> bool:
+        return self.apply_expert_placement(self.prepare_expert_placement(phy2log, version))
 
     def stats(self) -> EngineStats:
         return EngineStats(

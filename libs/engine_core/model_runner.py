@@ -1,10 +1,13 @@
 """Runs the model for one scheduled step: builds the flattened batch, owns the KV cache tensor.
 
 `ModelRunner` is the only writer of the KV cache tensor (the model writes into it during `execute`,
-KV import writes through `write_blocks`).
+KV import writes through `write_blocks`), except for layer-by-layer loads (`engine_core.kv_load`), which write
+the layers of blocks they hold, each before any forward pass reads it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,8 +31,9 @@ class ModelRunner:
         return self.kv_caches.numel() * self.kv_caches.element_size()
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Compute every scheduled token; return logits (n, V) of the requests that sample, in scheduled order."""
+    def execute(self, output: SchedulerOutput, wait_for_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Compute every scheduled token; return logits (n, V) of the requests that sample, in scheduled order.
+        `wait_for_layer`: called before each layer (KV still arriving layer by layer: engine_core.kv_load)."""
         device = self.ops.torch_device
         input_ids, positions, slots, sample_rows = [], [], [], []
         decode_tables, decode_lens, prefills = [], [], []
@@ -56,6 +60,7 @@ class ModelRunner:
             num_decode_tokens=len(decode_lens),
             decode=self._prepare_decode(decode_tables, decode_lens),
             prefills=tuple(prefills),
+            wait_for_layer=wait_for_layer,
         )
         hidden = self.model(torch.cat(input_ids).to(device), batch, self.kv_caches)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=device)

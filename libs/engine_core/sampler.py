@@ -34,7 +34,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits (B, V), one row per request (any float dtype, any device)."""
-        logits = logits.float()
+        logits = logits.to(torch.float32, copy=True)  # our own copy: masks and penalties write it in place
         raw_logprobs = _raw_logprobs(logits, requests)
         logits = _apply_masks(logits, requests)
         logits = _apply_penalties(logits, requests)
@@ -150,7 +150,8 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch
 def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     for i, request in enumerate(requests):
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        # a grammar decides when the output may end (it may allow nothing but EOS): min_tokens yields to it
+        if request.num_output_tokens >= params.min_tokens or params.structured_output is not None:
             continue
         blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
         if blocked:

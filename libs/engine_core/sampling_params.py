@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_core.structured_output import StructuredOutput
+
 # A per-request token mask hook: given the tokens generated so far, the vocabulary entries allowed next
 # ((V,) bool, True = allowed), or None for no restriction. Grammars (structured output) plug in here.
 TokenMaskFn = Callable[[Sequence[int]], "torch.Tensor | None"]
@@ -38,6 +40,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # a grammar every sampled token must follow; the engine turns it into `token_mask` when the request is added
+    structured_output: StructuredOutput | None = None
     token_mask: TokenMaskFn | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

@@ -182,6 +182,16 @@ class Scheduler:
             results.append(_output(request, [request.output_token_ids[-1]], new_logprobs))
         return results
 
+    def requeue(self, request: Request) -> None:
+        """Send a running request back to waiting, to recompute from scratch: KV it read turned out bad (a load
+        from a KV store failed mid-step, before this step's update)."""
+        if request.status != RequestStatus.RUNNING:
+            return
+        self.running.remove(request)
+        self.num_prefix_hit_tokens -= max(request.num_cached_tokens, 0)
+        request.num_cached_tokens = -1
+        self._preempt(request)
+
     # -- helpers -------------------------------------------------------------------------------------
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, num_new, tuple(self.kv.block_ids(request.request_id)))

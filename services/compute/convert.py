@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from engine_core import EngineStats, SamplingParams
 from engine_core.kv_transfer import KVLayout
 from engine_core.request import TokenLogprobs
+from engine_core.structured_output import StructuredOutput
 from mesh.pb import common_pb2
 
 FINISH_REASONS = {
@@ -36,7 +37,22 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty or 1.0,
+        structured_output=structured_from_proto(p.structured_output) if p.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutput | None:
+    """Raises GrammarError (a ValueError) for an unknown kind or an oversized grammar."""
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        return None
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(p, kind))
+
+
+def structured_to_proto(structured: StructuredOutput) -> common_pb2.StructuredOutput:
+    if structured.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    return common_pb2.StructuredOutput(**{structured.kind: structured.spec})  # type: ignore[arg-type]
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -47,6 +63,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, logprobs=params.logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
+        structured_output=structured_to_proto(params.structured_output) if params.structured_output else None,
     )
 
 

@@ -14,7 +14,9 @@ import torch
 from engine_core import EngineStats, LLMEngine
 from engine_core.async_engine import AsyncEngine, KVEventHook
 from engine_core.kv_transfer import KVLayout
+from mesh.bus import Bus
 from mesh.logging import get_logger
+from services.compute.experts import ExpertSync
 from services.compute.settings import WorkerSettings
 
 log = get_logger(__name__)
@@ -28,6 +30,7 @@ class ModelEngines:
     def __init__(self, engines: dict[str, AsyncEngine]) -> None:
         self._engines = engines
         self._layouts = {name: e.engine.kv_layout for name, e in engines.items()}
+        self._expert_sync: ExpertSync | None = None  # set once at start (start_expert_sync)
 
     @classmethod
     async def load(cls, settings: WorkerSettings,
@@ -47,7 +50,15 @@ class ModelEngines:
             raise
         return cls(engines)
 
+    async def start_expert_sync(self, bus: Bus | None, worker_id: str, report_steps: int) -> None:
+        """Expert load reports and plans for the MoE models (services.compute.experts); off when report_steps is 0."""
+        if report_steps > 0 and bus is not None:
+            self._expert_sync = ExpertSync(self._engines, bus, worker_id, report_steps)
+            await self._expert_sync.start()
+
     async def stop(self) -> None:
+        if self._expert_sync is not None:
+            await self._expert_sync.stop()
         for engine in self._engines.values():
             await engine.stop()
 

@@ -19,6 +19,11 @@ class WorkerSettings(ServiceSettings):
     max_num_batched_tokens: int = 1024
     torch_threads: int = 1  # several roles often share one machine's cores
     block_size: int = 16  # tokens per KV block: prefill and decode must agree (the KV layout says so)
+    # MoE models: expert parallelism simulated in the worker (ranks, spare slots for replicas of hot experts), and
+    # expert load reports every this many engine steps, with plans from expert_lb applied (0: neither)
+    expert_parallel_size: int = 1
+    num_redundant_experts: int = 0
+    expert_report_steps: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -26,11 +31,16 @@ class WorkerSettings(ServiceSettings):
         require(len(set(self.models)) == len(self.models), "models", self.models, "must not repeat a model")
         require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
         for name in ("kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "torch_threads",
-                     "block_size"):
+                     "block_size", "expert_parallel_size"):
             value = getattr(self, name)
             require(value > 0, name, value, "must be positive")
+        for name in ("num_redundant_experts", "expert_report_steps"):
+            value = getattr(self, name)
+            require(value >= 0, name, value, "must not be negative")
 
     def engine_config(self, model: str) -> EngineConfig:
         return EngineConfig(model, device=self.device, block_size=self.block_size,
                             kv_cache_memory_bytes=self.kv_cache_memory_bytes, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens, served_name=model)
+                            max_num_batched_tokens=self.max_num_batched_tokens, served_name=model,
+                            expert_parallel_size=self.expert_parallel_size,
+                            num_redundant_experts=self.num_redundant_experts)

@@ -80,6 +80,7 @@ class Decoder:
         request_id = header.request_id
         self._importing[request_id] = header.model  # claimed before the first await: no duplicate slips in
         try:
+            await engine.prepare_grammar(header.params)  # compiled before the request joins the batch
             # cancelled while waiting, the reservation still happens: the abort queued after it undoes it
             begun = await self._aborting_on_failure(engine, request_id, engine.call(lambda e: e.begin_kv_import(
                 request_id, header.prompt_token_ids, header.output_token_ids, header.params, header.layout,

@@ -131,6 +131,7 @@ class DecodeService:
                 load=lambda: worker_load(engines.stats().values()), models=engines.models,
                 max_num_seqs=settings.max_num_seqs, num_kv_blocks=engines.num_kv_blocks,
                 block_size=settings.block_size)
+            await engines.start_expert_sync(runtime.bus, runtime.worker_id, settings.expert_report_steps)
         except BaseException:
             await service.stop()
             raise

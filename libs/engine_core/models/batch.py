@@ -7,6 +7,7 @@ ones (prefill chunks), each a contiguous segment attended causally over its cont
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,9 @@ class ForwardBatch:
     num_decode_tokens: int  # rows [0, num_decode_tokens) are single-token requests
     decode: DecodeBatch | None  # their block tables, prepared by the device
     prefills: tuple[PrefillSegment, ...]  # the multi-token segments, after the decodes
+    # Called before each layer runs, with its index, when some of the KV it reads is still arriving (a layer-by-
+    # layer load from a KV store, engine_core.kv_load); returns once that layer's KV is written.
+    wait_for_layer: Callable[[int], None] | None = None
 
 
 def write_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:

@@ -90,7 +90,9 @@ class CausalLM(nn.Module):
         """input_ids (T,) -> final hidden states (T, Hd)."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(batch.positions)
-        for layer, cache in zip(self.model.layers, kv_caches):
+        for index, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if batch.wait_for_layer is not None:
+                batch.wait_for_layer(index)  # KV loaded from elsewhere: this layer's has arrived
             x = layer(x, cos_sin, self.rope, cache, batch)
         return self.model.norm(x)
 

@@ -1,0 +1,167 @@
+"""Structured output: a grammar travels with a request (`SamplingParams.structured_output`) and masks every
+token it samples, wherever the request runs (prefill samples the first token, decode the rest).
+
+    StructuredOutput    what the request asks for: a grammar kind and its text (the wire form)
+    build_grammar       the kind + text as an xgrammar Grammar, with no tokenizer (cheap: the gateway uses it
+                        to refuse a bad grammar before routing)
+    GrammarCompiler     one per engine (so per model): the grammar bound to the model's vocabulary, compiled
+                        once per distinct StructuredOutput and kept in an LRU cache
+    grammar_mask        a SamplingParams.token_mask hook over a GrammarMatcher: it advances over the output
+                        tokens it has not seen yet (on decode: the token prefill sampled) before masking
+
+Compilation is bounded: the text's size is capped here, and the services compile off the engine thread with
+a deadline (`AsyncEngine.prepare_grammar`), so a grammar blow-up fails the request, not the worker.
+xgrammar is imported lazily: it pulls in transformers, which costs seconds at import.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from engine_core.sampling_params import TokenMaskFn
+    from engine_core.tokenizer import Tokenizer
+
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar's text (tool grammars embed each tool's JSON grammar)
+CACHE_SIZE = 256  # compiled grammars kept per engine
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be built or compiled: the request's fault (INVALID_ARGUMENT, HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    kind: str  # one of KINDS
+    spec: str  # the schema (JSON text), regex, EBNF or structural tag (JSON text); "" for json_object
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r} (known: {', '.join(KINDS)})")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"the grammar is {len(self.spec)} characters; at most {MAX_GRAMMAR_CHARS} are allowed")
+
+
+# json_object: any JSON object. Compact separators like json_schema's; whitespace-free output also keeps a
+# weak model from filling its budget with blank lines.
+_ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
+
+
+def build_grammar(structured: StructuredOutput) -> xgrammar.Grammar:
+    """The grammar, checked for syntax, without a tokenizer. Raises GrammarError."""
+    import xgrammar as xgr
+
+    try:
+        if structured.kind == "json_schema":
+            return xgr.Grammar.from_json_schema(structured.spec, any_whitespace=False)
+        if structured.kind == "json_object":
+            return xgr.Grammar.from_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+        if structured.kind == "regex":
+            return xgr.Grammar.from_regex(structured.spec)
+        if structured.kind == "ebnf":
+            return xgr.Grammar.from_ebnf(structured.spec)
+        return xgr.Grammar.from_structural_tag(structured.spec)
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad input as these
+        raise GrammarError(f"invalid {structured.kind} grammar: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    message = text[0] if text else type(exc).__name__
+    # xgrammar prefixes "[time] /path/file.cc:line: "; the rest is the message
+    return message.split(": ", 1)[1] if message.startswith("[") and ": " in message else message
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgrammar.TokenizerInfo:
+    """xgrammar's view of our tokenizer: its vocabulary (decoded from the `tokenizers` backend, byte-level or
+    byte-fallback as detected), padded to the model's vocab_size (the logits' width), and the stop tokens
+    a finished grammar allows."""
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
+    return xgr.TokenizerInfo.from_huggingface(wrapped, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+
+
+class GrammarCompiler:
+    """One model's compiled grammars. Thread-safe: the services compile on worker threads, and the engine
+    thread looks grammars up (compiling only on a cache miss) when a request is added."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = tuple(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use (seconds for a large vocab)
+        self._cache: collections.OrderedDict[StructuredOutput, xgrammar.CompiledGrammar] = collections.OrderedDict()
+        self._lock = threading.Lock()  # guards _compiler and _cache
+
+    def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
+        import xgrammar as xgr
+
+        with self._lock:
+            if self._compiler is None:
+                if self._tokenizer is None:
+                    raise GrammarError("this model has no tokenizer, so it cannot follow a grammar")
+                info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, structured: StructuredOutput) -> xgrammar.CompiledGrammar:
+        with self._lock:
+            compiled = self._cache.get(structured)
+            if compiled is not None:
+                self._cache.move_to_end(structured)
+                return compiled
+        grammar = build_grammar(structured)
+        try:
+            compiled = self._xgr_compiler().compile_grammar(grammar)
+        except (RuntimeError, ValueError) as exc:
+            raise GrammarError(f"the {structured.kind} grammar does not compile: {_first_line(exc)}") from None
+        with self._lock:
+            self._cache[structured] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def is_cached(self, structured: StructuredOutput) -> bool:
+        with self._lock:
+            return structured in self._cache
+
+    def token_mask(self, structured: StructuredOutput) -> TokenMaskFn:
+        return grammar_mask(self.compile(structured), self._vocab_size)
+
+
+def grammar_mask(compiled: Any, vocab_size: int) -> TokenMaskFn:
+    """A token_mask hook for one request. The matcher is the hook's own state, written only by the hook (on
+    the engine thread): it accepts each output token it has not seen, then says which tokens may follow."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # (1, ceil(V / 32)) int32
+    shifts = torch.arange(32, dtype=torch.int32)
+    num_accepted = 0
+
+    def mask(output_token_ids: Sequence[int]) -> torch.Tensor | None:
+        nonlocal num_accepted
+        assert len(output_token_ids) >= num_accepted, "output tokens never shrink"
+        for token_id in output_token_ids[num_accepted:]:
+            if matcher.is_terminated():  # ignore_eos past the grammar's end: only stop tokens stay allowed
+                break
+            if not matcher.accept_token(token_id):  # impossible unless something overrode the mask
+                raise GrammarError(f"token {token_id} breaks the grammar")
+        num_accepted = len(output_token_ids)
+        if not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask)
+        bits = (bitmask[0, :, None] >> shifts) & 1  # (ceil(V / 32), 32): bit j of word i is token 32 i + j
+        return bits.reshape(-1)[:vocab_size].bool()  # (V,)
+
+    return mask
