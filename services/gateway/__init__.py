@@ -1,15 +1,21 @@
-"""The gateway: speaks OpenAI's Chat Completions (aiohttp) and kvmesh's Gateway gRPC API, and drives each
-request through the mesh: route (balancer) -> prefill -> decode stream, detokenizing as tokens arrive.
+"""The gateway: speaks OpenAI's Chat Completions, Completions and Responses, Anthropic's Messages (aiohttp)
+and kvmesh's Gateway gRPC API, and drives each request through the mesh: route (balancer) -> prefill ->
+decode stream, detokenizing as tokens arrive.
 
-    config.py       GatewaySettings (KVMESH_*)
-    auth.py         API keys, held as SHA-256 digests
-    errors.py       GatewayError and the one mapping to HTTP statuses, OpenAI error bodies and gRPC codes
-    catalog.py      the models whose tokenizers the gateway holds: chat templates, context lengths
-    sampling.py     request fields -> the wire's SamplingParams, validated by the engine's rules
-    openai_api.py   Chat Completions bodies -> ChatRequest; completions, chunks and errors -> JSON
-    detokenizer.py  incremental detokenization and stop strings
-    mesh_view.py    what the heartbeats say: live balancers, served models, readiness
-    pipeline.py     one request's life: route, prefill (with retries), decode stream
-    telemetry.py    metrics and the one log line per finished request
-    http_app.py     the REST app; grpc_api.py the Gateway servicer; server.py wires them up
+    config.py          GatewaySettings (KVMESH_*)
+    auth.py            API keys, held as SHA-256 digests
+    errors.py          GatewayError and the one mapping to HTTP statuses, OpenAI/Anthropic bodies, gRPC codes
+    catalog.py         the models whose tokenizers the gateway holds: chat templates, context lengths
+    sampling.py        request fields -> the wire's SamplingParams, validated by the engine's rules
+    schema_support.py  which JSON Schemas the grammar enforces (a 400 naming any other feature)
+    tool_calls.py      tool-call formats (DeepSeek's tokens, Hermes): prompt, grammar, streaming parser
+    chat.py            one chat turn for every API: prompt, grammar, n generations -> events
+    openai_api.py      Chat Completions bodies -> ChatRequest; completions, chunks and errors -> JSON
+    detokenizer.py     incremental detokenization and stop strings
+    mesh_view.py       what the heartbeats say: live balancers, served models, readiness
+    pipeline.py        one generation's life: route, prefill (with retries), decode stream
+    telemetry.py       metrics and the one log line per finished request
+    http_app.py        the REST app (keys, errors, SSE); openai_http.py, responses_api.py (+ response_store.py,
+                       NATS JetStream KV), anthropic_api.py the APIs; openapi.py its OpenAPI document
+    grpc_api.py        the Gateway servicer; server.py wires them up
 """

@@ -6,6 +6,7 @@ weights), then read-only.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,20 @@ from engine_core.config import ConfigError
 from engine_core.loader.checkpoint import open_checkpoint
 from engine_core.tokenizer import ChatTemplateError, Tokenizer
 from services.gateway.errors import ErrorKind, GatewayError, invalid
+from services.gateway.tool_calls import ToolSyntax, syntax_for
+
+
+@functools.cache
+def bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that spells each byte, inverted (character -> byte)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {byte: chr(byte) for byte in kept}
+    shifted = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + shifted)
+            shifted += 1
+    return {char: byte for byte, char in chars.items()}
 
 
 @dataclass(frozen=True)
@@ -22,6 +37,29 @@ class ServedModel:
     name: str
     tokenizer: Tokenizer
     context_len: int  # prompt + generated tokens must fit (the model's max_position_embeddings)
+
+    @functools.cached_property
+    def tool_syntax(self) -> ToolSyntax:
+        """How this model writes tool calls (its vocabulary tells: DeepSeek's tool tokens, else Hermes)."""
+        return syntax_for(self.tokenizer.backend.get_vocab(with_added_tokens=True))
+
+    @functools.cached_property
+    def _byte_decoder(self) -> dict[str, int] | None:
+        """GPT-2's byte-level alphabet -> bytes, when this vocabulary is spelled in it (None otherwise)."""
+        chars = bytes_to_unicode()
+        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=False)
+        spelled = sum(all(c in chars for c in piece) for piece in vocab)
+        return chars if spelled >= 0.99 * len(vocab) else None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's exact bytes (a byte-level piece may hold part of a UTF-8 character)."""
+        piece = self.tokenizer.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        decoder = self._byte_decoder
+        if decoder is not None and all(c in decoder for c in piece):
+            return bytes(decoder[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The chat as the model was trained to see it, ready for generation, as token ids."""

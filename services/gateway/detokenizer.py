@@ -53,15 +53,17 @@ class StopMatcher:
         self.stops = tuple(stop for stop in stops if stop)
         self._max_held = max((len(stop) for stop in self.stops), default=1) - 1
         self._pending = ""  # text received and not yet emitted; never contains a whole stop string
+        self.matched: str | None = None  # the stop string found (the earliest; the first listed on a tie)
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was found: nothing after it may be emitted)."""
         if not self.stops:
             return text, False
         self._pending += text
-        starts = [start for stop in self.stops if (start := self._pending.find(stop)) >= 0]
+        starts = [(start, stop) for stop in self.stops if (start := self._pending.find(stop)) >= 0]
         if starts:
-            emitted, self._pending = self._pending[:min(starts)], ""
+            start, self.matched = min(starts, key=lambda found: found[0])
+            emitted, self._pending = self._pending[:start], ""
             return emitted, True
         num_safe = len(self._pending) - self._num_to_hold()
         emitted, self._pending = self._pending[:num_safe], self._pending[num_safe:]
@@ -86,6 +88,11 @@ class Detokenizer:
         self._decoder = IncrementalDecoder(tokenizer, prompt_token_ids)
         self._stops = StopMatcher(stop)
         self.is_stopped = False
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._stops.matched
 
     def push(self, token_id: int) -> str:
         assert not self.is_stopped, "no tokens after a stop string"

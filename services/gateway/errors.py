@@ -59,6 +59,25 @@ class GatewayError(Exception):
     def http_headers(self) -> dict[str, str]:
         return {"retry-after": str(RETRY_AFTER_S)} if self.kind is ErrorKind.RATE_LIMITED else {}
 
+    # -- Anthropic's shape (/v1/messages) -------------------------------------------------------------
+    @property
+    def anthropic_status(self) -> int:
+        return OVERLOADED_STATUS if self.kind is ErrorKind.RATE_LIMITED else self.http_status
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """`{"type": "error", "error": {"type", "message"}}`; a saturated mesh is `overloaded_error`."""
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.kind, "api_error"), "message": self.message}}
+
+
+OVERLOADED_STATUS = 529  # Anthropic's "overloaded": its SDK retries it
+_ANTHROPIC_TYPES = {
+    ErrorKind.INVALID_REQUEST: "invalid_request_error", ErrorKind.CONTEXT_LENGTH: "invalid_request_error",
+    ErrorKind.TOO_LARGE: "request_too_large", ErrorKind.METHOD_NOT_ALLOWED: "invalid_request_error",
+    ErrorKind.INVALID_API_KEY: "authentication_error", ErrorKind.MODEL_NOT_FOUND: "not_found_error",
+    ErrorKind.NOT_FOUND: "not_found_error", ErrorKind.RATE_LIMITED: "overloaded_error",
+    ErrorKind.TIMEOUT: "timeout_error",
+}
+
 
 def invalid(param: str | None, message: str) -> GatewayError:
     return GatewayError(ErrorKind.INVALID_REQUEST, message, param)

@@ -1,11 +1,13 @@
-"""The Gateway gRPC service: Generate streams one generation through the same pipeline as the REST API;
-ListModels. The key comes in `authorization: Bearer <key>` metadata. GatewayError -> status code happens in
+"""The Gateway gRPC service: Generate runs a chat turn exactly as the REST APIs do (chat.py: tools,
+structured output, logprobs, n), streaming one message per event; ListModels. The key comes in `authorization: Bearer <key>` metadata. GatewayError -> status code happens in
 errors.py (ErrorKind.grpc_code); this module only converts messages."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -13,12 +15,16 @@ import grpc.aio
 from mesh.logging import REQUEST_ID_KEY, bind_request_id, get_logger
 from mesh.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.auth import bearer_key
-from services.gateway.catalog import ServedModel
+from engine_core.structured_output import StructuredOutput
+from services.gateway.chat import (
+    ArgsEvent, CallStartEvent, ChatEvent, ChatRun, ChatTurn, FinishEvent, TextEvent, TokensEvent, start_chat,
+)
 from services.gateway.core import GatewayCore, new_request_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
-from services.gateway.openai_api import MAX_STOP_STRINGS, ROLES
-from services.gateway.pipeline import Delta, Generation, GenerationStream
+from services.gateway.openai_api import MAX_STOP_STRINGS, parse_message, tool_call_message
 from services.gateway.sampling import check_wire
+from services.gateway.schema_support import checked_grammar, json_schema_output
+from services.gateway.tool_calls import Tool, ToolChoice, parse_tool
 from services.gateway.telemetry import RequestRecord
 
 GENERATE_API = "grpc.generate"
@@ -32,47 +38,110 @@ def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
     return None
 
 
-def _prompt(request: gateway_pb2.GenerateRequest, model: ServedModel) -> tuple[list[int], str]:
-    """(prompt token ids, the field they came from) from exactly one of messages, prompt, prompt_token_ids."""
+def _messages(request: gateway_pb2.GenerateRequest) -> list[dict[str, Any]]:
+    messages = []
+    for index, message in enumerate(request.messages):
+        raw: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            raw["tool_calls"] = [tool_call_message(c.id, c.name, c.arguments) for c in message.tool_calls]
+        if message.tool_call_id:
+            raw["tool_call_id"] = message.tool_call_id
+        messages.append(parse_message(raw, f"messages[{index}]"))
+    return messages
+
+
+def _prompt(request: gateway_pb2.GenerateRequest) -> tuple[list[dict[str, Any]], str | list[int] | None, str]:
+    """(messages, raw prompt, the field it came from) from exactly one of messages, prompt, prompt_token_ids."""
     given = [name for name, present in (("messages", bool(request.messages)), ("prompt", bool(request.prompt)),
                                         ("prompt_token_ids", bool(request.prompt_token_ids))) if present]
     if len(given) != 1:
         raise invalid("messages", "give exactly one of messages, prompt and prompt_token_ids")
     if given[0] == "messages":
-        messages = []
-        for index, message in enumerate(request.messages):
-            if message.role not in ROLES:
-                raise invalid(f"messages[{index}].role", "role must be one of system, developer, user, assistant")
-            messages.append({"role": ROLES[message.role], "content": message.content})
-        return model.render_chat(messages), "messages"
+        return _messages(request), None, "messages"
     if given[0] == "prompt":
-        return model.encode_prompt(request.prompt), "prompt"
-    token_ids = list(request.prompt_token_ids)
-    model.check_token_ids(token_ids, "prompt_token_ids")
-    return token_ids, "prompt_token_ids"
+        return [], request.prompt, "prompt"
+    return [], list(request.prompt_token_ids), "prompt_token_ids"
 
 
-def to_generation(core: GatewayCore, request: gateway_pb2.GenerateRequest, request_id: str) -> Generation:
-    model = core.catalog.require(request.model)
-    token_ids, prompt_param = _prompt(request, model)
+def _tools(request: gateway_pb2.GenerateRequest) -> tuple[Tool, ...]:
+    tools = []
+    for index, tool in enumerate(request.tools):
+        try:
+            parameters = json.loads(tool.parameters_json) if tool.parameters_json else None
+        except ValueError:
+            raise invalid(f"tools[{index}].parameters_json", "tool parameters must be JSON text") from None
+        tools.append(parse_tool(tool.name, tool.description, parameters, f"tools[{index}]"))
+    return tuple(tools)
+
+
+def _tool_choice(choice: str, has_tools: bool) -> ToolChoice:
+    if not choice:
+        return ToolChoice("auto" if has_tools else "none")
+    return ToolChoice(choice) if choice in ("none", "auto", "required") else ToolChoice("named", choice)
+
+
+def _response_format(request: gateway_pb2.GenerateRequest) -> StructuredOutput | None:
+    if not request.HasField("response_format"):
+        return None
+    kind = request.response_format.WhichOneof("kind")
+    if kind == "json_object":
+        return StructuredOutput("json_object", "")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(request.response_format.json_schema)
+        except ValueError:
+            raise invalid("response_format.json_schema", "the schema must be JSON text") from None
+        return json_schema_output(schema, "response_format.json_schema")
+    if kind == "regex":
+        return checked_grammar("regex", request.response_format.regex, "response_format.regex")
+    return None
+
+
+def to_turn(core: GatewayCore, request: gateway_pb2.GenerateRequest) -> ChatTurn:
+    core.catalog.require(request.model)
+    messages, prompt, prompt_param = _prompt(request)
     sampling = request.sampling if request.HasField("sampling") else common_pb2.SamplingParams()
     check_wire(sampling)
     if len(request.stop) > MAX_STOP_STRINGS:
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
-    return core.generation(request_id, model, token_ids, sampling, list(request.stop), request.cache_salt,
-                           request.traffic_class, prompt_param, "sampling.max_tokens")
+    tools = _tools(request)
+    logprobs = sampling.HasField("logprobs")
+    wire = common_pb2.SamplingParams()
+    wire.CopyFrom(sampling)
+    wire.ClearField("logprobs")  # start_chat sets it from the turn
+    wire.ClearField("structured_output")  # only response_format sets a grammar here: it is checked first
+    return ChatTurn(model=request.model, messages=messages, sampling=wire, max_tokens_param="sampling.max_tokens",
+                    stop=tuple(request.stop), tools=tools, tool_choice=_tool_choice(request.tool_choice, bool(tools)),
+                    parallel_tool_calls=request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True,
+                    response_format=_response_format(request), n=request.n or 1, logprobs=logprobs,
+                    top_logprobs=sampling.logprobs if logprobs else 0, cache_salt=request.cache_salt,
+                    traffic_class=request.traffic_class, prompt_param=prompt_param, prompt=prompt)
 
 
-def _response(request_id: str, stream: GenerationStream, delta: Delta) -> gateway_pb2.GenerateResponse:
-    response = gateway_pb2.GenerateResponse(
-        request_id=request_id, text=delta.text, token_ids=delta.token_ids,
-        finish_reason=delta.finish_reason,  # type: ignore[arg-type]
-        prefill_worker=stream.placement.prefill_worker, decode_worker=stream.placement.decode_worker)
-    if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-        usage = stream.usage
+def _response(request_id: str, run: ChatRun, event: ChatEvent) -> gateway_pb2.GenerateResponse | None:
+    placement = run.choices[event.choice].stream.placement
+    response = gateway_pb2.GenerateResponse(request_id=request_id, index=event.choice,
+                                            prefill_worker=placement.prefill_worker,
+                                            decode_worker=placement.decode_worker)
+    if isinstance(event, TokensEvent):
+        response.token_ids.extend(event.token_ids)
+        response.logprobs.extend(event.raw_logprobs)
+    elif isinstance(event, TextEvent):
+        response.text = event.text
+    elif isinstance(event, CallStartEvent):
+        response.tool_calls.append(gateway_pb2.ToolCallDelta(index=event.call_index, id=event.call_id, name=event.name))
+    elif isinstance(event, ArgsEvent):
+        response.tool_calls.append(gateway_pb2.ToolCallDelta(index=event.call_index, arguments=event.delta))
+    elif isinstance(event, FinishEvent):
+        response.finish = event.finish_reason
+        response.finish_reason = (common_pb2.FINISH_REASON_LENGTH if event.finish_reason == "length"
+                                  else common_pb2.FINISH_REASON_STOP)
+        usage = run.usage
         response.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=usage.prompt_tokens,
                                                   completion_tokens=usage.completion_tokens,
                                                   cached_tokens=usage.cached_tokens))
+    else:
+        return None
     return response
 
 
@@ -94,16 +163,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if self.core.catalog.get(request.model) is not None:
                     record.admit(request.model)
                 with self.core.track():
-                    stream = await self.core.pipeline.start(to_generation(self.core, request, request_id),
-                                                            self.core.deadline())
-                    record.stream = stream
+                    turn = to_turn(self.core, request)
+                    run = await start_chat(self.core, turn, request_id, record.on_tokens)
+                    record.stream = run.choices[0].stream
                     try:
-                        async for delta in stream.deltas():
-                            record.on_tokens(len(delta.token_ids))
-                            if delta.text or delta.token_ids or delta.finish_reason:
-                                yield _response(request_id, stream, delta)
+                        async for event in run.events():
+                            response = _response(request_id, run, event)
+                            if response is not None:
+                                yield response
                     finally:
-                        stream.close()
+                        run.close()
                 record.finish(grpc.StatusCode.OK.name)
             except GatewayError as error:
                 record.finish(error.kind.grpc_code.name)

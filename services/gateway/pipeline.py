@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
@@ -67,6 +67,7 @@ class Delta:
     text: str  # new text since the last delta (maybe "" while a character or a possible stop is held back)
     token_ids: list[int]  # the tokens it came from (none after a stop string)
     finish_reason: int  # common_pb2.FinishReason: STOP or LENGTH on the last delta, else UNSPECIFIED
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # one per token, when asked for
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,8 @@ class GenerationStream:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The output, batch by batch, until a finish reason (raises GatewayError if a worker fails)."""
-        yield self._accept([self._first.first_token_id], self._first.finish_reason)
+        first_logprobs = [self._first.first_logprob] if self._first.HasField("first_logprob") else []
+        yield self._accept([self._first.first_token_id], self._first.finish_reason, first_logprobs)
         if self.finish_reason != NOT_FINISHED:
             return
         self._call = self._pipeline.open_decode_stream(self.placement, self._deadline)
@@ -219,7 +221,7 @@ class GenerationStream:
             async for batch in self._call:
                 if batch.finish_reason != NOT_FINISHED:
                     self._is_held_by_decode = False
-                delta = self._accept(batch.token_ids, batch.finish_reason)
+                delta = self._accept(batch.token_ids, batch.finish_reason, batch.logprobs)
                 if delta.text or delta.finish_reason != NOT_FINISHED:
                     yield delta
                 if self.finish_reason != NOT_FINISHED:
@@ -233,7 +235,13 @@ class GenerationStream:
         if self.finish_reason == NOT_FINISHED:
             raise GatewayError(ErrorKind.UNAVAILABLE, "the decode worker ended the stream before the request finished")
 
-    def _accept(self, token_ids: Sequence[int], finish_reason: int) -> Delta:
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._detokenizer.stop_string
+
+    def _accept(self, token_ids: Sequence[int], finish_reason: int,
+                logprobs: Sequence[common_pb2.TokenLogprob] = ()) -> Delta:
         if finish_reason == common_pb2.FINISH_REASON_ABORT:
             raise GatewayError(ErrorKind.UNAVAILABLE, "the worker aborted the request; retry shortly")
         texts, accepted = [], []
@@ -248,7 +256,7 @@ class GenerationStream:
             finish_reason = common_pb2.FINISH_REASON_STOP
         self.num_completion_tokens += len(accepted)
         self.finish_reason = finish_reason
-        return Delta("".join(texts), accepted, finish_reason)
+        return Delta("".join(texts), accepted, finish_reason, list(logprobs[:len(accepted)]))
 
     def close(self) -> None:
         """Free what the workers hold for an unfinished generation. Safe to call twice. Cancelling the stream

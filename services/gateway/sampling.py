@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from engine_core.sampling_params import SamplingParams, SamplingParamsError
+from engine_core.structured_output import StructuredOutput
 from mesh.pb import common_pb2
 from services.gateway.errors import invalid
 
@@ -65,3 +66,9 @@ def check_wire(sampling: common_pb2.SamplingParams) -> None:
         frequency_penalty=sampling.frequency_penalty,
         repetition_penalty=sampling.repetition_penalty or 1.0,
     ), {})
+
+
+def structured_to_wire(structured: StructuredOutput) -> common_pb2.StructuredOutput:
+    if structured.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    return common_pb2.StructuredOutput(**{structured.kind: structured.spec})  # type: ignore[arg-type]

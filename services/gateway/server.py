@@ -20,6 +20,7 @@ from services.gateway.grpc_api import GatewayServicer
 from services.gateway.http_app import create_app, start_http
 from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
 from services.gateway.pipeline import Pipeline
+from services.gateway.response_store import ResponseStore
 
 log = get_logger(__name__)
 
@@ -53,7 +54,8 @@ class GatewayServer:
             keys=KeyRing(settings.api_keys), catalog=catalog, mesh=mesh,
             pipeline=Pipeline(self.runtime.channels, mesh, settings.block_size, settings.max_retries),
             lifecycle=self.runtime.lifecycle, request_timeout_s=settings.request_timeout_s)
-        self._http, self.http_port = await start_http(create_app(self.core), settings.host, settings.http_port)
+        app = create_app(self.core, ResponseStore(bus.client))
+        self._http, self.http_port = await start_http(app, settings.host, settings.http_port)
         servicer = GatewayServicer(self.core)
         await self.runtime.start(
             register=lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),

@@ -298,7 +298,7 @@ async def test_stream_without_usage_option(mesh: Mesh, script: Script) -> None:
 
 @pytest.mark.parametrize(("body", "status", "param", "code"), [
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": "hot"}, 400, "temperature", None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 3}, 400, "n", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 9}, 400, "n", None),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, 400, "max_tokens", None),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16384}, 400, "max_tokens",
      "context_length_exceeded"),
@@ -328,7 +328,7 @@ async def test_missing_key(mesh: Mesh, script: Script) -> None:
     status, _, raw = await post(mesh, {"model": MODEL, "messages": []}, key=None)
     assert status == 401
     assert json.loads(raw) == {"error": {
-        "message": "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+        "message": "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key'.",
         "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
 
 

@@ -3,6 +3,7 @@ exact shapes of completions, stream chunks and errors."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -11,6 +12,7 @@ import pytest
 
 from mesh.pb import common_pb2
 from services.gateway import openai_api
+from services.gateway.chat import ChoiceResult
 from services.gateway.errors import ErrorKind, GatewayError, from_rpc_error
 from services.gateway.openai_api import ChunkShape, parse_chat_request
 from services.gateway.pipeline import Usage
@@ -83,7 +85,7 @@ def test_stream_options() -> None:
     ({"messages": []}, "messages"),
     ({"messages": ["Hi"]}, "messages[0]"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
@@ -105,13 +107,22 @@ def test_stream_options() -> None:
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"stream": True, "stream_options": []}, "stream_options"),
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
+    ({"n": 0}, "n"),
     ({"n": "1"}, "n"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": "x"}, "frequency_penalty"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logprobs": True}, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"if": {}}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "maybe"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
+      "contains": {}}}}}, "response_format.json_schema.schema"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"cache_salt": 1}, "cache_salt"),
     ({"top_k": 1.5}, "top_k"),
     ({"top_k": -2}, "top_k"),
@@ -156,11 +167,12 @@ USAGE_BODY = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17,
 
 
 def test_completion_body() -> None:
-    assert openai_api.completion_body("chatcmpl-r1", 1700000000, "deepseek-tiny", "Hello", "length", USAGE) == {
+    result = ChoiceResult(0, text="Hello", finish_reason="length")
+    assert openai_api.completion_body("chatcmpl-r1", 1700000000, "deepseek-tiny", [result], USAGE) == {
         "id": "chatcmpl-r1", "object": "chat.completion", "created": 1700000000, "model": "deepseek-tiny",
         "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None,
-                     "finish_reason": "length"}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello", "refusal": None},
+                     "logprobs": None, "finish_reason": "length"}],
         "usage": USAGE_BODY,
     }
 
@@ -217,3 +229,31 @@ def test_error_kinds_map_to_grpc_codes() -> None:
     assert ErrorKind.MODEL_NOT_FOUND.grpc_code == grpc.StatusCode.NOT_FOUND
     assert ErrorKind.RATE_LIMITED.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert ErrorKind.CONTEXT_LENGTH.http_status == 400
+
+
+def test_tools_tool_choice_and_response_format_are_parsed() -> None:
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    chat = parse_chat_request(body(tools=[weather], n=2, logprobs=True, top_logprobs=3, parallel_tool_calls=False))
+    assert [t.name for t in chat.tools] == ["get_weather"]
+    assert (chat.tool_choice.mode, chat.parallel_tool_calls, chat.n, chat.logprobs, chat.top_logprobs) == \
+        ("auto", False, 2, True, 3)
+    named = parse_chat_request(body(tools=[weather], tool_choice={"type": "function",
+                                                                   "function": {"name": "get_weather"}}))
+    assert (named.tool_choice.mode, named.tool_choice.name) == ("named", "get_weather")
+    assert parse_chat_request(body()).tool_choice.mode == "none"
+    fmt = parse_chat_request(body(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}})).response_format
+    assert fmt is not None and fmt.kind == "json_schema" and json.loads(fmt.spec)["properties"]["a"]["type"] == "integer"
+    assert parse_chat_request(body(response_format={"type": "json_object"})).response_format.kind == "json_object"  # type: ignore[union-attr]
+
+
+def test_tool_messages_are_kept_for_the_template() -> None:
+    chat = parse_chat_request(body(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]))
+    assert chat.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]}
+    assert chat.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}

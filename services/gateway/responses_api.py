@@ -1,0 +1,320 @@
+"""OpenAI's Responses API (/v1/responses): input items -> a ChatTurn, events -> output items, streamed as
+named events with increasing `sequence_number`. `previous_response_id` continues a stored conversation
+(response_store.py, NATS JetStream KV); `store: false` keeps nothing.
+
+A stream is: response.created, response.in_progress, then per output item output_item.added, for a message
+content_part.added, output_text.delta..., output_text.done, content_part.done, for a function call
+function_call_arguments.delta..., function_call_arguments.done, then output_item.done; and last
+response.completed (or response.incomplete when max_output_tokens cut it short).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from services.gateway.chat import (
+    ArgsEvent, CallEndEvent, CallStartEvent, ChatRun, ChatTurn, FinishEvent, TextEvent, collect,
+)
+from services.gateway.errors import ErrorKind, GatewayError, invalid
+from services.gateway.http_app import (
+    STORE_KEY, admitted, dumps, json_body, served_headers, start_turn, stream_response,
+)
+from services.gateway.openai_api import (
+    content_text, field_of, parse_response_format, parse_tool_choice, tool_call_message,
+)
+from services.gateway.pipeline import Usage
+from services.gateway.sampling import openai_to_wire
+from services.gateway.tool_calls import Tool, parse_tool
+
+RESPONSES_PATH = "/v1/responses"
+RESPONSES_API = "responses"
+RESPONSE_ID = re.compile(r"resp_[A-Za-z0-9]{1,64}")
+INPUT_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(16)
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    turn: ChatTurn
+    new_messages: list[dict[str, Any]]  # this request's input, as chat messages (stored for follow-ups)
+    history: list[dict[str, Any]]  # the stored conversation it continues
+    instructions: str | None
+    stream: bool
+    store: bool
+    previous_response_id: str | None
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
+
+
+def _input_messages(raw: Any) -> list[dict[str, Any]]:
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise invalid("input", "'input' must be a string or a non-empty array of input items")
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(raw):
+        param = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise invalid(param, f"'{param}' must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in INPUT_ROLES:
+                raise invalid(f"{param}.role", f"'{param}.role' must be one of user, system, developer, assistant")
+            messages.append({"role": INPUT_ROLES[role], "content": content_text(item.get("content"), role,
+                                                                                 f"{param}.content")})
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+            if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
+                raise invalid(param, f"'{param}' needs string 'call_id', 'name' and 'arguments'")
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": ""})
+            messages[-1].setdefault("tool_calls", []).append(tool_call_message(call_id, name, arguments))
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not isinstance(output, str):
+                raise invalid(param, f"'{param}' needs string 'call_id' and 'output'")
+            messages.append({"role": "tool", "content": output, "tool_call_id": call_id})
+        else:
+            raise invalid(f"{param}.type", f"input items of type {str(kind)[:40]!r} are not supported")
+    return messages
+
+
+def _tools(body: dict[str, Any]) -> tuple[Tool, ...]:
+    tools = []
+    for index, tool in enumerate(field_of(body, "tools", "array", [])):
+        param = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise invalid(param, f"'{param}' must be a function tool: {{\"type\": \"function\", \"name\": ...}}")
+        tools.append(parse_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), param))
+    return tuple(tools)
+
+
+def _text_format(body: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    text = field_of(body, "text", "object", {})
+    fmt = text.get("format")
+    if fmt is None:
+        return None, {"format": {"type": "text"}}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # flat here, nested in Chat Completions
+        wrapped = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        return parse_response_format(wrapped, "text.format"), {"format": fmt}
+    return parse_response_format(fmt, "text.format"), {"format": fmt}
+
+
+def parse_response_request(body: Any, history: list[dict[str, Any]]) -> ResponseRequest:
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "'model' must be a non-empty string")
+    new_messages = _input_messages(body.get("input"))
+    instructions = field_of(body, "instructions", "string")
+    tools = _tools(body)
+    response_format, text = _text_format(body)
+    max_tokens = field_of(body, "max_output_tokens", "integer")
+    sampling = openai_to_wire(temperature=field_of(body, "temperature", "number", 1.0),
+                              top_p=field_of(body, "top_p", "number", 1.0), max_tokens=max_tokens,
+                              seed=field_of(body, "seed", "integer"), top_k=field_of(body, "top_k", "integer", 0),
+                              param_names={"max_tokens": "max_output_tokens"})
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    parallel = bool(field_of(body, "parallel_tool_calls", "boolean", True))
+    turn = ChatTurn(model=model, messages=system + history + new_messages, sampling=sampling,
+                    max_tokens_param="max_output_tokens", tools=tools,
+                    tool_choice=parse_tool_choice(body.get("tool_choice"), bool(tools)), parallel_tool_calls=parallel,
+                    response_format=response_format, cache_salt=field_of(body, "cache_salt", "string", ""),
+                    prompt_param="input")
+    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "parallel_tool_calls": parallel,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "text": text,
+            "tool_choice": body.get("tool_choice", "auto" if tools else "none"), "tools": body.get("tools") or [],
+            "metadata": field_of(body, "metadata", "object", {}), "user": field_of(body, "user", "string")}
+    return ResponseRequest(turn, new_messages, history, instructions,
+                           stream=bool(field_of(body, "stream", "boolean", False)),
+                           store=bool(field_of(body, "store", "boolean", True)),
+                           previous_response_id=field_of(body, "previous_response_id", "string"), echo=echo)
+
+
+# ---- the response object -------------------------------------------------------------------------------
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def response_object(response_id: str, created: int, req: ResponseRequest, status: str, output: list[dict[str, Any]],
+                    usage: Usage | None) -> dict[str, Any]:
+    return {
+        "id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": req.turn.model, "output": output, "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": None, "summary": None}, "store": req.store, "truncation": "disabled",
+        "usage": usage_body(usage) if usage is not None else None, **req.echo,
+    }
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output items as chat messages, for the stored conversation."""
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    for item in output:
+        if item["type"] == "message":
+            message["content"] += "".join(part["text"] for part in item["content"])
+        else:
+            message.setdefault("tool_calls", []).append(
+                tool_call_message(item["call_id"], item["name"], item["arguments"]))
+    return [message]
+
+
+# ---- handlers --------------------------------------------------------------------------------------------
+
+async def _history(request: web.Request, body: Any) -> list[dict[str, Any]]:
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    if previous is None:
+        return []
+    if not isinstance(previous, str) or not RESPONSE_ID.fullmatch(previous):
+        raise invalid("previous_response_id", "'previous_response_id' must be a response id (resp_...)")
+    record = await request.app[STORE_KEY].get(previous)
+    if record is None:
+        raise GatewayError(ErrorKind.NOT_FOUND, f"no stored response {previous!r}", "previous_response_id")
+    return list(record["messages"])
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    async with admitted(request, RESPONSES_API) as record:
+        body = await json_body(request)
+        req = parse_response_request(body, await _history(request, body))
+        run = await start_turn(request, req.turn, record)
+        response_id, created = _new_id("resp_"), int(time.time())
+        try:
+            if req.stream:
+                events = ResponseEvents(request, req, run, response_id, created)
+                return await stream_response(request, run, record, events.frames(), events.error_frame)
+            [result] = await collect(run)
+            output = ([message_item(_new_id("msg_"), result.text, "completed")] if result.text else []) + [
+                call_item(_new_id("fc_"), c.call_id, c.name, c.arguments, "completed") for c in result.calls]
+            status = "incomplete" if result.finish_reason == "length" else "completed"
+            obj = response_object(response_id, created, req, status, output, run.usage)
+            await _store(request, req, obj)
+            record.finish(200)
+            return web.json_response(obj, headers=served_headers(request, run), dumps=dumps)
+        finally:
+            run.close()
+
+
+async def _store(request: web.Request, req: ResponseRequest, obj: dict[str, Any]) -> None:
+    if req.store:
+        messages = req.history + req.new_messages + output_messages(obj["output"])
+        await request.app[STORE_KEY].put(obj["id"], {"response": obj, "messages": messages})
+
+
+async def get_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    record = await request.app[STORE_KEY].get(response_id) if RESPONSE_ID.fullmatch(response_id) else None
+    if record is None:
+        raise GatewayError(ErrorKind.NOT_FOUND, f"no stored response {response_id!r}")
+    return web.json_response(record["response"], dumps=dumps)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    if not (RESPONSE_ID.fullmatch(response_id) and await request.app[STORE_KEY].delete(response_id)):
+        raise GatewayError(ErrorKind.NOT_FOUND, f"no stored response {response_id!r}")
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+class ResponseEvents:
+    """One streamed response: its output items as they form, and the event sequence. Only `frames` writes."""
+
+    def __init__(self, request: web.Request, req: ResponseRequest, run: ChatRun, response_id: str,
+                 created: int) -> None:
+        self.request, self.req, self.run = request, req, run
+        self.response_id, self.created = response_id, created
+        self.output: list[dict[str, Any]] = []  # finished items
+        self._sequence = 0
+        self._message: tuple[str, list[str]] | None = None  # the open message item: id, texts
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {dumps(data)}\n\n".encode()
+
+    def error_frame(self, error: GatewayError) -> bytes:
+        _, _, error_type, code = error.kind.value
+        return self._event("error", code=code, message=error.message, param=error.param,
+                           error={"type": error_type, "code": code, "message": error.message, "param": error.param})
+
+    def _obj(self, status: str, usage: Usage | None = None) -> dict[str, Any]:
+        return response_object(self.response_id, self.created, self.req, status, list(self.output), usage)
+
+    def _close_message(self) -> list[bytes]:
+        if self._message is None:
+            return []
+        item_id, texts = self._message
+        self._message = None
+        text, index = "".join(texts), len(self.output)
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        item = message_item(item_id, text, "completed")
+        self.output.append(item)
+        return [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                            text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                            part=part),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        yield self._event("response.created", response=self._obj("in_progress"))
+        yield self._event("response.in_progress", response=self._obj("in_progress"))
+        status = "completed"
+        calls: dict[int, str] = {}  # call index -> item id
+        async for event in self.run.events():
+            index = len(self.output)
+            if isinstance(event, TextEvent):
+                if self._message is None:
+                    self._message = (_new_id("msg_"), [])
+                    yield self._event("response.output_item.added", output_index=index,
+                                      item=message_item(self._message[0], "", "in_progress"))
+                    yield self._event("response.content_part.added", item_id=self._message[0], output_index=index,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                self._message[1].append(event.text)
+                yield self._event("response.output_text.delta", item_id=self._message[0], output_index=index,
+                                  content_index=0, delta=event.text, logprobs=[])
+            elif isinstance(event, CallStartEvent):
+                for frame in self._close_message():
+                    yield frame
+                calls[event.call_index] = item_id = _new_id("fc_")
+                yield self._event("response.output_item.added", output_index=len(self.output),
+                                  item=call_item(item_id, event.call_id, event.name, "", "in_progress"))
+            elif isinstance(event, ArgsEvent):
+                yield self._event("response.function_call_arguments.delta", item_id=calls[event.call_index],
+                                  output_index=index, delta=event.delta)
+            elif isinstance(event, CallEndEvent):
+                item = call_item(calls[event.call_index], event.call_id, event.name, event.arguments, "completed")
+                yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=event.name, arguments=event.arguments)
+                self.output.append(item)
+                yield self._event("response.output_item.done", output_index=index, item=item)
+            elif isinstance(event, FinishEvent):
+                status = "incomplete" if event.finish_reason == "length" else "completed"
+        for frame in self._close_message():
+            yield frame
+        obj = self._obj(status, self.run.usage)
+        await _store(self.request, self.req, obj)
+        yield self._event(f"response.{status}", response=obj)
