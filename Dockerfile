@@ -2,7 +2,9 @@
 #
 # Layers, slowest first, so a code change rebuilds in seconds: a virtualenv with torch (the CPU build), then the
 # project's other dependencies (read from pyproject.toml, re-installed only when that list changes; torch's C++
-# test binaries dropped: 83 MB nobody runs), then the source, installed editable without dependencies.
+# test binaries dropped: 83 MB nobody runs; triton, which xgrammar pulls in, dropped: 1 GB that only the CUDA
+# device module and xgrammar's GPU mask kernel import, neither of which a CPU image runs), then the source,
+# installed editable without dependencies.
 #
 #   docker build -t kvmesh .
 #   docker build --build-arg TORCH_INDEX_URL=https://my-mirror/whl/cpu -t kvmesh .   # torch from another index
@@ -36,6 +38,7 @@ RUN python -m venv $VIRTUAL_ENV \
     && { pip install --no-deps --no-index "$torch" 2>/dev/null \
          || pip install --no-deps --index-url "$TORCH_INDEX_URL" "$torch"; } \
     && pip install -r /tmp/requirements.txt \
+    && pip uninstall -y -q triton \
     && rm -rf $VIRTUAL_ENV/lib/python3*/site-packages/torch/test \
     && mkdir -p /models
 

@@ -20,6 +20,12 @@ OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A peer that went away and came back (a restarted container often keeps its address) is dialled again
+    # within two seconds, not after gRPC's default backoff of up to two minutes; calls to it meanwhile fail fast
+    # (UNAVAILABLE) and are routed elsewhere.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 # Servers must accept the clients' keepalive pings (by default they answer pings more often than every 5 minutes
 # on an idle connection with GOAWAY "too_many_pings", which kills the connection and its calls).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,7 @@ class ChatTurn:
     logprobs: bool = False
     top_logprobs: int = 0
     cache_salt: str = ""
-    traffic_class: str = "chat"
+    traffic_class: str = ""  # the KV store's TTL class (agent | chat | ...); empty: agent with tools, else chat
     prompt_param: str = "messages"
     prompt: str | list[int] | None = None  # a raw prompt (legacy completions) instead of messages
 
@@ -278,6 +279,21 @@ def render_prompt(model: ServedModel, turn: ChatTurn) -> list[int]:
     return model.render_chat(messages)
 
 
+TRAFFIC_CLASS = re.compile(r"[a-z0-9_-]{1,32}")
+
+
+def traffic_class_of(turn: ChatTurn) -> str:
+    """The class whose TTL the request's KV gets in the store: the client's (the x-kvmesh-traffic-class header,
+    or gRPC's traffic_class), else `agent` for a request with tools (agent loops come back to their prefix for
+    days) and `chat` for the rest, as DeepSeek's store keeps them (3 and 7 days by default)."""
+    if turn.traffic_class:
+        if not TRAFFIC_CLASS.fullmatch(turn.traffic_class):
+            raise invalid("traffic_class", "the traffic class must be 1 to 32 characters of a-z, 0-9, '_' and '-', "
+                          f"got {turn.traffic_class[:40]!r}")
+        return turn.traffic_class
+    return "agent" if turn.tools else "chat"
+
+
 async def start_chat(core: GatewayCore, turn: ChatTurn, request_id: str,
                      on_tokens: Callable[[int], None] = lambda num_tokens: None) -> ChatRun:
     """Render, check and start every choice (routing and prefill done: the serving workers are known)."""
@@ -285,10 +301,11 @@ async def start_chat(core: GatewayCore, turn: ChatTurn, request_id: str,
         raise invalid("n", f"'n' must be between 1 and {MAX_N}, got {turn.n}")
     model = core.catalog.require(turn.model)
     check_tools(turn.tools, turn.tool_choice)
+    traffic_class = traffic_class_of(turn)
     prompt = render_prompt(model, turn)
     grammar = turn_grammar(model, turn)
     generations = [core.generation(request_id if turn.n == 1 else f"{request_id}-{i}", model, prompt,
-                                   turn_sampling(turn, grammar, i), turn.stop, turn.cache_salt, turn.traffic_class,
+                                   turn_sampling(turn, grammar, i), turn.stop, turn.cache_salt, traffic_class,
                                    turn.prompt_param, turn.max_tokens_param) for i in range(turn.n)]
     deadline = core.deadline()
     results = await asyncio.gather(*(core.pipeline.start(g, deadline) for g in generations), return_exceptions=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,6 +41,7 @@ STARTED_AT_KEY = web.AppKey("started_at", float)  # the `created` of every model
 REQUEST_ID = web.RequestKey("request_id", str)  # the id the mesh knows the request by
 ECHOED_ID = web.RequestKey("echoed_request_id", str)  # what x-request-id says back
 MAX_BODY_BYTES = 8 * 2**20
+TRAFFIC_CLASS_HEADER = "x-kvmesh-traffic-class"  # agent | chat | ...: the TTL class of the request's KV in the store
 CLIENT_GONE = 499  # the metrics' code for a client that left before the end (nginx's convention)
 ANTHROPIC_PREFIX = "/v1/messages"
 API_NAMES = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
@@ -138,6 +140,8 @@ async def admitted(request: web.Request, api: str) -> AsyncIterator[RequestRecor
 
 async def start_turn(request: web.Request, turn: ChatTurn, record: RequestRecord) -> ChatRun:
     core = request.app[CORE_KEY]
+    if TRAFFIC_CLASS_HEADER in request.headers:  # every REST API: the KV store's TTL class for this request
+        turn = dataclasses.replace(turn, traffic_class=request.headers[TRAFFIC_CLASS_HEADER])
     record.admit(core.catalog.require(turn.model).name)
     run = await start_chat(core, turn, request[REQUEST_ID], record.on_tokens)
     record.stream = run.choices[0].stream

@@ -107,7 +107,7 @@ def parse_completion_request(body: Any) -> tuple[ChatTurn, bool, bool, bool, int
     turn = ChatTurn(model=model, messages=[], sampling=sampling, max_tokens_param="max_tokens",
                     stop=openai_api.parse_stop(body), n=field_of(body, "n", "integer", 1),
                     logprobs=logprobs is not None, top_logprobs=logprobs or 0,
-                    cache_salt=field_of(body, "cache_salt", "string", ""), traffic_class="completion",
+                    cache_salt=field_of(body, "cache_salt", "string", ""), traffic_class="",
                     prompt_param="prompt", prompt=prompt)
     return turn, stream, include_usage, bool(field_of(body, "echo", "boolean", False)), logprobs
 

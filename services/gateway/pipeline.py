@@ -159,7 +159,7 @@ class Pipeline:
                        deadline: Deadline) -> prefill_pb2.PrefillResponse:
         request = prefill_pb2.PrefillRequest(
             request_id=attempt_id, model=generation.model.name, prompt_token_ids=generation.prompt_token_ids,
-            sampling=generation.sampling, cache_salt=generation.cache_salt,
+            sampling=generation.sampling, cache_salt=generation.cache_salt, traffic_class=generation.traffic_class,
             decode_address=route.decode.address, decode_worker_id=route.decode.worker_id)
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(route.prefill.address))
         response: prefill_pb2.PrefillResponse = await stub.Prefill(

@@ -14,8 +14,8 @@ COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 # shared/ lies beside the repository (in CI too); KVMESH_COMPOSE_SCHEMA points elsewhere where it does not.
 SCHEMA_FILE = Path(os.environ.get("KVMESH_COMPOSE_SCHEMA")
                    or REPO_ROOT.parent / "shared" / "data" / "compose-spec" / "compose-spec.json")
-ROLES = ("gateway", "prefill", "decode", "kvcache", "balancer")
-WORKERS = ("prefill", "decode", "kvcache", "balancer")
+ROLES = ("gateway", "prefill", "decode", "kvcache", "balancer", "expert_lb")
+WORKERS = ("prefill", "decode", "kvcache", "balancer", "expert_lb")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,9 @@ def test_roles_start_after_the_bus_and_the_models_and_read_the_models_volume_rea
         assert services[role]["volumes"] == ["models:/models:ro"]
     assert services["gateway"]["depends_on"]["balancer"] == {"condition": "service_healthy"}
     assert services["models"]["volumes"] == ["models:/models"]
-    assert set(compose["volumes"]) == {"models", "nats-data"}
+    assert services["kvcache"]["volumes"] == ["kv-data:/data"]  # the SSD tier outlives the container
+    assert services["kvcache"]["environment"]["KVMESH_DATA_DIR"] == "/data"
+    assert set(compose["volumes"]) == {"models", "nats-data", "kv-data"}
 
 
 def test_settings_reach_every_role_and_the_host_api_keys_are_required(compose):

@@ -211,6 +211,10 @@ async def test_errors(mesh: ApiMesh) -> None:
     with pytest.raises(openai.BadRequestError) as bad_n:
         await mesh.openai().chat.completions.create(model=SMOL, messages=ASK, n=50)
     assert bad_n.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as bad_class:
+        await mesh.openai().chat.completions.create(model=SMOL, messages=ASK, max_tokens=1,
+                                                    extra_headers={"x-kvmesh-traffic-class": "Agent Loop!"})
+    assert bad_class.value.param == "traffic_class" and "'Agent Loop!'" in bad_class.value.message
     models = await mesh.openai().models.list()
     assert sorted(m.id for m in models.data) == sorted([SMOL, DEEPSEEK])
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from typing import Any
 
 import pytest
 
+from mesh.pb import common_pb2
+from services.gateway.chat import ChatTurn, traffic_class_of
 from services.gateway.errors import GatewayError
 from services.gateway.schema_support import Unsupported, check_schema, json_schema_output
 from services.gateway.tool_calls import (
-    DEEPSEEK, HERMES, ParsedArgs, ParsedCallEnd, ParsedCallStart, ParsedText, ToolCallParser, ToolChoice, ToolSyntax,
-    parse_tool, syntax_for,
+    DEEPSEEK, HERMES, ParsedArgs, ParsedCallEnd, ParsedCallStart, ParsedText, Tool, ToolCallParser, ToolChoice,
+    ToolSyntax, parse_tool, syntax_for,
 )
 
 CALLS = [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", "{}"),
@@ -152,3 +155,14 @@ def test_oversized_and_deep_schemas_are_refused() -> None:
         check_schema(deep)
     with pytest.raises(Unsupported, match="over"):
         check_schema({"type": "object", "description": "x" * 40000})
+
+
+def test_the_traffic_class_is_the_clients_else_agent_with_tools_else_chat() -> None:
+    plain = ChatTurn(model="m", messages=[], sampling=common_pb2.SamplingParams(), max_tokens_param="max_tokens")
+    with_tools = dataclasses.replace(plain, tools=(Tool("f", "", {"type": "object", "properties": {}}),))
+    assert traffic_class_of(plain) == "chat"
+    assert traffic_class_of(with_tools) == "agent"
+    assert traffic_class_of(dataclasses.replace(with_tools, traffic_class="batch-2")) == "batch-2"
+    with pytest.raises(GatewayError) as caught:
+        traffic_class_of(dataclasses.replace(plain, traffic_class="x" * 33))
+    assert caught.value.param == "traffic_class"
