@@ -9,6 +9,7 @@ Blocks are tiny (one float32), so capacity is counted in blocks; the policy sees
 
 from __future__ import annotations
 
+import heapq
 import json
 import time
 from collections.abc import Sequence
@@ -53,6 +54,34 @@ def ideal_hit_rate(requests: Sequence[tuple[float, list[int]]]) -> float:
     return hits / max(total, 1)
 
 
+def belady_hit_rate(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int) -> float:
+    """The offline optimum's neighbourhood: Belady's MIN (evict the block used again furthest in the future) with
+    the same leading-prefix hits. No online policy can know the future; this says how much of the gap between a
+    policy and the unlimited cache any policy could close at this capacity."""
+    sequence = [hash_id for _, ids in requests for hash_id in ids]
+    next_use = [0] * len(sequence)
+    upcoming: dict[int, int] = {}
+    for position in range(len(sequence) - 1, -1, -1):
+        next_use[position] = upcoming.get(sequence[position], len(sequence))
+        upcoming[sequence[position]] = position
+    cached: dict[int, int] = {}  # hash_id -> its next use
+    farthest: list[tuple[int, int]] = []  # (-next use, hash_id), stale entries skipped
+    hits = position = 0
+    for _, ids in requests:
+        leading = True
+        for hash_id in ids:
+            leading = leading and hash_id in cached
+            hits += leading
+            cached[hash_id] = next_use[position]
+            heapq.heappush(farthest, (-next_use[position], hash_id))
+            position += 1
+            while len(cached) > capacity_blocks:
+                negative_next, victim = heapq.heappop(farthest)
+                if cached.get(victim) == -negative_next:
+                    del cached[victim]
+    return hits / max(len(sequence), 1)
+
+
 class _TraceClock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -93,6 +122,7 @@ def run_kvcache_bench(trace: str, capacity_blocks: int | None, policy: str,
             "capacity_fraction": round(capacity_blocks / unique, 4), "num_requests": len(requests),
             "hit_rate": round(hit_rate, 4), "ideal_hit_rate": round(ideal, 4),
             "fraction_of_ideal": round(hit_rate / ideal, 4) if ideal else None,
+            "belady_hit_rate": round(belady_hit_rate(requests, capacity_blocks), 4),
             "seconds": round(time.perf_counter() - started, 2)}
 
 
