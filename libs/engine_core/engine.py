@@ -23,7 +23,7 @@ from devices import get_device
 from engine_core import model_store
 from engine_core.config import ConfigError, EngineConfig, ModelConfig
 from engine_core.expert_parallel import ExpertLayout, ExpertLoadReport, ExpertParallel, PreparedPlacement
-from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
+from engine_core.kv_cache.block_hash import KeySpan, hash_token_blocks, root_hash
 from engine_core.kv_cache.events import KVCacheEvent
 from engine_core.kv_cache.manager import KVCacheManager, cdiv
 from engine_core.kv_load import KVLoadFailed, LayerLoads
@@ -33,7 +33,7 @@ from engine_core.kv_transfer import (
 from engine_core.loader.checkpoint import open_checkpoint
 from engine_core.model_runner import ModelRunner
 from engine_core.models import build_model
-from engine_core.request import Request, RequestStatus
+from engine_core.request import EmbeddingSpan, Request, RequestStatus
 from engine_core.sampler import Sampler
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
@@ -122,7 +122,8 @@ class LLMEngine:
         return list(prompt)
 
     def _new_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, keep_kv: bool
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, keep_kv: bool,
+        embeddings: Sequence[EmbeddingSpan] = (),
     ) -> Request:
         token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
@@ -147,7 +148,26 @@ class LLMEngine:
             cache_root=root_hash(self.served_name, cache_salt),
             keep_kv=keep_kv,
             max_total_tokens=self.max_model_len,
+            embedding_spans=self._checked_spans(embeddings, len(token_ids)),
         )
+
+    def _checked_spans(self, spans: Sequence[EmbeddingSpan], num_prompt_tokens: int) -> tuple[EmbeddingSpan, ...]:
+        """The spans in prompt order, in the model's dtype; PromptError unless each fits the prompt and the model."""
+        checked: list[EmbeddingSpan] = []
+        end = 0
+        hidden = self.model_config.hidden_size
+        for span in sorted(spans, key=lambda s: s.offset):
+            shape = tuple(span.embeddings.shape)
+            if len(shape) != 2 or shape[1] != hidden or shape[0] < 1:
+                raise PromptError(f"embeddings of shape {shape} do not fit this model: expected (n, {hidden})")
+            if span.offset < end or span.end > num_prompt_tokens:
+                raise PromptError(f"embeddings for positions [{span.offset}, {span.end}) overlap another span or "
+                                  f"run past the prompt's {num_prompt_tokens} tokens")
+            if not span.key:
+                raise PromptError("embeddings need a key (their content hash): it enters the block keys")
+            checked.append(EmbeddingSpan(span.offset, span.embeddings.to(self.dtype), span.key))
+            end = span.end
+        return tuple(checked)
 
     def add_request(
         self,
@@ -157,9 +177,11 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         keep_kv: bool = False,
+        embeddings: Sequence[EmbeddingSpan] = (),
     ) -> Request:
-        """Queue a request. keep_kv=True holds its blocks after it finishes, for `export_kv`, until `release`."""
-        request = self._new_request(request_id, prompt, params or SamplingParams(), cache_salt, keep_kv)
+        """Queue a request. keep_kv=True holds its blocks after it finishes, for `export_kv`, until `release`.
+        `embeddings`: prompt positions whose input embeddings are given (images at their placeholder tokens)."""
+        request = self._new_request(request_id, prompt, params or SamplingParams(), cache_salt, keep_kv, embeddings)
         self.scheduler.add_request(request)
         return request
 
@@ -256,10 +278,11 @@ class LLMEngine:
         )
 
     # -- prefix cache blocks, for a KV store ----------------------------------------------------------
-    def prompt_block_hashes(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
-        """The keys of the prompt's full blocks, as this engine computes them."""
+    def prompt_block_hashes(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+                            key_spans: Sequence[KeySpan] = ()) -> list[bytes]:
+        """The keys of the prompt's full blocks, as this engine computes them (`key_spans`: its images')."""
         root = root_hash(self.served_name, cache_salt)
-        return hash_token_blocks(root, prompt_token_ids, self.config.block_size)
+        return hash_token_blocks(root, prompt_token_ids, self.config.block_size, key_spans=key_spans)
 
     def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
         """How many of the keys, from the first, this engine's prefix cache holds."""
@@ -320,15 +343,18 @@ class LLMEngine:
         num_tokens: int,
         *,
         cache_salt: str | None = None,
+        embeddings: Sequence[EmbeddingSpan] = (),
     ) -> bool:
         """Reserve blocks for a request whose KV (for its first `num_tokens` tokens) will arrive by layer.
+        `embeddings`: as for add_request (they key its blocks, and a recompute after preemption needs them).
 
         Returns False, changing nothing, when too few blocks are free right now.
         """
         self.kv_layout.check_compatible(layout)
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        request = self._new_request(request_id, prompt_token_ids, params, cache_salt, keep_kv=False)
+        request = self._new_request(request_id, prompt_token_ids, params, cache_salt, keep_kv=False,
+                                    embeddings=embeddings)
         for token in output_token_ids:
             request.append_output_token(token)
         if not 0 < num_tokens < request.num_tokens:

@@ -14,6 +14,7 @@ from torch import nn
 
 from devices.base import DeviceOps
 from engine_core.models.batch import ForwardBatch, PrefillSegment
+from engine_core.request import Request
 from engine_core.scheduler import SchedulerOutput
 
 
@@ -37,6 +38,8 @@ class ModelRunner:
         device = self.ops.torch_device
         input_ids, positions, slots, sample_rows = [], [], [], []
         decode_tables, decode_lens, prefills = [], [], []
+        embed_rows: list[torch.Tensor] = []
+        embed_values: list[torch.Tensor] = []
         offset = 0
         for item in output.scheduled:
             request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
@@ -53,6 +56,8 @@ class ModelRunner:
                 prefills.append(PrefillSegment(offset, offset + count, start, block_ids[:num_context_blocks].to(device)))
             if item.needs_sample:
                 sample_rows.append(offset + count - 1)
+            if request.embedding_spans:
+                _given_embeddings(request, start, count, offset, embed_rows, embed_values)
             offset += count
         batch = ForwardBatch(
             positions=torch.cat(positions).to(device),
@@ -61,6 +66,8 @@ class ModelRunner:
             decode=self._prepare_decode(decode_tables, decode_lens),
             prefills=tuple(prefills),
             wait_for_layer=wait_for_layer,
+            embed_rows=torch.cat(embed_rows).to(device) if embed_rows else None,
+            embed_values=torch.cat(embed_values).to(device) if embed_values else None,
         )
         hidden = self.model(torch.cat(input_ids).to(device), batch, self.kv_caches)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
@@ -94,3 +101,14 @@ class ModelRunner:
     def write_all_layers(self, block_id: int, values: torch.Tensor) -> None:
         index = torch.tensor([block_id], dtype=torch.long, device=self.kv_caches.device)
         self.kv_caches.index_copy_(self.block_axis + 1, index, values.to(self.kv_caches.device))
+
+
+def _given_embeddings(request: Request, start: int, count: int, row: int, rows: list[torch.Tensor],
+                      values: list[torch.Tensor]) -> None:
+    """The rows of positions [start, start + count) that fall in the request's embedding spans (a chunk may cover
+    part of a span: only that part), with their embeddings; `row` is the batch row of position `start`."""
+    for span in request.embedding_spans:
+        first, last = max(span.offset, start), min(span.end, start + count)
+        if first < last:
+            rows.append(torch.arange(row + first - start, row + last - start))
+            values.append(span.embeddings[first - span.offset : last - span.offset])

