@@ -192,3 +192,22 @@ def encode_images(encoder: VisionEncoder, images: list[Image.Image]) -> torch.Te
     device = next(encoder.parameters()).device
     pixels = torch.stack([image_to_pixels(image, encoder.config.image_size) for image in images]).to(device)
     return encoder(pixels).float().cpu()
+
+
+EMBEDDING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def embeddings_to_bytes(embeddings: torch.Tensor) -> tuple[bytes, str]:
+    """(raw row-major bytes, dtype name) of (T, D) embeddings, for the wire (encoder.proto PromptImage)."""
+    names = {dtype: name for name, dtype in EMBEDDING_DTYPES.items()}
+    return embeddings.contiguous().cpu().view(torch.uint8).numpy().tobytes(), names[embeddings.dtype]
+
+
+def embeddings_from_bytes(data: bytes, dtype: str, num_tokens: int, hidden_size: int) -> torch.Tensor:
+    """The inverse of embeddings_to_bytes; ValueError when the sizes do not add up."""
+    if dtype not in EMBEDDING_DTYPES:
+        raise ValueError(f"embeddings dtype {dtype!r} is not one of {', '.join(EMBEDDING_DTYPES)}")
+    torch_dtype = EMBEDDING_DTYPES[dtype]
+    if num_tokens < 1 or hidden_size < 1 or len(data) != num_tokens * hidden_size * torch_dtype.itemsize:
+        raise ValueError(f"{len(data)} bytes of {dtype} embeddings do not hold {num_tokens} x {hidden_size}")
+    return torch.frombuffer(bytearray(data), dtype=torch_dtype).view(num_tokens, hidden_size)

@@ -6,9 +6,10 @@ from collections.abc import Iterable
 
 from engine_core import EngineStats, SamplingParams
 from engine_core.kv_transfer import KVLayout
-from engine_core.request import TokenLogprobs
+from engine_core.request import EmbeddingSpan, TokenLogprobs
 from engine_core.structured_output import StructuredOutput
-from mesh.pb import common_pb2
+from engine_core.vision import embeddings_from_bytes, embeddings_to_bytes
+from mesh.pb import common_pb2, encoder_pb2
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -101,3 +102,18 @@ def worker_load(stats: Iterable[EngineStats], num_cached_blocks: int = 0) -> com
         num_queued_prompt_tokens=sum(s.num_queued_prompt_tokens for s in stats),
         num_cached_blocks=num_cached_blocks,
     )
+
+
+def image_from_proto(p: encoder_pb2.PromptImage) -> EmbeddingSpan:
+    """A prompt image's embeddings at its placeholder positions; ValueError (INVALID_ARGUMENT) for one whose sizes
+    do not add up (the engine checks it against the prompt and the model)."""
+    if p.offset < 0 or not p.image_hash:
+        raise ValueError(f"an image needs an image_hash and an offset of at least 0 (got {p.offset})")
+    return EmbeddingSpan(p.offset, embeddings_from_bytes(p.embeddings, p.dtype, p.num_tokens, p.hidden_size),
+                         p.image_hash)
+
+
+def image_to_proto(span: EmbeddingSpan) -> encoder_pb2.PromptImage:
+    data, dtype = embeddings_to_bytes(span.embeddings)
+    return encoder_pb2.PromptImage(image_hash=span.key, offset=span.offset, num_tokens=span.num_tokens,
+                                   hidden_size=int(span.embeddings.shape[1]), dtype=dtype, embeddings=data)

@@ -18,7 +18,7 @@ from engine_core import LLMEngine, RequestOutput, SamplingParams
 from engine_core.async_engine import AsyncEngine
 from engine_core.kv_cache.manager import cdiv
 from engine_core.kv_transfer import KVChunk, KVLayout, KVLayoutError
-from engine_core.request import TokenLogprobs
+from engine_core.request import EmbeddingSpan, TokenLogprobs
 from mesh.logging import get_logger
 from services.compute.engines import ModelEngines
 from services.compute.errors import NoFreeBlocksError, UnknownRequestError
@@ -40,6 +40,7 @@ class PushHeader:
     layout: KVLayout
     num_tokens: int  # tokens whose KV follows (the prompt)
     num_blocks: int
+    images: tuple[EmbeddingSpan, ...] = ()  # they key the request's blocks; a recompute after preemption needs them
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ class Decoder:
             # cancelled while waiting, the reservation still happens: the abort queued after it undoes it
             begun = await self._aborting_on_failure(engine, request_id, engine.call(lambda e: e.begin_kv_import(
                 request_id, header.prompt_token_ids, header.output_token_ids, header.params, header.layout,
-                header.num_tokens, cache_salt=header.cache_salt)))  # checks the layout against the engine's
+                header.num_tokens, cache_salt=header.cache_salt,
+                embeddings=header.images)))  # checks the layout against the engine's
             if not begun:
                 raise NoFreeBlocksError("no free KV blocks")
             if on_reserved is not None:

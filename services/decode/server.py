@@ -17,7 +17,7 @@ from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
 from services.compute.convert import (
-    finish_reason_to_proto, layout_from_proto, logprob_to_proto, sampling_from_proto, worker_load,
+    finish_reason_to_proto, image_from_proto, layout_from_proto, logprob_to_proto, sampling_from_proto, worker_load,
 )
 from services.compute.engines import ModelEngines
 from services.compute.errors import abort, status_on_error
@@ -33,7 +33,7 @@ def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
         request_id=h.request_id, model=h.model, prompt_token_ids=list(h.prompt_token_ids),
         output_token_ids=list(h.output_token_ids), params=sampling_from_proto(h.sampling),
         cache_salt=h.cache_salt or None, layout=layout_from_proto(h.layout), num_tokens=h.num_tokens,
-        num_blocks=h.num_blocks,
+        num_blocks=h.num_blocks, images=tuple(image_from_proto(i) for i in h.images),
     )
 
 

@@ -11,7 +11,7 @@ import grpc.aio
 from engine_core.kv_transfer import KVChunk, KVExport
 from mesh import rpc
 from mesh.pb import decode_pb2, decode_pb2_grpc
-from services.compute.convert import layout_to_proto, sampling_to_proto
+from services.compute.convert import image_to_proto, layout_to_proto, sampling_to_proto
 from services.prefill.prefiller import PrefillJob, PushError
 
 PUSH_TIMEOUT_S = 120.0  # the whole push; a long prompt's KV is hundreds of MB on a slow network
@@ -22,7 +22,7 @@ def header_to_proto(job: PrefillJob, export: KVExport) -> decode_pb2.KVPushMessa
         request_id=job.request_id, model=job.model, prompt_token_ids=export.prompt_token_ids,
         output_token_ids=export.output_token_ids, sampling=sampling_to_proto(job.params),
         cache_salt=job.cache_salt or "", layout=layout_to_proto(export.layout), num_tokens=export.num_tokens,
-        num_blocks=export.num_blocks,
+        num_blocks=export.num_blocks, images=[image_to_proto(image) for image in job.images],
     ))
 
 

@@ -26,7 +26,7 @@ from engine_core.async_engine import AsyncEngine, EngineFailure
 from engine_core.kv_cache.block_hash import root_hash
 from engine_core.kv_load import LayerLoad
 from engine_core.kv_transfer import KVChunk, KVExport, KVLayout
-from engine_core.request import TokenLogprobs
+from engine_core.request import EmbeddingSpan, TokenLogprobs
 from mesh.logging import get_logger
 from services.compute.engines import ModelEngines
 
@@ -43,6 +43,7 @@ class PrefillJob:
     decode_address: str
     decode_worker_id: str
     traffic_class: str = ""  # agent | chat | ...: the TTL class of the blocks it writes to the KV store
+    images: tuple[EmbeddingSpan, ...] = ()  # embeddings at the prompt's image placeholders (from the encoder)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,8 @@ class Prefiller:
                                                        hit.blocks_data)
         if hit is not None:
             self.on_injected(job.model, hit.block_hashes[:num_injected])
-        engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt, keep_kv=True)
+        engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt, keep_kv=True,
+                           embeddings=job.images)
         return num_injected, load
 
     def _feed(self, engine: AsyncEngine, job: PrefillJob, hit: _StoreHit | None,
@@ -250,7 +252,8 @@ class Prefiller:
         block_size = self.engines.layout(job.model).block_size
         # prompt_block_hashes reads only immutable config (block size, served name): safe off the engine thread.
         # The last prompt token is always computed (its logits give the first token), so its block never helps.
-        hashes = engine.engine.prompt_block_hashes(job.prompt_token_ids, job.cache_salt)
+        hashes = engine.engine.prompt_block_hashes(job.prompt_token_ids, job.cache_salt,
+                                                   [image.key_span for image in job.images])
         self.store.note_traffic_class(hashes, job.traffic_class)
         hashes = hashes[: (len(job.prompt_token_ids) - 1) // block_size]
         num_local = await engine.call(lambda e: e.num_cached_blocks(hashes))

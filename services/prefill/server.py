@@ -15,7 +15,9 @@ from mesh.logging import bind_request_id, get_logger
 from mesh.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
-from services.compute.convert import finish_reason_to_proto, logprob_to_proto, sampling_from_proto, worker_load
+from services.compute.convert import (
+    finish_reason_to_proto, image_from_proto, logprob_to_proto, sampling_from_proto, worker_load,
+)
 from services.compute.engines import ModelEngines
 from services.compute.errors import abort, status_on_error
 from services.prefill.config import PrefillSettings
@@ -36,7 +38,7 @@ def job_from_proto(r: prefill_pb2.PrefillRequest) -> PrefillJob:
     return PrefillJob(request_id=r.request_id, model=r.model, prompt_token_ids=list(r.prompt_token_ids),
                       params=sampling_from_proto(r.sampling), cache_salt=r.cache_salt or None,
                       decode_address=r.decode_address, decode_worker_id=r.decode_worker_id,
-                      traffic_class=r.traffic_class)
+                      traffic_class=r.traffic_class, images=tuple(image_from_proto(i) for i in r.images))
 
 
 def response_to_proto(result: PrefillResult, worker_id: str) -> prefill_pb2.PrefillResponse:

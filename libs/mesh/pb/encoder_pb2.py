@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/encoder.proto\x12\tkvmesh.v1\"A\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05image\x18\x03 \x01(\x0c\"\x80\x01\n\x0e\x45ncodeResponse\x12\x12\n\nimage_hash\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nembeddings\x18\x05 \x01(\x0c\x12\x0e\n\x06\x63\x61\x63hed\x18\x06 \x01(\x08\x32H\n\x07\x45ncoder\x12=\n\x06\x45ncode\x12\x18.kvmesh.v1.EncodeRequest\x1a\x19.kvmesh.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/encoder.proto\x12\tkvmesh.v1\"A\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05image\x18\x03 \x01(\x0c\"\x80\x01\n\x0e\x45ncodeResponse\x12\x12\n\nimage_hash\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nembeddings\x18\x05 \x01(\x0c\x12\x0e\n\x06\x63\x61\x63hed\x18\x06 \x01(\x08\"}\n\x0bPromptImage\x12\x12\n\nimage_hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nembeddings\x18\x06 \x01(\x0c\x32H\n\x07\x45ncoder\x12=\n\x06\x45ncode\x12\x18.kvmesh.v1.EncodeRequest\x1a\x19.kvmesh.v1.EncodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODEREQUEST']._serialized_end=103
   _globals['_ENCODERESPONSE']._serialized_start=106
   _globals['_ENCODERESPONSE']._serialized_end=234
-  _globals['_ENCODER']._serialized_start=236
-  _globals['_ENCODER']._serialized_end=308
+  _globals['_PROMPTIMAGE']._serialized_start=236
+  _globals['_PROMPTIMAGE']._serialized_end=361
+  _globals['_ENCODER']._serialized_start=363
+  _globals['_ENCODER']._serialized_end=435
 # @@protoc_insertion_point(module_scope)

@@ -45,7 +45,9 @@ class EncoderServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Encode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Errors: INVALID_ARGUMENT (not PNG or JPEG, corrupt, too large: the message names the problem),
+        NOT_FOUND (a model this worker does not encode for).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
