@@ -5,8 +5,8 @@
                                         (default: the known models in $KVMESH_MODELS, else all)
     kvmesh models make-tiny             write deepseek-tiny (random weights, fixed seed)
     kvmesh generate MODEL PROMPT        one completion, offline
-    kvmesh up [--prefill N] [--decode N] [--kvcache N]   the whole mesh on this machine
-    kvmesh serve ROLE                   one role (gateway, prefill, decode, kvcache, balancer, expert_lb),
+    kvmesh up [--prefill N] [--decode N] [--kvcache N] [--encoder N]   the whole mesh on this machine
+    kvmesh serve ROLE                   one role (gateway, encoder, prefill, decode, kvcache, balancer, expert_lb),
                                         configured by KVMESH_*
     kvmesh bench engine --json          engine throughput against transformers
     kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store (also kv-transfer, kv-ttft)
@@ -61,7 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-ROLES = ("gateway", "prefill", "decode", "kvcache", "balancer", "expert_lb")
+ROLES = ("gateway", "encoder", "prefill", "decode", "kvcache", "balancer", "expert_lb")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -78,7 +78,8 @@ def _up(args: argparse.Namespace) -> int:
         if model in model_store.KNOWN_MODELS:
             model_store.ensure(model, progress=sys.stderr.isatty())
     plan = MeshPlan(prefill=args.prefill, decode=args.decode, kvcache=args.kvcache, balancer=args.balancer,
-                    models=tuple(args.models), http_port=args.port, grpc_port=args.grpc_port, nats_url=args.nats)
+                    encoder=args.encoder, models=tuple(args.models), http_port=args.port, grpc_port=args.grpc_port,
+                    nats_url=args.nats)
     mesh = Mesh(plan)
     try:
         mesh.start()
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument("--kvcache", type=int, default=1, help="KV store nodes")
     up.add_argument("--balancer", type=int, default=1, help="balancer replicas")
+    up.add_argument("--encoder", type=int, default=1, help="vision encoder workers (0: images are refused)")
     up.add_argument("--models", nargs="+", default=["smollm2-135m", "deepseek-tiny"])
     up.add_argument("--port", type=int, default=8080, help="the gateway's HTTP port")
     up.add_argument("--grpc-port", type=int, default=50050, help="the gateway's gRPC port")

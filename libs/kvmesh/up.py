@@ -1,7 +1,7 @@
 """`kvmesh up`: the whole mesh on one machine, every role a child process, NATS embedded.
 
     mesh = Mesh(MeshPlan(prefill=2, decode=2))
-    mesh.start()            # NATS (unless a URL is given), then kvcache, balancer, prefill, decode, gateway
+    mesh.start()            # NATS (unless a URL is given), then kvcache, balancer, encoder, prefill, decode, gateway
     mesh.wait_ready()       # the gateway's /readyz says a balancer and workers are live
     mesh.run_forever()      # report children that die; Ctrl-C stops everything cleanly
     mesh.stop()
@@ -27,7 +27,7 @@ from typing import IO
 from kvmesh.nats_server import EmbeddedNats, free_port
 
 DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny")
-START_ORDER = ("kvcache", "balancer", "expert_lb", "prefill", "decode", "gateway")
+START_ORDER = ("kvcache", "balancer", "expert_lb", "encoder", "prefill", "decode", "gateway")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class MeshPlan:
     decode: int = 1
     kvcache: int = 1
     balancer: int = 1
+    encoder: int = 1  # vision encoder workers (0: the gateway refuses images)
     models: tuple[str, ...] = DEFAULT_MODELS
     http_port: int = 8080
     grpc_port: int = 50050
@@ -44,7 +45,7 @@ class MeshPlan:
     env: dict[str, str] = field(default_factory=dict)  # extra KVMESH_* settings for every child
 
     def __post_init__(self) -> None:
-        for role in ("prefill", "decode", "kvcache", "balancer"):
+        for role in ("prefill", "decode", "kvcache", "balancer", "encoder"):
             if getattr(self, role) < 0:
                 raise ValueError(f"--{role} must not be negative")
         if self.prefill < 1 or self.decode < 1 or self.balancer < 1:

@@ -74,3 +74,10 @@ EXPERT_BALANCEDNESS = Gauge("kvmesh_expert_balancedness",
                             ["model", "layer"])
 EXPERT_MOVES = Counter("kvmesh_expert_moves_total", "Expert slots given a different expert by published plans",
                        ["model"])
+
+# vision encoder
+ENCODER_IMAGES = Counter("kvmesh_encoder_images_total", "Images encoded, by model and whether the cache served them",
+                         ["model", "cached"])  # cached: true | false
+ENCODER_SECONDS = Histogram("kvmesh_encoder_seconds", "Time to decode and encode one image (cache misses)", ["model"],
+                            buckets=_LATENCY)
+ENCODER_CACHE_BYTES = Gauge("kvmesh_encoder_cache_bytes", "Embedding bytes held by this encoder's cache")
