@@ -15,6 +15,7 @@ from engine_core import model_store
 from engine_core.config import ConfigError
 from engine_core.loader.checkpoint import open_checkpoint
 from engine_core.tokenizer import ChatTemplateError, Tokenizer
+from engine_core.vision import image_token_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.tool_calls import ToolSyntax, syntax_for
 
@@ -37,6 +38,7 @@ class ServedModel:
     name: str
     tokenizer: Tokenizer
     context_len: int  # prompt + generated tokens must fit (the model's max_position_embeddings)
+    image_token_id: int | None = None  # the image placeholder token of a model that takes images (engine_core.vision)
 
     @functools.cached_property
     def tool_syntax(self) -> ToolSyntax:
@@ -100,7 +102,8 @@ def load_model(name: str) -> ServedModel:
     checkpoint = open_checkpoint(model_store.resolve(name))
     if checkpoint.tokenizer is None:
         raise ConfigError(f"model {name!r} has no tokenizer: the gateway needs one to serve it")
-    return ServedModel(name, checkpoint.tokenizer, checkpoint.config.max_position_embeddings)
+    return ServedModel(name, checkpoint.tokenizer, checkpoint.config.max_position_embeddings,
+                       image_token_id(checkpoint.config.raw))
 
 
 class ModelCatalog:

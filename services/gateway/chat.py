@@ -9,6 +9,7 @@ tokens or grammars. One ChatRun's state is written only by its own `events()`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -19,10 +20,12 @@ import jsonschema
 
 from engine_core.structured_output import StructuredOutput
 from mesh.logging import get_logger
-from mesh.pb import common_pb2
+from mesh.pb import common_pb2, encoder_pb2
 from services.gateway.catalog import ServedModel
 from services.gateway.core import GatewayCore
-from services.gateway.errors import invalid
+from services.gateway.errors import ErrorKind, GatewayError, invalid
+from services.gateway.image_encoding import place_images
+from services.gateway.images import ImagePart, with_image_tokens
 from services.gateway.pipeline import NOT_FINISHED, Delta, GenerationStream, Placement, Usage
 from services.gateway.sampling import structured_to_wire
 from services.gateway.tool_calls import (
@@ -52,6 +55,7 @@ class ChatTurn:
     traffic_class: str = ""  # the KV store's TTL class (agent | chat | ...); empty: agent with tools, else chat
     prompt_param: str = "messages"
     prompt: str | list[int] | None = None  # a raw prompt (legacy completions) instead of messages
+    images: tuple[ImagePart, ...] = ()  # image_url parts in order; each one's marker is in its message's content
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,19 @@ def traffic_class_of(turn: ChatTurn) -> str:
     return "agent" if turn.tools else "chat"
 
 
+async def render_with_images(core: GatewayCore, model: ServedModel, turn: ChatTurn,
+                             request_id: str) -> tuple[list[int], tuple[encoder_pb2.PromptImage, ...]]:
+    """The prompt; with images, each one's placeholder widened to its embeddings' length (image_encoding)."""
+    if not turn.images:
+        return render_prompt(model, turn), ()
+    if core.images is None:
+        raise GatewayError(ErrorKind.UNAVAILABLE, "this gateway does not take images")
+    messages = with_image_tokens(model, turn.messages, turn.images)  # 400 for a model that takes no images
+    prompt = render_prompt(model, dataclasses.replace(turn, messages=messages))
+    encoded = await core.images.encode_all(model.name, turn.images, request_id)
+    return place_images(model, prompt, encoded, turn.prompt_param)
+
+
 async def start_chat(core: GatewayCore, turn: ChatTurn, request_id: str,
                      on_tokens: Callable[[int], None] = lambda num_tokens: None) -> ChatRun:
     """Render, check and start every choice (routing and prefill done: the serving workers are known)."""
@@ -302,11 +319,11 @@ async def start_chat(core: GatewayCore, turn: ChatTurn, request_id: str,
     model = core.catalog.require(turn.model)
     check_tools(turn.tools, turn.tool_choice)
     traffic_class = traffic_class_of(turn)
-    prompt = render_prompt(model, turn)
+    prompt, images = await render_with_images(core, model, turn, request_id)
     grammar = turn_grammar(model, turn)
     generations = [core.generation(request_id if turn.n == 1 else f"{request_id}-{i}", model, prompt,
                                    turn_sampling(turn, grammar, i), turn.stop, turn.cache_salt, traffic_class,
-                                   turn.prompt_param, turn.max_tokens_param) for i in range(turn.n)]
+                                   turn.prompt_param, turn.max_tokens_param, images) for i in range(turn.n)]
     deadline = core.deadline()
     results = await asyncio.gather(*(core.pipeline.start(g, deadline) for g in generations), return_exceptions=True)
     streams = [r for r in results if isinstance(r, GenerationStream)]

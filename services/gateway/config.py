@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_core.images import ImageLimits
 from mesh.config import ServiceSettings, require
+from services.gateway.images import ImageSettings
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,13 @@ class GatewaySettings(ServiceSettings):
     block_size: int = 16  # tokens per KV block: must match the workers' for cache-aware routing to hit
     max_retries: int = 2  # re-routes after a prefill fails with UNAVAILABLE or RESOURCE_EXHAUSTED
     request_timeout_s: float = 600.0  # arrival to last token; past it the request fails with 504
+    # images in chat messages (services/gateway/images.py): checked here, encoded by the encoder pool
+    max_images_per_request: int = 4
+    max_image_bytes: int = 6 * 2**20  # a data: URL's bytes after base64 (the whole body is at most 8 MiB)
+    max_image_side: int = 4096  # pixels, width or height
+    max_image_pixels: int = 4096 * 4096
+    allow_remote_images: bool = False  # fetch http(s) image URLs (the gateway would fetch any address it is given)
+    image_fetch_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -27,3 +36,13 @@ class GatewaySettings(ServiceSettings):
         require(self.block_size > 0, "block_size", self.block_size, "must be positive")
         require(self.max_retries >= 0, "max_retries", self.max_retries, "must not be negative")
         require(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be positive")
+        for name in ("max_image_bytes", "max_image_side", "max_image_pixels", "image_fetch_timeout_s"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
+        require(self.max_images_per_request >= 0, "max_images_per_request", self.max_images_per_request,
+                "must not be negative (0: no images)")
+
+    @property
+    def image_settings(self) -> ImageSettings:
+        limits = ImageLimits(self.max_image_bytes, self.max_image_side, self.max_image_pixels)
+        return ImageSettings(limits, self.max_images_per_request, self.allow_remote_images,
+                             self.image_fetch_timeout_s)

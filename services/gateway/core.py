@@ -10,12 +10,13 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from mesh.pb import common_pb2
+from mesh.pb import common_pb2, encoder_pb2
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle
 from services.gateway.auth import KeyRing
 from services.gateway.catalog import ModelCatalog, ServedModel
 from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import MeshView
 from services.gateway.pipeline import Deadline, Generation, Pipeline
 
@@ -45,6 +46,7 @@ class GatewayCore:
     pipeline: Pipeline
     lifecycle: Lifecycle
     request_timeout_s: float
+    images: ImageEncoding | None = None  # None: images are refused
 
     def served_models(self) -> list[ServedModel]:
         """Models this gateway can tokenize that have a live prefill and a live decode worker."""
@@ -76,6 +78,7 @@ class GatewayCore:
         traffic_class: str,
         prompt_param: str,
         max_tokens_param: str,
+        images: tuple[encoder_pb2.PromptImage, ...] = (),
     ) -> Generation:
         """The last checks before the mesh: the prompt and max_tokens fit the context, and workers exist."""
         max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else None
@@ -83,4 +86,5 @@ class GatewayCore:
         if not self.mesh.is_served(model.name):
             raise GatewayError(ErrorKind.UNAVAILABLE, f"no workers serve {model.name!r} right now; retry shortly")
         return Generation(request_id=request_id, model=model, prompt_token_ids=prompt_token_ids,
-                          sampling=sampling, stop=tuple(stop), cache_salt=cache_salt, traffic_class=traffic_class)
+                          sampling=sampling, stop=tuple(stop), cache_salt=cache_salt, traffic_class=traffic_class,
+                          images=images)

@@ -9,7 +9,7 @@ from typing import Protocol
 from mesh.discovery import KnownWorker
 from mesh.pb import common_pb2
 
-FOLLOWED_ROLES = (common_pb2.ROLE_BALANCER, common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE)
+FOLLOWED_ROLES = (common_pb2.ROLE_BALANCER, common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_ENCODER)
 
 
 class Registry(Protocol):

@@ -15,6 +15,7 @@ from engine_core.structured_output import StructuredOutput
 from mesh.pb import common_pb2
 from services.gateway.chat import MAX_N, ChatTurn, ChoiceResult, TokenInfo
 from services.gateway.errors import invalid
+from services.gateway.images import IMAGE_MARKER, ImagePart, check_text, parse_image_part
 from services.gateway.pipeline import Usage
 from services.gateway.sampling import openai_to_wire
 from services.gateway.schema_support import json_schema_output
@@ -46,13 +47,14 @@ class ChatRequest:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    images: tuple[ImagePart, ...] = ()  # image_url parts in order (their markers are in the messages' content)
 
     def turn(self) -> ChatTurn:
         return ChatTurn(model=self.model, messages=self.messages, sampling=self.sampling,
                         max_tokens_param=self.max_tokens_param, stop=self.stop, tools=self.tools,
                         tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls,
                         response_format=self.response_format, n=self.n, logprobs=self.logprobs,
-                        top_logprobs=self.top_logprobs, cache_salt=self.cache_salt)
+                        top_logprobs=self.top_logprobs, cache_salt=self.cache_salt, images=self.images)
 
 
 def _is_number(value: Any) -> bool:
@@ -82,8 +84,12 @@ def field_of(body: dict[str, Any], name: str, kind: str, default: Any = None, pa
 _field = field_of
 
 
-def content_text(content: Any, role: str, param: str) -> str:
+def content_text(content: Any, role: str, param: str, images: list[ImagePart] | None = None) -> str:
+    """The content as text. With `images` (Chat Completions), a user message's image_url parts are appended to it
+    and stand in the text as IMAGE_MARKER; without, only text parts are taken."""
     if isinstance(content, str):
+        if images is not None:
+            check_text(content, param)
         return content
     if content is None and role == "assistant":
         return ""
@@ -92,10 +98,19 @@ def content_text(content: Any, role: str, param: str) -> str:
     texts = []
     for index, part in enumerate(content):
         part_param = f"{param}[{index}]"
+        if images is not None and isinstance(part, dict) and part.get("type") == "image_url":
+            if role != "user":
+                raise invalid(part_param, f"'{part_param}': images are taken in user messages only")
+            images.append(parse_image_part(part, part_param))
+            texts.append(IMAGE_MARKER)
+            continue
         if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
-            raise invalid(part_param, f"'{part_param}' must be a text part: {{\"type\": \"text\", \"text\": ...}}")
+            kinds = "a text or image_url part" if images is not None else "a text part"
+            raise invalid(part_param, f"'{part_param}' must be {kinds}: {{\"type\": \"text\", \"text\": ...}}")
         if not isinstance(part.get("text"), str):
             raise invalid(f"{part_param}.text", f"'{part_param}.text' must be a string")
+        if images is not None:
+            check_text(part["text"], f"{part_param}.text")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -123,14 +138,14 @@ def _parse_tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:
     return calls
 
 
-def parse_message(message: Any, param: str) -> dict[str, Any]:
+def parse_message(message: Any, param: str, images: list[ImagePart] | None = None) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid(param, f"'{param}' must be an object")
     role = message.get("role")
     if role not in ROLES:
         raise invalid(f"{param}.role", f"'{param}.role' must be one of system, developer, user, assistant, tool"
                       f" (got {json.dumps(role)[:40]})")
-    content = content_text(message.get("content"), role, f"{param}.content")
+    content = content_text(message.get("content"), role, f"{param}.content", images)
     parsed: dict[str, Any] = {"role": ROLES[role], "content": content}
     if role == "assistant" and message.get("tool_calls"):
         parsed["tool_calls"] = _parse_tool_calls(message["tool_calls"], f"{param}.tool_calls")
@@ -142,12 +157,12 @@ def parse_message(message: Any, param: str) -> dict[str, Any]:
     return parsed
 
 
-def parse_messages(raw: Any) -> list[dict[str, Any]]:
+def parse_messages(raw: Any, images: list[ImagePart] | None = None) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
         raise invalid("messages", "'messages' must be an array")
     if not raw:
         raise invalid("messages", "'messages' must not be empty")
-    return [parse_message(message, f"messages[{index}]") for index, message in enumerate(raw)]
+    return [parse_message(message, f"messages[{index}]", images) for index, message in enumerate(raw)]
 
 
 def parse_stop(body: dict[str, Any], name: str = "stop") -> tuple[str, ...]:
@@ -249,7 +264,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "'model' must be a non-empty string")
-    messages = parse_messages(body.get("messages"))
+    images: list[ImagePart] = []
+    messages = parse_messages(body.get("messages"), images)
     _check_unsupported(body)
     n = _field(body, "n", "integer", 1)
     if not 1 <= n <= MAX_N:
@@ -280,7 +296,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
                        tools=tools, tool_choice=tool_choice,
                        parallel_tool_calls=bool(_field(body, "parallel_tool_calls", "boolean", True)),
                        response_format=parse_response_format(body.get("response_format")), n=n,
-                       logprobs=logprobs, top_logprobs=top_logprobs)
+                       logprobs=logprobs, top_logprobs=top_logprobs, images=tuple(images))
 
 
 # ---- responses -------------------------------------------------------------------------------------------

@@ -26,11 +26,12 @@ import grpc.aio
 from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
 from mesh import rpc
 from mesh.logging import get_logger
-from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc
+from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2
 from mesh.pb import prefill_pb2, prefill_pb2_grpc
 from services.gateway.catalog import ServedModel
 from services.gateway.detokenizer import Detokenizer
 from services.gateway.errors import ErrorKind, GatewayError, from_rpc_error
+from services.gateway.image_encoding import key_spans
 from services.gateway.mesh_view import MeshView
 
 log = get_logger(__name__)
@@ -50,6 +51,7 @@ class Generation:
     stop: tuple[str, ...] = ()
     cache_salt: str = ""
     traffic_class: str = ""
+    images: tuple[encoder_pb2.PromptImage, ...] = ()  # embeddings at the prompt's image placeholders (image_encoding)
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ class Pipeline:
     async def start(self, generation: Generation, deadline: Deadline) -> GenerationStream:
         """Route and prefill (re-routing around failed workers): a stream whose first token is known."""
         root = root_hash(generation.model.name, generation.cache_salt or None)
-        block_hashes = hash_token_blocks(root, generation.prompt_token_ids, self.block_size)
+        block_hashes = hash_token_blocks(root, generation.prompt_token_ids, self.block_size,
+                                         key_spans=key_spans(generation.images))
         excluded: list[str] = []
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(self.max_retries + 1):
@@ -160,7 +163,7 @@ class Pipeline:
         request = prefill_pb2.PrefillRequest(
             request_id=attempt_id, model=generation.model.name, prompt_token_ids=generation.prompt_token_ids,
             sampling=generation.sampling, cache_salt=generation.cache_salt, traffic_class=generation.traffic_class,
-            decode_address=route.decode.address, decode_worker_id=route.decode.worker_id)
+            decode_address=route.decode.address, decode_worker_id=route.decode.worker_id, images=generation.images)
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(route.prefill.address))
         response: prefill_pb2.PrefillResponse = await stub.Prefill(
             request, timeout=deadline.remaining(rpc.PREFILL_TIMEOUT_S), metadata=rpc.metadata(attempt_id))

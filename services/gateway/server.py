@@ -18,6 +18,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.core import GatewayCore
 from services.gateway.grpc_api import GatewayServicer
 from services.gateway.http_app import create_app, start_http
+from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
 from services.gateway.pipeline import Pipeline
 from services.gateway.response_store import ResponseStore
@@ -53,7 +54,8 @@ class GatewayServer:
         self.core = GatewayCore(
             keys=KeyRing(settings.api_keys), catalog=catalog, mesh=mesh,
             pipeline=Pipeline(self.runtime.channels, mesh, settings.block_size, settings.max_retries),
-            lifecycle=self.runtime.lifecycle, request_timeout_s=settings.request_timeout_s)
+            lifecycle=self.runtime.lifecycle, request_timeout_s=settings.request_timeout_s,
+            images=ImageEncoding(settings.image_settings, self.registry, self.runtime.channels, settings.max_retries))
         app = create_app(self.core, ResponseStore(bus.client))
         self._http, self.http_port = await start_http(app, settings.host, settings.http_port)
         servicer = GatewayServicer(self.core)

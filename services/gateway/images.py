@@ -1,0 +1,117 @@
+"""Images in chat messages, up to their bytes: `image_url` content parts (data: URLs, or http(s) URLs when the
+server allows them), checked before anything is sent to an encoder. Every error names the content part.
+
+Parsing (no I/O) flattens a message's parts to text, with IMAGE_MARKER where each image was; once the model is
+known the marker becomes the model's image placeholder token (`with_image_tokens`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from engine_core.images import ImageError, ImageLimits, inspect_image
+from services.gateway.catalog import ServedModel
+from services.gateway.errors import invalid
+
+IMAGE_MARKER = "<|kvmesh:image|>"  # one per image part in the flattened text, until the model is known
+_DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    param: str  # where it was, for errors: messages[i].content[j]
+    url: str  # a data: URL or an http(s) URL
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    limits: ImageLimits
+    max_images: int  # per request
+    allow_remote: bool  # fetch http(s) URLs (off by default: the gateway would fetch any address a client names)
+    fetch_timeout_s: float
+
+
+def parse_image_part(part: dict[str, Any], param: str) -> ImagePart:
+    """{"type": "image_url", "image_url": {"url": ..., "detail": ...}} (or the url as a plain string)."""
+    raw = part.get("image_url")
+    url = raw.get("url") if isinstance(raw, dict) else raw
+    if not isinstance(url, str) or not url:
+        raise invalid(param, f"'{param}.image_url' must be {{\"url\": \"data:image/png;base64,...\"}}")
+    return ImagePart(param, url)
+
+
+def check_text(text: str, param: str) -> None:
+    if IMAGE_MARKER in text:
+        raise invalid(param, f"'{param}' must not contain {IMAGE_MARKER!r}")
+
+
+def check_count(parts: tuple[ImagePart, ...], settings: ImageSettings) -> None:
+    if len(parts) > settings.max_images:
+        raise invalid(parts[settings.max_images].param,
+                      f"too many images: at most {settings.max_images} per request, got {len(parts)}")
+
+
+def with_image_tokens(model: ServedModel, messages: list[dict[str, Any]],
+                      parts: tuple[ImagePart, ...]) -> list[dict[str, Any]]:
+    """The messages with each image's marker replaced by the model's placeholder token (400 for a model that takes
+    no images)."""
+    if model.image_token_id is None:
+        raise invalid(parts[0].param, f"the model {model.name!r} does not accept images")
+    token = model.tokenizer.backend.id_to_token(model.image_token_id)
+    return [{**m, "content": m["content"].replace(IMAGE_MARKER, token)} if isinstance(m.get("content"), str) else m
+            for m in messages]
+
+
+async def read_image(part: ImagePart, settings: ImageSettings) -> bytes:
+    """The image's bytes, checked (PNG or JPEG, within the limits) from its header."""
+    url = part.url
+    if url.startswith("data:"):
+        data = _decode_data_url(part)
+    elif url.startswith(("http://", "https://")):
+        if not settings.allow_remote:
+            raise invalid(part.param, "remote image URLs are not allowed on this server: send the image inline as "
+                                      "a data: URL (data:image/png;base64,...)")
+        data = await _fetch(part, settings)
+    else:
+        raise invalid(part.param, "an image URL must be a data: URL (data:image/png;base64,...)"
+                                  + (" or an http(s) URL" if settings.allow_remote else ""))
+    try:
+        inspect_image(data, settings.limits)
+    except ImageError as exc:
+        raise invalid(part.param, f"bad image: {exc}") from None
+    return data
+
+
+def _decode_data_url(part: ImagePart) -> bytes:
+    match = _DATA_URL.fullmatch(part.url)
+    if match is None:
+        raise invalid(part.param, "a data: image URL must be base64: data:image/png;base64,...")
+    try:
+        return base64.b64decode(match.group("data"), validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(part.param, "the image's data: URL is not valid base64") from None
+
+
+async def _fetch(part: ImagePart, settings: ImageSettings) -> bytes:
+    """GET the URL: at most limits.max_bytes, within fetch_timeout_s, no redirects."""
+    limit = settings.limits.max_bytes
+    timeout = aiohttp.ClientTimeout(total=settings.fetch_timeout_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(part.url, allow_redirects=False) as response:
+                if response.status != 200:
+                    raise invalid(part.param, f"fetching the image failed: HTTP {response.status}")
+                if (response.content_length or 0) > limit:
+                    raise invalid(part.param, f"the image is {response.content_length} bytes; the limit is {limit}")
+                data = await response.content.read(limit + 1)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise invalid(part.param, f"fetching the image failed: {type(exc).__name__}") from None
+    if len(data) > limit:
+        raise invalid(part.param, f"the image is over {limit} bytes")
+    return data

@@ -1,0 +1,179 @@
+"""Images in chat messages, end to end through the `openai` SDK: a real mesh in this process (NATS, a balancer, an
+encoder, prefill and decode running deepseek-tiny, the gateway). The same image with the same text reuses the KV of
+the first request, a different image does not, and every bad image is a 400 naming the content part."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from PIL import Image
+
+from engine_core.images import ImageLimits
+from kvmesh.nats_server import EmbeddedNats, free_port
+from mesh.config import load_settings
+from services.balancer.config import BalancerSettings
+from services.balancer.server import serve as serve_balancer
+from services.decode.config import DecodeSettings
+from services.decode.server import DecodeService
+from services.encoder.config import EncoderSettings
+from services.encoder.server import serve as serve_encoder
+from services.gateway.errors import GatewayError
+from services.gateway.config import GatewaySettings
+from services.gateway.images import ImagePart, ImageSettings, read_image
+from services.gateway.server import GatewayServer
+from services.prefill.config import PrefillSettings
+from services.prefill.server import PrefillService
+
+from .harness import serving
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+KEY = "sk-images-test"
+DEEPSEEK, SMOL = "deepseek-tiny", "smollm2-135m"
+SYSTEM = ("You are a careful assistant who looks at pictures and describes the colours, the shapes and the mood of "
+          "each one in a single short sentence.")
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def ask(*urls: str, text: str = "What is in this picture?") -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client() -> AsyncIterator[openai.AsyncOpenAI]:
+    with EmbeddedNats() as nats:
+        common = dict(nats_url=nats.url, heartbeat_interval_s=0.5, log_level="warning", drain_timeout_s=1.0)
+        workers = dict(common, models=(DEEPSEEK,), kv_cache_memory_bytes=16 * 2**20)
+        balancer = load_settings(BalancerSettings, env={}, grpc_port=free_port(), worker_id="balancer-i", **common)
+        encoder = load_settings(EncoderSettings, env={}, grpc_port=free_port(), worker_id="encoder-i",
+                                models=(DEEPSEEK,), **common)
+        async with serving(serve_balancer, balancer), serving(serve_encoder, encoder):
+            decode = await DecodeService.start(load_settings(DecodeSettings, env={}, worker_id="decode-i", **workers))
+            prefill = await PrefillService.start(load_settings(PrefillSettings, env={}, worker_id="prefill-i",
+                                                               kvcache_enabled=False, **workers))
+            gateway = GatewayServer(GatewaySettings(nats_url=nats.url, http_port=0, grpc_port=0, api_keys=(KEY,),
+                                                    models=(DEEPSEEK, SMOL), heartbeat_interval_s=0.5,
+                                                    log_level="warning", max_image_side=512))
+            await gateway.start()
+            openai_client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key=KEY,
+                                               max_retries=0, timeout=120)
+            try:
+                for _ in range(200):  # until the balancer and the gateway have heard every worker
+                    try:
+                        await openai_client.chat.completions.create(
+                            model=DEEPSEEK, messages=ask(data_url(png((1, 1, 1)))), max_tokens=1)
+                        break
+                    except openai.InternalServerError:
+                        await asyncio.sleep(0.1)
+                yield openai_client
+            finally:
+                await gateway.stop()
+                await prefill.stop()
+                await decode.stop()
+
+
+async def chat(client: openai.AsyncOpenAI, messages: list[dict[str, Any]], model: str = DEEPSEEK) -> Any:
+    return await client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+
+
+async def test_same_image_reuses_the_kv_and_a_different_image_does_not(client):
+    red = ask(data_url(png((220, 30, 30))))
+    first = await chat(client, red)
+    assert first.choices[0].finish_reason in ("stop", "length")
+    text_only = await chat(client, [{"role": "system", "content": SYSTEM},
+                                    {"role": "user", "content": "What is in this picture?"}])
+    # the 64 image tokens (the "\n" joining the parts merges with "?" into one token)
+    assert first.usage.prompt_tokens == text_only.usage.prompt_tokens + 64
+    again = await chat(client, red)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
+    assert again.choices[0].message.content == first.choices[0].message.content
+    blue = await chat(client, ask(data_url(png((30, 30, 220)))))
+    cached_blue = blue.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached_blue < again.usage.prompt_tokens_details.cached_tokens  # the text before the image only
+    jpeg = io.BytesIO()
+    Image.new("RGB", (40, 40), (10, 200, 10)).save(jpeg, "JPEG")
+    assert (await chat(client, ask(data_url(jpeg.getvalue(), "image/jpeg")))).usage.prompt_tokens == first.usage.prompt_tokens
+
+
+async def bad_request(client: openai.AsyncOpenAI, messages: list[dict[str, Any]], model: str = DEEPSEEK) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await chat(client, messages, model)
+    assert caught.value.status_code == 400
+    body = caught.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+async def test_bad_images_are_refused_naming_the_content_part(client):
+    corrupt = await bad_request(client, ask(data_url(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)))
+    assert corrupt["param"] == "messages[1].content[1]" and "PNG or JPEG" in corrupt["message"]
+    noise = io.BytesIO()
+    Image.frombytes("RGB", (32, 32), random.Random(0).randbytes(32 * 32 * 3)).save(noise, "PNG")
+    cut = await bad_request(client, ask(data_url(noise.getvalue()[: len(noise.getvalue()) // 2])))
+    assert cut["param"] == "messages[1].content[1]" and "truncated" in cut["message"]  # found by the encoder
+    huge = await bad_request(client, ask(data_url(png((0, 0, 0), (600, 8)))))
+    assert huge["param"] == "messages[1].content[1]" and "600x8 pixels" in huge["message"]
+    urls = [data_url(png((i, i, i))) for i in range(5)]
+    many = await bad_request(client, ask(*urls))
+    assert many["param"] == "messages[1].content[5]" and "at most 4" in many["message"]
+    remote = await bad_request(client, ask("https://example.com/cat.png"))
+    assert remote["param"] == "messages[1].content[1]" and "remote image URLs are not allowed" in remote["message"]
+    not_base64 = await bad_request(client, ask("data:image/png;base64,@@@"))
+    assert "base64" in not_base64["message"]
+    text_only = await bad_request(client, ask(data_url(png((5, 5, 5)))), model=SMOL)
+    assert text_only["message"] == f"the model {SMOL!r} does not accept images"
+    in_text = await bad_request(client, ask(data_url(png((6, 6, 6))), text="see <｜image｜> here"))
+    assert "must not contain '<｜image｜>'" in in_text["message"]
+    assistant = await bad_request(client, [{"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png((7, 7, 7)))}}]}])
+    assert assistant["param"] == "messages[0].content[0]"
+    ok = await chat(client, [{"role": "user", "content": "Still there?"}])  # other requests are unaffected
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_remote_images_are_fetched_when_allowed():
+    image = png((9, 90, 200))
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.path == "/big.png":
+            return web.Response(body=image * 20, content_type="image/png")
+        if request.path == "/cat.png":
+            return web.Response(body=image, content_type="image/png")
+        return web.Response(status=404)
+
+    runner = web.AppRunner(web.Application())
+    runner.app.router.add_get("/{name}", handler)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    settings = ImageSettings(ImageLimits(max_bytes=4 * len(image)), max_images=4, allow_remote=True,
+                             fetch_timeout_s=5.0)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert await read_image(ImagePart("messages[0].content[0]", f"{base}/cat.png"), settings) == image
+        for name, message in (("big.png", "limit is"), ("gone.png", "HTTP 404")):
+            with pytest.raises(GatewayError, match=message) as caught:
+                await read_image(ImagePart("messages[0].content[1]", f"{base}/{name}"), settings)
+            assert caught.value.param == "messages[0].content[1]"
+    finally:
+        await runner.cleanup()
