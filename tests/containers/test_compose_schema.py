@@ -14,8 +14,8 @@ COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 # shared/ lies beside the repository (in CI too); KVMESH_COMPOSE_SCHEMA points elsewhere where it does not.
 SCHEMA_FILE = Path(os.environ.get("KVMESH_COMPOSE_SCHEMA")
                    or REPO_ROOT.parent / "shared" / "data" / "compose-spec" / "compose-spec.json")
-ROLES = ("gateway", "prefill", "decode", "kvcache", "balancer", "expert_lb")
-WORKERS = ("prefill", "decode", "kvcache", "balancer", "expert_lb")
+ROLES = ("gateway", "encoder", "prefill", "decode", "kvcache", "balancer", "expert_lb")
+WORKERS = ("encoder", "prefill", "decode", "kvcache", "balancer", "expert_lb")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_healthchecks_dial_each_role_on_its_own_status_port(compose):
 
 def test_roles_start_after_the_bus_and_the_models_and_read_the_models_volume_read_only(compose):
     services = compose["services"]
-    for role in ("gateway", "prefill", "decode"):
+    for role in ("gateway", "encoder", "prefill", "decode"):
         depends = services[role]["depends_on"]
         assert depends["nats"] == {"condition": "service_healthy"}
         assert depends["models"] == {"condition": "service_completed_successfully"}
