@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from mesh.pb import events_pb2
 
 TIER_BITS = {"device": 1, "host": 2, "ssd": 4}
+STORE_TIERS = TIER_BITS["host"] | TIER_BITS["ssd"]  # the KV store nodes' tiers
 
 
 @dataclass(frozen=True)
@@ -143,12 +144,52 @@ class GlobalKVIndex:
             return len(self._holders)
         return len(self._by_worker.get(worker_id, ()))
 
+    def holds(self, worker_id: str, key: bytes) -> bool:
+        return key in self._by_worker.get(worker_id, ())
+
     def num_leading_hits(self, worker_id: str, block_hashes: Sequence[bytes]) -> int:
         """How many of `block_hashes`, from the first, the worker holds (a prefix is usable only up to a gap)."""
         held = self._by_worker.get(worker_id)
         if not held:
             return 0
         return next((n for n, key in enumerate(block_hashes) if key not in held), len(block_hashes))
+
+    def leading_hits_by_worker(self, block_hashes: Sequence[bytes], tier: str = "device") -> dict[str, int]:
+        """For every worker holding the first block in `tier`: how many blocks from the first it holds there (the
+        balancer's question, for all workers in one walk)."""
+        bit = TIER_BITS[tier]
+        counts: dict[str, int] = {}
+        active: set[str] | None = None
+        for n, key in enumerate(block_hashes, start=1):
+            holders = self._holders.get(key)
+            if not holders:
+                break
+            held = {w for w, h in holders.items() if h.tier_mask & bit and (active is None or w in active)}
+            if not held:
+                break
+            for worker_id in held:
+                counts[worker_id] = n
+            active = held
+        return counts
+
+    def num_leading_stored(self, block_hashes: Sequence[bytes], start: int = 0) -> tuple[int, int]:
+        """(host, ssd): how many blocks from `block_hashes[start]` on, without a gap, store nodes can serve, and
+        from which tier (host when k distinct fragments are in host memory somewhere, else SSD)."""
+        num_host = num_ssd = 0
+        for key in block_hashes[start:]:
+            holders = self._holders.get(key)
+            if not holders:
+                break
+            need = self._coding.get(key, WHOLE).num_data
+            in_host = {h.fragment_index for h in holders.values() if h.tier_mask & TIER_BITS["host"]}
+            if len(in_host) >= need:
+                num_host += 1
+                continue
+            stored = {h.fragment_index for h in holders.values() if h.tier_mask & STORE_TIERS}
+            if len(stored) < need:
+                break
+            num_ssd += 1
+        return num_host, num_ssd
 
     def num_readable(self, key: bytes, workers: Iterable[str]) -> int:
         """Distinct fragments of `key` held by `workers` (the live ones): the block is readable at >= k."""

@@ -1,0 +1,22 @@
+"""Routing: the balancer's policies, one implementation each, shared by the live balancer (services/balancer) and
+the trace-driven simulator (`kvmesh bench route`).
+
+    cost.py      CostModel: prefill, fetch, transfer and decode step times (DeepSeek-V3 on H800 by default)
+    state.py     WorkerState (a worker's report), RouteRequest, PrefillPick, Route, Assignment (a decision's delta)
+    view.py      LoadView: reports + optimistic accounting of assignments until the next report
+    context.py   PickContext: one request's cached prefix per worker (global KV index) and predicted prefill time
+    prefill.py   round_robin, least_load, cache_aware (SGLang), kv_aware (Dynamo), deepseek prefill policies
+    decode.py    the baselines' decode policies
+    kvmesh.py    the default policy: predicted TTFT with bounded imbalance; predicted KV growth
+    router.py    Router (one balancer replica) and POLICIES, the names
+    encoder.py   pick_encoder: the encoder pool's policy
+    capacity.py  recommended replica counts per pool from observed load
+"""
+
+from mesh.routing.cost import CostModel
+from mesh.routing.router import DEFAULT_POLICY, POLICIES, Router, check_policy
+from mesh.routing.state import Assignment, NoWorkerError, PrefillPick, Route, RouteRequest, WorkerState
+from mesh.routing.view import LoadView
+
+__all__ = ["Assignment", "CostModel", "DEFAULT_POLICY", "LoadView", "NoWorkerError", "POLICIES", "PrefillPick",
+           "Route", "RouteRequest", "Router", "WorkerState", "check_policy"]

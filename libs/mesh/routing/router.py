@@ -1,0 +1,114 @@
+"""Router: one balancer replica's decisions. It owns a LoadView (the only writer) and a policy pair (prefill,
+decode), reads the global KV index, and turns each pick into an Assignment that it applies at once and that its
+peers apply when they hear it (`apply`).
+
+    router = Router("kvmesh", index, balancer_id="balancer-1")
+    route, assignment = router.route(request, prefill_workers, decode_workers, now_s=time.time())
+    router.apply(peer_assignment)                  # a peer's decision, heard on NATS
+    router.update(worker_state)                    # a heartbeat (route() also takes newer reports it is given)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mesh.routing.context import CacheIndex, PickContext
+from mesh.routing.cost import CostModel
+from mesh.routing.decode import (DecodePolicy, DeepSeekDecode, LeastKVDecode, LeastRequestsDecode,
+                                 RoundRobinDecode)
+from mesh.routing.kvmesh import KvmeshDecode, KvmeshPrefill
+from mesh.routing.prefill import (CacheAwarePrefill, DeepSeekPrefill, KvAwarePrefill, LeastLoadPrefill,
+                                  PrefillPolicy, RoundRobinPrefill)
+from mesh.routing.state import Assignment, NoWorkerError, Route, RouteRequest, WorkerState
+from mesh.routing.view import LoadView
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    prefill: Callable[[], PrefillPolicy]
+    decode: Callable[[], DecodePolicy]
+    description: str
+    optimistic_cache: bool = False  # counts blocks sent to a worker as cached there before its KV events say so
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "round_robin": PolicySpec(RoundRobinPrefill, RoundRobinDecode, "next worker in turn, both pools"),
+    "least_load": PolicySpec(LeastLoadPrefill, LeastRequestsDecode, "fewest queued prompt tokens; fewest requests"),
+    "cache_aware": PolicySpec(CacheAwarePrefill, LeastRequestsDecode,
+                              "SGLang: approximate prefix tree with a load guard; fewest requests"),
+    "kv_aware": PolicySpec(KvAwarePrefill, LeastKVDecode, "Dynamo: uncached blocks credited by tier; fewest KV blocks"),
+    "deepseek": PolicySpec(DeepSeekPrefill, DeepSeekDecode,
+                           "context-length buckets by compute quota; request count + KV length"),
+    "kvmesh": PolicySpec(KvmeshPrefill, KvmeshDecode, "predicted TTFT with bounded imbalance; predicted KV growth",
+                         optimistic_cache=True),
+}
+DEFAULT_POLICY = "kvmesh"
+
+
+def check_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}: expected one of {', '.join(POLICIES)}")
+    return name
+
+
+class Router:
+    def __init__(self, policy: str, index: CacheIndex, cost: CostModel | None = None, balancer_id: str = "") -> None:
+        spec = POLICIES[check_policy(policy)]
+        self.policy = policy
+        self.index = index  # read only here
+        self.balancer_id = balancer_id
+        self.view = LoadView(cost or CostModel())
+        self.prefill_policy = spec.prefill()
+        self.decode_policy = spec.decode()
+        self.optimistic_cache = spec.optimistic_cache
+        self.num_routes = 0
+
+    def route(self, request: RouteRequest, prefill: Sequence[WorkerState], decode: Sequence[WorkerState],
+              now_s: float) -> tuple[Route, Assignment]:
+        """The pair for `request` from the pools serving its model (in worker-id order); NoWorkerError when a pool
+        has nobody left."""
+        if request.num_prompt_tokens < 0:
+            raise ValueError(f"num_prompt_tokens must not be negative, got {request.num_prompt_tokens}")
+        prefill_pool = self._eligible(request, prefill, "prefill")
+        decode_pool = self._eligible(request, decode, "decode")
+        for worker in (*prefill_pool, *decode_pool):
+            self.view.update(worker)
+        ctx = PickContext(request, now_s, self.view, self.index, include_pending=self.optimistic_cache)
+        pick = self.prefill_policy.pick(ctx, prefill_pool)
+        arrival_s = now_s + pick.predicted_ttft_s + self.view.cost.transfer_s(request.num_prompt_tokens)
+        decode_id = self.decode_policy.pick(request, decode_pool, self.view, now_s, arrival_s)
+        estimate = next(ctx.estimate(w) for w in prefill_pool if w.worker_id == pick.worker_id)
+        assignment = Assignment(self.balancer_id, request.request_id, now_s, pick.worker_id, decode_id,
+                                request.num_prompt_tokens, estimate.num_uncached_tokens, pick.predicted_s,
+                                arrival_s, request.block_hashes)
+        self._apply(assignment)
+        self.num_routes += 1
+        return Route(pick.worker_id, decode_id, pick.num_cached_tokens, pick.predicted_ttft_s), assignment
+
+    def apply(self, assignment: Assignment) -> None:
+        """A peer replica's decision; this router's own (same balancer id) were applied when made."""
+        if assignment.balancer_id != self.balancer_id:
+            self._apply(assignment)
+
+    def update(self, state: WorkerState) -> None:
+        self.view.update(state)
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left its pool."""
+        self.view.forget(worker_id)
+        self.prefill_policy.forget(worker_id)
+
+    def observe_output(self, num_output_tokens: int) -> None:
+        self.decode_policy.observe_output(num_output_tokens)
+
+    def _apply(self, assignment: Assignment) -> None:
+        self.view.assign(assignment)
+        self.prefill_policy.observe(assignment, self.view.report(assignment.prefill_worker_id))
+
+    @staticmethod
+    def _eligible(request: RouteRequest, pool: Sequence[WorkerState], name: str) -> list[WorkerState]:
+        workers = [w for w in pool if w.worker_id not in request.exclude_worker_ids]
+        if not workers:
+            raise NoWorkerError(name, request.model, len(pool) - len(workers))
+        return workers

@@ -1,0 +1,149 @@
+"""LoadView: every worker's last report plus what was assigned to it since (optimistic accounting until the next
+heartbeat), the picture every policy reads.
+
+An assignment counts on a worker until a report that includes it arrives: on the prefill worker from the moment
+it is assigned, on the decode worker from when its KV is expected there (`decode_arrival_s`), because the decode
+worker cannot report a request still in prefill. Own and peers' assignments count the same way.
+
+Prefill queues drain between reports: `wait_s` predicts when a worker's queue empties, starting from the reported
+queue at the report's time and adding each assignment's predicted prefill time in order (as Mooncake's conductor
+predicts queueing time). One writer: the Router that owns the view; policies only read it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mesh.routing.cost import CostModel
+from mesh.routing.pending_cache import PendingCache
+from mesh.routing.state import Assignment, WorkerState
+
+
+HISTORY = 256  # assignments remembered per worker after a report includes them
+
+
+@dataclass
+class _Pending:
+    """What one worker was assigned since its last report."""
+
+    entries: deque[tuple[float, int, float]] = field(default_factory=deque)  # (visible_s, num_tokens, prefill_s)
+    num_requests: int = 0
+    num_tokens: int = 0  # prefill: uncached tokens; decode: prompt tokens (the KV the request brings)
+    busy_until_s: float = 0.0  # prefill: when its queue is predicted to be done
+    reported: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY))  # (tokens, prefill_s)
+
+
+class LoadView:
+    def __init__(self, cost: CostModel, balance_half_life_s: float = 120.0) -> None:
+        assert balance_half_life_s > 0
+        self.cost = cost
+        self.balance_half_life_s = balance_half_life_s
+        self._reports: dict[str, WorkerState] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._recent_work: dict[str, tuple[float, float]] = {}  # worker -> (prefill seconds assigned, as of when)
+        self.pending_cache = PendingCache()  # written only by `assign` and `forget`
+
+    # -- writes (the owning Router) -----------------------------------------------------------------------------
+    def update(self, state: WorkerState) -> None:
+        """A report; one not newer than the known one changes nothing."""
+        known = self._reports.get(state.worker_id)
+        if known is not None and state.reported_s <= known.reported_s:
+            return
+        self._reports[state.worker_id] = state
+        pending = self._pending.setdefault(state.worker_id, _Pending())
+        while pending.entries and pending.entries[0][0] <= state.reported_s:
+            _, num_tokens, prefill_s = pending.entries.popleft()
+            pending.num_requests -= 1
+            pending.num_tokens -= num_tokens
+            pending.reported.append((num_tokens, prefill_s))
+        busy = state.reported_s + self._queued_s(pending, state.num_queued_prompt_tokens)
+        for visible_s, _, prefill_s in pending.entries:
+            busy = max(busy, visible_s) + prefill_s
+        pending.busy_until_s = busy
+
+    def assign(self, assignment: Assignment) -> None:
+        prefill = self._pending.setdefault(assignment.prefill_worker_id, _Pending())
+        self._add(prefill, assignment.assigned_s, assignment.num_uncached_tokens, assignment.prefill_s)
+        prefill.busy_until_s = max(prefill.busy_until_s, assignment.assigned_s) + assignment.prefill_s
+        decode = self._pending.setdefault(assignment.decode_worker_id, _Pending())
+        self._add(decode, assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0)
+        done_s = assignment.decode_arrival_s - self.cost.transfer_s(assignment.num_prompt_tokens)
+        self.pending_cache.add(assignment.prefill_worker_id, assignment.block_hashes, done_s)
+        value = self.recent_work_s(assignment.prefill_worker_id, assignment.assigned_s)
+        self._recent_work[assignment.prefill_worker_id] = (value + assignment.prefill_s, assignment.assigned_s)
+
+    def forget(self, worker_id: str) -> None:
+        self._reports.pop(worker_id, None)
+        self._pending.pop(worker_id, None)
+        self._recent_work.pop(worker_id, None)
+        self.pending_cache.forget(worker_id)
+
+    def _queued_s(self, pending: _Pending, num_tokens: int) -> float:
+        """A reported queue in seconds. A worker serves in order, so its queue is the last requests sent to it
+        before the report: their predicted times (which know each one's context depth) add up to it, newest
+        first; what no remembered assignment covers goes at the cost model's rate for shallow tokens."""
+        seconds = 0.0
+        for tokens, prefill_s in reversed(pending.reported):
+            if num_tokens <= 0:
+                break
+            if tokens <= 0:
+                continue
+            share = min(num_tokens, tokens)
+            seconds += prefill_s * share / tokens
+            num_tokens -= share
+        return seconds + self.cost.queued_s(max(num_tokens, 0))
+
+    @staticmethod
+    def _add(pending: _Pending, visible_s: float, num_tokens: int, prefill_s: float) -> None:
+        # entries stay ordered by visibility (a peer's assignment may be heard late), so a report drops a prefix
+        if pending.entries and visible_s < pending.entries[-1][0]:
+            entries = sorted([*pending.entries, (visible_s, num_tokens, prefill_s)], key=lambda e: e[0])
+            pending.entries = deque(entries)
+        else:
+            pending.entries.append((visible_s, num_tokens, prefill_s))
+        pending.num_requests += 1
+        pending.num_tokens += num_tokens
+
+    # -- reads --------------------------------------------------------------------------------------------------
+    def report(self, worker_id: str) -> WorkerState | None:
+        return self._reports.get(worker_id)
+
+    def num_pending(self, worker_id: str) -> int:
+        pending = self._pending.get(worker_id)
+        return pending.num_requests if pending is not None else 0
+
+    def num_pending_tokens(self, worker_id: str) -> int:
+        pending = self._pending.get(worker_id)
+        return pending.num_tokens if pending is not None else 0
+
+    def num_requests(self, worker: WorkerState) -> int:
+        """Requests it holds or is about to: running + waiting + assigned since the report."""
+        return worker.num_running + worker.num_waiting + self.num_pending(worker.worker_id)
+
+    def num_queued_tokens(self, worker: WorkerState) -> int:
+        """Prefill: prompt tokens still to compute, reported plus assigned since."""
+        return worker.num_queued_prompt_tokens + self.num_pending_tokens(worker.worker_id)
+
+    def num_kv_tokens(self, worker: WorkerState) -> int:
+        """Decode: KV tokens held, reported plus the prompts of requests on their way."""
+        return worker.num_kv_tokens + self.num_pending_tokens(worker.worker_id)
+
+    def pending(self, worker_id: str) -> Sequence[tuple[float, int, float]]:
+        """(visible_s, num_tokens, prefill_s) of each assignment not yet in a report, by visibility."""
+        pending = self._pending.get(worker_id)
+        return pending.entries if pending is not None else ()
+
+    def wait_s(self, worker: WorkerState, now_s: float) -> float:
+        """Prefill: predicted seconds until the work queued on it is done."""
+        pending = self._pending.get(worker.worker_id)
+        busy_until = (pending.busy_until_s if pending is not None
+                      else worker.reported_s + self._queued_s(_Pending(), worker.num_queued_prompt_tokens))
+        return max(busy_until - now_s, 0.0)
+
+    def recent_work_s(self, worker_id: str, now_s: float) -> float:
+        """Prefill seconds assigned to the worker, decayed with `balance_half_life_s`: its recent share of work."""
+        value, at_s = self._recent_work.get(worker_id, (0.0, now_s))
+        return value * math.exp2(-max(now_s - at_s, 0.0) / self.balance_half_life_s)

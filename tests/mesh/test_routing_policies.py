@@ -1,0 +1,196 @@
+"""Routing policies (mesh.routing) on small scenarios with exact picks and costs: the baselines, the kvmesh policy
+(predicted TTFT, bounded imbalance on a hot prefix, the pending-cache view, predicted decode KV), the Router's
+pools and peer assignments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mesh.kv_index import GlobalKVIndex
+from mesh.routing import Assignment, CostModel, NoWorkerError, RouteRequest, Router, WorkerState
+from mesh.routing.kvmesh import KvmeshDecode
+from mesh.routing.view import LoadView
+
+# prefill_s(cached, new) = new / 1000 * (1 + (cached + new / 2) / 1000); fetching or pushing a token: 1 ms
+COST = CostModel(prefill_tokens_per_s=1000.0, attention_knee_tokens=1000.0, kv_bytes_per_token=1000,
+                 host_bytes_per_s=1e6, ssd_bytes_per_s=1e6, network_bytes_per_s=1e6, decode_step_base_s=0.01,
+                 decode_s_per_kv_token=0.0)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(2, "little") * 16
+
+
+def worker(worker_id: str, reported_s: float = 0.0, **load: int) -> WorkerState:
+    """16-token blocks, 8 sequences, 100 blocks (1,600 tokens) of KV."""
+    return WorkerState(worker_id, reported_s, block_size=16, max_num_seqs=8, num_kv_blocks=100, **load)
+
+
+def request(num_prompt_tokens: int, *block_ids: int, request_id: str = "", exclude: tuple[str, ...] = ()) -> RouteRequest:
+    return RouteRequest("m", tuple(key(i) for i in block_ids), num_prompt_tokens, request_id, frozenset(exclude))
+
+
+PREFILL = [worker("p-a"), worker("p-b"), worker("p-c")]
+DECODE = [worker("d-a"), worker("d-b")]
+
+
+def picks(router: Router, requests: list[RouteRequest], prefill: list[WorkerState] = PREFILL,
+          decode: list[WorkerState] = DECODE, now_s: float = 0.0) -> list[tuple[str, str]]:
+    routes = [router.route(r, prefill, decode, now_s)[0] for r in requests]
+    return [(route.prefill_worker_id, route.decode_worker_id) for route in routes]
+
+
+# -- baselines ------------------------------------------------------------------------------------------------------
+
+def test_round_robin_takes_turns_in_both_pools() -> None:
+    router = Router("round_robin", GlobalKVIndex(), COST)
+    assert picks(router, [request(48, 1)] * 4) == [("p-a", "d-a"), ("p-b", "d-b"), ("p-c", "d-a"), ("p-a", "d-b")]
+
+
+def test_least_load_counts_queued_tokens_assigned_since_the_report() -> None:
+    router = Router("least_load", GlobalKVIndex(), COST)
+    prefill = [worker("p-a", num_queued_prompt_tokens=100), worker("p-b"), worker("p-c", num_queued_prompt_tokens=50)]
+    decode = [worker("d-a", num_running=2), worker("d-b")]
+    # prefill queues (a, b, c) before each pick: (100, 0, 50), (100, 48, 50), (100, 96, 50), (100, 96, 98)
+    # decode requests before each pick: (2, 0), (2, 1), (2, 2): a tie on requests goes to fewer KV tokens
+    assert picks(router, [request(48)] * 4, prefill, decode) == [
+        ("p-b", "d-b"), ("p-b", "d-b"), ("p-c", "d-a"), ("p-b", "d-b")]
+    assert router.view.num_queued_tokens(prefill[1]) == 144
+    router.update(worker("p-b", reported_s=1.0, num_queued_prompt_tokens=20))  # the report includes all three
+    assert router.view.num_queued_tokens(router.view.report("p-b")) == 20  # type: ignore[arg-type]
+
+
+def test_cache_aware_follows_its_tree_above_the_threshold_and_the_shortest_queue_when_imbalanced() -> None:
+    router = Router("cache_aware", GlobalKVIndex(), COST)
+    first = picks(router, [request(64, 1, 2, 3, 4), request(64, 1, 2, 3, 5), request(32, 9, 10)])
+    # no trees: the smallest (all empty), then fewest requests, then id; 3 of 4 blocks match p-a's tree (> 50%);
+    # no match: the smallest tree, p-b (p-c ties on size but p-b comes first)
+    assert [p for p, _ in first] == ["p-a", "p-a", "p-b"]
+    busy = [worker("p-a", reported_s=1.0, num_waiting=100), worker("p-b", reported_s=1.0),
+            worker("p-c", reported_s=1.0)]
+    # 100 > 64 and > 1.5 x 0: the fewest requests (the reports include every earlier pick), p-b before p-c
+    assert picks(router, [request(64, 1, 2, 3, 4)], busy, now_s=1.0)[0][0] == "p-b"
+
+
+def test_kv_aware_credits_device_and_host_tiers() -> None:
+    index = GlobalKVIndex()
+    index.add("p-a", [key(1), key(2)])
+    index.add("p-b", [key(1)])
+    index.add("kv-0", [key(1), key(2), key(3)], tier="host")
+    router = Router("kv_aware", index, COST)
+    decode = [worker("d-a", num_kv_tokens=500), worker("d-b", num_kv_tokens=100)]
+    # blocks (queued + 64 - credited) / 16, credited = device + 0.75 x host tokens:
+    # p-a 32 + 0.75 x 16 -> 1.25; p-b 16 + 0.75 x 32 -> 1.5; p-c 0.75 x 48 -> 1.75
+    assert picks(router, [request(64, 1, 2, 3, 4)], decode=decode) == [("p-a", "d-b")]
+    queued = [worker("p-a", num_queued_prompt_tokens=16), worker("p-b"), worker("p-c")]  # p-a: 2.25
+    assert picks(Router("kv_aware", index, COST), [request(64, 1, 2, 3, 4)], queued, decode)[0][0] == "p-b"
+
+
+def test_deepseek_spreads_each_context_length_bucket_and_weighs_requests_and_kv_for_decode() -> None:
+    router = Router("deepseek", GlobalKVIndex(), COST)
+    prefill = [worker("p-a"), worker("p-b")]
+    decode = [WorkerState(w, 0.0, 16, 8, 1000, num_running=n, num_kv_tokens=kv)  # 16,000 KV tokens each
+              for w, n, kv in (("d-a", 4, 0), ("d-b", 1, 1200), ("d-c", 2, 320))]
+    long, short = request(5000), request(100)  # buckets 1 and 0
+    # prefill: the least spent in the bucket, then overall; decode: requests / 8 + KV / 16,000, before each pick
+    # (0.5, 0.2, 0.27), (0.5, 0.6375, 0.27), (0.5, 0.6375, 0.40125), (0.5, 0.6375, 0.83875)
+    assert picks(router, [long, short, long, short], prefill, decode) == [
+        ("p-a", "d-b"), ("p-b", "d-c"), ("p-b", "d-c"), ("p-a", "d-a")]
+
+
+# -- kvmesh ---------------------------------------------------------------------------------------------------------
+
+def test_kvmesh_prefill_predicts_time_to_first_token_from_the_cached_prefix() -> None:
+    index = GlobalKVIndex()
+    index.add("p-b", [key(1), key(2), key(3)])
+    route, assignment = Router("kvmesh", index, COST).route(request(64, 1, 2, 3, 4), PREFILL, DECODE, 0.0)
+    # p-b computes 16 tokens after 48 cached: 0.016 x (1 + 56/1000); the others 64: 0.064 x 1.032
+    assert (route.prefill_worker_id, route.num_cached_tokens) == ("p-b", 48)
+    assert route.predicted_ttft_s == pytest.approx(0.016896)
+    assert (assignment.num_uncached_tokens, assignment.prefill_s) == (16, pytest.approx(0.016896))
+    assert assignment.decode_arrival_s == pytest.approx(0.016896 + 0.064)  # + pushing 64 tokens' KV
+
+
+def test_kvmesh_waits_for_its_cache_only_within_the_imbalance_bound() -> None:
+    index = GlobalKVIndex()
+    index.add("p-a", [key(n) for n in range(1, 9)])  # a 128-token prefix
+    hot = request(136, *range(1, 10))
+    # p-b would compute all 136 tokens: 0.136 x 1.068 = 0.145248 s; the bound is 2 x that + 2 s = 2.290496 s
+    within = [worker("p-a", num_queued_prompt_tokens=2000), worker("p-b")]  # p-a: 2 s queued + 0.009056 s
+    assert Router("kvmesh", index, COST).route(hot, within, DECODE, 0.0)[0].prefill_worker_id == "p-a"
+    beyond = [worker("p-a", num_queued_prompt_tokens=2300), worker("p-b")]  # p-a: 2.309056 s
+    assert Router("kvmesh", index, COST).route(hot, beyond, DECODE, 0.0)[0].prefill_worker_id == "p-b"
+
+
+def test_a_hot_prefix_spills_to_a_second_worker_instead_of_piling_up() -> None:
+    index = GlobalKVIndex()
+    index.add("p-a", [key(n) for n in range(1, 9)])
+    router = Router("kvmesh", index, COST)
+    pool = [worker("p-a"), worker("p-b"), worker("p-c")]
+    chosen = [router.route(request(136, *range(1, 9), 100 + n, request_id=f"r{n}"), pool, DECODE, 0.0)[0]
+              for n in range(300)]
+    counts = {w.worker_id: sum(r.prefill_worker_id == w.worker_id for r in chosen) for w in pool}
+    first_elsewhere = next(n for n, r in enumerate(chosen) if r.prefill_worker_id != "p-a")
+    # p-a takes requests until its queue passes the bound (2 x 0.145248 + 2 s of predicted TTFT: 252 requests of
+    # 0.009056 s take it to 2.28 s); then the prefix is copied to a second worker, which holds it from then on (pending cache)
+    assert first_elsewhere == 252
+    assert chosen[first_elsewhere].num_cached_tokens == 0 and chosen[-1].num_cached_tokens == 128
+    assert counts == {"p-a": 252, "p-b": 48, "p-c": 0}
+    waits = [router.view.wait_s(w, 0.0) for w in pool]
+    assert max(waits) <= 2 * 0.145248 + 2 + 0.009056
+
+
+def test_kvmesh_counts_blocks_still_being_computed_as_cached_on_their_worker() -> None:
+    router = Router("kvmesh", GlobalKVIndex(), COST)
+    first, _ = router.route(request(64, 1, 2, 3, 4, request_id="turn-1"), PREFILL, DECODE, 0.0)
+    second, _ = router.route(request(80, 1, 2, 3, 4, 5, request_id="turn-2"), PREFILL, DECODE, 0.01)
+    assert second.prefill_worker_id == first.prefill_worker_id and second.num_cached_tokens == 64
+    # the index never heard of those blocks: once the first turn is predicted done (+ 1 s), they stop counting
+    late, _ = router.route(request(80, 1, 2, 3, 4, 5, request_id="turn-3"), PREFILL, DECODE, 5.0)
+    assert late.num_cached_tokens == 0
+
+
+def test_kvmesh_decode_predicts_kv_when_the_request_arrives() -> None:
+    view = LoadView(COST)
+    policy = KvmeshDecode(expected_output_tokens=100)  # lifetime: 100 steps of 0.01 s
+    d_a, d_b = worker("d-a", num_kv_tokens=1000), worker("d-b", num_kv_tokens=500)
+    view.update(d_a)
+    view.update(d_b)
+    view.assign(Assignment("b", "r1", 0.0, "p-a", "d-b", 300, 300, 0.3, 0.2))  # on d-b at 0.2
+    view.assign(Assignment("b", "r2", 0.0, "p-a", "d-b", 900, 900, 0.9, 0.8))  # on d-b at 0.8
+    # at 0.5: the reports' KV decays with the expected lifetime; r1 is there, r2 not yet
+    assert policy.predicted_kv(d_a, view, 0.5) == pytest.approx(1000 * math.exp(-0.5))
+    assert policy.predicted_kv(d_b, view, 0.5) == pytest.approx(500 * math.exp(-0.5) + 300 * math.exp(-0.3))
+    assert policy.pick(request(10), [d_a, d_b], view, 0.0, arrival_s=0.5) == "d-b"  # 606.5 against 525.5
+    assert policy.pick(request(10), [d_a, d_b], view, 0.0, arrival_s=0.9) == "d-a"  # r2 counts by then: 1166.6
+    policy.observe_output(200)
+    assert policy.expected_output_tokens == pytest.approx(101.0)
+
+
+# -- the Router -----------------------------------------------------------------------------------------------------
+
+def test_excluded_workers_are_skipped_and_an_empty_pool_names_the_model() -> None:
+    router = Router("kvmesh", GlobalKVIndex(), COST)
+    route, _ = router.route(request(32, 1, exclude=("p-a", "p-b", "d-a")), PREFILL, DECODE, 0.0)
+    assert (route.prefill_worker_id, route.decode_worker_id) == ("p-c", "d-b")
+    with pytest.raises(NoWorkerError, match=r"^no prefill worker serves model 'm'$"):
+        router.route(request(16), [], DECODE, 0.0)
+    with pytest.raises(NoWorkerError, match=r"^no decode worker serves model 'm' \(1 excluded\)$"):
+        router.route(request(16, exclude=("d-a",)), PREFILL, DECODE[:1], 0.0)
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
+        Router("fastest", GlobalKVIndex())
+
+
+def test_replicas_count_each_others_assignments_but_not_their_own_twice() -> None:
+    one, two = (Router("least_load", GlobalKVIndex(), COST, balancer_id=f"balancer-{n}") for n in (1, 2))
+    pool = [worker("p-a"), worker("p-b")]
+    _, assignment = one.route(request(500), pool, DECODE, 0.0)
+    assert assignment.prefill_worker_id == "p-a"
+    one.apply(assignment)  # its own, heard back from NATS: already counted
+    assert one.view.num_queued_tokens(pool[0]) == 500
+    assert two.route(request(500), pool, DECODE, 0.0)[0].prefill_worker_id == "p-a"  # not heard yet: herds
+    two.apply(assignment)
+    assert two.view.num_queued_tokens(pool[0]) == 1000
+    assert two.route(request(500), pool, DECODE, 0.0)[0].prefill_worker_id == "p-b"
