@@ -2,11 +2,13 @@
 
 1. block keys of the prompt (root: model + cache salt), for cache-aware routing;
 2. Balancer.Route on a live balancer (the next one if it cannot answer) -> a (prefill, decode) pair;
-3. Prefill.Prefill, which pushes the KV to the decode worker and returns the first token. On UNAVAILABLE or
-   RESOURCE_EXHAUSTED the failed worker (prefill's `kvmesh-failed-worker` trailer names a failed decode
-   worker; without it, the prefill worker failed) is excluded and the request re-routed, up to max_retries;
+3. Prefill.PrefillStream: prefill answers with the first token as soon as it is sampled, then again once its push
+   of the KV to the decode worker is done. On UNAVAILABLE or RESOURCE_EXHAUSTED before the first answer the
+   failed worker (prefill's `kvmesh-failed-worker` trailer names a failed decode worker; without it, the prefill
+   worker failed) is excluded and the request re-routed, up to max_retries;
 4. Decode.Stream: the remaining tokens, detokenized as they come, cut at a stop string (then the call is
-   cancelled, which makes decode abort the request and free its KV).
+   cancelled, which makes decode abort the request and free its KV). A failure after the first token migrates the
+   generation to another pair (GenerationStream).
 
 `Pipeline.start` does 1-3 and returns a GenerationStream once the first token is known, so the front end
 knows the serving workers before it sends a byte. The stream's owner must `close()` it (in a finally):
@@ -16,6 +18,7 @@ that cancels a decode stream still running, or aborts a request decode holds but
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +68,16 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """A routed and prefilled attempt: its workers, prefill's first answer, and the call still delivering the
+    second (decode holds the KV)."""
+
+    placement: Placement
+    first: prefill_pb2.PrefillResponse
+    prefill_call: grpc.aio.UnaryStreamCall
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str  # new text since the last delta (maybe "" while a character or a possible stop is held back)
     token_ids: list[int]  # the tokens it came from (none after a stop string)
@@ -107,10 +120,14 @@ class Pipeline:
 
     async def start(self, generation: Generation, deadline: Deadline) -> GenerationStream:
         """Route and prefill (re-routing around failed workers): a stream whose first token is known."""
+        return GenerationStream(self, generation, await self.attempt(generation, deadline), deadline)
+
+    async def attempt(self, generation: Generation, deadline: Deadline, excluded: Sequence[str] = ()) -> Attempt:
+        """Route and prefill until the first token is known, re-routing around failed workers (and `excluded`)."""
         root = root_hash(generation.model.name, generation.cache_salt or None)
         block_hashes = hash_token_blocks(root, generation.prompt_token_ids, self.block_size,
                                          key_spans=key_spans(generation.images))
-        excluded: list[str] = []
+        excluded = list(excluded)
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(self.max_retries + 1):
             attempt_id = generation.request_id if attempt == 0 else f"{generation.request_id}.{attempt}"
@@ -120,8 +137,11 @@ class Pipeline:
                 if last_error is None:
                     raise
                 raise from_rpc_error(last_error, "prefill") from None  # nothing left to try: say why
+            call = self._prefill(generation, attempt_id, route, deadline)
             try:
-                first = await self._prefill(generation, attempt_id, route, deadline)
+                first = await call.read()
+                if first is grpc.aio.EOF:  # a servicer that ends without answering: treat as unavailable
+                    raise GatewayError(ErrorKind.UNAVAILABLE, "the prefill worker answered nothing; retry shortly")
             except grpc.aio.AioRpcError as error:
                 failed = failed_worker(error, route.prefill.worker_id)
                 log.warning("prefill failed", prefill_worker=route.prefill.worker_id, failed_worker=failed,
@@ -132,10 +152,11 @@ class Pipeline:
                 last_error = error
                 continue
             except asyncio.CancelledError:  # the client left mid-prefill: decode may already hold the KV
+                call.cancel()
                 self.abort_later(route.decode.address, attempt_id)
                 raise
             placement = Placement(attempt_id, route.prefill.worker_id, route.decode.worker_id, route.decode.address)
-            return GenerationStream(self, generation, placement, first, deadline)
+            return Attempt(placement, first, call)
         raise AssertionError("unreachable: the last attempt raises")
 
     async def _route(self, generation: Generation, attempt_id: str, block_hashes: Sequence[bytes],
@@ -158,16 +179,16 @@ class Pipeline:
         raise GatewayError(ErrorKind.UNAVAILABLE,
                            f"no worker is available to serve {generation.model.name!r}; retry shortly")
 
-    async def _prefill(self, generation: Generation, attempt_id: str, route: balancer_pb2.RouteResponse,
-                       deadline: Deadline) -> prefill_pb2.PrefillResponse:
+    def _prefill(self, generation: Generation, attempt_id: str, route: balancer_pb2.RouteResponse,
+                 deadline: Deadline) -> grpc.aio.UnaryStreamCall:
         request = prefill_pb2.PrefillRequest(
             request_id=attempt_id, model=generation.model.name, prompt_token_ids=generation.prompt_token_ids,
             sampling=generation.sampling, cache_salt=generation.cache_salt, traffic_class=generation.traffic_class,
             decode_address=route.decode.address, decode_worker_id=route.decode.worker_id, images=generation.images)
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(route.prefill.address))
-        response: prefill_pb2.PrefillResponse = await stub.Prefill(
+        call: grpc.aio.UnaryStreamCall = stub.PrefillStream(
             request, timeout=deadline.remaining(rpc.PREFILL_TIMEOUT_S), metadata=rpc.metadata(attempt_id))
-        return response
+        return call
 
     def open_decode_stream(self, placement: Placement, deadline: Deadline) -> grpc.aio.UnaryStreamCall:
         stub = decode_pb2_grpc.DecodeStub(self.channels.get(placement.decode_address))
@@ -192,51 +213,102 @@ class Pipeline:
 
 
 class GenerationStream:
-    """A started generation. Only `deltas()` writes the counters; front ends read them."""
+    """A started generation. Only `deltas()` writes the counters; front ends read them.
 
-    def __init__(self, pipeline: Pipeline, generation: Generation, placement: Placement,
-                 first: prefill_pb2.PrefillResponse, deadline: Deadline) -> None:
-        self.placement = placement
+    The first token goes out as soon as prefill samples it, while the KV is still on its way to decode. When the
+    decode side fails after that (the push failed, the worker died or aborted the request), the generation
+    migrates, as Dynamo's request migration does: the prompt plus the tokens already sent is prefilled on another
+    (prefill, decode) pair, excluding the failed worker, and the output goes on where it stopped. Greedy output is
+    the same as without the failure; sampled output goes on from a fresh generator, and presence/frequency
+    penalties see the earlier output as prompt. Requests under a grammar do not migrate (the grammar's state is
+    not carried over): they fail as before, with an error the client sees.
+    """
+
+    def __init__(self, pipeline: Pipeline, generation: Generation, attempt: Attempt, deadline: Deadline) -> None:
+        self.placement = attempt.placement
         self.num_prompt_tokens = len(generation.prompt_token_ids)
-        self.num_cached_tokens = first.num_cached_tokens
-        self.prefill_seconds = first.prefill_seconds  # the prefill engine's own time, for overhead accounting
+        self.num_cached_tokens = attempt.first.num_cached_tokens
+        self.prefill_seconds = attempt.first.prefill_seconds  # the prefill engine's own time, for overhead accounting
         self.num_completion_tokens = 0
+        self.num_migrations = 0
         self.finish_reason: int = NOT_FINISHED  # common_pb2.FinishReason
         self._pipeline = pipeline
-        self._first = first
+        self._generation = generation
+        self._attempt = attempt
         self._deadline = deadline
         self._detokenizer = Detokenizer(generation.model.tokenizer, generation.prompt_token_ids, generation.stop)
+        self._token_ids: list[int] = []  # every output token so far: a migration's prompt continues with them
         self._call: grpc.aio.UnaryStreamCall | None = None
-        self._is_held_by_decode = first.finish_reason == NOT_FINISHED  # decode holds the KV until it finishes
+        self._is_held_by_decode = attempt.first.finish_reason == NOT_FINISHED  # decode holds the KV until it finishes
 
     @property
     def usage(self) -> Usage:
         return Usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """The output, batch by batch, until a finish reason (raises GatewayError if a worker fails)."""
-        first_logprobs = [self._first.first_logprob] if self._first.HasField("first_logprob") else []
-        yield self._accept([self._first.first_token_id], self._first.finish_reason, first_logprobs)
-        if self.finish_reason != NOT_FINISHED:
-            return
-        self._call = self._pipeline.open_decode_stream(self.placement, self._deadline)
-        try:
-            async for batch in self._call:
-                if batch.finish_reason != NOT_FINISHED:
-                    self._is_held_by_decode = False
-                delta = self._accept(batch.token_ids, batch.finish_reason, batch.logprobs)
-                if delta.text or delta.finish_reason != NOT_FINISHED:
-                    yield delta
-                if self.finish_reason != NOT_FINISHED:
-                    break
-        except grpc.aio.AioRpcError as error:
-            log.warning("decode stream failed", decode_worker=self.placement.decode_worker,
-                        code=error.code().name, details=error.details())
-            raise from_rpc_error(error, "decode") from None
-        finally:
-            self._call.cancel()  # a no-op once decode ended it; after a stop string, decode aborts the request
-        if self.finish_reason == NOT_FINISHED:
-            raise GatewayError(ErrorKind.UNAVAILABLE, "the decode worker ended the stream before the request finished")
+        """The output, batch by batch, until a finish reason (raises GatewayError if the workers fail for good)."""
+        attempt = self._attempt
+        while True:
+            first = attempt.first
+            first_logprobs = [first.first_logprob] if first.HasField("first_logprob") else []
+            delta = self._accept([first.first_token_id], first.finish_reason, first_logprobs)
+            if self.num_migrations == 0 or delta.text or delta.finish_reason != NOT_FINISHED:
+                yield delta
+            if self.finish_reason != NOT_FINISHED:
+                return
+            failed, why = attempt.placement.decode_worker, "the decode worker ended the stream before the request finished"
+            try:
+                await self._wait_for_push(attempt)
+                self._call = self._pipeline.open_decode_stream(attempt.placement, self._deadline)
+                async for batch in self._call:
+                    if batch.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                        why = "the decode worker aborted the request"
+                        break
+                    if batch.finish_reason != NOT_FINISHED:
+                        self._is_held_by_decode = False
+                    delta = self._accept(batch.token_ids, batch.finish_reason, batch.logprobs)
+                    if delta.text or delta.finish_reason != NOT_FINISHED:
+                        yield delta
+                    if self.finish_reason != NOT_FINISHED:
+                        return
+            except grpc.aio.AioRpcError as error:
+                failed = failed_worker(error, attempt.placement.decode_worker)
+                log.warning("decode side failed", decode_worker=attempt.placement.decode_worker, failed_worker=failed,
+                            code=error.code().name, details=error.details())
+                if error.code() not in RETRYABLE:
+                    raise from_rpc_error(error, "decode") from None
+                why = f"the {'decode' if failed == attempt.placement.decode_worker else 'prefill'} worker failed"
+            finally:
+                if self._call is not None:
+                    self._call.cancel()  # a no-op once decode ended it; after a stop string, decode aborts the request
+            attempt = await self._migrate(attempt, failed, why)
+
+    async def _wait_for_push(self, attempt: Attempt) -> None:
+        """Prefill's second answer: decode holds the KV (raises AioRpcError when the push failed)."""
+        while await attempt.prefill_call.read() is not grpc.aio.EOF:
+            pass
+
+    async def _migrate(self, attempt: Attempt, failed: str, why: str) -> Attempt:
+        """Go on on another pair: prefill the prompt plus the output so far (raises GatewayError when it may not)."""
+        generation = self._generation
+        self.close()
+        if generation.sampling.HasField("structured_output") or self.num_migrations >= self._pipeline.max_retries:
+            raise GatewayError(ErrorKind.UNAVAILABLE, f"{why}; retry shortly")
+        self.num_migrations += 1
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(generation.sampling)
+        if sampling.HasField("max_tokens"):
+            sampling.max_tokens -= self.num_completion_tokens
+        sampling.min_tokens = max(0, sampling.min_tokens - self.num_completion_tokens)
+        resumed = dataclasses.replace(generation, request_id=f"{generation.request_id}.m{self.num_migrations}",
+                                      prompt_token_ids=[*generation.prompt_token_ids, *self._token_ids],
+                                      sampling=sampling)
+        log.warning("migrating a generation", reason=why, failed_worker=failed,
+                    num_output_tokens=self.num_completion_tokens, migration=self.num_migrations)
+        self._attempt = await self._pipeline.attempt(resumed, self._deadline, excluded=[failed])
+        self.placement = self._attempt.placement
+        self._is_held_by_decode = self._attempt.first.finish_reason == NOT_FINISHED
+        return self._attempt
 
     @property
     def stop_string(self) -> str | None:
@@ -258,6 +330,7 @@ class GenerationStream:
         if self._detokenizer.is_stopped:
             finish_reason = common_pb2.FINISH_REASON_STOP
         self.num_completion_tokens += len(accepted)
+        self._token_ids += accepted
         self.finish_reason = finish_reason
         return Delta("".join(texts), accepted, finish_reason, list(logprobs[:len(accepted)]))
 
@@ -267,6 +340,7 @@ class GenerationStream:
         unfinished request also gets an explicit Abort (idempotent)."""
         if self._call is not None and not self._call.done():
             self._call.cancel()
+        self._attempt.prefill_call.cancel()  # a no-op once prefill answered twice
         if self._is_held_by_decode:
             self._pipeline.abort_later(self.placement.decode_address, self.placement.request_id)
             self._is_held_by_decode = False

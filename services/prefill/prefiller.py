@@ -142,8 +142,10 @@ class Prefiller:
         self.max_chunk_bytes = max_chunk_bytes
         self._active: set[str] = set()  # request ids in flight; written only here, on the event loop
 
-    async def prefill(self, job: PrefillJob) -> PrefillResult:
-        """Raises UnknownModelError, ValueError (bad prompt or parameters), PushError, EngineFailure."""
+    async def prefill(self, job: PrefillJob,
+                      on_first: Callable[[PrefillResult], None] = lambda result: None) -> PrefillResult:
+        """Raises UnknownModelError, ValueError (bad prompt or parameters), PushError, EngineFailure.
+        `on_first` gets the result as soon as the first token is known, before the KV push (kv_bytes_sent 0)."""
         engine = self.engines.get(job.model)
         first_params = first_token_params(job.params)
         if job.request_id in self._active:  # its stream and its kept KV would collide with the other's
@@ -151,11 +153,12 @@ class Prefiller:
         self._active.add(job.request_id)
         try:
             with self.critical():
-                return await self._prefill(engine, job, first_params)
+                return await self._prefill(engine, job, first_params, on_first)
         finally:
             self._active.discard(job.request_id)
 
-    async def _prefill(self, engine: AsyncEngine, job: PrefillJob, first_params: SamplingParams) -> PrefillResult:
+    async def _prefill(self, engine: AsyncEngine, job: PrefillJob, first_params: SamplingParams,
+                       on_first: Callable[[PrefillResult], None]) -> PrefillResult:
         arrived = time.monotonic()
         await engine.prepare_grammar(job.params)  # off the engine thread, bounded; GrammarError: a bad request
         hit = await self._fetch_from_store(engine, job)
@@ -170,25 +173,27 @@ class Prefiller:
             computed = time.monotonic()
             seconds = computed - started
             finish_reason = self._finish_reason(job, first)
-            num_bytes = 0
+            block_size = self.engines.layout(job.model).block_size
+            result = PrefillResult(
+                first_token_id=first.new_token_ids[0],
+                first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
+                finish_reason=finish_reason, num_prompt_tokens=first.num_prompt_tokens,
+                num_cached_tokens=first.num_cached_tokens,
+                num_store_tokens=_num_store_tokens(first.num_cached_tokens, hit, num_injected, block_size),
+                prefill_seconds=seconds, kv_bytes_sent=0,
+            )
+            on_first(result)
             if finish_reason is None:
                 export = await engine.call(lambda e: e.export_kv(request_id))
                 num_bytes = await self.pusher.push(job, export, self._read_chunks(export))
+                result = dataclasses.replace(result, kv_bytes_sent=num_bytes)
             log.debug("prefill timing", store_ms=round((started - arrived) * 1000, 2),
                       compute_ms=round(seconds * 1000, 2), push_ms=round((time.monotonic() - computed) * 1000, 2))
         finally:
             engine.close_stream(request_id)
             engine.call_soon(lambda e: _discard(e, request_id))
             _settle(feeding)
-        block_size = self.engines.layout(job.model).block_size
-        return PrefillResult(
-            first_token_id=first.new_token_ids[0],
-            first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
-            finish_reason=finish_reason, num_prompt_tokens=first.num_prompt_tokens,
-            num_cached_tokens=first.num_cached_tokens,
-            num_store_tokens=_num_store_tokens(first.num_cached_tokens, hit, num_injected, block_size),
-            prefill_seconds=seconds, kv_bytes_sent=num_bytes,
-        )
+        return result
 
     def _admit(self, engine: LLMEngine, job: PrefillJob, params: SamplingParams,
                hit: _StoreHit | None) -> tuple[int, LayerLoad | None]:

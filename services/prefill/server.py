@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import grpc.aio
@@ -88,6 +89,30 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await abort(context, error)
         export_metrics(request.model, result)
         return response_to_proto(result, self.worker_id)
+
+    async def PrefillStream(self, request: prefill_pb2.PrefillRequest,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+        """Prefill, answered as soon as the first token is known, then again when decode holds the KV."""
+        with bind_request_id(request.request_id or rpc.request_id_of(context)):
+            try:
+                with self.lifecycle.track(), prefill_status_on_error():
+                    first: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
+                    work = asyncio.ensure_future(self.prefiller.prefill(
+                        job_from_proto(request), on_first=first.set_result))
+                    try:
+                        await asyncio.wait((first, work), return_when=asyncio.FIRST_COMPLETED)
+                        if first.done():
+                            response = response_to_proto(first.result(), self.worker_id)
+                            response.kv_pending = not work.done()
+                            yield response
+                        result = await work
+                    finally:
+                        work.cancel()  # the caller left: stop computing or pushing (a no-op once done)
+            except ServiceError as error:
+                await abort(context, error)
+                return
+        export_metrics(request.model, result)
+        yield prefill_pb2.PrefillResponse(worker_id=self.worker_id, kv_bytes_sent=result.kv_bytes_sent)
 
 
 class PrefillService:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
 
-from .conftest import API_KEY, scrape, total, wait_until
+from .conftest import API_KEY, ready, scrape, total, wait_until
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -128,6 +129,24 @@ def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_the_other_through_
     assert scrape(mesh.child(other).http_port, "kvmesh_prefill_cached_tokens_total").get(
         f'{{model="{MODEL}",tier="store"}}', 0) > 0
     mesh.spawn("prefill", int(served_by[-1]))  # back to two workers
+
+
+def test_a_decode_worker_killed_mid_stream_is_migrated_around_and_the_output_is_unchanged(mesh, client):
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Count from one to fifty, in words."}],
+                   max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    expected = client.chat.completions.create(**request).choices[0].message.content
+    pieces = []
+    with client.chat.completions.with_streaming_response.create(stream=True, **request) as response:
+        serving = response.headers["x-kvmesh-decode-worker"]
+        for number, chunk in enumerate(response.parse()):
+            pieces.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+            if number == 4:
+                mesh.kill(serving, signal.SIGKILL)
+    # greedy: the prompt plus the tokens already sent, prefilled again on the other pair, goes on exactly
+    assert "".join(pieces) == expected
+    child = mesh.spawn("decode", int(serving[-1]))  # back to two workers for the tests after this one
+    wait_until(lambda: ready(child.http_port), 120, f"{serving} to be ready again")
+    time.sleep(3)  # its heartbeats reach the balancer
 
 
 def test_a_killed_decode_worker_leaves_the_pool_and_new_requests_still_succeed(mesh, client):

@@ -50,6 +50,8 @@ class Script:
     batch_delay_s: float = 0.0
     prefill_failures: list[tuple[grpc.StatusCode, str | None]] = field(default_factory=list)
     decode_error_after: int | None = None  # fail the stream with UNAVAILABLE after this many batches
+    decode_errors: int = 1_000  # ... this many times (then streams run to the end)
+    offsets: dict[str, int] = field(default_factory=dict)  # request id -> output tokens its prompt already holds
     prefill_delay_s: float = 0.0
     prefill_ends: list[str] = field(default_factory=list)  # "finished" | "cancelled"
     routes: list[balancer_pb2.RouteRequest] = field(default_factory=list)
@@ -96,25 +98,39 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
             self.script.prefill_ends.append("cancelled")
             raise
         self.script.prefill_ends.append("finished")
-        ids = self.script.token_ids
+        # a migrated request's prompt goes on with the output so far: answer from where it stopped
+        base_id, _, migration = request.request_id.partition(".m")
+        original = next(p for p in self.script.prefills if p.request_id == base_id) if migration else request
+        offset = len(request.prompt_token_ids) - len(original.prompt_token_ids)
+        self.script.offsets[request.request_id] = offset
+        ids = self.script.token_ids[offset:]
         finish_reason: Any = self.script.finish_reason if len(ids) == 1 else 0
         return prefill_pb2.PrefillResponse(
             worker_id="prefill", first_token_id=ids[0], num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=NUM_CACHED, finish_reason=finish_reason)
 
+    async def PrefillStream(self, request: prefill_pb2.PrefillRequest,
+                            context: Any) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+        first = await self.Prefill(request, context)
+        first.kv_pending = True
+        yield first
+        yield prefill_pb2.PrefillResponse(worker_id="prefill", kv_bytes_sent=1)
+
     async def Stream(self, request: decode_pb2.StreamRequest, context: Any) -> AsyncIterator[decode_pb2.TokenBatch]:
         script = self.script
         script.streams.append(request.request_id)
-        rest = script.token_ids[1:]
+        offset = script.offsets.get(request.request_id, 0)
+        rest = script.token_ids[offset + 1:]
         try:
             for number, start in enumerate(range(0, len(rest), script.batch_size)):
-                if script.decode_error_after is not None and number == script.decode_error_after:
+                if script.decode_error_after == number and script.decode_errors > 0:
+                    script.decode_errors -= 1
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted decode failure")
                 await asyncio.sleep(script.batch_delay_s)
                 batch = rest[start:start + script.batch_size]
                 finish_reason: Any = script.finish_reason if start + script.batch_size >= len(rest) else 0
                 yield decode_pb2.TokenBatch(token_ids=batch, finish_reason=finish_reason,
-                                            num_output_tokens=1 + start + len(batch))
+                                            num_output_tokens=offset + 1 + start + len(batch))
             script.stream_ends.append("finished")
         except asyncio.CancelledError:
             script.stream_ends.append("cancelled")
@@ -404,13 +420,29 @@ async def test_worker_rejection_is_a_400(mesh: Mesh, script: Script) -> None:
 
 
 async def test_error_after_the_stream_started_is_an_sse_frame(mesh: Mesh, script: Script) -> None:
-    script.decode_error_after = 1
+    script.decode_error_after = 0  # every decode stream fails: the first attempt, then both migrations
     status, _, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                        "stream": True})
     events = sse_events(raw)
     assert status == 200 and events[-1] != "[DONE]"
     assert events[-1]["error"]["code"] == "service_unavailable"
     assert events[-1]["error"]["type"] == "server_error"
+    assert len(script.routes) == 3  # max_retries is 2
+
+
+async def test_a_decode_failure_mid_stream_migrates_and_the_output_goes_on(mesh: Mesh, script: Script) -> None:
+    script.decode_error_after, script.decode_errors = 1, 1
+    status, headers, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                             "stream": True})
+    events = sse_events(raw)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
+    first_decode = headers["x-kvmesh-decode-worker"]
+    # the second attempt: routed without the failed decode worker, its prompt the first plus the 3 tokens sent
+    # (prefill's, then decode's first batch of 2)
+    assert [list(r.exclude_worker_ids) for r in script.routes] == [[], [first_decode]]
+    assert len(script.prefills[1].prompt_token_ids) == len(script.prefills[0].prompt_token_ids) + 3
+    assert script.prefills[1].request_id == script.prefills[0].request_id + ".m1"
 
 
 async def wait_for(condition: Any, timeout_s: float = 3.0) -> None:

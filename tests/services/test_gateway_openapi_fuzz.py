@@ -295,7 +295,11 @@ def test_a_failure_mid_stream_raises_in_every_sdk(gateway: Gateway) -> None:
     import anthropic
     import openai
 
-    gateway.fakes.script.decode_error_after = 0  # prefill's token is out, then decode fails
+    # prefill's token is out, then every decode stream fails: the first attempt's and both migrations' (each
+    # migration's prefill sends one more token, so the completion must be longer than three tokens)
+    gateway.fakes.script.decode_error_after = 0
+    saved = gateway.fakes.script.token_ids
+    gateway.fakes.script.token_ids = saved * 4
     base_url = f"http://127.0.0.1:{gateway.port}"
     try:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
@@ -309,3 +313,4 @@ def test_a_failure_mid_stream_raises_in_every_sdk(gateway: Gateway) -> None:
             list(messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}], stream=True))
     finally:
         gateway.fakes.script.decode_error_after = None
+        gateway.fakes.script.token_ids = saved

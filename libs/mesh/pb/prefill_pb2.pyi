@@ -31,7 +31,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., traffic_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_encoder_pb2.PromptImage, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("worker_id", "first_token_id", "first_logprob", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_store_tokens", "prefill_seconds", "kv_bytes_sent")
+    __slots__ = ("worker_id", "first_token_id", "first_logprob", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_store_tokens", "prefill_seconds", "kv_bytes_sent", "kv_pending")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class PrefillResponse(_message.Message):
     NUM_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_PENDING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
@@ -50,4 +51,5 @@ class PrefillResponse(_message.Message):
     num_store_tokens: int
     prefill_seconds: float
     kv_bytes_sent: int
-    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_store_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ...) -> None: ...
+    kv_pending: bool
+    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_store_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes_sent: _Optional[int] = ..., kv_pending: _Optional[bool] = ...) -> None: ...

@@ -39,6 +39,11 @@ class PrefillStub:
                 request_serializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/kvmesh.v1.Prefill/PrefillStream',
+                request_serializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -55,11 +60,26 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillStream(self, request, context):
+        """The same work, answered twice so the first token reaches the client without waiting for the KV push: first
+        as soon as the first token is sampled (kv_pending set while the KV is still on its way to decode), then once
+        decode holds the KV (a message with only kv_bytes_sent). A push that fails after the first answer ends the
+        stream with the status Prefill would return (RESOURCE_EXHAUSTED or UNAVAILABLE, naming the decode worker).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
+                    request_deserializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
                     request_deserializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
@@ -89,6 +109,33 @@ class Prefill:
             request,
             target,
             '/kvmesh.v1.Prefill/Prefill',
+            kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Prefill/PrefillStream',
             kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
             kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
             options,
