@@ -11,6 +11,7 @@
     kvmesh bench engine --json          engine throughput against transformers
     kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store (also kv-transfer, kv-ttft)
     kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
+    kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
     kvmesh expert-plan --input FILE     an expert placement planned offline from a load matrix (JSON)
 """
 
@@ -113,6 +114,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.kv_cli import run
 
         return run(args)
+    if args.bench_command == "route":
+        from kvmesh.bench.route_cli import run as run_route
+
+        return run_route(args)
     if args.bench_command == "expert":
         from kvmesh.bench.expert import run_expert_bench
 
@@ -172,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.bench.kv_cli import add_parsers as add_kv_bench_parsers  # kvcache, kv-transfer, kv-ttft, kv-index
 
     add_kv_bench_parsers(bench_commands)
+    from kvmesh.bench.route_cli import add_parser as add_route_bench_parser
+
+    add_route_bench_parser(bench_commands)
     serve_bench = bench_commands.add_parser("serve", help="the mesh under load through its REST API")
     serve_bench.add_argument("--concurrency", type=int, default=4)
     serve_bench.add_argument("--requests", type=int, default=32)

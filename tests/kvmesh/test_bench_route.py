@@ -1,0 +1,114 @@
+"""`kvmesh bench route`: trace reading, load scaling, and the simulator through the real policies on tiny traces
+built here (exact hit rates, exact balance), replicas with and without shared assignments, and the command line
+on the first requests of the Mooncake conversation trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvmesh.bench.route import FIELDS, BenchConfig, LoadScale, run_route_bench
+from kvmesh.bench.route_sim import SimConfig, simulate
+from kvmesh.bench.route_trace import TraceRequest, block_key, ideal_hit_rate, load_trace, spread_bursts
+from kvmesh.cli import main
+from mesh.routing import POLICIES, CostModel
+
+CONVERSATION = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
+COST = CostModel(prefill_tokens_per_s=1000.0, attention_knee_tokens=1e12, decode_step_base_s=0.01,
+                 decode_s_per_kv_token=0.0, kv_bytes_per_token=0)  # a token costs 1 ms; KV moves for free
+
+
+def write_trace(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> Path:
+    with open(path, "w") as file:
+        for timestamp_ms, num_input, num_output, hash_ids in rows:
+            file.write(json.dumps({"timestamp": timestamp_ms, "input_length": num_input, "output_length": num_output,
+                                   "hash_ids": hash_ids}) + "\n")
+    return path
+
+
+def request(arrival_s: float, *hash_ids: int, num_output: int = 3) -> TraceRequest:
+    return TraceRequest(arrival_s, 512 * len(hash_ids), num_output, tuple(block_key(i) for i in hash_ids))
+
+
+def test_traces_read_spread_and_ideal_hit_rate(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", [(1000, 1024, 5, [1, 2]), (1000, 1500, 5, [1, 3, 4]),
+                                               (1000, 1024, 5, [1, 2]), (4000, 600, 1, [5, 6])])
+    requests = load_trace(trace)
+    # three requests share the first timestamp: spread over the 3 s to the next one; the last one has no next
+    assert [r.arrival_s for r in requests] == [0.0, 1.0, 2.0, 3.0]
+    assert [r.arrival_s for r in load_trace(trace, spread=False)] == [0.0, 0.0, 0.0, 3.0]
+    assert (requests[1].num_prompt_tokens, requests[1].num_output_tokens, len(requests[1].block_hashes)) == (1500, 5, 3)
+    assert ideal_hit_rate(requests) == 3 / 9  # block 1 twice, block 2 once, of 9 blocks
+    assert len(load_trace(trace, limit=2)) == 2
+    csv = tmp_path / "azure.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,1000,10\n"
+                   "2023-11-16 18:15:47.6805900,513,20\n")
+    azure = load_trace(csv)
+    assert [(r.arrival_s, r.num_prompt_tokens, len(r.block_hashes)) for r in azure] == [(0.0, 1000, 2), (1.0, 513, 2)]
+    assert ideal_hit_rate(azure) == 0.0
+
+
+def test_spread_bursts_keeps_the_order_within_a_bucket() -> None:
+    requests = [request(0.0, 1), request(0.0, 2), request(6.0, 3), request(6.0, 4), request(6.0, 5)]
+    assert [r.arrival_s for r in spread_bursts(requests)] == [0.0, 3.0, 6.0, 8.0, 10.0]
+
+
+def test_load_rescales_arrivals_to_the_offered_work() -> None:
+    requests = [request(0.0, 1, 2), request(10.0, 1, 2, 3), request(20.0, 4)]
+    config = BenchConfig(trace="-", sim=SimConfig(num_prefill=2, cost=COST))
+    # ideal: the second request computes 1 block (the first two are cached): 1.024 + 0.512 + 0.512 = 2.048 s of work
+    scale = LoadScale.of(requests, config)
+    assert scale.factor_at_1 == pytest.approx(2.048 / 2 / 20)
+    assert [r.arrival_s for r in scale.at(0.5)] == pytest.approx([0.0, 2.048 / 2, 2.048])
+    assert scale.rate(0.5) == pytest.approx(3 / 2.048)
+    prompt = LoadScale.of(requests, BenchConfig(trace="-", load_basis="prompt", sim=SimConfig(num_prefill=2, cost=COST)))
+    assert prompt.factor_at_1 == pytest.approx(3.072 / 2 / 20)
+
+
+def test_round_robin_spreads_exactly_and_cache_aware_policies_hit() -> None:
+    requests = [request(n * 10.0, 100 + n) for n in range(8)]  # unique one-block prompts, far apart
+    config = SimConfig(num_prefill=4, num_decode=2, cost=COST, cache_tokens=10 * 512)
+    result = simulate(requests, "round_robin", config)
+    assert result.prefill_busy_s == [pytest.approx(1.024)] * 4  # two 0.512 s prompts each
+    assert result.num_hit_blocks == 0 and result.ttft_s == [pytest.approx(0.512)] * 8
+    assert result.tpot_s == [pytest.approx(0.01)] * 8  # two decode steps of 0.01 s, one at a time
+    repeats = [request(n * 10.0, 1, 2, 3 + n) for n in range(4)]  # a shared two-block prefix
+    assert simulate(repeats, "kvmesh", config).num_hit_blocks == 6
+    assert simulate(repeats, "round_robin", config).num_hit_blocks == 0
+
+
+def test_replicas_that_share_assignments_do_not_herd() -> None:
+    requests = [request(0.0, 1, 2, 3, 4), request(0.1, 5, 6, 7, 8)]  # requests go to replica 0, then replica 1
+    config = SimConfig(num_prefill=2, num_decode=1, cost=COST, heartbeat_s=100.0, num_replicas=2,
+                       share_delay_s=0.01)
+    shared = simulate(requests, "least_load", config)
+    alone = simulate(requests, "least_load", SimConfig(**{**config.__dict__, "share": False}))
+    assert shared.prefill_busy_s == [pytest.approx(2.048)] * 2
+    assert alone.prefill_busy_s == [pytest.approx(4.096), 0.0]  # both picked the worker idle at the last report
+
+
+def test_every_policy_side_by_side(tmp_path: Path) -> None:
+    rows = [(n * 200, 2048, 20, [0, 1000 + n % 5, 2000 + n, 3000 + n]) for n in range(40)]
+    config = BenchConfig(trace=str(write_trace(tmp_path / "t.jsonl", rows)), num_bisections=1,
+                         sim=SimConfig(num_prefill=2, num_decode=2, cache_tokens=8 * 512))
+    result = run_route_bench("all", config, plot_dir=str(tmp_path / "plots"))
+    assert list(result) == list(POLICIES)
+    for fields in result.values():
+        assert tuple(fields) == FIELDS
+        assert fields["ideal_hit_rate"] == 0.4625  # block 0 hits 39 times, the 5 blocks after it 35: of 160
+        assert 0 <= fields["hit_rate"] <= fields["ideal_hit_rate"] and fields["goodput"] > 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
+        ["route_ttft_cdf.png"] + [f"route_load_{name}.png" for name in POLICIES])
+
+
+@pytest.mark.skipif(not CONVERSATION.exists(), reason="the Mooncake traces are not on this machine")
+def test_command_line_on_the_conversation_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "route", "--trace", str(CONVERSATION), "--limit", "300", "--policy", "kvmesh",
+                 "--json"]) == 0
+    fields = json.loads(capsys.readouterr().out)
+    assert tuple(fields) == FIELDS
+    assert fields["hit_rate"] > 0.5 * fields["ideal_hit_rate"] and fields["prefill_imbalance"] >= 1.0
+    assert main(["bench", "route", "--trace", str(CONVERSATION), "--policy", "fastest"]) == 2
+    assert "unknown routing policy 'fastest'" in capsys.readouterr().err
