@@ -67,6 +67,10 @@ KV_INDEX_BLOCKS = Gauge("kvmesh_kv_index_blocks", "Blocks the global KV index kn
 # balancer
 BALANCER_ROUTES = Counter("kvmesh_balancer_routes_total", "Requests routed, by pool and worker", ["pool", "worker"])
 BALANCER_WORKERS = Gauge("kvmesh_balancer_workers", "Live workers per pool", ["pool"])
+BALANCER_RECOMMENDED_WORKERS = Gauge("kvmesh_balancer_recommended_workers",
+                                     "Workers each pool would need at the target utilization", ["pool"])
+BALANCER_PEER_ASSIGNMENTS = Counter("kvmesh_balancer_peer_assignments_total",
+                                    "Decisions of peer balancer replicas counted in this one's load view")
 
 # expert rebalancer
 EXPERT_BALANCEDNESS = Gauge("kvmesh_expert_balancedness",

@@ -18,6 +18,9 @@ def kv_events(worker_id: str) -> str:
 
 ALL_KV_EVENTS = f"{KV_EVENTS_PREFIX}.>"
 
+BALANCER_ASSIGN = "kvmesh.balancer.assign"  # balancer_pb2.Assignment: every replica's decisions, for its peers
+BALANCER_REPLICAS = "kvmesh.balancer.replicas"  # balancer_pb2.ReplicaRecommendation: pool sizes for autoscalers
+
 EXPERT_LOAD_PREFIX = "kvmesh.experts.load"
 EXPERT_PLAN_PREFIX = "kvmesh.experts.plan"
 

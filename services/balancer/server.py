@@ -1,73 +1,85 @@
-"""The Balancer servicer and `serve()`: pools from heartbeats (WorkerRegistry), the KV index from every KV event
-batch on the bus, the Router's picks, metrics.
+"""The Balancer servicer and `serve()`: pools from heartbeats (WorkerRegistry), the global KV index from the
+KVMESH_KV stream (KVEventFollower: every tier of every worker, replayed at start), the routing policy's picks
+(`mesh.routing.Router`, chosen by KVMESH_BALANCER_POLICY), decisions shared with peer replicas, recommended pool
+sizes, metrics. Conversions between protobuf and the routing library's dataclasses happen here only.
 
-Every balancer replica follows the same heartbeats and events, so replicas agree on pools and caches; each counts
-only the requests it routed itself between two heartbeats.
+Replicas: each publishes every decision on kvmesh.balancer.assign and counts its peers' (until the workers' next
+heartbeats include them), so several balancers behind the gateways do not all pick the same idle worker. Each
+publishes its recommended pool sizes on kvmesh.balancer.replicas once per heartbeat interval (and answers them in
+ListWorkers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
 
 from mesh import metrics, rpc, subjects
-from mesh.discovery import KnownWorker, WorkerRegistry
+from mesh.bus import Bus
+from mesh.discovery import KnownWorker, WorkerRegistry, now_ms
+from mesh.kv_index import GlobalKVIndex
+from mesh.kv_stream import KVEventFollower
 from mesh.logging import get_logger
 from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, events_pb2
+from mesh.routing import Assignment, CostModel, NoWorkerError, RouteRequest, Router, WorkerState
+from mesh.routing import Route as Picked  # `Route` is the servicer's method
+from mesh.routing.capacity import CapacityPlanner, PoolRecommendation
 from mesh.service import Lifecycle, ServiceRuntime
 from services.balancer.config import BalancerSettings
-from services.balancer.kv_index import KVIndex
-from services.balancer.router import NoWorkerError, RouteRequest, Router, WorkerPair, WorkerState
 
 POOL_ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+MAX_SHARED_BLOCKS = 4096  # block keys an Assignment carries (the uncached suffix's first ones)
 log = get_logger(__name__)
 
 
+# -- conversions ----------------------------------------------------------------------------------------------------
 def worker_state(worker: KnownWorker) -> WorkerState:
     info, load = worker.info, worker.load
-    return WorkerState(worker_id=info.worker_id, heartbeat_ms=worker.last_seen_ms, block_size=info.block_size,
+    return WorkerState(worker_id=info.worker_id, reported_s=worker.last_seen_ms / 1000.0, block_size=info.block_size,
                        max_num_seqs=info.max_num_seqs, num_kv_blocks=info.num_kv_blocks,
-                       num_running=load.num_running, num_queued_prompt_tokens=load.num_queued_prompt_tokens,
-                       num_kv_tokens=load.num_kv_tokens)
+                       num_running=load.num_running, num_waiting=load.num_waiting,
+                       num_queued_prompt_tokens=load.num_queued_prompt_tokens, num_kv_tokens=load.num_kv_tokens,
+                       num_cached_blocks=load.num_cached_blocks)
 
 
 def route_request_from_pb(request: balancer_pb2.RouteRequest) -> RouteRequest:
     if not request.model:
         raise ValueError("model is required")
     return RouteRequest(model=request.model, block_hashes=tuple(request.block_hashes),
-                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_prompt_tokens=request.num_prompt_tokens, request_id=request.request_id,
                         exclude_worker_ids=frozenset(request.exclude_worker_ids))
 
 
-def apply_kv_batch(index: KVIndex, worker_id: str, batch: events_pb2.KVEventBatch) -> None:
-    """The index's only writer apart from `drop`: one batch, its events in order."""
-    num_missed = index.check_seq(worker_id, batch.seq)
-    if num_missed:
-        log.warning("KV event batches missed; the index may be stale until the worker's cache turns over",
-                    worker_id=worker_id, seq=batch.seq, num_missed=num_missed)
-    for event in batch.events:
-        kind = event.WhichOneof("event")
-        if kind == "stored":
-            index.add(worker_id, event.stored.block_hashes)
-        elif kind == "removed":
-            index.remove(worker_id, event.removed.block_hashes)
-        elif kind == "all_cleared" and event.all_cleared:
-            index.clear(worker_id)
+def assignment_to_pb(assignment: Assignment, num_cached_blocks: int) -> balancer_pb2.Assignment:
+    """Peers need only the blocks the worker will newly hold (for their pending-cache view)."""
+    blocks = assignment.block_hashes[num_cached_blocks:num_cached_blocks + MAX_SHARED_BLOCKS]
+    return balancer_pb2.Assignment(
+        balancer_id=assignment.balancer_id, request_id=assignment.request_id, assigned_s=assignment.assigned_s,
+        prefill_worker_id=assignment.prefill_worker_id, decode_worker_id=assignment.decode_worker_id,
+        num_prompt_tokens=assignment.num_prompt_tokens, num_uncached_tokens=assignment.num_uncached_tokens,
+        prefill_s=assignment.prefill_s, decode_arrival_s=assignment.decode_arrival_s, block_hashes=blocks)
 
 
-def export_pool_sizes(registry: WorkerRegistry) -> None:
-    """BALANCER_WORKERS reads the registry at each scrape."""
-    def num_workers(role: int) -> Callable[[], float]:
-        return lambda: len(registry.workers(role))
-
-    for pool, role in POOL_ROLES.items():
-        metrics.BALANCER_WORKERS.labels(pool=pool).set_function(num_workers(role))
+def assignment_from_pb(message: balancer_pb2.Assignment) -> Assignment:
+    return Assignment(message.balancer_id, message.request_id, message.assigned_s, message.prefill_worker_id,
+                      message.decode_worker_id, message.num_prompt_tokens, message.num_uncached_tokens,
+                      message.prefill_s, message.decode_arrival_s, tuple(message.block_hashes))
 
 
+def pool_status_pb(recommendation: PoolRecommendation) -> balancer_pb2.PoolStatus:
+    return balancer_pb2.PoolStatus(pool=recommendation.pool, num_workers=recommendation.num_workers,
+                                   num_recommended=recommendation.num_recommended,
+                                   utilization=recommendation.utilization,
+                                   target_utilization=recommendation.target_utilization)
+
+
+# -- the servicer ---------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def status_codes() -> Iterator[None]:
     """The one place this service chooses status codes."""
@@ -83,70 +95,149 @@ async def abort(context: grpc.aio.ServicerContext, error: rpc.ServiceError) -> N
     raise AssertionError("unreachable: abort raises") from error
 
 
-class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
-    def __init__(self, registry: WorkerRegistry, router: Router, lifecycle: Lifecycle) -> None:
+class Pools:
+    """The registry's pools as routing sees them, and the capacity planner fed from them. The planner's only
+    writer is `observe` (the pool loop)."""
+
+    def __init__(self, registry: WorkerRegistry, planner: CapacityPlanner) -> None:
         self.registry = registry  # read only here
-        self.router = router  # written only by Route (and the registry's leave callback)
+        self.planner = planner
+
+    def states(self, pool: str, model: str | None = None) -> list[WorkerState]:
+        return [worker_state(w) for w in self.registry.workers(POOL_ROLES[pool], model)]
+
+    def observe(self, now_s: float) -> None:
+        for pool in POOL_ROLES:
+            self.planner.observe(pool, self.states(pool), now_s)
+
+    def recommendations(self) -> list[PoolRecommendation]:
+        return [self.planner.recommend(pool, len(self.registry.workers(role))) for pool, role in POOL_ROLES.items()]
+
+
+class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
+    def __init__(self, pools: Pools, router: Router, lifecycle: Lifecycle, bus: Bus | None) -> None:
+        self.pools = pools
+        self.router = router  # written only by Route, the peers' subscription and the registry's leave callback
         self.lifecycle = lifecycle
+        self.bus = bus  # publishes decisions to peers (None: not shared)
 
     async def Route(self, request: balancer_pb2.RouteRequest,
                     context: grpc.aio.ServicerContext) -> balancer_pb2.RouteResponse:
         try:
             with self.lifecycle.track(), status_codes():
-                route = self._route(route_request_from_pb(request))
-                return balancer_pb2.RouteResponse(prefill=self._info(route.prefill_worker_id),
-                                                  decode=self._info(route.decode_worker_id),
-                                                  num_cached_tokens=route.num_cached_tokens)
+                route, assignment = self._route(route_request_from_pb(request))
+                response = balancer_pb2.RouteResponse(prefill=self._info(route.prefill_worker_id),
+                                                      decode=self._info(route.decode_worker_id),
+                                                      num_cached_tokens=route.num_cached_tokens,
+                                                      predicted_ttft_s=route.predicted_ttft_s)
         except rpc.ServiceError as error:
             await abort(context, error)
+        if self.bus is not None:
+            num_cached_blocks = route.num_cached_tokens // max(response.prefill.block_size, 1)
+            try:
+                await self.bus.publish(subjects.BALANCER_ASSIGN, assignment_to_pb(assignment, num_cached_blocks))
+            except Exception:  # NATS briefly away: peers miss one decision until the next heartbeats
+                log.warning("assignment not shared", exc_info=True)
+        return response
 
-    def _route(self, request: RouteRequest) -> WorkerPair:
-        pools = {pool: [worker_state(w) for w in self.registry.workers(role, request.model)]
-                 for pool, role in POOL_ROLES.items()}
-        route = self.router.route(request, pools["prefill"], pools["decode"])
+    def _route(self, request: RouteRequest) -> tuple[Picked, Assignment]:
+        route, assignment = self.router.route(request, self.pools.states("prefill", request.model),
+                                              self.pools.states("decode", request.model), now_s=time.time())
         metrics.BALANCER_ROUTES.labels(pool="prefill", worker=route.prefill_worker_id).inc()
         metrics.BALANCER_ROUTES.labels(pool="decode", worker=route.decode_worker_id).inc()
-        return route
+        return route, assignment
 
     def _info(self, worker_id: str) -> common_pb2.WorkerInfo:
-        worker = self.registry.get(worker_id)
+        worker = self.pools.registry.get(worker_id)
         assert worker is not None, "picked from the registry without yielding"
         return worker.info
 
     async def ListWorkers(self, request: balancer_pb2.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> balancer_pb2.ListWorkersResponse:
         statuses = [balancer_pb2.WorkerStatus(worker=w.info, load=w.load, last_seen_ms=w.last_seen_ms)
-                    for w in self.registry.workers()]
-        return balancer_pb2.ListWorkersResponse(workers=statuses)
+                    for w in self.pools.registry.workers()]
+        pools = [pool_status_pb(r) for r in self.pools.recommendations()]
+        return balancer_pb2.ListWorkersResponse(workers=statuses, pools=pools)
+
+
+# -- serve ----------------------------------------------------------------------------------------------------------
+def export_pool_sizes(pools: Pools) -> None:
+    """BALANCER_WORKERS and BALANCER_RECOMMENDED_WORKERS read the registry and the planner at each scrape."""
+    def num_workers(role: int) -> Callable[[], float]:
+        return lambda: len(pools.registry.workers(role))
+
+    def num_recommended(pool: str) -> Callable[[], float]:
+        return lambda: pools.planner.recommend(pool, len(pools.registry.workers(POOL_ROLES[pool]))).num_recommended
+
+    for pool, role in POOL_ROLES.items():
+        metrics.BALANCER_WORKERS.labels(pool=pool).set_function(num_workers(role))
+        metrics.BALANCER_RECOMMENDED_WORKERS.labels(pool=pool).set_function(num_recommended(pool))
+
+
+async def follow_kv_events(bus: Bus, index: GlobalKVIndex) -> Callable[[], Any]:
+    """Replay and follow KVMESH_KV into the index; without JetStream, follow the live subjects only. Returns the
+    coroutine function that stops following."""
+    follower = KVEventFollower(bus, index)
+    try:
+        await follower.start()
+        return follower.stop
+    except RuntimeError:
+        log.warning("no KV event stream: the index starts empty and follows live events only")
+
+    async def on_batch(batch: events_pb2.KVEventBatch, subject: str) -> None:
+        index.apply(batch, batch.worker_id or subject.removeprefix(subjects.KV_EVENTS_PREFIX + "."))
+
+    subscription = await bus.subscribe(subjects.ALL_KV_EVENTS, events_pb2.KVEventBatch, on_batch)
+    return subscription.unsubscribe
+
+
+async def publish_pools(bus: Bus, pools: Pools, balancer_id: str, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        pools.observe(time.time())
+        message = balancer_pb2.ReplicaRecommendation(
+            balancer_id=balancer_id, timestamp_ms=now_ms(), pools=[pool_status_pb(r) for r in pools.recommendations()])
+        try:
+            await bus.publish(subjects.BALANCER_REPLICAS, message)
+        except Exception:  # NATS briefly away: the next interval publishes again
+            log.warning("pool recommendation not published", exc_info=True)
 
 
 async def serve(settings: BalancerSettings) -> None:
     runtime = ServiceRuntime(settings, common_pb2.ROLE_BALANCER)
     bus = await runtime.connect_bus()
-    index = KVIndex()
-    router = Router(index, settings.num_recent_routes)
+    index = GlobalKVIndex()
+    router = Router(settings.balancer_policy, index, CostModel(scale=settings.balancer_cost_scale),
+                    balancer_id=settings.worker_id)
+    log.info("routing policy", policy=settings.balancer_policy, share=settings.balancer_share_assignments)
 
     def on_leave(worker: KnownWorker) -> None:
         index.drop(worker.worker_id)
         router.forget(worker.worker_id)
 
     registry = WorkerRegistry(bus, POOL_ROLES.values(), settings.heartbeat_interval_s, on_leave=on_leave)
+    pools = Pools(registry, CapacityPlanner(settings.balancer_target_utilization))
 
-    async def on_kv_batch(batch: events_pb2.KVEventBatch, subject: str) -> None:
-        worker_id = batch.worker_id or subject.removeprefix(subjects.KV_EVENTS_PREFIX + ".")
-        worker = registry.get(worker_id)
-        if worker is not None and worker.info.role == common_pb2.ROLE_PREFILL:  # only prefill caches steer routes
-            apply_kv_batch(index, worker_id, batch)
+    async def on_peer(message: balancer_pb2.Assignment, subject: str) -> None:
+        if message.balancer_id != settings.worker_id:
+            router.apply(assignment_from_pb(message))
+            metrics.BALANCER_PEER_ASSIGNMENTS.inc()
 
     await registry.start()
-    kv_subscription = await bus.subscribe(subjects.ALL_KV_EVENTS, events_pb2.KVEventBatch, on_kv_batch)
-    export_pool_sizes(registry)
-    servicer = BalancerServicer(registry, router, runtime.lifecycle)
+    stop_kv = await follow_kv_events(bus, index)
+    peers = (await bus.subscribe(subjects.BALANCER_ASSIGN, balancer_pb2.Assignment, on_peer)
+             if settings.balancer_share_assignments else None)
+    planner_task = asyncio.create_task(publish_pools(bus, pools, settings.worker_id, settings.heartbeat_interval_s))
+    export_pool_sizes(pools)
+    servicer = BalancerServicer(pools, router, runtime.lifecycle, bus if peers is not None else None)
     await runtime.start(register=lambda server: balancer_pb2_grpc.add_BalancerServicer_to_server(servicer, server),
                         load=common_pb2.WorkerLoad)
 
     async def stop_following() -> None:
-        await kv_subscription.unsubscribe()
+        planner_task.cancel()
+        if peers is not None:
+            await peers.unsubscribe()
+        await stop_kv()
         await registry.stop()
 
     try:

@@ -13,6 +13,7 @@ decode stream, detokenizing as tokens arrive.
     openai_api.py      Chat Completions bodies -> ChatRequest; completions, chunks and errors -> JSON
     detokenizer.py     incremental detokenization and stop strings
     mesh_view.py       what the heartbeats say: live balancers, served models, readiness
+    mesh_workers.py    GET /v1/mesh/workers: pools, worker loads and recommended sizes from a balancer
     pipeline.py        one generation's life: route, prefill (with retries), decode stream
     telemetry.py       metrics and the one log line per finished request
     http_app.py        the REST app (keys, errors, SSE); openai_http.py, responses_api.py (+ response_store.py,

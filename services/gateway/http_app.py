@@ -224,7 +224,7 @@ async def metrics(_: web.Request) -> web.Response:
 
 
 def create_app(core: GatewayCore, store: ResponseStore | None = None) -> web.Application:
-    from services.gateway import anthropic_api, openai_http, responses_api
+    from services.gateway import anthropic_api, mesh_workers, openai_http, responses_api
 
     app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)
     app[CORE_KEY] = core
@@ -238,6 +238,7 @@ def create_app(core: GatewayCore, store: ResponseStore | None = None) -> web.App
     app.router.add_post(anthropic_api.MESSAGES_PATH, anthropic_api.create_message)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get(mesh_workers.MESH_WORKERS_PATH, mesh_workers.list_mesh_workers)
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

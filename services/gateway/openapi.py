@@ -127,6 +127,12 @@ def openapi_document() -> dict[str, Any]:
             "/v1/responses/{response_id}": stored,
             "/v1/messages": _post("Anthropic Messages", MESSAGES_REQUEST, ANTHROPIC_ERROR, overloaded="529"),
             "/v1/models": get_models,
+            "/v1/mesh/workers": {"get": {
+                "summary": "each pool's workers with load, KV usage and cache size, and recommended pool sizes",
+                "security": [{"bearer": []}, {"apiKey": []}],
+                "responses": {"200": {"description": "pools of workers",
+                                      "content": {"application/json": {"schema": OBJECT}}},
+                              **_errors(OPENAI_ERROR, ("401", "503"))}}},
             "/healthz": {"get": {"summary": "liveness", "responses": {"200": {"description": "ok"}}}},
             "/readyz": {"get": {"summary": "readiness", "responses": {"200": {"description": "ready"},
                                                                       "503": {"description": "not ready"}}}},

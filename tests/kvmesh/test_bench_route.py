@@ -16,7 +16,7 @@ from kvmesh.cli import main
 from mesh.routing import POLICIES, CostModel
 
 CONVERSATION = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
-COST = CostModel(prefill_tokens_per_s=1000.0, attention_knee_tokens=1e12, decode_step_base_s=0.01,
+COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1e12, decode_step_base_s=0.01,
                  decode_s_per_kv_token=0.0, kv_bytes_per_token=0)  # a token costs 1 ms; KV moves for free
 
 

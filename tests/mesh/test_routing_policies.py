@@ -14,7 +14,7 @@ from mesh.routing.kvmesh import KvmeshDecode
 from mesh.routing.view import LoadView
 
 # prefill_s(cached, new) = new / 1000 * (1 + (cached + new / 2) / 1000); fetching or pushing a token: 1 ms
-COST = CostModel(prefill_tokens_per_s=1000.0, attention_knee_tokens=1000.0, kv_bytes_per_token=1000,
+COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1000.0, kv_bytes_per_token=1000,
                  host_bytes_per_s=1e6, ssd_bytes_per_s=1e6, network_bytes_per_s=1e6, decode_step_base_s=0.01,
                  decode_s_per_kv_token=0.0)
 
@@ -117,11 +117,25 @@ def test_kvmesh_waits_for_its_cache_only_within_the_imbalance_bound() -> None:
     index = GlobalKVIndex()
     index.add("p-a", [key(n) for n in range(1, 9)])  # a 128-token prefix
     hot = request(136, *range(1, 10))
-    # p-b would compute all 136 tokens: 0.136 x 1.068 = 0.145248 s; the bound is 2 x that + 2 s = 2.290496 s
-    within = [worker("p-a", num_queued_prompt_tokens=2000), worker("p-b")]  # p-a: 2 s queued + 0.009056 s
+    # p-b would compute all 136 tokens: 0.136 x 1.068 = 0.145248 s; the bound is that x 2 + 4 x that = 0.871488 s
+    within = [worker("p-a", num_queued_prompt_tokens=800), worker("p-b")]  # p-a: 0.8 s queued + 0.009056 s
     assert Router("kvmesh", index, COST).route(hot, within, DECODE, 0.0)[0].prefill_worker_id == "p-a"
-    beyond = [worker("p-a", num_queued_prompt_tokens=2300), worker("p-b")]  # p-a: 2.309056 s
+    beyond = [worker("p-a", num_queued_prompt_tokens=900), worker("p-b")]  # p-a: 0.909056 s
     assert Router("kvmesh", index, COST).route(hot, beyond, DECODE, 0.0)[0].prefill_worker_id == "p-b"
+
+
+def test_an_idle_pool_starts_at_once_a_busy_one_waits_for_the_cache() -> None:
+    index = GlobalKVIndex()
+    index.add("p-a", [key(n) for n in range(1, 9)])
+    hot = request(136, *range(1, 10))
+    # p-a's queue: 0.2 s. The recompute weight (30) counts by the share of busy workers: with p-b idle (1 of 2),
+    # p-b's 0.136 s of extra compute weighs 15 x 0.136192 = 2.04 s against p-a's 0.2 s of queue
+    assert Router("kvmesh", index, COST).route(hot, [worker("p-a", num_queued_prompt_tokens=200), worker("p-b")],
+                                               DECODE, 0.0)[0].prefill_worker_id == "p-a"
+    # a single worker idle among 21 busy ones: weight 30 / 21; p-b: 0.145 + 0.195 = 0.340 s, p-a 0.2 + 0.009 s
+    idle = [worker(f"p-{n:02}", num_queued_prompt_tokens=5000) for n in range(20)]
+    pool = [worker("p-a", num_queued_prompt_tokens=200), worker("p-b"), *idle]
+    assert Router("kvmesh", index, COST).route(hot, pool, DECODE, 0.0)[0].prefill_worker_id == "p-a"
 
 
 def test_a_hot_prefix_spills_to_a_second_worker_instead_of_piling_up() -> None:
@@ -130,16 +144,17 @@ def test_a_hot_prefix_spills_to_a_second_worker_instead_of_piling_up() -> None:
     router = Router("kvmesh", index, COST)
     pool = [worker("p-a"), worker("p-b"), worker("p-c")]
     chosen = [router.route(request(136, *range(1, 9), 100 + n, request_id=f"r{n}"), pool, DECODE, 0.0)[0]
-              for n in range(300)]
+              for n in range(200)]
     counts = {w.worker_id: sum(r.prefill_worker_id == w.worker_id for r in chosen) for w in pool}
     first_elsewhere = next(n for n, r in enumerate(chosen) if r.prefill_worker_id != "p-a")
-    # p-a takes requests until its queue passes the bound (2 x 0.145248 + 2 s of predicted TTFT: 252 requests of
-    # 0.009056 s take it to 2.28 s); then the prefix is copied to a second worker, which holds it from then on (pending cache)
-    assert first_elsewhere == 252
+    # p-a takes requests (0.009056 s each) until its predicted TTFT passes the bound, 2 x 0.145248 + 4 x 0.145248
+    # (the least TTFT is an idle worker's full prefill), with the 96th; the prefix is then copied to a second
+    # worker, which holds it from then on (the pending cache), then to the third
+    assert first_elsewhere == 96
     assert chosen[first_elsewhere].num_cached_tokens == 0 and chosen[-1].num_cached_tokens == 128
-    assert counts == {"p-a": 252, "p-b": 48, "p-c": 0}
+    assert counts == {"p-a": 96, "p-b": 23, "p-c": 81}
     waits = [router.view.wait_s(w, 0.0) for w in pool]
-    assert max(waits) <= 2 * 0.145248 + 2 + 0.009056
+    assert max(waits) - min(waits) <= 6 * 0.145248
 
 
 def test_kvmesh_counts_blocks_still_being_computed_as_cached_on_their_worker() -> None:

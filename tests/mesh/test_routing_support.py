@@ -13,7 +13,7 @@ from mesh.routing.capacity import CapacityPlanner
 from mesh.routing.encoder import EncoderBalancer, pick_encoder, rendezvous_rank
 from mesh.routing.view import LoadView
 
-COST = CostModel(prefill_tokens_per_s=1000.0, attention_knee_tokens=1000.0, kv_bytes_per_token=1000,
+COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1000.0, kv_bytes_per_token=1000,
                  host_bytes_per_s=1e6, ssd_bytes_per_s=5e5, network_bytes_per_s=1e6, decode_step_base_s=0.01,
                  decode_s_per_kv_token=1e-5, scale=2.0)
 

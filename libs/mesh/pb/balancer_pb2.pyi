@@ -26,14 +26,16 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("prefill", "decode", "num_cached_tokens")
+    __slots__ = ("prefill", "decode", "num_cached_tokens", "predicted_ttft_s")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     prefill: _common_pb2.WorkerInfo
     decode: _common_pb2.WorkerInfo
     num_cached_tokens: int
-    def __init__(self, prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    predicted_ttft_s: float
+    def __init__(self, prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., predicted_ttft_s: _Optional[float] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -50,7 +52,57 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_seen_ms: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "pools")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("pool", "num_workers", "num_recommended", "utilization", "target_utilization")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMMENDED_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    num_workers: int
+    num_recommended: int
+    utilization: float
+    target_utilization: float
+    def __init__(self, pool: _Optional[str] = ..., num_workers: _Optional[int] = ..., num_recommended: _Optional[int] = ..., utilization: _Optional[float] = ..., target_utilization: _Optional[float] = ...) -> None: ...
+
+class ReplicaRecommendation(_message.Message):
+    __slots__ = ("balancer_id", "timestamp_ms", "pools")
+    BALANCER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    balancer_id: str
+    timestamp_ms: int
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, balancer_id: _Optional[str] = ..., timestamp_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("balancer_id", "request_id", "assigned_s", "prefill_worker_id", "decode_worker_id", "num_prompt_tokens", "num_uncached_tokens", "prefill_s", "decode_arrival_s", "block_hashes")
+    BALANCER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ARRIVAL_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    balancer_id: str
+    request_id: str
+    assigned_s: float
+    prefill_worker_id: str
+    decode_worker_id: str
+    num_prompt_tokens: int
+    num_uncached_tokens: int
+    prefill_s: float
+    decode_arrival_s: float
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, balancer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., assigned_s: _Optional[float] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_uncached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., decode_arrival_s: _Optional[float] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -57,7 +57,7 @@ class BalancerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Every known worker with its last load.
+        """Every known worker with its last load, and each pool's recommended size.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

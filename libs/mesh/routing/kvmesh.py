@@ -1,18 +1,28 @@
 """kvmesh's own policy (the default).
 
-Prefill: the worker with the least predicted time to first token, TTFT = the queue ahead of it (reported queue at
-the report's time, drained since, plus what was assigned since) + fetching what the store nodes hold past its own
-cached prefix + computing the rest (`CostModel.prefill_s`: attention makes deep tokens dearer). Cached blocks are
-credited by where they are: free on the worker's device, priced at the tier's bandwidth in the store.
-Bounded imbalance: workers that would overshoot the least loaded one by more than `max_wait_gap_s` are not
-candidates, so a hot prefix is copied to a second worker rather than piling onto the one that holds it.
-Ties (typically idle workers none of which holds the prefix) go to the worker with the least recent work, which
-keeps busy time even over the long run.
+Prefill: each worker's predicted time to first token, TTFT = the queue ahead of it (the reported queue, priced by
+the predictions of the requests it holds, drained since the report, plus what was assigned since) + fetching what
+the store nodes hold past the worker's own cached prefix + computing the rest (`CostModel.prefill_s`: attention
+makes deep tokens dearer). A worker's cache is what the index says plus what it was sent and is still computing
+(the router's PendingCache), so a conversation's next turn finds its previous one even while it is queued.
+The pick minimises TTFT + `recompute_weight` x (the share of workers that are busy) x the compute a worker
+spends beyond the best-cached one: computing a prefix again costs the pool that time when it is busy, and splits
+a conversation's cache for its later turns, so a busy pool waits for a cache rather than recompute it; an idle
+one just starts (measured on the Mooncake conversation trace, see docs/balancer.md).
+Bounded imbalance: a worker whose TTFT exceeds the least one's x (1 + `max_wait_gap_rel`) plus
+`max_wait_gap_prefills` times this prompt's full prefill is not a candidate, so a hot prefix is copied to a
+second worker instead of piling onto one. The bound and the weight are relative (to this prompt's prefill, to the
+busy share), so they hold on any hardware; only the queue's drain between heartbeats runs on the real clock
+(KVMESH_BALANCER_COST_SCALE fits the cost model to the hardware, docs/balancer.md).
+Picks within `tie_fraction` of the request's least prefill time of the best are spread by a hash of the request
+id, so replicas that pick at the same moment do not all choose the same idle worker.
 
-Decode: the worker whose KV is predicted to stay lowest while the request runs. A worker's KV grows by one token
-per running request per step until the request ends, so over the new request's lifetime its mean KV is about
-KV now + requests x expected remaining output / 2 + the new request's prompt; the expected output is learned from
-finished requests (`observe_output`), starting from `expected_output_tokens`.
+Decode: the worker with the least KV predicted for when this request's KV gets there (prefill queue + prefill +
+transfer from now): the reported KV, grown by a token per running request per step and decayed by requests
+finishing at the rate their expected lifetime says (expected output x step time; the expected output is learned
+from finished requests through `observe_output`, starting from `expected_output_tokens`), plus the prompts of
+requests assigned since that get there first. Reports are up to a heartbeat old and staggered across workers,
+so aligning them to one moment matters; ties go to fewer requests.
 """
 
 from __future__ import annotations
@@ -33,28 +43,32 @@ def spread_rank(request_id: str, worker_id: str) -> bytes:
 
 
 class KvmeshPrefill:
-    def __init__(self, recompute_weight: float = 30.0, max_wait_gap_s: float = 2.0, max_wait_gap_rel: float = 1.0,
-                 tie_s: float = 0.05, spread_ties: bool = True) -> None:
+    def __init__(self, recompute_weight: float = 30.0, max_wait_gap_rel: float = 1.0,
+                 max_wait_gap_prefills: float = 4.0, tie_fraction: float = 0.01, spread_ties: bool = True) -> None:
         self.recompute_weight = recompute_weight
-        self.max_wait_gap_s = max_wait_gap_s
         self.max_wait_gap_rel = max_wait_gap_rel
-        self.tie_s = tie_s
+        self.max_wait_gap_prefills = max_wait_gap_prefills
+        self.tie_fraction = tie_fraction
         self.spread_ties = spread_ties
 
     def scores(self, ctx: PickContext, picks: dict[str, PrefillPick]) -> dict[str, float]:
-        """Predicted TTFT plus the weighted compute a worker would spend beyond the best-cached one; workers past
-        the imbalance bound are left out."""
+        """Predicted TTFT plus the weighted compute a worker would spend beyond the best-cached one, the weight
+        scaled by the share of busy workers; workers past the imbalance bound are left out."""
         least_s = min(p.predicted_s for p in picks.values())
+        most_s = max(p.predicted_s for p in picks.values())
         least_ttft = min(p.predicted_ttft_s for p in picks.values())
-        bound = least_ttft * (1 + self.max_wait_gap_rel) + self.max_wait_gap_s
-        return {worker_id: p.predicted_ttft_s + self.recompute_weight * (p.predicted_s - least_s)
+        bound = least_ttft * (1 + self.max_wait_gap_rel) + self.max_wait_gap_prefills * most_s
+        busy = sum(p.predicted_ttft_s > p.predicted_s for p in picks.values()) / len(picks)
+        weight = self.recompute_weight * busy
+        return {worker_id: p.predicted_ttft_s + weight * (p.predicted_s - least_s)
                 for worker_id, p in picks.items() if p.predicted_ttft_s <= bound}
 
     def pick(self, ctx: PickContext, workers: Sequence[WorkerState]) -> PrefillPick:
         picks = {w.worker_id: make_pick(ctx, w) for w in workers}
         scores = self.scores(ctx, picks)
         best = min(scores.values())
-        near = sorted(worker_id for worker_id, score in scores.items() if score <= best + self.tie_s)
+        tie_s = self.tie_fraction * min(p.predicted_s for p in picks.values())
+        near = sorted(worker_id for worker_id, score in scores.items() if score <= best + tie_s)
         if self.spread_ties and ctx.request.request_id:
             return picks[max(near, key=lambda w: spread_rank(ctx.request.request_id, w))]
         return picks[min(near, key=lambda w: (scores[w], ctx.view.recent_work_s(w, ctx.now_s), w))]
@@ -73,11 +87,14 @@ class KvmeshDecode:
         self.output_smoothing = output_smoothing
 
     def predicted_kv(self, worker: WorkerState, view: LoadView, arrival_s: float) -> float:
-        """The worker's KV when this request's KV gets there: the reported KV, of which requests leave at the rate
-        their expected lifetime says, plus the requests assigned since that get there first."""
+        """The worker's KV when this request's KV gets there: the reported KV grown by a token per running request
+        per step, of which requests leave at the rate their expected lifetime says, plus the requests assigned
+        since that get there first (those arriving later are for the policy to balance when they do)."""
         step_s = view.cost.decode_step_s(worker.num_kv_tokens)
         lifetime_s = max(self.expected_output_tokens * step_s, 1e-3)
-        kv = worker.num_kv_tokens * math.exp(-max(arrival_s - worker.reported_s, 0.0) / lifetime_s)
+        elapsed_s = max(arrival_s - worker.reported_s, 0.0)
+        grown = worker.num_kv_tokens + worker.num_running * min(elapsed_s / step_s, self.expected_output_tokens)
+        kv = grown * math.exp(-elapsed_s / lifetime_s)
         for visible_s, num_tokens, _ in view.pending(worker.worker_id):
             if visible_s > arrival_s:
                 break
@@ -86,7 +103,8 @@ class KvmeshDecode:
 
     def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,
              arrival_s: float) -> str:
-        return min(workers, key=lambda w: (self.predicted_kv(w, view, arrival_s), w.worker_id)).worker_id
+        return min(workers, key=lambda w: (round(self.predicted_kv(w, view, arrival_s), 3), view.num_requests(w),
+                                           w.worker_id)).worker_id
 
     def observe_output(self, num_output_tokens: int) -> None:
         self.expected_output_tokens += self.output_smoothing * (num_output_tokens - self.expected_output_tokens)

@@ -1,0 +1,71 @@
+"""GET /v1/mesh/workers: a real gateway asks a real balancer (both on a real NATS) for the pools it sees, with
+workers made present by real Announcers. The key is required like on every /v1 route."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from engine_core import model_store
+from kvmesh.nats_server import EmbeddedNats, free_port
+from mesh.bus import Bus
+from mesh.discovery import Announcer
+from mesh.pb import common_pb2
+from services.balancer.config import BalancerSettings
+from services.balancer.server import serve as serve_balancer
+from services.gateway.catalog import ModelCatalog, load_model
+from services.gateway.config import GatewaySettings
+from services.gateway.server import GatewayServer
+from tests.services.harness import serving, wait_until
+
+KEY = "sk-mesh-view-5e2a"
+MODEL = "deepseek-tiny"
+
+
+async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size() -> None:
+    catalog = ModelCatalog([load_model(str(model_store.ensure(MODEL)))])
+    with EmbeddedNats() as nats:
+        common = dict(nats_url=nats.url, heartbeat_interval_s=0.2, log_level="warning")
+        bus = await Bus.connect(nats.url, name="fake-workers")
+        loads = {"prefill-1": common_pb2.WorkerLoad(num_running=1, num_queued_prompt_tokens=300, kv_usage=0.25,
+                                                    num_free_kv_blocks=75, num_cached_blocks=12),
+                 "decode-1": common_pb2.WorkerLoad(num_running=5, num_kv_tokens=640, kv_usage=0.4,
+                                                   num_free_kv_blocks=60)}
+        announcers = [Announcer(bus, common_pb2.WorkerInfo(
+            worker_id=name, role=common_pb2.ROLE_PREFILL if name.startswith("p") else common_pb2.ROLE_DECODE,
+            address=f"127.0.0.1:{port}", models=[MODEL], max_num_seqs=8, num_kv_blocks=100, block_size=16),
+            lambda load=load: load, 0.2) for (name, load), port in zip(loads.items(), (7101, 7102))]
+        balancer = BalancerSettings(grpc_port=free_port(), worker_id="balancer-v", **common)
+        async with serving(serve_balancer, balancer):
+            gateway = GatewayServer(GatewaySettings(http_port=0, grpc_port=0, api_keys=(KEY,), models=(MODEL,),
+                                                    **common), catalog=catalog)
+            await gateway.start()
+            for announcer in announcers:
+                await announcer.start()
+            url = f"http://127.0.0.1:{gateway.http_port}/v1/mesh/workers"
+            try:
+                async with aiohttp.ClientSession() as session:
+                    async with session.get(url) as response:
+                        assert response.status == 401
+
+                    async def both_listed() -> bool:
+                        async with session.get(url, headers={"Authorization": f"Bearer {KEY}"}) as response:
+                            body = await response.json()
+                            return response.status == 200 and body["pools"]["prefill"]["utilization"] == 1.0 and all(
+                                body["pools"][pool]["num_workers"] == 1 for pool in ("prefill", "decode"))
+                    await wait_until(both_listed)
+                    async with session.get(url, headers={"Authorization": f"Bearer {KEY}"}) as response:
+                        body = await response.json()
+            finally:
+                for announcer in announcers:
+                    await announcer.stop()
+                await gateway.stop()
+                await bus.close()
+    assert (body["object"], body["balancer"]) == ("mesh.workers", "balancer-v")
+    prefill, decode = body["pools"]["prefill"], body["pools"]["decode"]
+    assert (prefill["num_recommended"], prefill["target_utilization"]) == (2, 0.8)  # busy: 1 x 1.0 / 0.8
+    worker = prefill["workers"][0]
+    assert (worker["id"], worker["address"], worker["models"]) == ("prefill-1", "127.0.0.1:7101", [MODEL])
+    assert worker["load"] == {"num_running": 1, "num_waiting": 0, "num_queued_prompt_tokens": 300, "num_kv_tokens": 0}
+    assert worker["kv"] == {"usage": 0.25, "num_blocks": 100, "num_free_blocks": 75, "block_size": 16}
+    assert worker["cache"] == {"num_blocks": 12, "num_tokens": 192}
+    assert decode["workers"][0]["load"]["num_kv_tokens"] == 640 and decode["workers"][0]["kv"]["usage"] == 0.4
