@@ -9,6 +9,7 @@ import pytest
 from mesh.kv_index import GlobalKVIndex
 from mesh.pb import events_pb2
 from mesh.routing import Assignment, CostModel, WorkerState
+from mesh.routing.calibration import TimeScale
 from mesh.routing.capacity import CapacityPlanner
 from mesh.routing.encoder import EncoderBalancer, pick_encoder, rendezvous_rank
 from mesh.routing.view import LoadView
@@ -134,3 +135,17 @@ def test_capacity_planner_recommends_the_pool_size_for_the_target_utilization() 
     assert planner.recommend("decode", 2).num_recommended == 2  # 2 x 0.625 / 0.8 = 1.5625
     with pytest.raises(ValueError, match="target_utilization"):
         CapacityPlanner(target_utilization=0)
+
+
+def test_time_scale_fits_real_to_predicted_seconds_only_from_intervals_all_work() -> None:
+    scale = TimeScale()
+    scale.observe(0.0, 1.0, [(0.5, 1.0)], 1.0, 1.8, True)  # 0.2 predicted seconds done in 1 s: 5x slower
+    assert scale.value == pytest.approx(5.0) and scale.num_samples == 1  # far off: taken at once
+    # inputs are at the current scale: 1.25 s of work done in 1 s says it overshoots by 1.25x, smoothed
+    scale.observe(10.0, 1.0, [(10.5, 1.0)], 11.0, 0.75, True)
+    assert scale.value == pytest.approx(5.0 * 0.8 ** 0.2)
+    before = scale.value
+    scale.observe(20.0, 1.0, [(21.5, 1.0)], 22.0, 0.5, True)  # idle from 21.0 to 21.5 maybe: no sample
+    scale.observe(30.0, 0.5, [], 31.0, 0.0, False)  # predicted done at 30.5 and done: how early is unknown
+    scale.observe(40.0, 0.0, [], 41.0, 0.0, False)  # nothing to do
+    assert (scale.value, scale.num_samples) == (before, 2)

@@ -144,7 +144,7 @@ def run_policy(policy: str, config: BenchConfig, with_series: bool = False) -> d
     result = simulate(scale.at(config.load), policy, replace(config.sim, record_series=with_series))
     fields: dict[str, Any] = summary(result, ideal_hit_rate(requests))
     fields["goodput"] = goodput(policy, scale, config, result)
-    extra = {"ttft_s": result.ttft_s, "series_s": result.series_s, "prefill_wait": result.prefill_wait_series,
+    extra = {"ttft_s": result.ttft_s, "series_s": result.series_s, "prefill_queue": result.prefill_queue_series,
              "decode_kv": result.decode_kv_series} if with_series else {}
     return {"fields": fields, **extra}
 

@@ -24,6 +24,10 @@ def add_parser(bench_commands: Any) -> None:
     route.add_argument("--cache-tokens", type=int, default=3_000_000, help="KV cache per prefill worker")
     route.add_argument("--eviction", default="lru", help="the prefill caches' eviction: lru | s3fifo | lfuda")
     route.add_argument("--scale", type=float, default=1.0, help="multiplies every compute time of the cost model")
+    route.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                       help="a prefill worker's uncached tokens/s at context depth 0 (default: DeepSeek-V3 on H800)")
+    route.add_argument("--decode-step-s", type=float, default=None,
+                       help="a decode step's time without attention (default: DeepSeek-V3 on H800)")
     route.add_argument("--replicas", type=int, default=1, help="balancer replicas (requests go to them in turn)")
     route.add_argument("--no-share", action="store_true", help="replicas do not share their assignments")
     route.add_argument("--share-delay-s", type=float, default=0.005, help="how late a peer's assignment is heard")
@@ -36,17 +40,24 @@ def add_parser(bench_commands: Any) -> None:
     route.add_argument("--json", action="store_true", help="one line of JSON")
 
 
+def cost_model(args: argparse.Namespace) -> Any:
+    from mesh.routing import CostModel
+
+    overrides = {name: value for name, value in (("prefill_tokens_per_s", args.prefill_tokens_per_s),
+                                                 ("decode_step_base_s", args.decode_step_s)) if value is not None}
+    return CostModel(scale=args.scale, **overrides)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvmesh.bench.route import BenchConfig, run_route_bench
     from kvmesh.bench.route_sim import SimConfig
-    from mesh.routing import CostModel
 
     for name in ("prefill_workers", "decode_workers", "replicas", "cache_tokens", "jobs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     sim = SimConfig(num_prefill=args.prefill_workers, num_decode=args.decode_workers, cache_tokens=args.cache_tokens,
                     eviction=args.eviction, heartbeat_s=args.heartbeat_s, num_replicas=args.replicas,
-                    share=not args.no_share, share_delay_s=args.share_delay_s, cost=CostModel(scale=args.scale))
+                    share=not args.no_share, share_delay_s=args.share_delay_s, cost=cost_model(args))
     config = BenchConfig(trace=args.trace, limit=args.limit, load=args.load, load_basis=args.load_basis,
                          ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s, sim=sim)
     plot_dir = args.plot_dir or (DEFAULT_PLOT_DIR if args.policy == "all" else None)

@@ -1,5 +1,5 @@
 """Plots of `kvmesh bench route --policy all`: the TTFT distribution of every policy (one CDF each), and, per
-policy, every worker's load over time (prefill: queued seconds; decode: KV tokens)."""
+policy, every worker's load over time (prefill: queued prompt tokens; decode: KV tokens)."""
 
 from __future__ import annotations
 
@@ -47,11 +47,11 @@ def _ttft_cdf(plt: Any, by_policy: Mapping[str, Mapping[str, Any]], path: Path, 
 def _load(plt: Any, policy: str, run: Mapping[str, Any], path: Path) -> Path:
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     times = run["series_s"]
-    for n, waits in enumerate(run["prefill_wait"]):
-        top.plot(times, waits, linewidth=0.7, label=f"prefill-{n}")
+    for n, queued in enumerate(run["prefill_queue"]):
+        top.plot(times, [tokens / 1e3 for tokens in queued], linewidth=0.7, label=f"prefill-{n}")
     for n, kvs in enumerate(run["decode_kv"]):
         bottom.plot(times, [kv / 1e6 for kv in kvs], linewidth=0.7, label=f"decode-{n}")
-    top.set(ylabel="queued prefill (s)", title=f"{policy}: per-worker load")
+    top.set(ylabel="queued prompt tokens (k)", title=f"{policy}: per-worker load")
     bottom.set(ylabel="KV tokens (M)", xlabel="time (s)")
     for axis in (top, bottom):
         axis.grid(alpha=0.3)

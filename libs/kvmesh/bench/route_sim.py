@@ -53,7 +53,7 @@ class SimResult:
     prefill_busy_s: list[float]  # per prefill worker
     decode_efficiency: float
     series_s: list[float] = field(default_factory=list)  # sample times (with record_series)
-    prefill_wait_series: list[list[float]] = field(default_factory=list)  # per worker: queued seconds
+    prefill_queue_series: list[list[int]] = field(default_factory=list)  # per worker: queued prompt tokens
     decode_kv_series: list[list[int]] = field(default_factory=list)  # per worker: KV tokens
 
 
@@ -63,8 +63,8 @@ class _Prefill:
         self.capacity_blocks = capacity_blocks
         self.eviction = make_policy(eviction, capacity_blocks)
         self.held: set[bytes] = set()
-        self.queue: deque[tuple[int, int]] = deque()  # (request, uncached tokens as predicted on arrival)
-        self.num_queued_tokens = 0
+        self.queue: deque[int] = deque()  # requests waiting
+        self.num_queued_tokens = 0  # their prompts (as an engine counts a waiting request: cache hits come later)
         self.current: int | None = None
         self.current_tokens = 0
         self.current_start_s = self.current_end_s = 0.0
@@ -137,7 +137,7 @@ class Simulation:
         self._eff_ratio = 0.0
         self._eff_at = 0.0
         self._last_arrival_s = requests[-1].arrival_s if requests else 0.0
-        self.result_series: tuple[list[float], list[list[float]], list[list[int]]] = (
+        self.result_series: tuple[list[float], list[list[int]], list[list[int]]] = (
             [], [[] for _ in self.prefill], [[] for _ in self.decode])
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -180,10 +180,8 @@ class Simulation:
                 if peer is not router:
                     self._push(now_s + self.config.share_delay_s, PEER, 0, (peer, assignment))
         worker = self.prefill_of[route.prefill_worker_id]
-        cached = min(worker.num_leading(request.block_hashes) * self.config.block_tokens, request.num_prompt_tokens)
-        uncached = request.num_prompt_tokens - cached
-        worker.queue.append((n, uncached))
-        worker.num_queued_tokens += uncached
+        worker.queue.append(n)
+        worker.num_queued_tokens += request.num_prompt_tokens
         self._decode_for[n] = route.decode_worker_id
         if worker.current is None:
             self._start_prefill(worker, now_s)
@@ -221,15 +219,15 @@ class Simulation:
         times, waits, kvs = self.result_series
         times.append(now_s)
         for n, p in enumerate(self.prefill):
-            waits[n].append(self.cost.queued_s(p.remaining_tokens(now_s)))
+            waits[n].append(p.remaining_tokens(now_s))
         for n, d in enumerate(self.decode):
             kvs[n].append(d.num_kv_tokens)
 
     # -- prefill ------------------------------------------------------------------------------------------------
     def _start_prefill(self, worker: _Prefill, now_s: float) -> None:
-        n, predicted = worker.queue.popleft()
-        worker.num_queued_tokens -= predicted
+        n = worker.queue.popleft()
         request = self.requests[n]
+        worker.num_queued_tokens -= request.num_prompt_tokens
         keys = request.block_hashes
         num_hits = worker.num_leading(keys)
         for key in keys[:num_hits]:

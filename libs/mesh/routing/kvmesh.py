@@ -95,10 +95,10 @@ class KvmeshDecode:
         elapsed_s = max(arrival_s - worker.reported_s, 0.0)
         grown = worker.num_kv_tokens + worker.num_running * min(elapsed_s / step_s, self.expected_output_tokens)
         kv = grown * math.exp(-elapsed_s / lifetime_s)
-        for visible_s, num_tokens, _ in view.pending(worker.worker_id):
-            if visible_s > arrival_s:
+        for entry in view.pending(worker.worker_id):
+            if entry.visible_s > arrival_s:
                 break
-            kv += num_tokens * math.exp(-(arrival_s - visible_s) / lifetime_s)
+            kv += entry.num_tokens * math.exp(-(arrival_s - entry.visible_s) / lifetime_s)
         return kv
 
     def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,

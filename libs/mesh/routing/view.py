@@ -7,7 +7,9 @@ worker cannot report a request still in prefill. Own and peers' assignments coun
 
 Prefill queues drain between reports: `wait_s` predicts when a worker's queue empties, starting from the reported
 queue at the report's time and adding each assignment's predicted prefill time in order (as Mooncake's conductor
-predicts queueing time). One writer: the Router that owns the view; policies only read it.
+predicts queueing time). Predictions are in real seconds: the PickContext multiplies the cost model's by
+`time_scale`, fitted from the reports (`calibration.TimeScale`).
+One writer: the Router that owns the view; policies only read it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from mesh.routing.calibration import TimeScale
 from mesh.routing.cost import CostModel
 from mesh.routing.pending_cache import PendingCache
 from mesh.routing.state import Assignment, WorkerState
@@ -25,15 +29,25 @@ from mesh.routing.state import Assignment, WorkerState
 HISTORY = 256  # assignments remembered per worker after a report includes them
 
 
+class Entry(NamedTuple):
+    """One assignment as it counts on one worker."""
+
+    visible_s: float  # from when a report includes it (prefill: assigned; decode: its KV expected there)
+    num_tokens: int  # its prompt tokens: what a worker reports queued (a waiting request's whole prompt) or holds
+    prefill_s: float  # prefill: its predicted prefill time (decode: 0)
+    num_uncached_tokens: int  # prefill: the tokens it computes (decode: 0)
+
+
 @dataclass
 class _Pending:
     """What one worker was assigned since its last report."""
 
-    entries: deque[tuple[float, int, float]] = field(default_factory=deque)  # (visible_s, num_tokens, prefill_s)
+    entries: deque[Entry] = field(default_factory=deque)  # by visible_s
     num_requests: int = 0
-    num_tokens: int = 0  # prefill: uncached tokens; decode: prompt tokens (the KV the request brings)
+    num_tokens: int = 0  # sum of the entries' prompt tokens
     busy_until_s: float = 0.0  # prefill: when its queue is predicted to be done
-    reported: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY))  # (tokens, prefill_s)
+    queued_s: float = 0.0  # prefill: its queue at the last report, in predicted seconds
+    reported: deque[Entry] = field(default_factory=lambda: deque(maxlen=HISTORY))  # the last ones reports included
 
 
 class LoadView:
@@ -45,6 +59,7 @@ class LoadView:
         self._pending: dict[str, _Pending] = {}
         self._recent_work: dict[str, tuple[float, float]] = {}  # worker -> (prefill seconds assigned, as of when)
         self.pending_cache = PendingCache()  # written only by `assign` and `forget`
+        self.time_scale = TimeScale()  # real seconds per predicted second of prefill; written only by `update`
 
     # -- writes (the owning Router) -----------------------------------------------------------------------------
     def update(self, state: WorkerState) -> None:
@@ -54,22 +69,30 @@ class LoadView:
             return
         self._reports[state.worker_id] = state
         pending = self._pending.setdefault(state.worker_id, _Pending())
-        while pending.entries and pending.entries[0][0] <= state.reported_s:
-            _, num_tokens, prefill_s = pending.entries.popleft()
+        arrivals = []
+        while pending.entries and pending.entries[0].visible_s <= state.reported_s:
+            entry = pending.entries.popleft()
             pending.num_requests -= 1
-            pending.num_tokens -= num_tokens
-            pending.reported.append((num_tokens, prefill_s))
-        busy = state.reported_s + self._queued_s(pending, state.num_queued_prompt_tokens)
-        for visible_s, _, prefill_s in pending.entries:
-            busy = max(busy, visible_s) + prefill_s
+            pending.num_tokens -= entry.num_tokens
+            pending.reported.append(entry)
+            arrivals.append((entry.visible_s, entry.prefill_s))
+        queued_s = self._queued_s(pending, state.num_queued_prompt_tokens)
+        if known is not None:
+            self.time_scale.observe(known.reported_s, pending.queued_s, arrivals, state.reported_s, queued_s,
+                                    state.num_queued_prompt_tokens > 0)
+        pending.queued_s = queued_s
+        busy = state.reported_s + queued_s
+        for entry in pending.entries:
+            busy = max(busy, entry.visible_s) + entry.prefill_s
         pending.busy_until_s = busy
 
     def assign(self, assignment: Assignment) -> None:
         prefill = self._pending.setdefault(assignment.prefill_worker_id, _Pending())
-        self._add(prefill, assignment.assigned_s, assignment.num_uncached_tokens, assignment.prefill_s)
+        self._add(prefill, Entry(assignment.assigned_s, assignment.num_prompt_tokens, assignment.prefill_s,
+                                 assignment.num_uncached_tokens))
         prefill.busy_until_s = max(prefill.busy_until_s, assignment.assigned_s) + assignment.prefill_s
         decode = self._pending.setdefault(assignment.decode_worker_id, _Pending())
-        self._add(decode, assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0)
+        self._add(decode, Entry(assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0, 0))
         done_s = assignment.decode_arrival_s - self.cost.transfer_s(assignment.num_prompt_tokens)
         self.pending_cache.add(assignment.prefill_worker_id, assignment.block_hashes, done_s)
         value = self.recent_work_s(assignment.prefill_worker_id, assignment.assigned_s)
@@ -83,29 +106,31 @@ class LoadView:
 
     def _queued_s(self, pending: _Pending, num_tokens: int) -> float:
         """A reported queue in seconds. A worker serves in order, so its queue is the last requests sent to it
-        before the report: their predicted times (which know each one's context depth) add up to it, newest
-        first; what no remembered assignment covers goes at the cost model's rate for shallow tokens."""
+        before the report: their predicted times (which know each one's cached prefix and context depth) add up to
+        it, newest first. A worker counts a waiting request's whole prompt and a running one's tokens left to
+        compute, so the oldest one only partly covered is the running one, priced by its uncached tokens. What no
+        remembered assignment covers goes at the cost model's rate for shallow tokens."""
         seconds = 0.0
-        for tokens, prefill_s in reversed(pending.reported):
+        for entry in reversed(pending.reported):
             if num_tokens <= 0:
                 break
-            if tokens <= 0:
+            if num_tokens >= entry.num_tokens:
+                seconds += entry.prefill_s
+                num_tokens -= entry.num_tokens
                 continue
-            share = min(num_tokens, tokens)
-            seconds += prefill_s * share / tokens
-            num_tokens -= share
-        return seconds + self.cost.queued_s(max(num_tokens, 0))
+            seconds += entry.prefill_s * min(num_tokens / max(entry.num_uncached_tokens, 1), 1.0)
+            num_tokens = 0
+        return seconds + self.cost.queued_s(max(num_tokens, 0)) * self.time_scale.value
 
     @staticmethod
-    def _add(pending: _Pending, visible_s: float, num_tokens: int, prefill_s: float) -> None:
+    def _add(pending: _Pending, entry: Entry) -> None:
         # entries stay ordered by visibility (a peer's assignment may be heard late), so a report drops a prefix
-        if pending.entries and visible_s < pending.entries[-1][0]:
-            entries = sorted([*pending.entries, (visible_s, num_tokens, prefill_s)], key=lambda e: e[0])
-            pending.entries = deque(entries)
+        if pending.entries and entry.visible_s < pending.entries[-1].visible_s:
+            pending.entries = deque(sorted([*pending.entries, entry], key=lambda e: e.visible_s))
         else:
-            pending.entries.append((visible_s, num_tokens, prefill_s))
+            pending.entries.append(entry)
         pending.num_requests += 1
-        pending.num_tokens += num_tokens
+        pending.num_tokens += entry.num_tokens
 
     # -- reads --------------------------------------------------------------------------------------------------
     def report(self, worker_id: str) -> WorkerState | None:
@@ -124,15 +149,15 @@ class LoadView:
         return worker.num_running + worker.num_waiting + self.num_pending(worker.worker_id)
 
     def num_queued_tokens(self, worker: WorkerState) -> int:
-        """Prefill: prompt tokens still to compute, reported plus assigned since."""
+        """Prefill: queued prompt tokens, reported plus assigned since (whole prompts, as workers count them)."""
         return worker.num_queued_prompt_tokens + self.num_pending_tokens(worker.worker_id)
 
     def num_kv_tokens(self, worker: WorkerState) -> int:
         """Decode: KV tokens held, reported plus the prompts of requests on their way."""
         return worker.num_kv_tokens + self.num_pending_tokens(worker.worker_id)
 
-    def pending(self, worker_id: str) -> Sequence[tuple[float, int, float]]:
-        """(visible_s, num_tokens, prefill_s) of each assignment not yet in a report, by visibility."""
+    def pending(self, worker_id: str) -> Sequence[Entry]:
+        """The assignments not yet in a report, by visibility."""
         pending = self._pending.get(worker_id)
         return pending.entries if pending is not None else ()
 
