@@ -16,8 +16,9 @@ from kvmesh.cli import main
 from mesh.routing import POLICIES, CostModel
 
 CONVERSATION = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
-COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1e12, decode_step_base_s=0.01,
-                 decode_s_per_kv_token=0.0, kv_bytes_per_token=0)  # a token costs 1 ms; KV moves for free
+# a token costs 1 ms; KV moves for free
+COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1e12,
+                 decode_step_base_s=0.01, decode_s_per_kv_token=0.0, kv_bytes_per_token=0)
 
 
 def write_trace(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> Path:
@@ -63,7 +64,8 @@ def test_load_rescales_arrivals_to_the_offered_work() -> None:
     assert scale.factor_at_1 == pytest.approx(2.048 / 2 / 20)
     assert [r.arrival_s for r in scale.at(0.5)] == pytest.approx([0.0, 2.048 / 2, 2.048])
     assert scale.rate(0.5) == pytest.approx(3 / 2.048)
-    prompt = LoadScale.of(requests, BenchConfig(trace="-", load_basis="prompt", sim=SimConfig(num_prefill=2, cost=COST)))
+    prompt_basis = BenchConfig(trace="-", load_basis="prompt", sim=SimConfig(num_prefill=2, cost=COST))
+    prompt = LoadScale.of(requests, prompt_basis)
     assert prompt.factor_at_1 == pytest.approx(3.072 / 2 / 20)
 
 

@@ -14,9 +14,9 @@ from mesh.routing.kvmesh import KvmeshDecode
 from mesh.routing.view import LoadView
 
 # prefill_s(cached, new) = new / 1000 * (1 + (cached + new / 2) / 1000); fetching or pushing a token: 1 ms
-COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1000.0, kv_bytes_per_token=1000,
-                 host_bytes_per_s=1e6, ssd_bytes_per_s=1e6, network_bytes_per_s=1e6, decode_step_base_s=0.01,
-                 decode_s_per_kv_token=0.0)
+COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1000.0,
+                 kv_bytes_per_token=1000, host_bytes_per_s=1e6, ssd_bytes_per_s=1e6, network_bytes_per_s=1e6,
+                 decode_step_base_s=0.01, decode_s_per_kv_token=0.0)
 
 
 def key(i: int) -> bytes:
@@ -28,7 +28,8 @@ def worker(worker_id: str, reported_s: float = 0.0, **load: int) -> WorkerState:
     return WorkerState(worker_id, reported_s, block_size=16, max_num_seqs=8, num_kv_blocks=100, **load)
 
 
-def request(num_prompt_tokens: int, *block_ids: int, request_id: str = "", exclude: tuple[str, ...] = ()) -> RouteRequest:
+def request(num_prompt_tokens: int, *block_ids: int, request_id: str = "",
+            exclude: tuple[str, ...] = ()) -> RouteRequest:
     return RouteRequest("m", tuple(key(i) for i in block_ids), num_prompt_tokens, request_id, frozenset(exclude))
 
 

@@ -14,9 +14,9 @@ from mesh.routing.capacity import CapacityPlanner
 from mesh.routing.encoder import EncoderBalancer, pick_encoder, rendezvous_rank
 from mesh.routing.view import LoadView
 
-COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1000.0, kv_bytes_per_token=1000,
-                 host_bytes_per_s=1e6, ssd_bytes_per_s=5e5, network_bytes_per_s=1e6, decode_step_base_s=0.01,
-                 decode_s_per_kv_token=1e-5, scale=2.0)
+COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1000.0,
+                 kv_bytes_per_token=1000, host_bytes_per_s=1e6, ssd_bytes_per_s=5e5, network_bytes_per_s=1e6,
+                 decode_step_base_s=0.01, decode_s_per_kv_token=1e-5, scale=2.0)
 
 
 def k(i: int) -> bytes:
@@ -139,13 +139,14 @@ def test_capacity_planner_recommends_the_pool_size_for_the_target_utilization() 
 
 def test_time_scale_fits_real_to_predicted_seconds_only_from_intervals_all_work() -> None:
     scale = TimeScale()
-    scale.observe(0.0, 1.0, [(0.5, 1.0)], 1.0, 1.8, True)  # 0.2 predicted seconds done in 1 s: 5x slower
-    assert scale.value == pytest.approx(5.0) and scale.num_samples == 1  # far off: taken at once
-    # inputs are at the current scale: 1.25 s of work done in 1 s says it overshoots by 1.25x, smoothed
-    scale.observe(10.0, 1.0, [(10.5, 1.0)], 11.0, 0.75, True)
-    assert scale.value == pytest.approx(5.0 * 0.8 ** 0.2)
+    for n in range(3):  # 0.2 model seconds done in every 1 s: 5x slower; far off, 2x per sample at most
+        scale.observe(10.0 * n, 1.0, [(10.0 * n + 0.1, 1.0)], 10.0 * n + 1, 1.8, True)
+    fitted = 4 * 1.25 ** 0.2  # 2, 4, then within 2x of the sample: a fifth of the way, in log space
+    assert (scale.value, scale.num_samples) == (pytest.approx(fitted), 3)
+    scale.observe(40.0, 1.0, [(40.5, 1.0)], 41.0, 1.75, True)  # 0.25 done in 1 s: 4x
+    assert scale.value == pytest.approx(fitted * (4 / fitted) ** 0.2)
     before = scale.value
-    scale.observe(20.0, 1.0, [(21.5, 1.0)], 22.0, 0.5, True)  # idle from 21.0 to 21.5 maybe: no sample
-    scale.observe(30.0, 0.5, [], 31.0, 0.0, False)  # predicted done at 30.5 and done: how early is unknown
-    scale.observe(40.0, 0.0, [], 41.0, 0.0, False)  # nothing to do
-    assert (scale.value, scale.num_samples) == (before, 2)
+    scale.observe(50.0, 0.1, [(50.9, 1.0)], 51.0, 0.5, True)  # idle from 50.4 to 50.9 perhaps: no sample
+    scale.observe(60.0, 0.1, [], 61.0, 0.0, False)  # predicted done at 60.4 and done: how early is unknown
+    scale.observe(70.0, 0.0, [], 71.0, 0.0, False)  # nothing to do
+    assert (scale.value, scale.num_samples) == (before, 4)

@@ -76,7 +76,8 @@ async def start_worker(nats_url: str, worker_id: str, role: int, interval_s: flo
                        **load: int) -> Announcer:
     """A worker's presence: its own NATS connection beating every interval, exactly as a worker's runtime does."""
     bus = await Bus.connect(nats_url, name=worker_id)
-    info = common_pb2.WorkerInfo(worker_id=worker_id, role=role, address=f"127.0.0.1:{7000 + int(worker_id[-1])}",  # type: ignore[arg-type]
+    address = f"127.0.0.1:{7000 + int(worker_id[-1])}"
+    info = common_pb2.WorkerInfo(worker_id=worker_id, role=role, address=address,  # type: ignore[arg-type]
                                  models=["m"], max_num_seqs=8, num_kv_blocks=100, block_size=BLOCK_SIZE)
     announcer = Announcer(bus, info, lambda: common_pb2.WorkerLoad(**load), interval_s)
     await announcer.start()

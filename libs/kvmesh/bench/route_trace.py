@@ -1,5 +1,5 @@
-"""Traces for `kvmesh bench route`: Mooncake JSON lines (timestamp ms, input_length, output_length, hash_ids of 512-token
-blocks) and Azure LLM inference CSVs (TIMESTAMP, ContextTokens, GeneratedTokens; no prefix hashes, so every
+"""Traces for `kvmesh bench route`: Mooncake JSON lines (timestamp ms, input_length, output_length, hash_ids of
+512-token blocks) and Azure LLM inference CSVs (TIMESTAMP, ContextTokens, GeneratedTokens; no prefix hashes, so every
 block is its own). Read from where they lie (../shared/data), never copied."""
 
 from __future__ import annotations

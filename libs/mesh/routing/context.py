@@ -30,7 +30,7 @@ class Estimate:
     num_host_tokens: int  # the store's host tier holds the next ones
     num_ssd_tokens: int  # then the store's SSD tier
     num_uncached_tokens: int  # computed
-    prefill_s: float  # fetch + compute, predicted, in real seconds (the view's fitted time scale)
+    prefill_s: float  # fetch + compute, in the cost model's seconds (x the view's time scale: real seconds)
 
 
 @dataclass
@@ -75,5 +75,5 @@ class PickContext:
         ssd = min(ssd_blocks * size, num_tokens - cached - host)
         new = num_tokens - cached - host - ssd
         prefill_s = (self.cost.fetch_s(host, "host") + self.cost.fetch_s(ssd, "ssd")
-                     + self.cost.prefill_s(cached + host + ssd, new)) * self.view.time_scale.value
+                     + self.cost.prefill_s(cached + host + ssd, new))
         return Estimate(cached, host, ssd, new, prefill_s)

@@ -38,8 +38,9 @@ class PrefillPolicy(Protocol):
 
 def make_pick(ctx: PickContext, worker: WorkerState) -> PrefillPick:
     estimate = ctx.estimate(worker)
-    wait_s = ctx.view.wait_s(worker, ctx.now_s)
-    return PrefillPick(worker.worker_id, estimate.num_cached_tokens, estimate.prefill_s, wait_s + estimate.prefill_s)
+    prefill_s = estimate.prefill_s * ctx.view.time_scale.value
+    return PrefillPick(worker.worker_id, estimate.num_cached_tokens, prefill_s,
+                       ctx.view.wait_s(worker, ctx.now_s) + prefill_s)
 
 
 class _Stateless:
@@ -116,8 +117,8 @@ class KvAwarePrefill(_Stateless):
     @staticmethod
     def cost(ctx: PickContext, worker: WorkerState) -> float:
         estimate = ctx.estimate(worker)
-        credited = (TIER_CREDITS["device"] * estimate.num_cached_tokens + TIER_CREDITS["host"] * estimate.num_host_tokens
-                    + TIER_CREDITS["ssd"] * estimate.num_ssd_tokens)
+        credited = (TIER_CREDITS["device"] * estimate.num_cached_tokens
+                    + TIER_CREDITS["host"] * estimate.num_host_tokens + TIER_CREDITS["ssd"] * estimate.num_ssd_tokens)
         queued = ctx.view.num_queued_tokens(worker)
         return (queued + ctx.request.num_prompt_tokens - credited) / worker.block_size
 

@@ -80,7 +80,7 @@ class Router:
         decode_id = self.decode_policy.pick(request, decode_pool, self.view, now_s, arrival_s)
         estimate = next(ctx.estimate(w) for w in prefill_pool if w.worker_id == pick.worker_id)
         assignment = Assignment(self.balancer_id, request.request_id, now_s, pick.worker_id, decode_id,
-                                request.num_prompt_tokens, estimate.num_uncached_tokens, pick.predicted_s,
+                                request.num_prompt_tokens, estimate.num_uncached_tokens, estimate.prefill_s,
                                 arrival_s, request.block_hashes)
         self._apply(assignment)
         self.num_routes += 1

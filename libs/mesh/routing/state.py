@@ -44,7 +44,7 @@ class PrefillPick:
 
     worker_id: str
     num_cached_tokens: int  # the prefix it is expected to hold (device tier) or fetch (store tiers)
-    predicted_s: float  # predicted prefill time (fetch + compute), not counting the queue ahead of it
+    predicted_s: float  # predicted prefill time (fetch + compute), not counting the queue ahead of it (real seconds)
     predicted_ttft_s: float  # the queue ahead of it, plus predicted_s
 
 
@@ -67,7 +67,7 @@ class Assignment:
     decode_worker_id: str
     num_prompt_tokens: int
     num_uncached_tokens: int  # what the prefill worker will compute
-    prefill_s: float  # its predicted prefill time
+    prefill_s: float  # its predicted prefill time, in the cost model's seconds (each replica applies its time scale)
     decode_arrival_s: float  # when its KV is expected at the decode worker (prefill queue + prefill + transfer)
     block_hashes: tuple[bytes, ...] = ()
 

@@ -7,7 +7,7 @@ worker cannot report a request still in prefill. Own and peers' assignments coun
 
 Prefill queues drain between reports: `wait_s` predicts when a worker's queue empties, starting from the reported
 queue at the report's time and adding each assignment's predicted prefill time in order (as Mooncake's conductor
-predicts queueing time). Predictions are in real seconds: the PickContext multiplies the cost model's by
+predicts queueing time). Assignments carry the cost model's seconds; waits are real seconds, the model's times
 `time_scale`, fitted from the reports (`calibration.TimeScale`).
 One writer: the Router that owns the view; policies only read it.
 """
@@ -34,7 +34,7 @@ class Entry(NamedTuple):
 
     visible_s: float  # from when a report includes it (prefill: assigned; decode: its KV expected there)
     num_tokens: int  # its prompt tokens: what a worker reports queued (a waiting request's whole prompt) or holds
-    prefill_s: float  # prefill: its predicted prefill time (decode: 0)
+    prefill_s: float  # prefill: its predicted prefill time in the cost model's seconds (decode: 0)
     num_uncached_tokens: int  # prefill: the tokens it computes (decode: 0)
 
 
@@ -46,7 +46,8 @@ class _Pending:
     num_requests: int = 0
     num_tokens: int = 0  # sum of the entries' prompt tokens
     busy_until_s: float = 0.0  # prefill: when its queue is predicted to be done
-    queued_s: float = 0.0  # prefill: its queue at the last report, in predicted seconds
+    queued_s: float = 0.0  # prefill: its queue at the last report, in the cost model's seconds
+    is_queue_priced: bool = False  # ... all of it priced by remembered assignments
     reported: deque[Entry] = field(default_factory=lambda: deque(maxlen=HISTORY))  # the last ones reports included
 
 
@@ -76,21 +77,23 @@ class LoadView:
             pending.num_tokens -= entry.num_tokens
             pending.reported.append(entry)
             arrivals.append((entry.visible_s, entry.prefill_s))
-        queued_s = self._queued_s(pending, state.num_queued_prompt_tokens)
-        if known is not None:
+        queued_s, is_priced = self._queued_s(pending, state.num_queued_prompt_tokens)
+        if known is not None and is_priced and pending.is_queue_priced:
             self.time_scale.observe(known.reported_s, pending.queued_s, arrivals, state.reported_s, queued_s,
                                     state.num_queued_prompt_tokens > 0)
-        pending.queued_s = queued_s
-        busy = state.reported_s + queued_s
+        pending.queued_s, pending.is_queue_priced = queued_s, is_priced
+        scale = self.time_scale.value
+        busy = state.reported_s + queued_s * scale
         for entry in pending.entries:
-            busy = max(busy, entry.visible_s) + entry.prefill_s
+            busy = max(busy, entry.visible_s) + entry.prefill_s * scale
         pending.busy_until_s = busy
 
     def assign(self, assignment: Assignment) -> None:
         prefill = self._pending.setdefault(assignment.prefill_worker_id, _Pending())
         self._add(prefill, Entry(assignment.assigned_s, assignment.num_prompt_tokens, assignment.prefill_s,
                                  assignment.num_uncached_tokens))
-        prefill.busy_until_s = max(prefill.busy_until_s, assignment.assigned_s) + assignment.prefill_s
+        prefill.busy_until_s = (max(prefill.busy_until_s, assignment.assigned_s)
+                                + assignment.prefill_s * self.time_scale.value)
         decode = self._pending.setdefault(assignment.decode_worker_id, _Pending())
         self._add(decode, Entry(assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0, 0))
         done_s = assignment.decode_arrival_s - self.cost.transfer_s(assignment.num_prompt_tokens)
@@ -104,12 +107,13 @@ class LoadView:
         self._recent_work.pop(worker_id, None)
         self.pending_cache.forget(worker_id)
 
-    def _queued_s(self, pending: _Pending, num_tokens: int) -> float:
-        """A reported queue in seconds. A worker serves in order, so its queue is the last requests sent to it
-        before the report: their predicted times (which know each one's cached prefix and context depth) add up to
-        it, newest first. A worker counts a waiting request's whole prompt and a running one's tokens left to
-        compute, so the oldest one only partly covered is the running one, priced by its uncached tokens. What no
-        remembered assignment covers goes at the cost model's rate for shallow tokens."""
+    def _queued_s(self, pending: _Pending, num_tokens: int) -> tuple[float, bool]:
+        """A reported queue in the cost model's seconds, and whether remembered assignments priced all of it.
+        A worker serves in order, so its queue is the last requests sent to it before the report: their predicted
+        times (which know each one's cached prefix and context depth) add up to it, newest first. A worker counts
+        a waiting request's whole prompt and a running one's tokens left to compute, so the oldest one only partly
+        covered is the running one, priced by its uncached tokens. What no remembered assignment covers goes at
+        the cost model's rate for shallow tokens."""
         seconds = 0.0
         for entry in reversed(pending.reported):
             if num_tokens <= 0:
@@ -120,7 +124,7 @@ class LoadView:
                 continue
             seconds += entry.prefill_s * min(num_tokens / max(entry.num_uncached_tokens, 1), 1.0)
             num_tokens = 0
-        return seconds + self.cost.queued_s(max(num_tokens, 0)) * self.time_scale.value
+        return seconds + self.cost.queued_s(max(num_tokens, 0)), num_tokens <= 0
 
     @staticmethod
     def _add(pending: _Pending, entry: Entry) -> None:
@@ -164,8 +168,11 @@ class LoadView:
     def wait_s(self, worker: WorkerState, now_s: float) -> float:
         """Prefill: predicted seconds until the work queued on it is done."""
         pending = self._pending.get(worker.worker_id)
-        busy_until = (pending.busy_until_s if pending is not None
-                      else worker.reported_s + self._queued_s(_Pending(), worker.num_queued_prompt_tokens))
+        if pending is not None:
+            busy_until = pending.busy_until_s
+        else:
+            queued_s, _ = self._queued_s(_Pending(), worker.num_queued_prompt_tokens)
+            busy_until = worker.reported_s + queued_s * self.time_scale.value
         return max(busy_until - now_s, 0.0)
 
     def recent_work_s(self, worker_id: str, now_s: float) -> float:
