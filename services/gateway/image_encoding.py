@@ -1,7 +1,8 @@
 """The gateway's side of the encoder pool: a turn's images -> embeddings -> their places in the prompt.
 
-1. every image is read and checked (images.read_image) and sent to an encoder worker (`pick_encoder`), all at
-   once; a worker that fails is excluded and the image goes to the next one;
+1. every image is read and checked (images.read_image) and sent to an encoder worker (`pick_encoder`: the
+   balancer's encoder policy, cache affinity by the image's hash under a load bound), all at once; a worker that
+   fails is excluded and the image goes to the next one;
 2. each image's placeholder token in the rendered prompt becomes `num_tokens` of them (the encoder's output
    length), and the image becomes a PromptImage (its hash, offset and embeddings) that travels with the prompt
    to prefill, which puts the embeddings at those positions; the hash enters the block keys there and in routing.
@@ -14,6 +15,7 @@ these sizes (64 tokens x the model's width) the bytes are small next to the KV t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -24,6 +26,8 @@ from mesh import rpc
 from mesh.discovery import KnownWorker
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from mesh.routing.encoder import pick_encoder as routing_pick_encoder
+from mesh.routing.state import WorkerState
 from services.gateway.catalog import ServedModel
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.images import ImagePart, ImageSettings, check_count, read_image
@@ -35,12 +39,18 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, gr
              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
-def pick_encoder(candidates: Sequence[KnownWorker], outstanding: Mapping[str, int]) -> KnownWorker | None:
-    """The encoder worker with the fewest outstanding Encode calls (this gateway's in flight plus what the worker
-    last reported), ties by worker id. The one place the choice is made, for the balancer's policy to replace."""
+def pick_encoder(candidates: Sequence[KnownWorker], outstanding: Mapping[str, int],
+                 image: bytes) -> KnownWorker | None:
+    """The encoder worker for one image, by the balancer's encoder policy (mesh.routing.encoder): the image's
+    rendezvous home (so a repeated image finds its embeddings cached) unless that worker has more than a couple of
+    Encode calls outstanding over the least loaded one (this gateway's in flight plus what the worker reported)."""
     if not candidates:
         return None
-    return min(candidates, key=lambda w: (outstanding.get(w.worker_id, 0) + w.load.num_running, w.worker_id))
+    by_id = {w.worker_id: w for w in candidates}
+    states = [WorkerState(w.worker_id, w.last_seen_ms / 1000, num_running=w.load.num_running) for w in candidates]
+    chosen = routing_pick_encoder(states, hashlib.sha256(image).digest(),
+                                  num_outstanding=lambda s: outstanding.get(s.worker_id, 0) + s.num_running)
+    return by_id[chosen]
 
 
 def key_spans(images: Sequence[encoder_pb2.PromptImage]) -> list[KeySpan]:
@@ -97,7 +107,7 @@ class ImageEncoding:
         excluded: set[str] = set()
         for _ in range(self.max_retries + 1):
             live = [w for w in self.registry.workers(common_pb2.ROLE_ENCODER, model) if w.worker_id not in excluded]
-            worker = pick_encoder(live, self._outstanding)
+            worker = pick_encoder(live, self._outstanding, image)
             if worker is None:
                 break
             try:

@@ -5,6 +5,7 @@ the first request, a different image does not, and every bad image is a 400 nami
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import base64
 import io
 import random
@@ -177,3 +178,20 @@ async def test_remote_images_are_fetched_when_allowed():
             assert caught.value.param == "messages[0].content[1]"
     finally:
         await runner.cleanup()
+
+
+def test_the_gateway_sends_an_image_to_its_home_encoder_unless_that_one_is_busy() -> None:
+    from mesh.discovery import KnownWorker
+    from mesh.pb import common_pb2
+    from mesh.routing.encoder import rendezvous_rank
+    from services.gateway.image_encoding import pick_encoder
+
+    workers = [KnownWorker(common_pb2.WorkerInfo(worker_id=f"encoder-{i}"), common_pb2.WorkerLoad(), 0)
+               for i in range(3)]
+    image = b"\x89PNG pretend"
+    home = max(workers, key=lambda w: rendezvous_rank(hashlib.sha256(image).digest(), w.worker_id))
+    assert pick_encoder(workers, {}, image) is home
+    assert pick_encoder(workers, {}, image) is home  # the same image again: where its embeddings are cached
+    busy = {home.worker_id: 3}  # more than 2 calls over the idle ones: the least loaded (then by id) instead
+    assert pick_encoder(workers, busy, image) is min((w for w in workers if w is not home), key=lambda w: w.worker_id)
+    assert pick_encoder([], {}, image) is None
