@@ -180,7 +180,7 @@ async def test_remote_images_are_fetched_when_allowed():
         await runner.cleanup()
 
 
-def test_the_gateway_sends_an_image_to_its_home_encoder_unless_that_one_is_busy() -> None:
+async def test_the_gateway_sends_an_image_to_its_home_encoder_unless_that_one_is_busy() -> None:
     from mesh.discovery import KnownWorker
     from mesh.pb import common_pb2
     from mesh.routing.encoder import rendezvous_rank
