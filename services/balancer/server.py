@@ -30,6 +30,7 @@ from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, events_pb2
 from mesh.routing import Assignment, CostModel, NoWorkerError, RouteRequest, Router, WorkerState
 from mesh.routing import Route as Picked  # `Route` is the servicer's method
 from mesh.routing.capacity import CapacityPlanner, PoolRecommendation
+from mesh.routing.encoder import EncoderBalancer
 from mesh.service import Lifecycle, ServiceRuntime
 from services.balancer.config import BalancerSettings
 
@@ -115,9 +116,11 @@ class Pools:
 
 
 class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
-    def __init__(self, pools: Pools, router: Router, lifecycle: Lifecycle, bus: Bus | None) -> None:
+    def __init__(self, pools: Pools, router: Router, lifecycle: Lifecycle, bus: Bus | None,
+                 encoders: EncoderBalancer | None = None) -> None:
         self.pools = pools
         self.router = router  # written only by Route, the peers' subscription and the registry's leave callback
+        self.encoders = encoders or EncoderBalancer()  # written only by RouteEncoder and the leave callback
         self.lifecycle = lifecycle
         self.bus = bus  # publishes decisions to peers (None: not shared)
 
@@ -151,6 +154,18 @@ class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
         worker = self.pools.registry.get(worker_id)
         assert worker is not None, "picked from the registry without yielding"
         return worker.info
+
+    async def RouteEncoder(self, request: balancer_pb2.RouteEncoderRequest,
+                           context: grpc.aio.ServicerContext) -> balancer_pb2.RouteEncoderResponse:
+        excluded = set(request.exclude_worker_ids)
+        workers = [worker_state(w) for w in self.pools.registry.workers(common_pb2.ROLE_ENCODER, request.model)
+                   if w.worker_id not in excluded]
+        if not workers:
+            await abort(context, rpc.ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                                  f"no encoder worker serves {request.model!r} images"))
+        worker_id = self.encoders.pick(workers, request.image_hash)
+        metrics.BALANCER_ROUTES.labels(pool="encoder", worker=worker_id).inc()
+        return balancer_pb2.RouteEncoderResponse(encoder=self._info(worker_id))
 
     async def ListWorkers(self, request: balancer_pb2.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> balancer_pb2.ListWorkersResponse:
@@ -211,11 +226,15 @@ async def serve(settings: BalancerSettings) -> None:
                     balancer_id=settings.worker_id)
     log.info("routing policy", policy=settings.balancer_policy, share=settings.balancer_share_assignments)
 
+    encoders = EncoderBalancer()
+
     def on_leave(worker: KnownWorker) -> None:
         index.drop(worker.worker_id)
         router.forget(worker.worker_id)
+        encoders.forget(worker.worker_id)
 
-    registry = WorkerRegistry(bus, POOL_ROLES.values(), settings.heartbeat_interval_s, on_leave=on_leave)
+    registry = WorkerRegistry(bus, [*POOL_ROLES.values(), common_pb2.ROLE_ENCODER], settings.heartbeat_interval_s,
+                              on_leave=on_leave)
     pools = Pools(registry, CapacityPlanner(settings.balancer_target_utilization))
 
     async def on_peer(message: balancer_pb2.Assignment, subject: str) -> None:
@@ -229,7 +248,7 @@ async def serve(settings: BalancerSettings) -> None:
              if settings.balancer_share_assignments else None)
     planner_task = asyncio.create_task(publish_pools(bus, pools, settings.worker_id, settings.heartbeat_interval_s))
     export_pool_sizes(pools)
-    servicer = BalancerServicer(pools, router, runtime.lifecycle, bus if peers is not None else None)
+    servicer = BalancerServicer(pools, router, runtime.lifecycle, bus if peers is not None else None, encoders)
     await runtime.start(register=lambda server: balancer_pb2_grpc.add_BalancerServicer_to_server(servicer, server),
                         load=common_pb2.WorkerLoad)
 

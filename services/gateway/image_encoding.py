@@ -1,8 +1,9 @@
 """The gateway's side of the encoder pool: a turn's images -> embeddings -> their places in the prompt.
 
-1. every image is read and checked (images.read_image) and sent to an encoder worker (`pick_encoder`: the
-   balancer's encoder policy, cache affinity by the image's hash under a load bound), all at once; a worker that
-   fails is excluded and the image goes to the next one;
+1. every image is read and checked (images.read_image) and sent to the encoder worker the balancer picks
+   (Balancer.RouteEncoder: cache affinity by the image's hash under a load bound; the same policy here,
+   `pick_encoder`, when no balancer answers), all at once; a worker that fails is excluded and the image goes to
+   the next one;
 2. each image's placeholder token in the rendered prompt becomes `num_tokens` of them (the encoder's output
    length), and the image becomes a PromptImage (its hash, offset and embeddings) that travels with the prompt
    to prefill, which puts the embeddings at those positions; the hash enters the block keys there and in routing.
@@ -25,7 +26,7 @@ from engine_core.kv_cache.block_hash import KeySpan
 from mesh import rpc
 from mesh.discovery import KnownWorker
 from mesh.logging import get_logger
-from mesh.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, encoder_pb2, encoder_pb2_grpc
 from mesh.routing.encoder import pick_encoder as routing_pick_encoder
 from mesh.routing.state import WorkerState
 from services.gateway.catalog import ServedModel
@@ -106,8 +107,7 @@ class ImageEncoding:
         image = await read_image(part, self.settings)
         excluded: set[str] = set()
         for _ in range(self.max_retries + 1):
-            live = [w for w in self.registry.workers(common_pb2.ROLE_ENCODER, model) if w.worker_id not in excluded]
-            worker = pick_encoder(live, self._outstanding, image)
+            worker = await self._choose(model, image, excluded, request_id)
             if worker is None:
                 break
             try:
@@ -120,6 +120,25 @@ class ImageEncoding:
                     raise GatewayError(ErrorKind.UPSTREAM, f"the encoder worker failed ({error.code().name})") from None
                 excluded.add(worker.worker_id)
         raise GatewayError(ErrorKind.UNAVAILABLE, f"no encoder worker is available for {model!r} images; retry shortly")
+
+    async def _choose(self, model: str, image: bytes, excluded: set[str], request_id: str) -> KnownWorker | None:
+        """The balancer's choice (Balancer.RouteEncoder); where no balancer answers, this gateway's own by the same
+        policy, from its view of the encoder pool."""
+        request = balancer_pb2.RouteEncoderRequest(request_id=request_id, model=model,
+                                                   image_hash=hashlib.sha256(image).digest(),
+                                                   exclude_worker_ids=sorted(excluded))
+        for balancer in self.registry.workers(common_pb2.ROLE_BALANCER):
+            stub = balancer_pb2_grpc.BalancerStub(self.channels.get(balancer.info.address))
+            try:
+                response: balancer_pb2.RouteEncoderResponse = await stub.RouteEncoder(
+                    request, timeout=rpc.ROUTE_TIMEOUT_S, metadata=rpc.metadata(request_id))
+            except grpc.aio.AioRpcError as error:
+                log.info("encoder route failed", balancer=balancer.worker_id, code=error.code().name,
+                         details=error.details())
+                continue
+            return KnownWorker(response.encoder, common_pb2.WorkerLoad(), 0)
+        live = [w for w in self.registry.workers(common_pb2.ROLE_ENCODER, model) if w.worker_id not in excluded]
+        return pick_encoder(live, self._outstanding, image)
 
     async def _encode(self, worker: KnownWorker, model: str, image: bytes,
                       request_id: str) -> encoder_pb2.EncodeResponse:

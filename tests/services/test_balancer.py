@@ -22,6 +22,7 @@ from mesh.discovery import Announcer, KnownWorker
 from mesh.kv_stream import ensure_kv_stream
 from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, events_pb2
 from mesh.routing import Assignment
+from mesh.routing.encoder import rendezvous_rank
 from services.balancer.config import BalancerSettings
 from services.balancer.server import assignment_from_pb, assignment_to_pb, serve, worker_state
 from tests.services.harness import serving, wait_until
@@ -204,7 +205,7 @@ async def test_replicas_share_decisions_and_recommend_pool_sizes(nats_url: str) 
 
         async def heard() -> bool:
             return (REGISTRY.get_sample_value("kvmesh_balancer_peer_assignments_total") or 0) > peers_before
-        await wait_until(heard, timeout_s=1)
+        await wait_until(heard, timeout_s=5)
         assert picked(await second.Route(route_request(num_prompt_tokens=10, request_id="small")))[0] == "p-6"
 
         recommendation = await asyncio.wait_for(recommendations.get(), timeout=3 * interval_s)
@@ -223,3 +224,27 @@ async def test_replicas_share_decisions_and_recommend_pool_sizes(nats_url: str) 
 async def _lists(stub: balancer_pb2_grpc.BalancerStub, names: set[str]) -> bool:
     return await listed_ids(stub) == names
 
+
+
+async def test_route_encoder_sends_an_image_home_and_around_excluded_workers(nats_url: str) -> None:
+    workers = {f"e-{i}": await start_worker(nats_url, f"e-{i}", common_pb2.ROLE_ENCODER) for i in (1, 2, 3)}
+    image_hash = bytes(range(32))
+    home = max(workers, key=lambda worker_id: rendezvous_rank(image_hash, worker_id))
+    async with serving(serve, settings(nats_url, "balancer-e")) as channel:
+        stub = balancer_pb2_grpc.BalancerStub(channel)
+
+        async def all_listed() -> bool:
+            return await listed_ids(stub) == set(workers)
+        await wait_until(all_listed)
+
+        async def route(*excluded: str, model: str = "m") -> str:
+            response = await stub.RouteEncoder(balancer_pb2.RouteEncoderRequest(
+                request_id="r", model=model, image_hash=image_hash, exclude_worker_ids=excluded))
+            return str(response.encoder.worker_id)
+        assert [await route() for _ in range(2)] == [home, home]  # the same image: where its embeddings are cached
+        assert await route(home) != home
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await route(model="other")
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error.value.details() == "no encoder worker serves 'other' images"
+    await stop_workers(workers)

@@ -37,6 +37,24 @@ class RouteResponse(_message.Message):
     predicted_ttft_s: float
     def __init__(self, prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., predicted_ttft_s: _Optional[float] = ...) -> None: ...
 
+class RouteEncoderRequest(_message.Message):
+    __slots__ = ("request_id", "model", "image_hash", "exclude_worker_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_HASH_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    image_hash: bytes
+    exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., image_hash: _Optional[bytes] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteEncoderResponse(_message.Message):
+    __slots__ = ("encoder",)
+    ENCODER_FIELD_NUMBER: _ClassVar[int]
+    encoder: _common_pb2.WorkerInfo
+    def __init__(self, encoder: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -39,6 +39,11 @@ class BalancerStub:
                 request_serializer=kvmesh_dot_v1_dot_balancer__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_balancer__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.RouteEncoder = channel.unary_unary(
+                '/kvmesh.v1.Balancer/RouteEncoder',
+                request_serializer=kvmesh_dot_v1_dot_balancer__pb2.RouteEncoderRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_balancer__pb2.RouteEncoderResponse.FromString,
+                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/kvmesh.v1.Balancer/ListWorkers',
                 request_serializer=kvmesh_dot_v1_dot_balancer__pb2.ListWorkersRequest.SerializeToString,
@@ -51,6 +56,15 @@ class BalancerServicer:
 
     def Route(self, request, context):
         """A (prefill, decode) pair for one request. UNAVAILABLE when a pool serving the model is empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RouteEncoder(self, request, context):
+        """An encoder worker for one image: the image's rendezvous home (its embeddings cached there) unless that one has
+        more outstanding images than a bound over the least loaded (mesh.routing.encoder). UNAVAILABLE when none serves
+        the model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,6 +84,11 @@ def add_BalancerServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvmesh_dot_v1_dot_balancer__pb2.RouteRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_balancer__pb2.RouteResponse.SerializeToString,
+            ),
+            'RouteEncoder': grpc.unary_unary_rpc_method_handler(
+                    servicer.RouteEncoder,
+                    request_deserializer=kvmesh_dot_v1_dot_balancer__pb2.RouteEncoderRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_balancer__pb2.RouteEncoderResponse.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -104,6 +123,33 @@ class Balancer:
             '/kvmesh.v1.Balancer/Route',
             kvmesh_dot_v1_dot_balancer__pb2.RouteRequest.SerializeToString,
             kvmesh_dot_v1_dot_balancer__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouteEncoder(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Balancer/RouteEncoder',
+            kvmesh_dot_v1_dot_balancer__pb2.RouteEncoderRequest.SerializeToString,
+            kvmesh_dot_v1_dot_balancer__pb2.RouteEncoderResponse.FromString,
             options,
             channel_credentials,
             insecure,
