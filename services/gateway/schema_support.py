@@ -112,6 +112,12 @@ def _check_node(where: str, node: dict[str, Any]) -> None:
     _check_numbers(where, node)
     if "enum" in node and not (isinstance(node["enum"], list) and 0 < len(node["enum"]) <= MAX_ENUM):
         raise Unsupported(where, f"'enum' must be an array of 1 to {MAX_ENUM} values")
+    combinators = [key for key in ("anyOf", "oneOf", "allOf") if key in node]
+    beside = sorted(key for key in node if key in ENFORCED and key not in ("anyOf", "oneOf", "allOf"))
+    if combinators and beside:  # the grammar would enforce one side and silently drop the other
+        raise Unsupported(where, f"'{combinators[0]}' beside other keywords of the same schema "
+                                 f"({', '.join(repr(k) for k in beside)}) is not supported by structured output; "
+                                 f"move them into each of its schemas")
     if "allOf" in node and len(node["allOf"]) > 1:
         raise Unsupported(where, "'allOf' with more than one schema is not supported by structured output")
     if "oneOf" in node and not _are_disjoint(node["oneOf"]):

@@ -123,6 +123,9 @@ def test_grammars_name_the_tools_and_use_marker_tokens(syntax: ToolSyntax, mode:
     ({"type": "number", "multipleOf": 0.5}, "'multipleOf'"),
     ({"type": "array", "items": [{"type": "string"}]}, "prefixItems"),
     ({"type": "widget"}, "unknown type"),
+    # jsonschemabench's calculate_area: xgrammar enforced the properties and dropped the anyOf of 'required's
+    ({"type": "object", "properties": {"r": {"type": "number"}}, "anyOf": [{"required": ["r"]}]},
+     "'anyOf' beside other keywords of the same schema ('properties', 'type')"),
 ])
 def test_unsupported_schemas_are_named(schema: dict[str, Any], feature: str) -> None:
     with pytest.raises(Unsupported) as caught:
