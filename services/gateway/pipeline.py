@@ -247,8 +247,8 @@ class GenerationStream:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The output, batch by batch, until a finish reason (raises GatewayError if the workers fail for good)."""
-        attempt = self._attempt
         while True:
+            attempt = self._attempt
             first = attempt.first
             first_logprobs = [first.first_logprob] if first.HasField("first_logprob") else []
             delta = self._accept([first.first_token_id], first.finish_reason, first_logprobs)
@@ -256,7 +256,8 @@ class GenerationStream:
                 yield delta
             if self.finish_reason != NOT_FINISHED:
                 return
-            failed, why = attempt.placement.decode_worker, "the decode worker ended the stream before the request finished"
+            failed = attempt.placement.decode_worker
+            why = "the decode worker ended the stream before the request finished"
             try:
                 await self._wait_for_push(attempt)
                 self._call = self._pipeline.open_decode_stream(attempt.placement, self._deadline)
@@ -281,14 +282,14 @@ class GenerationStream:
             finally:
                 if self._call is not None:
                     self._call.cancel()  # a no-op once decode ended it; after a stop string, decode aborts the request
-            attempt = await self._migrate(attempt, failed, why)
+            await self._migrate(failed, why)
 
     async def _wait_for_push(self, attempt: Attempt) -> None:
         """Prefill's second answer: decode holds the KV (raises AioRpcError when the push failed)."""
         while await attempt.prefill_call.read() is not grpc.aio.EOF:
             pass
 
-    async def _migrate(self, attempt: Attempt, failed: str, why: str) -> Attempt:
+    async def _migrate(self, failed: str, why: str) -> None:
         """Go on on another pair: prefill the prompt plus the output so far (raises GatewayError when it may not)."""
         generation = self._generation
         self.close()
@@ -308,7 +309,6 @@ class GenerationStream:
         self._attempt = await self._pipeline.attempt(resumed, self._deadline, excluded=[failed])
         self.placement = self._attempt.placement
         self._is_held_by_decode = self._attempt.first.finish_reason == NOT_FINISHED
-        return self._attempt
 
     @property
     def stop_string(self) -> str | None:

@@ -101,7 +101,8 @@ def replay(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int, po
         num_hits = store.lookup(keys, LAYOUT.model)
         store.get(keys[:num_hits], LAYOUT.model)
         parents = [ROOT, *keys[:-1]]
-        store.put([Block(k, p, LAYOUT, DATA, checksum=DATA_CHECKSUM) for k, p in zip(keys[num_hits:], parents[num_hits:])])
+        store.put([Block(k, p, LAYOUT, DATA, checksum=DATA_CHECKSUM)
+                   for k, p in zip(keys[num_hits:], parents[num_hits:])])
         hits += num_hits
         total += len(keys)
     return hits / max(total, 1)
