@@ -11,12 +11,21 @@ from mesh.pb import common_pb2
 from services.gateway.errors import invalid
 
 
+# The wire's integer widths (common.proto): a value past them cannot travel, whatever the engine would accept.
+WIRE_LIMITS = {"max_tokens": 2**31 - 1, "min_tokens": 2**31 - 1, "top_k": 2**31 - 1, "seed": 2**63 - 1}
+
+
 def _validated(params: dict[str, object], param_names: Mapping[str, str]) -> None:
     try:
         SamplingParams(**params)  # type: ignore[arg-type]
     except SamplingParamsError as exc:
         name = param_names.get(exc.param, exc.param)
         raise invalid(name, str(exc).replace(exc.param, name, 1)) from None
+    for field, limit in WIRE_LIMITS.items():
+        value = params.get(field)
+        if isinstance(value, int) and not -limit - 1 <= value <= limit:
+            name = param_names.get(field, field)
+            raise invalid(name, f"'{name}' must be at most {limit}, got {value}")
 
 
 def openai_to_wire(

@@ -169,3 +169,16 @@ def test_the_traffic_class_is_the_clients_else_agent_with_tools_else_chat() -> N
     with pytest.raises(GatewayError) as caught:
         traffic_class_of(dataclasses.replace(plain, traffic_class="x" * 33))
     assert caught.value.param == "traffic_class"
+
+
+def test_integers_past_the_wire_width_are_a_400_naming_the_clients_field() -> None:
+    from services.gateway.sampling import openai_to_wire
+
+    # found by the fuzz test: 2**31 output tokens passed the engine's checks and overflowed the proto's int32
+    with pytest.raises(GatewayError) as caught:
+        openai_to_wire(max_tokens=2**31, param_names={"max_tokens": "max_output_tokens"})
+    assert (caught.value.http_status, caught.value.param) == (400, "max_output_tokens")
+    with pytest.raises(GatewayError) as caught:
+        openai_to_wire(seed=2**63)
+    assert caught.value.param == "seed"
+    assert openai_to_wire(max_tokens=2**31 - 1, seed=2**63 - 1).max_tokens == 2**31 - 1
