@@ -4,8 +4,9 @@ events that describe each change. Pure values: no storage, no protobuf.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field, replace
+
+import crc32c
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -15,8 +16,12 @@ class BlockError(ValueError):
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
-    """CRC-32 of a block's (or fragment's) bytes: carried with the block, checked by the store and the reader."""
-    return zlib.crc32(data)
+    """CRC-32C of a block's (or fragment's) bytes: carried with the block, checked by the store and the reader.
+
+    Castagnoli's polynomial, as storage systems and gRPC use, because CPUs compute it in hardware (SSE4.2, ARMv8):
+    about 16 GB/s here against zlib's CRC-32 at 4 GB/s, which on its own capped a reader near the speed of the
+    loopback it reads from."""
+    return crc32c.crc32c(data)
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,9 @@ class Block:
     parent_hash: bytes  # the key of the block before it in its chain (the chain's root for a first block)
     layout: KVLayout
     data: bytes  # every layer's chunk for this block, layer 0 first (or this fragment's share of those bytes)
-    checksum: int | None = None  # CRC-32 of `data`; None: not given (the store computes it)
+    checksum: int | None = None  # CRC-32C of `data`; None: not given (the store computes it)
     fragment: Fragment = WHOLE
-    block_checksum: int = 0  # CRC-32 of the whole block (what a reader checks after decoding fragments)
+    block_checksum: int = 0  # CRC-32C of the whole block (what a reader checks after decoding fragments)
     traffic_class: str = ""  # chooses the TTL; "" is the store's default class
 
     def with_checksum(self) -> Block:

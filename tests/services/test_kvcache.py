@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import Iterator
 
+import crc32c
 import grpc
 import grpc.aio
 import pytest
@@ -15,7 +15,7 @@ from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import subjects
 from mesh.bus import Bus
 from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
-from services.kvcache.blocks import Fragment
+from services.kvcache.blocks import Fragment, checksum
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.policy import LFUDAPolicy, LRUPolicy, S3FIFOPolicy
 from services.kvcache.store import DAY_S
@@ -58,6 +58,12 @@ def held(store: BlockStore, *ids: int) -> list[bool]:
 
 
 # --- BlockStore, host memory ------------------------------------------------------------------------------------
+
+def test_the_checksum_is_crc32c() -> None:
+    # The check value of CRC-32C (Castagnoli) over "123456789", and a block checked in two pieces
+    assert checksum(b"123456789") == 0xE3069283
+    assert crc32c.crc32c(b"56789", value=checksum(b"1234")) == 0xE3069283
+
 
 def test_put_stores_a_chain_as_one_event_and_counts_bytes() -> None:
     store = lru_store(1000)
@@ -296,9 +302,9 @@ async def test_service_puts_gets_looks_up_publishes_events_and_heartbeats(nats_u
         assert (error.value.code(), error.value.details()) == (
             grpc.StatusCode.INVALID_ARGUMENT, "model is required (a block of another model never matches)")
         got = [b async for b in stub.Get(kvcache_pb2.GetRequest(block_hashes=[key(2), key(1), key(4)], model="m"))]
-        # with the CRC-32 the node computed, and the tier it came from
+        # with the CRC-32C the node computed, and the tier it came from
         assert got == [block_to_pb(block(2, 1).with_checksum(), "host"), block_to_pb(block(1).with_checksum(), "host")]
-        assert got[0].checksum == zlib.crc32(block(2, 1).data)
+        assert got[0].checksum == crc32c.crc32c(block(2, 1).data)
 
         put = await stub.Put(iter([block_to_pb(block(4, 3))]))
         assert (put.num_stored, put.num_present) == (1, 0)
