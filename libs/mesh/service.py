@@ -119,10 +119,12 @@ class ServiceRuntime:
         num_kv_blocks: int = 0,
         block_size: int = 0,
         serve_status: bool = True,
+        data_port: int = 0,
     ) -> None:
         """Serve gRPC and status, then announce (so nobody routes here before we can answer).
 
         serve_status=False: the role serves /healthz, /readyz and /metrics itself (the gateway's REST app).
+        data_port: the port of a bulk lane the role already listens on (mesh.lane), announced beside gRPC's.
         """
         if self.bus is None:
             await self.connect_bus()
@@ -138,7 +140,8 @@ class ServiceRuntime:
             await site.start()
             self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         info = common_pb2.WorkerInfo(worker_id=self.worker_id, role=self.role, address=self.address, models=models,  # type: ignore[arg-type]
-                                     max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, block_size=block_size)
+                                     max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, block_size=block_size,
+                                     data_address=f"{self.address.rpartition(':')[0]}:{data_port}" if data_port else "")
         self._announcer = Announcer(self.bus, info, load, self.settings.heartbeat_interval_s)
         await self._announcer.start()
         self._install_signal_handlers()

@@ -31,6 +31,7 @@ class KVCacheSettings(ServiceSettings):
     expire_interval_s: float = 10.0  # how often TTLs and pins are checked
     repair_interval_s: float = 5.0  # how often this node checks that the blocks it leads are fully protected
     repair_delay_s: float = 30.0  # how long a node may be gone before its fragments are rebuilt elsewhere
+    data_port: int = 0  # the bulk lane (layer-major reads over plain TCP, mesh.lane): 0 any free port, -1 none
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,6 +49,8 @@ class KVCacheSettings(ServiceSettings):
                 "must be one of the classes in KVMESH_TTLS")
         for name in ("expire_interval_s", "repair_interval_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
+        require(-1 <= self.data_port < 65536, "data_port", self.data_port,
+                "must be a port number (0 for any free port, -1 for no bulk lane)")
         require(self.repair_delay_s >= 0, "repair_delay_s", self.repair_delay_s, "must not be negative")
 
     def store_config(self, worker_id: str) -> StoreConfig:

@@ -26,6 +26,7 @@ from mesh.service import Lifecycle, ServiceRuntime
 from services.kvcache.blocks import BlocksRemoved, BlocksStored, StoreEvent
 from services.kvcache.codec import block_from_pb, block_to_pb, layout_from_pb, layout_to_pb
 from services.kvcache.config import KVCacheSettings
+from services.kvcache.lane import LaneServer, layer_major_slices
 from services.kvcache.repair import Repairer
 from services.kvcache.store import Block, BlockError, BlockStore
 
@@ -103,24 +104,10 @@ def export_metrics(store: BlockStore, events: Sequence[StoreEvent]) -> None:
             metrics.KVCACHE_EVICTIONS.labels(reason=event.reason).inc(len(event.block_hashes))
 
 
-CHUNK_BYTES = 2**20  # grpc-python moves ~1 MiB messages fastest (kvmesh bench kv-transfer --explore)
-
-
 def layer_major_chunks(datas: Sequence[bytes], slice_bytes: int) -> Iterator[kvcache_pb2.Block]:
-    """Slice s (bytes [s * slice_bytes, (s + 1) * slice_bytes)) of every block in order, in chunks of about
-    CHUNK_BYTES, each naming its first block (see GetRequest.slice_bytes)."""
-    if slice_bytes <= 0 or not datas:
-        return
-    views = [memoryview(data) for data in datas]
-    for offset in range(0, max(len(v) for v in views), slice_bytes):
-        first, parts, size = 0, [], 0
-        for index, view in enumerate(views):
-            part = view[offset : offset + slice_bytes]
-            parts.append(part)
-            size += len(part)
-            if size >= CHUNK_BYTES or index == len(views) - 1:
-                yield kvcache_pb2.Block(offset=offset, first_block=first, data=b"".join(parts))
-                first, parts, size = index + 1, [], 0
+    """The slices as Get streams them: one Block per chunk, its pieces joined into `data`."""
+    for offset, first, parts in layer_major_slices(datas, slice_bytes):
+        yield kvcache_pb2.Block(offset=offset, first_block=first, data=b"".join(parts))
 
 
 def count_lookup(num_asked: int, num_hits: int) -> None:
@@ -174,19 +161,25 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                   context: grpc.aio.ServicerContext) -> AsyncIterator[kvcache_pb2.Block]:
         try:
             with self.lifecycle.track(), rpc.status_on_error():
-                if request.slice_bytes < 0:
-                    raise ValueError("slice_bytes must not be negative")
-                result = self.store.get(request.block_hashes, required_model(request.model), request.skip_missing)
-                count_lookup(len(request.block_hashes), len(result.blocks))
-                await self.changed(result.events)
-                for block, tier in result.blocks:
-                    metrics.KVCACHE_HIT_TOKENS.labels(tier=tier).inc(block.layout.block_size)
-                    metrics.KV_TRANSFER_BYTES.labels(direction="store_out").inc(len(block.data))
+                blocks = await self.read(request)
+                for block, tier in blocks:
                     yield block_to_pb(block.without_data() if request.slice_bytes else block, tier)
-                for chunk in layer_major_chunks([b.data for b, _ in result.blocks], request.slice_bytes):
+                for chunk in layer_major_chunks([b.data for b, _ in blocks], request.slice_bytes):
                     yield chunk
         except rpc.ServiceError as error:
             await abort(context, error)
+
+    async def read(self, request: kvcache_pb2.GetRequest) -> list[tuple[Block, str]]:
+        """The held blocks a Get (or a read on the bulk lane) asks for, with their tiers; counted and announced."""
+        if request.slice_bytes < 0:
+            raise ValueError("slice_bytes must not be negative")
+        result = self.store.get(request.block_hashes, required_model(request.model), request.skip_missing)
+        count_lookup(len(request.block_hashes), len(result.blocks))
+        await self.changed(result.events)
+        for block, tier in result.blocks:
+            metrics.KVCACHE_HIT_TOKENS.labels(tier=tier).inc(block.layout.block_size)
+            metrics.KV_TRANSFER_BYTES.labels(direction="store_out").inc(len(block.data))
+        return result.blocks
 
     async def Lookup(self, request: kvcache_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvcache_pb2.LookupResponse:
@@ -239,8 +232,10 @@ async def serve(settings: KVCacheSettings) -> None:
         await follower.start()
     except RuntimeError:  # no JetStream: no global index here, so no repair (the node still serves)
         log.warning("no KV event stream: repair is off on this node")
+    lane = LaneServer(servicer)
+    data_port = await lane.start(settings.host, settings.data_port) if settings.data_port >= 0 else 0
     await runtime.start(register=lambda server: kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server),
-                        load=lambda: common_pb2.WorkerLoad(num_cached_blocks=store.num_blocks))
+                        load=lambda: common_pb2.WorkerLoad(num_cached_blocks=store.num_blocks), data_port=data_port)
     tasks = [asyncio.create_task(servicer.expire_forever(settings.expire_interval_s))]
     if publisher.jetstream:
         tasks.append(asyncio.create_task(repairer.run_forever(settings.repair_interval_s, follower)))
@@ -252,3 +247,4 @@ async def serve(settings: KVCacheSettings) -> None:
         await follower.stop()
         await registry.stop()
         await runtime.shutdown()
+        await lane.stop()

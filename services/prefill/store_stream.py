@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 import grpc.aio
 
 from engine_core.kv_transfer import KVLayout
-from mesh import metrics
+from mesh import lane, metrics
+from mesh.logging import get_logger
 from mesh.pb import kvcache_pb2
 from services.compute.convert import layout_to_proto
 from services.kvcache.blocks import checksum
-from services.prefill.store_client import Source, StoreClient, _Fetched, _store_failed, plan_reads
+from services.prefill.store_client import BufferPool, Source, StoreClient, _Fetched, _store_failed, plan_reads
 
+log = get_logger(__name__)
 MAX_CHUNK_BYTES = 2 * 2**20  # a slice of every block, past which more layers per slice only add latency
 MAX_LAYERS_PER_SLICE = 4
 
@@ -45,25 +47,36 @@ class _Buffers:
 
     layout: KVLayout
     num_data: list[int]  # k, per block
+    pool: BufferPool
     data: list[bytearray] = field(init=False)
     filled: list[list[int]] = field(init=False)  # per block, per data fragment: bytes arrived (in order)
+    layer_bytes: int = field(init=False)
+    block_bytes: int = field(init=False)
+    _fragment_bytes: list[int] = field(init=False)
     block_checksums: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.data = [bytearray(self.fragment_bytes(i) * k) for i, k in enumerate(self.num_data)]
+        self.layer_bytes = self.layout.chunk_bytes(1)
+        self.block_bytes = self.layout.num_layers * self.layer_bytes
+        self._fragment_bytes = [-(-self.block_bytes // k) for k in self.num_data]
+        self.data = [self.pool.take(self._fragment_bytes[i] * k) for i, k in enumerate(self.num_data)]
         self.filled = [[0] * k for k in self.num_data]
 
-    @property
-    def block_bytes(self) -> int:
-        return self.layout.num_layers * self.layout.chunk_bytes(1)
-
     def fragment_bytes(self, index: int) -> int:
-        return -(-self.block_bytes // self.num_data[index])
+        return self._fragment_bytes[index]
 
     def put(self, index: int, fragment: int, offset: int, data: memoryview) -> None:
         start = fragment * self.fragment_bytes(index) + offset
         self.data[index][start : start + len(data)] = data
         self.filled[index][fragment] = offset + len(data)
+
+    def region(self, index: int, fragment: int, offset: int, size: int) -> memoryview:
+        """Where bytes [offset, offset + size) of a fragment go: receive into it, then `mark` them arrived."""
+        start = fragment * self.fragment_bytes(index) + offset
+        return memoryview(self.data[index])[start : start + size]
+
+    def mark(self, index: int, fragment: int, end: int) -> None:
+        self.filled[index][fragment] = end
 
     def put_whole(self, index: int, data: bytes) -> None:
         self.data[index][: len(data)] = data
@@ -71,18 +84,19 @@ class _Buffers:
 
     def prefix(self, index: int) -> int:
         """Bytes of block `index` complete from its start."""
-        size = self.fragment_bytes(index)
+        size = self._fragment_bytes[index]
         for fragment, done in enumerate(self.filled[index]):
             if done < size:
                 return fragment * size + done
         return self.block_bytes
 
-    def num_layers_ready(self) -> int:
-        layer_bytes = self.layout.chunk_bytes(1)
-        return min((self.prefix(i) // layer_bytes for i in range(len(self.data))), default=0)
+    def is_layer_ready(self, layer: int) -> bool:
+        """Layer `layer` has arrived in every block (slices arrive in block order, so a miss is found early)."""
+        end = (layer + 1) * self.layer_bytes
+        return all(self.prefix(i) >= end for i in range(len(self.data)))
 
     def layer(self, layer: int) -> list[memoryview]:
-        size = self.layout.chunk_bytes(1)
+        size = self.layer_bytes
         return [memoryview(data)[layer * size : (layer + 1) * size] for data in self.data]
 
     def is_checked(self, index: int) -> bool:
@@ -104,12 +118,18 @@ class LayerStream:
     async def run(self, layout: KVLayout, num_blocks: int, write_layer: WriteLayer) -> bool:
         """Stream, writing layers as they complete; True once every layer of every block is written."""
         keys = self.block_hashes[:num_blocks]
-        buffers = _Buffers(layout, self.num_data[:num_blocks])
+        buffers = _Buffers(layout, self.num_data[:num_blocks], self.client.read_buffers)
+        done = await self._stream(layout, keys, buffers, write_layer)
+        self.client.read_buffers.give(buffers.data)  # not after an exception: a pull may not have stopped yet
+        return done
+
+    async def _stream(self, layout: KVLayout, keys: list[bytes], buffers: _Buffers, write_layer: WriteLayer) -> bool:
+        num_blocks = len(keys)
         written = 0
 
         def advance(limit: int) -> None:
             nonlocal written
-            while written < min(buffers.num_layers_ready(), limit):
+            while written < limit and buffers.is_layer_ready(written):
                 write_layer(written, buffers.layer(written))
                 written += 1
 
@@ -118,11 +138,13 @@ class LayerStream:
         for index, sources in enumerate(self.plan[:num_blocks]):
             for source in sources:
                 by_node.setdefault(source.node, []).append((index, source.fragment_index))
-        nodes = self.client.nodes()
+        nodes, lanes = self.client.nodes(), self.client.lane_addresses()
         expected = layout_to_proto(layout)
         await asyncio.gather(*(
-            self._pull(nodes.get(node, ""), keys, items, slice_bytes, buffers, expected,
-                       lambda: advance(layout.num_layers - 1))
+            (self._pull_lane(lanes[node], keys, items, slice_bytes, buffers, expected,
+                             lambda: advance(layout.num_layers - 1)) if node in lanes
+             else self._pull(nodes.get(node, ""), keys, items, slice_bytes, buffers, expected,
+                             lambda: advance(layout.num_layers - 1)))
             for node, items in by_node.items()))
         missing = [i for i in range(num_blocks) if buffers.prefix(i) < buffers.block_bytes or not buffers.is_checked(i)]
         if missing and not await self._fill_whole(keys, missing, buffers):
@@ -161,6 +183,54 @@ class LayerStream:
                 on_data()
         except grpc.aio.AioRpcError as exc:
             _store_failed("get", address, exc)
+            return False
+        return len(headers) == len(items)
+
+    async def _pull_lane(self, address: str, keys: list[bytes], items: list[tuple[int, int]], slice_bytes: int,
+                         buffers: _Buffers, expected: object, on_data: Callable[[], None]) -> bool:
+        """`_pull` over the node's bulk lane: each chunk's slices are received straight into their blocks."""
+        positions = {keys[index]: (index, fragment) for index, fragment in items}
+        request = kvcache_pb2.GetRequest(block_hashes=[keys[i] for i, _ in items], model=self.model,
+                                         skip_missing=True, slice_bytes=slice_bytes)
+        headers: list[tuple[int, int]] = []  # (block index, fragment index), in the node's order
+        try:
+            async with asyncio.timeout(self.client.timeout_s), self.client.lanes.connection(address) as sock:
+                await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=request))
+                while True:
+                    frame, payload_bytes = await lane.recv_frame(sock)
+                    if frame.WhichOneof("kind") == "end":
+                        if frame.end.error:
+                            raise lane.LaneError(frame.end.error)
+                        break
+                    block = frame.block
+                    if block.HasField("layout"):  # a header
+                        index, fragment = positions.get(block.block_hash, (-1, -1))
+                        if payload_bytes or index < 0 or block.fragment_index != fragment or block.layout != expected:
+                            raise lane.LaneError("not what was planned")  # the detour reads it whole
+                        buffers.block_checksums[index] = block.block_checksum
+                        headers.append((index, fragment))
+                        continue
+                    regions = []  # (index, fragment, end): where this chunk's slices go, in order
+                    remaining = payload_bytes
+                    for index, fragment in headers[block.first_block :]:
+                        if not remaining:
+                            break
+                        size = max(0, min(slice_bytes, buffers.fragment_bytes(index) - block.offset))
+                        if size > remaining:
+                            raise lane.LaneError("a chunk ends inside a block's slice")
+                        regions.append((index, fragment, block.offset + size))
+                        remaining -= size
+                    if remaining:
+                        raise lane.LaneError("a chunk holds more than its blocks' slices")
+                    await lane.recv_exactly_into(sock, *(buffers.region(i, f, block.offset, end - block.offset)
+                                                         for i, f, end in regions))
+                    for index, fragment, end in regions:
+                        buffers.mark(index, fragment, end)
+                    metrics.KV_TRANSFER_BYTES.labels(direction="store_get").inc(payload_bytes)
+                    on_data()
+        except (OSError, TimeoutError, lane.LaneError) as exc:
+            metrics.PREFILL_STORE_ERRORS.labels(op="lane").inc()
+            log.warning("KV store lane read failed; the detour reads the rest whole", node=address, error=str(exc))
             return False
         return len(headers) == len(items)
 

@@ -11,17 +11,18 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from engine_core.kv_transfer import KVLayout
 from kvmesh.nats_server import EmbeddedNats, free_port
-from mesh import rpc
+from mesh import lane, rpc
 from mesh.bus import Bus
 from mesh.discovery import WorkerRegistry
 from mesh.erasure import Protection
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower
-from mesh.pb import common_pb2
+from mesh.pb import common_pb2, kvcache_pb2
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.server import serve
 from services.prefill.prefiller import StoreBlock
@@ -135,8 +136,13 @@ async def test_a_new_follower_rebuilds_the_index_by_replay(cluster) -> None:
         await bus.close()
 
 
-async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after_the_checksums(cluster) -> None:
+@pytest.mark.parametrize("over_lanes", [True, False], ids=["bulk-lane", "grpc"])
+async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after_the_checksums(
+        cluster, over_lanes: bool) -> None:
     nats_url, nodes, client, _ = cluster
+    client.use_lanes = over_lanes
+    lanes = {w.worker_id: w.info.data_address for w in client.registry.workers(common_pb2.ROLE_KVCACHE)}
+    assert sorted(lanes) == ["kv-0", "kv-1", "kv-2"] and all(lanes.values())  # every node announces its lane
     blocks = chain_blocks(6, seed=3)
     keys = [b.block_hash for b in blocks]
     await client.put(blocks)
@@ -149,6 +155,8 @@ async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after
     size = LAYOUT.chunk_bytes(1)
     assert [layer for layer, _ in written] == list(range(LAYOUT.num_layers))
     assert all(pieces == [b.data[layer * size : (layer + 1) * size] for b in blocks] for layer, pieces in written)
+    # the lane's connections are pooled after a clean read; over gRPC none were opened
+    assert [client.lanes.num_idle(a) for a in lanes.values()] == ([1, 1, 1] if over_lanes else [0, 0, 0])
 
     # a node that dies after the plan was made: its blocks are read whole from the others (parity decoded)
     stream = client.plan_stream("m", keys)
@@ -160,3 +168,35 @@ async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after
     await wait_until(_async(lambda: "kv-1" not in client.nodes()))
     assert client.plan_stream("m", keys) is None  # now some blocks need parity: fetch decodes them instead
     assert await client.fetch("m", keys) == blocks
+
+
+async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_serving(cluster) -> None:
+    nats_url, nodes, client, _ = cluster
+    blocks = chain_blocks(2, seed=5)
+    await client.put(blocks)
+    address = next(w.info.data_address for w in client.registry.workers(common_pb2.ROLE_KVCACHE)
+                   if w.worker_id == "kv-0")
+    sock = await lane.connect(address, timeout_s=2.0)
+    await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
+        block_hashes=[blocks[0].block_hash], model="m", skip_missing=True)))  # no slice_bytes
+    frame, payload_bytes = await lane.recv_frame(sock)
+    assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and payload_bytes == 0
+    assert "slice_bytes must be positive" in frame.end.error
+    with pytest.raises(lane.LaneError, match="closed"):  # the node closed this connection
+        await lane.recv_frame(sock)
+    sock.close()
+
+    sock = await lane.connect(address, timeout_s=2.0)  # a new one is served; and the model is required
+    await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
+        block_hashes=[blocks[0].block_hash], slice_bytes=64)))
+    frame, _ = await lane.recv_frame(sock)
+    assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "model is required" in frame.end.error
+    sock.close()
+
+    sock = await lane.connect(address, timeout_s=2.0)  # a key nobody holds: no headers, a clean end
+    for _ in range(2):  # twice on one connection
+        await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
+            block_hashes=[bytes(32)], model="m", skip_missing=True, slice_bytes=64)))
+        frame, _ = await lane.recv_frame(sock)
+        assert frame.WhichOneof("kind") == "end" and frame.end.error == "" and frame.end.code == 0
+    sock.close()

@@ -6,8 +6,9 @@ index, every block checked against its checksum on arrival). The raw side is one
 process that reads into a buffer and acknowledges: the ceiling of a Python process pushing bytes on this machine.
 Measurements are interleaved (store, then TCP, per repeat) so a burst of load elsewhere hits both; the best of
 each is reported. `store_gbps` is the read path prefill uses (the layer-major stream through the global index that
-feeds an engine while it computes; every block checked; the engine's own writes left out); `ratio` = store / raw.
-`store_fetch_gbps` is the other read path (whole blocks; used without the index or when parity must be decoded),
+feeds an engine while it computes, over the node's bulk lane, mesh.lane; every block checked; the engine's own
+writes left out); `ratio` = store / raw. `store_grpc_stream_gbps` is the same stream over gRPC (KVCache.Get, what
+a node without a lane answers). `store_fetch_gbps` is the other read path (whole blocks; used without the index or when parity must be decoded),
 `store_put_gbps` the write path (every block checked by the node, written to host memory, events acked by
 JetStream).
 """
@@ -71,8 +72,21 @@ def _tcp_push(connection: socket.socket, blocks: list[StoreBlock]) -> float:
     return time.perf_counter() - started
 
 
-async def _store_round(client: StoreClient, blocks: list[StoreBlock], round_id: int) -> tuple[float, float, float]:
-    """(put, fetch, layer-stream seconds) for fresh keys, so every Put stores and every read gets the whole chain."""
+async def _stream(client: StoreClient, keys: list[bytes], layout: KVLayout, over_lanes: bool) -> float:
+    client.use_lanes = over_lanes
+    stream = client.plan_stream(MODEL, keys)
+    assert stream is not None
+    started = time.perf_counter()
+    assert await stream.run(layout, len(keys), lambda layer, pieces: None)
+    elapsed = time.perf_counter() - started
+    client.use_lanes = True
+    return elapsed
+
+
+async def _store_round(client: StoreClient, blocks: list[StoreBlock],
+                       round_id: int) -> tuple[float, float, float, float]:
+    """(put, fetch, layer-stream over the lane, layer-stream over gRPC seconds) for fresh keys, so every Put
+    stores and every read gets the whole chain."""
     fresh = [StoreBlock(round_id.to_bytes(4, "little") + b.block_hash[4:], b.parent_hash, b.layout, b.data)
              for b in blocks]
     keys = [b.block_hash for b in fresh]
@@ -85,11 +99,9 @@ async def _store_round(client: StoreClient, blocks: list[StoreBlock], round_id: 
     got = await client.fetch(MODEL, keys)
     fetch_s = time.perf_counter() - started
     assert len(got) == len(keys) and got[-1].data == fresh[-1].data, "the store did not give every block back"
-    stream = client.plan_stream(MODEL, keys)
-    assert stream is not None
-    started = time.perf_counter()
-    assert await stream.run(blocks[0].layout, len(keys), lambda layer, pieces: None)
-    return put_s, fetch_s, time.perf_counter() - started
+    lane_s = await _stream(client, keys, blocks[0].layout, over_lanes=True)
+    grpc_s = await _stream(client, keys, blocks[0].layout, over_lanes=False)
+    return put_s, fetch_s, lane_s, grpc_s
 
 
 async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
@@ -123,12 +135,13 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
             connection = socket.create_connection(("127.0.0.1", port))
             _tcp_push(connection, blocks[:2])  # warm up both paths
             await _store_round(client, blocks[:2], 0)
-            put_s, fetch_s, stream_s, tcp_s = [], [], [], []
+            put_s, fetch_s, stream_s, grpc_stream_s, tcp_s = [], [], [], [], []
             for round_id in range(1, repeats + 1):
-                put, fetch, streamed = await _store_round(client, blocks, round_id)
+                put, fetch, streamed, grpc_streamed = await _store_round(client, blocks, round_id)
                 put_s.append(put)
                 fetch_s.append(fetch)
                 stream_s.append(streamed)
+                grpc_stream_s.append(grpc_streamed)
                 tcp_s.append(_tcp_push(connection, blocks))
             connection.close()
         finally:
@@ -142,7 +155,8 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
     store_gbps = total / min(stream_s) / 1e9
     raw_gbps = total / min(tcp_s) / 1e9
     return {"store_gbps": round(store_gbps, 3), "raw_tcp_gbps": round(raw_gbps, 3),
-            "ratio": round(store_gbps / raw_gbps, 3), "store_fetch_gbps": round(total / min(fetch_s) / 1e9, 3),
+            "ratio": round(store_gbps / raw_gbps, 3),
+            "store_grpc_stream_gbps": round(total / min(grpc_stream_s) / 1e9, 3), "store_fetch_gbps": round(total / min(fetch_s) / 1e9, 3),
             "store_put_gbps": round(total / min(put_s) / 1e9, 3),
             "megabytes": round(total / 2**20, 1), "block_bytes": num_block_bytes, "repeats": repeats,
             "load_average_1m": round(os.getloadavg()[0], 2)}

@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LaneFrame(_message.Message):
+    __slots__ = ("request", "block", "end")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    request: GetRequest
+    block: Block
+    end: LaneEnd
+    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., end: _Optional[_Union[LaneEnd, _Mapping]] = ...) -> None: ...
+
+class LaneEnd(_message.Message):
+    __slots__ = ("error", "code")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    code: int
+    def __init__(self, error: _Optional[str] = ..., code: _Optional[int] = ...) -> None: ...
+
 class Block(_message.Message):
     __slots__ = ("block_hash", "parent_hash", "layout", "data", "checksum", "block_checksum", "fragment_index", "num_data_fragments", "num_fragments", "traffic_class", "tier", "offset", "first_block")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]

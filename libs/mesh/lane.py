@@ -1,0 +1,181 @@
+"""The bulk lane: length-prefixed frames over a plain TCP socket beside gRPC, for the bytes gRPC moves too slowly.
+
+grpc-python copies a message's bytes several times on each side (serialise, frame, deframe, parse, and once more
+when a `bytes` field is read), and on loopback it moved about a third of what one socket moves. KV blocks are
+the mesh's bulk traffic, so the store also answers layer-major reads here (kvcache.proto, LaneFrame): the
+node writes straight from the blocks it holds (gather writes, no joins of large pieces) and the reader receives
+straight into the buffer the engine loads from (`recv_exactly_into` a slice of it). Control stays on gRPC.
+
+A frame is an 8-byte header (uint32 little-endian: the LaneFrame's length, the payload's length), the LaneFrame,
+then the payload. Sockets are non-blocking and driven by the event loop (a call goes straight to the socket and
+waits for readiness only when it would block), so one lane costs no thread. `LanePool` keeps idle connections per address; a connection whose exchange did not end cleanly is
+closed, never reused, so a half-read answer cannot leak into the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from collections.abc import AsyncIterator, Sequence
+
+from mesh.pb import kvcache_pb2
+
+HEADER = struct.Struct("<II")
+MAX_FRAME_BYTES = 16 * 2**20  # a LaneFrame (headers and requests: keys and layouts, never bulk bytes)
+MAX_PAYLOAD_BYTES = 2**31
+IOV_MAX = 512  # pieces per sendmsg / recvmsg_into (the kernel allows 1024)
+MAX_IDLE_PER_ADDRESS = 8
+
+Buffer = bytes | bytearray | memoryview
+
+
+class LaneError(ConnectionError):
+    """The peer closed the connection, sent a frame that breaks the protocol, or answered with an error."""
+
+
+async def _ready(sock: socket.socket, writable: bool) -> None:
+    """Until the socket can be read (or written) without blocking."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    add, remove = (loop.add_writer, loop.remove_writer) if writable else (loop.add_reader, loop.remove_reader)
+    add(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        remove(sock.fileno())
+
+
+async def recv_exactly_into(sock: socket.socket, *views: memoryview) -> None:
+    """Fill the views in order (a scatter read: one call can fill several)."""
+    pending = [v for v in views if len(v)]
+    while pending:
+        try:
+            received = sock.recvmsg_into(pending[:IOV_MAX])[0]
+        except (BlockingIOError, InterruptedError):
+            await _ready(sock, writable=False)
+            continue
+        if not received:
+            raise LaneError("the connection closed mid-frame")
+        while received:
+            taken = min(received, len(pending[0]))
+            received -= taken
+            pending[0] = pending[0][taken:]
+            if not pending[0]:
+                pending.pop(0)
+
+
+async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
+    """Write the pieces in order, straight from where they lie (a gather write: no joins)."""
+    pending = [memoryview(p).cast("B") for p in pieces if len(p)]
+    while pending:
+        try:
+            sent = sock.sendmsg(pending[:IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            await _ready(sock, writable=True)
+            continue
+        while sent:
+            taken = min(sent, len(pending[0]))
+            sent -= taken
+            pending[0] = pending[0][taken:]
+            if not pending[0]:
+                pending.pop(0)
+
+
+async def recv_frame(sock: socket.socket) -> tuple[kvcache_pb2.LaneFrame, int]:
+    """The next frame and its payload's length (the caller reads the payload)."""
+    header = bytearray(HEADER.size)
+    await recv_exactly_into(sock, memoryview(header))
+    frame_bytes, payload_bytes = HEADER.unpack(header)
+    if frame_bytes > MAX_FRAME_BYTES or payload_bytes > MAX_PAYLOAD_BYTES:
+        raise LaneError(f"frame of {frame_bytes} bytes with a payload of {payload_bytes}: past the lane's limits")
+    frame = bytearray(frame_bytes)
+    await recv_exactly_into(sock, memoryview(frame))
+    return kvcache_pb2.LaneFrame.FromString(bytes(frame)), payload_bytes
+
+
+async def send_frame(sock: socket.socket, frame: kvcache_pb2.LaneFrame, payload: Sequence[Buffer] = ()) -> None:
+    """The frame, then the payload's pieces in order."""
+    encoded = frame.SerializeToString()
+    await send_all(sock, [HEADER.pack(len(encoded), sum(len(p) for p in payload)), encoded, *payload])
+
+
+async def discard(sock: socket.socket, num_bytes: int) -> None:
+    scratch = memoryview(bytearray(min(num_bytes, 2**20)))
+    while num_bytes:
+        view = scratch[: min(num_bytes, len(scratch))]
+        await recv_exactly_into(sock, view)
+        num_bytes -= len(view)
+
+
+def _is_open(sock: socket.socket) -> bool:
+    """An idle connection the peer has not closed (nothing is due on it, so anything readable is an EOF)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+async def connect(address: str, timeout_s: float) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    family, kind, protocol, _, sockaddr = infos[0]
+    sock = socket.socket(family, kind, protocol)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        await asyncio.wait_for(loop.sock_connect(sock, sockaddr), timeout_s)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class LanePool:
+    """Connections to lanes, by address: each serves one exchange at a time, idle ones are kept for the next."""
+
+    def __init__(self, connect_timeout_s: float = 2.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: dict[str, list[socket.socket]] = {}
+
+    @contextlib.asynccontextmanager
+    async def connection(self, address: str) -> AsyncIterator[socket.socket]:
+        """A connection for one exchange; back to the pool only if the block exits normally."""
+        sock = self._take_idle(address) or await connect(address, self.connect_timeout_s)
+        try:
+            yield sock
+        except BaseException:
+            sock.close()
+            raise
+        idle = self._idle.setdefault(address, [])
+        if len(idle) < MAX_IDLE_PER_ADDRESS:
+            idle.append(sock)
+        else:
+            sock.close()
+
+    def _take_idle(self, address: str) -> socket.socket | None:
+        idle = self._idle.get(address, [])
+        while idle:
+            sock = idle.pop()
+            if _is_open(sock):
+                return sock
+            sock.close()
+        return None
+
+    def num_idle(self, address: str) -> int:
+        return len(self._idle.get(address, []))
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for sock in idle:
+                sock.close()
+        self._idle.clear()

@@ -1,0 +1,129 @@
+"""The node's bulk lane (mesh.lane): layer-major reads over plain TCP, the same answer as KVCache.Get with
+slice_bytes, written straight from the blocks the store holds.
+
+Each connection is served by one task, one exchange at a time: a request frame, the header frames, the chunk
+frames (payload: the slices, never joined when large), an end frame. A request that fails (bad input, draining)
+gets an end frame with the error and the gRPC code Get would have answered, then the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+
+from mesh import rpc
+from mesh.lane import LaneError, recv_frame, send_frame
+from mesh.logging import get_logger
+from mesh.pb import kvcache_pb2
+from services.kvcache.codec import block_to_pb
+
+if TYPE_CHECKING:
+    from services.kvcache.server import KVCacheServicer
+
+log = get_logger(__name__)
+CHUNK_BYTES = 2**20  # grpc-python moves ~1 MiB messages fastest (kvmesh bench kv-transfer --explore)
+LANE_CHUNK_BYTES = 8 * 2**20  # a lane frame's payload: one scatter-gather exchange of the slices it holds
+
+
+
+def layer_major_slices(datas: Sequence[bytes], slice_bytes: int,
+                       chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int, list[memoryview]]]:
+    """Slice s (bytes [s * slice_bytes, (s + 1) * slice_bytes)) of every block in order, in chunks of about
+    chunk_bytes: (offset, the chunk's first block, its pieces). See GetRequest.slice_bytes."""
+    if slice_bytes <= 0 or not datas:
+        return
+    views = [memoryview(data) for data in datas]
+    for offset in range(0, max(len(v) for v in views), slice_bytes):
+        first, parts, size = 0, [], 0
+        for index, view in enumerate(views):
+            part = view[offset : offset + slice_bytes]
+            parts.append(part)
+            size += len(part)
+            if size >= chunk_bytes or index == len(views) - 1:
+                yield offset, first, parts
+                first, parts, size = index + 1, [], 0
+
+
+class LaneServer:
+    def __init__(self, servicer: KVCacheServicer) -> None:
+        self.servicer = servicer
+        self.port = 0
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0: any free port); the port bound."""
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._accepting = asyncio.create_task(self._accept_forever())
+        return self.port
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._accepting, *self._connections) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._listener is not None:
+            self._listener.close()
+
+    async def _accept_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.create_task(self._serve(sock))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        try:
+            while await self._exchange(sock):
+                pass
+        except (LaneError, OSError) as exc:  # the reader went away or broke the protocol: its loss only
+            log.info("bulk lane connection dropped", error=str(exc))
+        finally:
+            sock.close()
+
+    async def _exchange(self, sock: socket.socket) -> bool:
+        """Answer one request; False when the connection is done (closed by the reader, or after an error)."""
+        try:
+            frame, payload_bytes = await recv_frame(sock)
+        except LaneError:
+            return False  # closed between requests: the normal end of a pooled connection
+        try:
+            if frame.WhichOneof("kind") != "request" or payload_bytes:
+                raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       "a bulk lane exchange starts with a request frame and no payload")
+            request = frame.request
+            if request.slice_bytes <= 0:
+                raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       "the bulk lane reads layer-major: slice_bytes must be positive")
+            with self.servicer.lifecycle.track(), rpc.status_on_error():
+                blocks = await self.servicer.read(request)
+                for block, tier in blocks:
+                    await send_frame(sock, kvcache_pb2.LaneFrame(block=block_to_pb(block.without_data(), tier)))
+                for offset, first, pieces in layer_major_slices([b.data for b, _ in blocks], request.slice_bytes,
+                                                                LANE_CHUNK_BYTES):
+                    chunk = kvcache_pb2.Block(offset=offset, first_block=first)
+                    await send_frame(sock, kvcache_pb2.LaneFrame(block=chunk), pieces)
+        except rpc.ServiceError as error:
+            end = kvcache_pb2.LaneEnd(error=str(error), code=error.code.value[0])
+            await send_frame(sock, kvcache_pb2.LaneFrame(end=end))
+            return False
+        await send_frame(sock, kvcache_pb2.LaneFrame(end=kvcache_pb2.LaneEnd()))
+        return True

@@ -1,0 +1,101 @@
+"""The bulk lane's frames over a real loopback connection: pieces written from where they lie arrive byte for
+byte in the views they are received into, however the kernel splits them; a frame past the limits or a
+connection closed mid-frame is a LaneError; the pool reuses a cleanly used connection and drops a broken one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from mesh import lane
+from mesh.pb import kvcache_pb2
+
+
+async def connected_pair() -> tuple[socket.socket, socket.socket]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+    client_task = asyncio.create_task(lane.connect(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=2.0))
+    server, _ = await loop.sock_accept(listener)
+    server.setblocking(False)
+    listener.close()
+    return await client_task, server
+
+
+async def test_a_frame_and_its_pieces_arrive_exactly_in_the_views_they_are_received_into() -> None:
+    sender, receiver = await connected_pair()
+    pieces = [os.urandom(n) for n in (1, 7, 65536, 3 * 2**20, 0, 5, 9 * 2**20 + 3)]  # past the socket buffers
+    frame = kvcache_pb2.LaneFrame(block=kvcache_pb2.Block(offset=4096, first_block=2))
+    total = sum(map(len, pieces))
+
+    async def receive() -> tuple[kvcache_pb2.LaneFrame, int, list[bytearray]]:
+        got, payload_bytes = await lane.recv_frame(receiver)
+        sizes = [10, total - 10 - 4, 4]  # views that cut across the pieces' boundaries
+        views = [bytearray(n) for n in sizes]
+        await lane.recv_exactly_into(receiver, *map(memoryview, views))
+        return got, payload_bytes, views
+
+    received = asyncio.create_task(receive())
+    await lane.send_frame(sender, frame, pieces)
+    got, payload_bytes, views = await received
+    assert got == frame and payload_bytes == total
+    assert b"".join(views) == b"".join(pieces)
+    sender.close()
+    receiver.close()
+
+
+async def test_a_connection_closed_mid_frame_or_a_frame_past_the_limits_is_a_lane_error() -> None:
+    sender, receiver = await connected_pair()
+    await asyncio.get_running_loop().sock_sendall(sender, lane.HEADER.pack(lane.MAX_FRAME_BYTES + 1, 0))
+    with pytest.raises(lane.LaneError, match="past the lane's limits"):
+        await lane.recv_frame(receiver)
+    await asyncio.get_running_loop().sock_sendall(sender, lane.HEADER.pack(100, 0) + b"only part")
+    sender.close()
+    with pytest.raises(lane.LaneError, match="closed mid-frame"):
+        await lane.recv_frame(receiver)
+    receiver.close()
+
+
+async def test_the_pool_reuses_a_clean_connection_and_closes_one_that_failed() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.setblocking(False)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    loop = asyncio.get_running_loop()
+    accepted: list[socket.socket] = []
+
+    async def accept_forever() -> None:
+        while True:
+            accepted.append((await loop.sock_accept(listener))[0])
+
+    acceptor = asyncio.create_task(accept_forever())
+    pool = lane.LanePool()
+    async with pool.connection(address) as first:
+        pass
+    assert pool.num_idle(address) == 1
+    async with pool.connection(address) as second:
+        assert second is first  # reused
+    with pytest.raises(RuntimeError):
+        async with pool.connection(address) as third:
+            assert third is first
+            raise RuntimeError("an exchange that did not end cleanly")
+    assert pool.num_idle(address) == 0 and first.fileno() == -1  # closed, not pooled
+    async with pool.connection(address) as fourth:
+        assert fourth is not first
+    await asyncio.sleep(0.05)
+    assert len(accepted) == 2  # one connection per clean run of exchanges, one after the failure
+    accepted[1].close()  # the peer goes away while the connection is idle
+    await asyncio.sleep(0.05)
+    async with pool.connection(address) as fifth:
+        assert fifth is not fourth  # an idle connection the peer closed is not handed out
+    pool.close()
+    acceptor.cancel()
+    for sock in accepted:
+        sock.close()
+    listener.close()
