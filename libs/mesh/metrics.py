@@ -71,6 +71,8 @@ BALANCER_RECOMMENDED_WORKERS = Gauge("kvmesh_balancer_recommended_workers",
                                      "Workers each pool would need at the target utilization", ["pool"])
 BALANCER_PEER_ASSIGNMENTS = Counter("kvmesh_balancer_peer_assignments_total",
                                     "Decisions of peer balancer replicas counted in this one's load view")
+BALANCER_FINISHED_HEARD = Counter("kvmesh_balancer_finished_requests_total",
+                                  "Requests that left decode workers, heard on the finished-request feed")
 
 # expert rebalancer
 EXPERT_BALANCEDNESS = Gauge("kvmesh_expert_balancedness",

@@ -18,6 +18,8 @@ def kv_events(worker_id: str) -> str:
 
 ALL_KV_EVENTS = f"{KV_EVENTS_PREFIX}.>"
 
+REQUESTS_FINISHED = "kvmesh.requests.finished"  # events_pb2.RequestFinished: requests leaving decode workers
+
 BALANCER_ASSIGN = "kvmesh.balancer.assign"  # balancer_pb2.Assignment: every replica's decisions, for its peers
 BALANCER_REPLICAS = "kvmesh.balancer.replicas"  # balancer_pb2.ReplicaRecommendation: pool sizes for autoscalers
 

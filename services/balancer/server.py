@@ -6,7 +6,8 @@ sizes, metrics. Conversions between protobuf and the routing library's dataclass
 Replicas: each publishes every decision on kvmesh.balancer.assign and counts its peers' (until the workers' next
 heartbeats include them), so several balancers behind the gateways do not all pick the same idle worker. Each
 publishes its recommended pool sizes on kvmesh.balancer.replicas once per heartbeat interval (and answers them in
-ListWorkers).
+ListWorkers). Decode workers announce every request that leaves them on kvmesh.requests.finished: its KV stops
+counting at once (not at the worker's next heartbeat) and its output length teaches the decode policy.
 """
 
 from __future__ import annotations
@@ -237,6 +238,11 @@ async def serve(settings: BalancerSettings) -> None:
                               on_leave=on_leave)
     pools = Pools(registry, CapacityPlanner(settings.balancer_target_utilization))
 
+    async def on_finished(message: events_pb2.RequestFinished, subject: str) -> None:
+        router.observe_finished(message.worker_id, message.request_id, message.timestamp_ms / 1000.0,
+                                message.num_kv_tokens, message.num_output_tokens)
+        metrics.BALANCER_FINISHED_HEARD.inc()
+
     async def on_peer(message: balancer_pb2.Assignment, subject: str) -> None:
         if message.balancer_id != settings.worker_id:
             router.apply(assignment_from_pb(message))
@@ -246,6 +252,7 @@ async def serve(settings: BalancerSettings) -> None:
     stop_kv = await follow_kv_events(bus, index)
     peers = (await bus.subscribe(subjects.BALANCER_ASSIGN, balancer_pb2.Assignment, on_peer)
              if settings.balancer_share_assignments else None)
+    finished = await bus.subscribe(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished, on_finished)
     planner_task = asyncio.create_task(publish_pools(bus, pools, settings.worker_id, settings.heartbeat_interval_s))
     export_pool_sizes(pools)
     servicer = BalancerServicer(pools, router, runtime.lifecycle, bus if peers is not None else None, encoders)
@@ -256,6 +263,7 @@ async def serve(settings: BalancerSettings) -> None:
         planner_task.cancel()
         if peers is not None:
             await peers.unsubscribe()
+        await finished.unsubscribe()
         await stop_kv()
         await registry.stop()
 

@@ -5,6 +5,8 @@ A request goes through three states here, each in one dict that only this object
   pushed     its KV is complete and it is decoding, but nobody follows it yet: its outputs queue up, and a
              timer aborts it if no follower comes within `attach_timeout_s`;
   following  a caller streams its tokens (`follow`); when the caller leaves, the request is aborted.
+A request that leaves (finished, aborted, dropped) is reported to `on_left`: the finished-request feed that lets
+balancers count its KV as free before the next heartbeat.
 """
 
 from __future__ import annotations
@@ -51,18 +53,32 @@ class TokenBatch:
     num_output_tokens: int  # generated so far, prefill's first token included
 
 
+@dataclass(frozen=True)
+class LeftRequest:
+    """A request that left this worker, its KV freed (events.proto RequestFinished)."""
+
+    request_id: str
+    model: str
+    num_kv_tokens: int  # what it held when it left
+    num_output_tokens: int  # prefill's first token included
+    finish_reason: str  # stop | length | abort | dropped
+
+
 @dataclass
 class _Pushed:
     model: str
     outputs: asyncio.Queue[RequestOutput | BaseException]  # opened before decoding started: nothing is lost
     num_output_tokens: int  # tokens before decode's own (prefill's)
+    num_kv_tokens: int  # tokens whose KV was pushed
     expiry: asyncio.TimerHandle  # aborts it unless a follower comes first
 
 
 class Decoder:
-    def __init__(self, engines: ModelEngines, attach_timeout_s: float) -> None:
+    def __init__(self, engines: ModelEngines, attach_timeout_s: float,
+                 on_left: Callable[[LeftRequest], None] = lambda left: None) -> None:
         self.engines = engines
         self.attach_timeout_s = attach_timeout_s
+        self.on_left = on_left
         # request id -> model / state; written only by this object, on the event loop
         self._importing: dict[str, str] = {}
         self._pushed: dict[str, _Pushed] = {}
@@ -107,7 +123,8 @@ class Decoder:
         outputs = engine.open_stream(request_id)  # before decoding starts, so no token is lost
         await engine.call(_import_all(request_id, received))
         expiry = asyncio.get_running_loop().call_later(self.attach_timeout_s, self._expire, request_id)
-        self._pushed[request_id] = _Pushed(header.model, outputs, len(header.output_token_ids), expiry)
+        self._pushed[request_id] = _Pushed(header.model, outputs, len(header.output_token_ids), header.num_tokens,
+                                           expiry)
         return num_bytes
 
     @staticmethod
@@ -152,12 +169,17 @@ class Decoder:
         pushed.expiry.cancel()
         self._following[request_id] = pushed.model
         num_output_tokens = pushed.num_output_tokens
+        finish_reason = "abort"  # unless the engine says otherwise: the follower left, so it was aborted
         try:
             async for output in self.engines.get(pushed.model).follow(request_id, pushed.outputs):
                 num_output_tokens += len(output.new_token_ids)
+                finish_reason = output.finish_reason or finish_reason
                 yield TokenBatch(output.new_token_ids, output.new_logprobs, output.finish_reason, num_output_tokens)
         finally:
             del self._following[request_id]
+            num_decoded = num_output_tokens - pushed.num_output_tokens
+            self.on_left(LeftRequest(request_id, pushed.model, pushed.num_kv_tokens + num_decoded, num_output_tokens,
+                                     finish_reason))
 
     # -- Abort ----------------------------------------------------------------------------------------
     async def abort(self, request_id: str) -> bool:
@@ -180,6 +202,7 @@ class Decoder:
         engine.close_stream(request_id)
         engine.call_soon(lambda e: e.abort_request(request_id))
         log.info("pushed request dropped", request_id=request_id, reason=reason)
+        self.on_left(LeftRequest(request_id, pushed.model, pushed.num_kv_tokens, pushed.num_output_tokens, "dropped"))
 
     def _state_of(self, request_id: str) -> str | None:
         """The model of a request this worker holds, in any state."""

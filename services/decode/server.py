@@ -11,9 +11,11 @@ import grpc.aio
 
 from engine_core import EngineStats
 from engine_core.kv_transfer import KVChunk
-from mesh import metrics, rpc
-from mesh.logging import bind_request_id
-from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from mesh import metrics, rpc, subjects
+from mesh.bus import Bus
+from mesh.discovery import now_ms
+from mesh.logging import bind_request_id, get_logger
+from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc, events_pb2
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
 from services.compute.convert import (
@@ -22,9 +24,10 @@ from services.compute.convert import (
 from services.compute.engines import ModelEngines
 from services.compute.errors import abort, status_on_error
 from services.decode.config import DecodeSettings
-from services.decode.decoder import Decoder, PushHeader, TokenBatch
+from services.decode.decoder import Decoder, LeftRequest, PushHeader, TokenBatch
 
 PREFILL_TO_DECODE = "prefill_to_decode"
+log = get_logger(__name__)
 
 
 def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
@@ -109,6 +112,13 @@ async def export_metrics_forever(engines: ModelEngines, interval_s: float) -> No
         await asyncio.sleep(interval_s)
 
 
+async def publish_finished(bus: Bus, message: events_pb2.RequestFinished) -> None:
+    try:
+        await bus.publish(subjects.REQUESTS_FINISHED, message, request_id=message.request_id)
+    except Exception:  # NATS briefly away: balancers see the request gone at the worker's next heartbeat
+        log.warning("finished request not announced", exc_info=True)
+
+
 class DecodeService:
     """A running decode worker: its engines, the Decoder, the servicer and the runtime, started and stopped together."""
 
@@ -116,7 +126,8 @@ class DecodeService:
         self.settings = settings
         self.runtime = runtime
         self.engines = engines
-        self.decoder = Decoder(engines, settings.stream_attach_timeout_s)
+        self.decoder = Decoder(engines, settings.stream_attach_timeout_s, on_left=self._announce_left)
+        self._announcing: set[asyncio.Task[None]] = set()
         self._exporter = asyncio.create_task(export_metrics_forever(engines, settings.heartbeat_interval_s))
 
     @classmethod
@@ -136,6 +147,19 @@ class DecodeService:
             await service.stop()
             raise
         return service
+
+    def _announce_left(self, left: LeftRequest) -> None:
+        """The finished-request feed: balancers count the request's KV as free now, not at the next heartbeat."""
+        bus = self.runtime.bus
+        if bus is None:
+            return
+        message = events_pb2.RequestFinished(
+            request_id=left.request_id, worker_id=self.runtime.worker_id, model=left.model,
+            num_kv_tokens=left.num_kv_tokens, num_output_tokens=left.num_output_tokens,
+            finish_reason=left.finish_reason, timestamp_ms=now_ms())
+        task = asyncio.get_running_loop().create_task(publish_finished(bus, message))
+        self._announcing.add(task)
+        task.add_done_callback(self._announcing.discard)
 
     async def stop(self) -> None:
         """Leave the pool, let followed requests finish (up to drain_timeout_s), then close."""

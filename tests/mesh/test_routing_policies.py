@@ -177,12 +177,35 @@ def test_kvmesh_decode_predicts_kv_when_the_request_arrives() -> None:
     view.assign(Assignment("b", "r1", 0.0, "p-a", "d-b", 300, 300, 0.3, 0.2))  # on d-b at 0.2
     view.assign(Assignment("b", "r2", 0.0, "p-a", "d-b", 900, 900, 0.9, 0.8))  # on d-b at 0.8
     # at 0.5: the reports' KV decays with the expected lifetime; r1 is there, r2 not yet
-    assert policy.predicted_kv(d_a, view, 0.5) == pytest.approx(1000 * math.exp(-0.5))
-    assert policy.predicted_kv(d_b, view, 0.5) == pytest.approx(500 * math.exp(-0.5) + 300 * math.exp(-0.3))
+    assert policy.predicted_kv(d_a, view, 0.0, 0.5) == pytest.approx(1000 * math.exp(-0.5))
+    assert policy.predicted_kv(d_b, view, 0.0, 0.5) == pytest.approx(500 * math.exp(-0.5) + 300 * math.exp(-0.3))
     assert policy.pick(request(10), [d_a, d_b], view, 0.0, arrival_s=0.5) == "d-b"  # 606.5 against 525.5
     assert policy.pick(request(10), [d_a, d_b], view, 0.0, arrival_s=0.9) == "d-a"  # r2 counts by then: 1166.6
     policy.observe_output(200)
     assert policy.expected_output_tokens == pytest.approx(101.0)
+
+
+def test_finished_requests_heard_from_decode_free_their_kv_before_the_next_report() -> None:
+    view = LoadView(COST)
+    policy = KvmeshDecode(expected_output_tokens=100)  # lifetime: 100 steps of 0.01 s
+    d_a = worker("d-a", num_kv_tokens=1000, num_running=2)
+    d_b = worker("d-b", num_kv_tokens=700, num_running=1)
+    view.update(d_a)
+    view.update(d_b)
+    view.assign(Assignment("b", "r1", 0.0, "p-a", "d-b", 300, 300, 0.3, 0.1))  # on d-b at 0.1
+    assert policy.pick(request(10), [d_a, d_b], view, 0.3, arrival_s=0.5) == "d-b"  # no feed yet: decays from 0
+    view.finish("d-a", "old", 0.1, 600)  # one of d-a's two left at 0.1 with 600 tokens of KV
+    view.finish("d-b", "r1", 0.2, 310)  # r1 came and went between reports: it just stops counting
+    view.finish("d-b", "gone", -1.0, 50)  # before d-b's report: the report shows it gone already
+    assert view.num_finished("d-a") == (1, 600) and view.num_finished("d-b") == (0, 0)
+    assert view.num_kv_tokens(d_a) == 400 and view.num_requests(d_a) == 1
+    assert view.num_kv_tokens(d_b) == 700 and view.num_requests(d_b) == 1
+    # up to now (0.3) is known: 400 left, the one still running grew 30 tokens; the 0.2 s ahead decays
+    assert policy.predicted_kv(d_a, view, 0.3, 0.5) == pytest.approx((400 + 30 + 20) * math.exp(-0.2))
+    assert policy.predicted_kv(d_b, view, 0.3, 0.5) == pytest.approx((700 + 30 + 20) * math.exp(-0.2))
+    assert policy.pick(request(10), [d_a, d_b], view, 0.3, arrival_s=0.5) == "d-a"
+    view.update(worker("d-a", reported_s=0.25, num_kv_tokens=420, num_running=1))  # a report after the finish
+    assert view.num_finished("d-a") == (0, 0)
 
 
 # -- the Router -----------------------------------------------------------------------------------------------------

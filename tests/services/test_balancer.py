@@ -180,6 +180,33 @@ async def test_service_routes_by_the_policy_over_heartbeats_and_the_kv_event_str
         await stop_workers(workers)
 
 
+async def test_a_request_heard_leaving_decode_frees_its_kv_before_the_next_heartbeat(nats_url: str) -> None:
+    interval_s = 3.0  # no second heartbeat during the test: what changes the pick is the feed alone
+    heard_before = REGISTRY.get_sample_value("kvmesh_balancer_finished_requests_total") or 0.0
+    workers = {"p-1": await start_worker(nats_url, "p-1", common_pb2.ROLE_PREFILL, interval_s),
+               "d-1": await start_worker(nats_url, "d-1", common_pb2.ROLE_DECODE, interval_s,
+                                         num_running=2, num_kv_tokens=1000),
+               "d-2": await start_worker(nats_url, "d-2", common_pb2.ROLE_DECODE, interval_s,
+                                         num_running=1, num_kv_tokens=600)}
+    async with serving(serve, settings(nats_url, "balancer-f", interval_s=interval_s)) as channel:
+        stub = balancer_pb2_grpc.BalancerStub(channel)
+
+        async def all_listed() -> bool:
+            return await listed_ids(stub) == set(workers)
+        await wait_until(all_listed)
+        assert picked(await stub.Route(route_request(1, request_id="r-1")))[1] == "d-2"  # 600 tokens against 1,000
+        await workers["d-1"].bus.publish(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished(
+            request_id="gone", worker_id="d-1", model="m", num_kv_tokens=700, num_output_tokens=120,
+            finish_reason="stop", timestamp_ms=int(time.time() * 1000)))
+
+        async def heard() -> bool:
+            return REGISTRY.get_sample_value("kvmesh_balancer_finished_requests_total") == heard_before + 1
+        await wait_until(heard)
+        # d-1 now holds 300 (one request left), d-2 600 + r-1's 48 on their way
+        assert picked(await stub.Route(route_request(1, request_id="r-2")))[1] == "d-1"
+    await stop_workers(workers)
+
+
 async def test_replicas_share_decisions_and_recommend_pool_sizes(nats_url: str) -> None:
     interval_s = 2.0  # reports slower than the test: only shared decisions can tell the second replica
     workers = {name: await start_worker(nats_url, name, role, interval_s, **load) for name, role, load in (

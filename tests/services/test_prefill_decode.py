@@ -282,6 +282,42 @@ async def test_a_request_nobody_follows_is_aborted_after_the_attach_timeout(mesh
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_every_request_leaving_decode_is_announced_with_its_kv_and_length(mesh: Mesh, monkeypatch):
+    heard: dict[str, events_pb2.RequestFinished] = {}
+
+    async def on_finished(message: events_pb2.RequestFinished, subject: str) -> None:
+        heard[message.request_id] = message
+
+    bus = await Bus.connect(mesh.nats_url, "test-finished")
+    await bus.subscribe(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished, on_finished)
+    try:
+        # finished: 25 prompt tokens pushed, 9 decoded after prefill's first token
+        await mesh.prefill_stub.Prefill(mesh.request("left-done", mesh.llama, prompt_of(25, seed=11), GREEDY))
+        assert len([b async for b in mesh.decode_stub.Stream(decode_pb2.StreamRequest(request_id="left-done"))]) == 9
+        # aborted while followed
+        await mesh.prefill_stub.Prefill(mesh.request("left-abort", mesh.llama, prompt_of(20, seed=12), LONG))
+        call = mesh.decode_stub.Stream(decode_pb2.StreamRequest(request_id="left-abort"))
+        await call.read()
+        assert (await mesh.decode_stub.Abort(decode_pb2.AbortRequest(request_id="left-abort"))).aborted
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        # never followed: dropped at the attach timeout
+        monkeypatch.setattr(mesh.decode.decoder, "attach_timeout_s", 0.3)
+        await mesh.prefill_stub.Prefill(mesh.request("left-dropped", mesh.llama, prompt_of(20, seed=13), LONG))
+        await wait_until(lambda: len(heard) == 3, what="three announcements")
+    finally:
+        await bus.close()
+    done = heard["left-done"]
+    assert (done.worker_id, done.model, done.num_kv_tokens, done.num_output_tokens, done.finish_reason) == (
+        "decode-t", mesh.llama, 25 + 9, 10, "length")
+    aborted = heard["left-abort"]
+    assert aborted.finish_reason == "abort" and aborted.num_output_tokens >= 2
+    assert aborted.num_kv_tokens == 20 + aborted.num_output_tokens - 1
+    dropped = heard["left-dropped"]
+    assert (dropped.num_kv_tokens, dropped.num_output_tokens, dropped.finish_reason) == (20, 1, "dropped")
+    assert done.timestamp_ms <= aborted.timestamp_ms <= dropped.timestamp_ms
+
+
 def push_header(request_id: str, model: str, num_tokens: int, layout: common_pb2.KVLayout) -> decode_pb2.KVPushMessage:
     return decode_pb2.KVPushMessage(header=decode_pb2.KVPushHeader(
         request_id=request_id, model=model, prompt_token_ids=prompt_of(num_tokens, seed=num_tokens),

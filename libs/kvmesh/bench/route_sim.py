@@ -10,6 +10,8 @@
 - Every worker reports (WorkerState) every `heartbeat_s`, at staggered phases; between reports each router counts
   its own assignments at once and its peers' `share_delay_s` later (none when `share` is off). Requests go to
   replicas in turn, as gateways spread them.
+- A request that leaves a decode worker is heard by every router `share_delay_s` later (the decode workers'
+  finished-request feed on NATS), unless `finish_feed` is off; routers then learn only output lengths.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from mesh.kv_index import GlobalKVIndex
 from mesh.routing import CostModel, Router, RouteRequest, WorkerState
 from services.kvcache.policy import make_policy
 
-ARRIVE, PREFILL_DONE, DECODE_JOIN, STEP_DONE, HEARTBEAT, PEER = range(6)
+ARRIVE, PREFILL_DONE, DECODE_JOIN, STEP_DONE, HEARTBEAT, PEER, FINISHED = range(7)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class SimConfig:
     num_replicas: int = 1
     share: bool = True
     share_delay_s: float = 0.005
+    finish_feed: bool = True
     decode_max_seqs: int = 1024
     decode_kv_tokens: int = 8_000_000  # per decode worker: what normalised decode policies divide by
     cost: CostModel = field(default_factory=CostModel)
@@ -150,7 +153,8 @@ class Simulation:
         for n, worker_id in enumerate(self._all_ids()):
             self._push(self.config.heartbeat_s * (n + 1) / num_workers, HEARTBEAT, 0, worker_id)
         handlers = {ARRIVE: self._arrive, PREFILL_DONE: self._prefill_done, DECODE_JOIN: self._decode_join,
-                    STEP_DONE: self._step_done, HEARTBEAT: self._heartbeat, PEER: self._peer}
+                    STEP_DONE: self._step_done, HEARTBEAT: self._heartbeat, PEER: self._peer,
+                    FINISHED: self._finished_heard}
         while self.events and self.num_done < len(self.requests):
             now_s, _, kind, a, b = heapq.heappop(self.events)
             handlers[kind](now_s, a, b)
@@ -284,15 +288,27 @@ class Simulation:
             request = self.requests[n]
             worker.num_running -= 1
             worker.num_kv_tokens -= request.num_prompt_tokens + request.num_output_tokens
-            self._finish(n, (now_s - self.first_token_s[n]) / (request.num_output_tokens - 1))
+            self._finish(n, (now_s - self.first_token_s[n]) / (request.num_output_tokens - 1), (worker, now_s))
         self._update_ratio()
         self._step(worker, now_s)
 
-    def _finish(self, n: int, tpot_s: float | None) -> None:
+    def _finish(self, n: int, tpot_s: float | None, left: tuple[_Decode, float] | None = None) -> None:
+        """Request n is done; `left`: the decode worker it left, and when."""
         self.tpot_s[n] = tpot_s
         self.num_done += 1
+        if left is not None and self.config.finish_feed:
+            self._push(left[1] + self.config.share_delay_s, FINISHED, n, left)
+            return
         for router in self.routers:
             router.observe_output(self.requests[n].num_output_tokens)
+
+    def _finished_heard(self, now_s: float, n: int, left: object) -> None:
+        assert isinstance(left, tuple)
+        worker, finished_s = left
+        request = self.requests[n]
+        for router in self.routers:
+            router.observe_finished(worker.worker_id, str(n), finished_s,
+                                    request.num_prompt_tokens + request.num_output_tokens, request.num_output_tokens)
 
     def _efficiency(self, now_s: float) -> None:
         """Integrate mean/max KV over decode workers up to now (the ratio holds since the last change), within the

@@ -68,3 +68,21 @@ class KVEventBatch(_message.Message):
     tier: str
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., tier: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+
+class RequestFinished(_message.Message):
+    __slots__ = ("request_id", "worker_id", "model", "num_kv_tokens", "num_output_tokens", "finish_reason", "timestamp_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_id: str
+    model: str
+    num_kv_tokens: int
+    num_output_tokens: int
+    finish_reason: str
+    timestamp_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_kv_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...

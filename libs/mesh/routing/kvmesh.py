@@ -86,25 +86,31 @@ class KvmeshDecode:
         self.expected_output_tokens = expected_output_tokens  # only `observe_output` writes it
         self.output_smoothing = output_smoothing
 
-    def predicted_kv(self, worker: WorkerState, view: LoadView, arrival_s: float) -> float:
+    def predicted_kv(self, worker: WorkerState, view: LoadView, now_s: float, arrival_s: float) -> float:
         """The worker's KV when this request's KV gets there: the reported KV grown by a token per running request
         per step, of which requests leave at the rate their expected lifetime says, plus the requests assigned
-        since that get there first (those arriving later are for the policy to balance when they do)."""
+        since that get there first (those arriving later are for the policy to balance when they do).
+        When the view hears finished requests, the time up to now is known, not predicted: requests that left
+        since the report are subtracted and the rest still run; only the time from now to the arrival decays."""
         step_s = view.cost.decode_step_s(worker.num_kv_tokens)
         lifetime_s = max(self.expected_output_tokens * step_s, 1e-3)
-        elapsed_s = max(arrival_s - worker.reported_s, 0.0)
-        grown = worker.num_kv_tokens + worker.num_running * min(elapsed_s / step_s, self.expected_output_tokens)
-        kv = grown * math.exp(-elapsed_s / lifetime_s)
+        known_s = max(now_s, worker.reported_s) if view.hears_finishes else worker.reported_s
+        num_finished, freed = view.num_finished(worker.worker_id)
+        running = max(worker.num_running - num_finished, 0)
+        kv = max(worker.num_kv_tokens - freed, 0) + running * min((known_s - worker.reported_s) / step_s,
+                                                                   self.expected_output_tokens)
+        ahead_s = max(arrival_s - known_s, 0.0)
+        kv = (kv + running * min(ahead_s / step_s, self.expected_output_tokens)) * math.exp(-ahead_s / lifetime_s)
         for entry in view.pending(worker.worker_id):
             if entry.visible_s > arrival_s:
                 break
-            kv += entry.num_tokens * math.exp(-(arrival_s - entry.visible_s) / lifetime_s)
+            kv += entry.num_tokens * math.exp(-(arrival_s - max(entry.visible_s, known_s)) / lifetime_s)
         return kv
 
     def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,
              arrival_s: float) -> str:
-        return min(workers, key=lambda w: (round(self.predicted_kv(w, view, arrival_s), 3), view.num_requests(w),
-                                           w.worker_id)).worker_id
+        return min(workers, key=lambda w: (round(self.predicted_kv(w, view, now_s, arrival_s), 3),
+                                           view.num_requests(w), w.worker_id)).worker_id
 
     def observe_output(self, num_output_tokens: int) -> None:
         self.expected_output_tokens += self.output_smoothing * (num_output_tokens - self.expected_output_tokens)

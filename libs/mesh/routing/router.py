@@ -6,6 +6,7 @@ peers apply when they hear it (`apply`).
     route, assignment = router.route(request, prefill_workers, decode_workers, now_s=time.time())
     router.apply(peer_assignment)                  # a peer's decision, heard on NATS
     router.update(worker_state)                    # a heartbeat (route() also takes newer reports it is given)
+    router.observe_finished(decode_id, request_id, t, kv, n)  # a request left a decode worker
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ class Router:
         self.prefill_policy.forget(worker_id)
 
     def observe_output(self, num_output_tokens: int) -> None:
+        """A request finished that never reached a decode worker (one output token: prefill's)."""
+        self.decode_policy.observe_output(num_output_tokens)
+
+    def observe_finished(self, decode_worker_id: str, request_id: str, finished_s: float, num_kv_tokens: int,
+                         num_output_tokens: int) -> None:
+        """A request left its decode worker (the decode workers' feed): its KV is free, its length known."""
+        self.view.finish(decode_worker_id, request_id, finished_s, num_kv_tokens)
         self.decode_policy.observe_output(num_output_tokens)
 
     def _apply(self, assignment: Assignment) -> None:

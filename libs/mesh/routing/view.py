@@ -5,6 +5,9 @@ An assignment counts on a worker until a report that includes it arrives: on the
 it is assigned, on the decode worker from when its KV is expected there (`decode_arrival_s`), because the decode
 worker cannot report a request still in prefill. Own and peers' assignments count the same way.
 
+A decode worker's requests that finished since its report (the decode workers' feed, `finish`) stop counting at
+once: their KV is freed now, not at the next heartbeat.
+
 Prefill queues drain between reports: `wait_s` predicts when a worker's queue empties, starting from the reported
 queue at the report's time and adding each assignment's predicted prefill time in order (as Mooncake's conductor
 predicts queueing time). Assignments carry the cost model's seconds; waits are real seconds, the model's times
@@ -36,6 +39,7 @@ class Entry(NamedTuple):
     num_tokens: int  # its prompt tokens: what a worker reports queued (a waiting request's whole prompt) or holds
     prefill_s: float  # prefill: its predicted prefill time in the cost model's seconds (decode: 0)
     num_uncached_tokens: int  # prefill: the tokens it computes (decode: 0)
+    request_id: str = ""
 
 
 @dataclass
@@ -49,6 +53,8 @@ class _Pending:
     queued_s: float = 0.0  # prefill: its queue at the last report, in the cost model's seconds
     is_queue_priced: bool = False  # ... all of it priced by remembered assignments
     reported: deque[Entry] = field(default_factory=lambda: deque(maxlen=HISTORY))  # the last ones reports included
+    finished: deque[tuple[float, int]] = field(default_factory=deque)  # decode: (finished_s, KV tokens freed)
+    num_freed_tokens: int = 0  # sum of the finished ones' KV
 
 
 class LoadView:
@@ -61,6 +67,7 @@ class LoadView:
         self._recent_work: dict[str, tuple[float, float]] = {}  # worker -> (prefill seconds assigned, as of when)
         self.pending_cache = PendingCache()  # written only by `assign` and `forget`
         self.time_scale = TimeScale()  # real seconds per predicted second of prefill; written only by `update`
+        self.hears_finishes = False  # whether decode workers' finished requests reach this view (`finish`)
 
     # -- writes (the owning Router) -----------------------------------------------------------------------------
     def update(self, state: WorkerState) -> None:
@@ -77,6 +84,8 @@ class LoadView:
             pending.num_tokens -= entry.num_tokens
             pending.reported.append(entry)
             arrivals.append((entry.visible_s, entry.prefill_s))
+        while pending.finished and pending.finished[0][0] <= state.reported_s:  # the report has them freed
+            pending.num_freed_tokens -= pending.finished.popleft()[1]
         queued_s, is_priced = self._queued_s(pending, state.num_queued_prompt_tokens)
         if known is not None and is_priced and pending.is_queue_priced:
             self.time_scale.observe(known.reported_s, pending.queued_s, arrivals, state.reported_s, queued_s,
@@ -91,15 +100,35 @@ class LoadView:
     def assign(self, assignment: Assignment) -> None:
         prefill = self._pending.setdefault(assignment.prefill_worker_id, _Pending())
         self._add(prefill, Entry(assignment.assigned_s, assignment.num_prompt_tokens, assignment.prefill_s,
-                                 assignment.num_uncached_tokens))
+                                 assignment.num_uncached_tokens, assignment.request_id))
         prefill.busy_until_s = (max(prefill.busy_until_s, assignment.assigned_s)
                                 + assignment.prefill_s * self.time_scale.value)
         decode = self._pending.setdefault(assignment.decode_worker_id, _Pending())
-        self._add(decode, Entry(assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0, 0))
+        self._add(decode, Entry(assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0, 0,
+                                assignment.request_id))
         done_s = assignment.decode_arrival_s - self.cost.transfer_s(assignment.num_prompt_tokens)
         self.pending_cache.add(assignment.prefill_worker_id, assignment.block_hashes, done_s)
         value = self.recent_work_s(assignment.prefill_worker_id, assignment.assigned_s)
         self._recent_work[assignment.prefill_worker_id] = (value + assignment.prefill_s, assignment.assigned_s)
+
+    def finish(self, worker_id: str, request_id: str, finished_s: float, num_kv_tokens: int) -> None:
+        """A request left a decode worker at `finished_s`, freeing `num_kv_tokens` of KV."""
+        self.hears_finishes = True
+        known = self._reports.get(worker_id)
+        if known is None or finished_s <= known.reported_s:
+            return  # the report already shows it gone
+        pending = self._pending.setdefault(worker_id, _Pending())
+        entry = next((e for e in pending.entries if e.request_id == request_id), None) if request_id else None
+        if entry is not None:  # it came and went between two reports: it just stops counting
+            pending.entries.remove(entry)
+            pending.num_requests -= 1
+            pending.num_tokens -= entry.num_tokens
+            return
+        if pending.finished and finished_s < pending.finished[-1][0]:  # heard out of order
+            pending.finished = deque(sorted([*pending.finished, (finished_s, num_kv_tokens)]))
+        else:
+            pending.finished.append((finished_s, num_kv_tokens))
+        pending.num_freed_tokens += num_kv_tokens
 
     def forget(self, worker_id: str) -> None:
         self._reports.pop(worker_id, None)
@@ -148,17 +177,24 @@ class LoadView:
         pending = self._pending.get(worker_id)
         return pending.num_tokens if pending is not None else 0
 
+    def num_finished(self, worker_id: str) -> tuple[int, int]:
+        """Decode: requests that finished since the worker's report, and the KV tokens they freed."""
+        pending = self._pending.get(worker_id)
+        return (len(pending.finished), pending.num_freed_tokens) if pending is not None else (0, 0)
+
     def num_requests(self, worker: WorkerState) -> int:
-        """Requests it holds or is about to: running + waiting + assigned since the report."""
-        return worker.num_running + worker.num_waiting + self.num_pending(worker.worker_id)
+        """Requests it holds or is about to: running + waiting + assigned since the report - finished since."""
+        num_finished, _ = self.num_finished(worker.worker_id)
+        return max(worker.num_running + worker.num_waiting - num_finished, 0) + self.num_pending(worker.worker_id)
 
     def num_queued_tokens(self, worker: WorkerState) -> int:
         """Prefill: queued prompt tokens, reported plus assigned since (whole prompts, as workers count them)."""
         return worker.num_queued_prompt_tokens + self.num_pending_tokens(worker.worker_id)
 
     def num_kv_tokens(self, worker: WorkerState) -> int:
-        """Decode: KV tokens held, reported plus the prompts of requests on their way."""
-        return worker.num_kv_tokens + self.num_pending_tokens(worker.worker_id)
+        """Decode: KV tokens held, reported less what finished since, plus the prompts of requests on their way."""
+        _, freed = self.num_finished(worker.worker_id)
+        return max(worker.num_kv_tokens - freed, 0) + self.num_pending_tokens(worker.worker_id)
 
     def pending(self, worker_id: str) -> Sequence[Entry]:
         """The assignments not yet in a report, by visibility."""
