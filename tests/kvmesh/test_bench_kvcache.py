@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.bench.kvcache import belady_hit_rate, ideal_hit_rate, replay
+from kvmesh.bench.kvcache import belady_hit_rate, ideal_hit_rate, replay, reuse_oracle_lru_hit_rate
 
 # Two chains used twice each, alternating; room for two blocks.
 TRACE = [(0.0, [1, 2]), (1.0, [3]), (2.0, [1, 2]), (3.0, [3])]
@@ -22,3 +22,11 @@ def test_lru_in_the_real_store_thrashes_on_this_trace() -> None:
     # [3] pushes out 1, so [1, 2] misses at its head: nothing after a miss counts.
     assert replay(TRACE, capacity_blocks=2, policy="lru") == 0.0
     assert replay(TRACE, capacity_blocks=3, policy="lru") == 3 / 6
+
+
+def test_an_lru_that_skips_blocks_never_used_again_keeps_the_chain() -> None:
+    one_off = [(0.0, [1, 2]), (1.0, [9]), (2.0, [1, 2])]
+    assert replay(one_off, capacity_blocks=2, policy="lru") == 0.0  # [9] pushed out the head of [1, 2]
+    assert reuse_oracle_lru_hit_rate(one_off, capacity_blocks=2) == 2 / 5  # [9] was never stored
+    # [1, 2] misses as under LRU, but 1 is not stored again (never used again), so [3] survives to hit
+    assert reuse_oracle_lru_hit_rate(TRACE, capacity_blocks=2) == 1 / 6

@@ -101,6 +101,11 @@ def test_every_policy_side_by_side(tmp_path: Path) -> None:
         assert tuple(fields) == FIELDS
         assert fields["ideal_hit_rate"] == 0.4625  # block 0 hits 39 times, the 5 blocks after it 35: of 160
         assert 0 <= fields["hit_rate"] <= fields["ideal_hit_rate"] and fields["goodput"] > 0
+        # the floor: 35 prompts with 2 blocks cached ideally, 4 with 1, the first with none; p99 between the last two
+        cost = config.sim.cost
+        low, high = cost.prefill_s(512, 1536), cost.prefill_s(0, 2048)
+        assert fields["ttft_p99_floor_s"] == round(low + 0.61 * (high - low), 4)
+        assert fields["ttft_p99_s"] >= fields["ttft_p99_floor_s"]  # no policy beats compute alone
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
         ["route_ttft_cdf.png"] + [f"route_load_{name}.png" for name in POLICIES])
 

@@ -200,9 +200,10 @@ def test_finished_requests_heard_from_decode_free_their_kv_before_the_next_repor
     assert view.num_finished("d-a") == (1, 600) and view.num_finished("d-b") == (0, 0)
     assert view.num_kv_tokens(d_a) == 400 and view.num_requests(d_a) == 1
     assert view.num_kv_tokens(d_b) == 700 and view.num_requests(d_b) == 1
-    # up to now (0.3) is known: 400 left, the one still running grew 30 tokens; the 0.2 s ahead decays
-    assert policy.predicted_kv(d_a, view, 0.3, 0.5) == pytest.approx((400 + 30 + 20) * math.exp(-0.2))
-    assert policy.predicted_kv(d_b, view, 0.3, 0.5) == pytest.approx((700 + 30 + 20) * math.exp(-0.2))
+    # known up to now: 400 left on d-a; the one still running grows a token per 0.01 s step until 0.5
+    assert policy.predicted_kv(d_a, view, 0.3, 0.5) == 400 + 50
+    view.assign(Assignment("b", "r3", 0.3, "p-a", "d-b", 100, 100, 0.1, 0.9))  # on d-b later, but it counts
+    assert policy.predicted_kv(d_b, view, 0.3, 0.5) == 700 + 50 + 100
     assert policy.pick(request(10), [d_a, d_b], view, 0.3, arrival_s=0.5) == "d-a"
     view.update(worker("d-a", reported_s=0.25, num_kv_tokens=420, num_running=1))  # a report after the finish
     assert view.num_finished("d-a") == (0, 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,28 @@ def belady_hit_rate(requests: Sequence[tuple[float, list[int]]], capacity_blocks
     return hits / max(len(sequence), 1)
 
 
+def reuse_oracle_lru_hit_rate(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int) -> float:
+    """LRU told, for free, whether a block will ever be used again (it never stores one that will not): what
+    perfect admission alone is worth. Belady's gap beyond it is knowing *when* blocks come back."""
+    sequence = [hash_id for _, ids in requests for hash_id in ids]
+    last_use = {hash_id: position for position, hash_id in enumerate(sequence)}
+    cached: OrderedDict[int, None] = OrderedDict()
+    hits = position = 0
+    for _, ids in requests:
+        leading = True
+        for hash_id in ids:
+            leading = leading and hash_id in cached
+            hits += leading
+            if hash_id in cached:
+                cached.move_to_end(hash_id)
+            elif last_use[hash_id] > position:
+                cached[hash_id] = None
+            position += 1
+            while len(cached) > capacity_blocks:
+                cached.popitem(last=False)
+    return hits / max(len(sequence), 1)
+
+
 class _TraceClock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -124,6 +147,7 @@ def run_kvcache_bench(trace: str, capacity_blocks: int | None, policy: str,
             "hit_rate": round(hit_rate, 4), "ideal_hit_rate": round(ideal, 4),
             "fraction_of_ideal": round(hit_rate / ideal, 4) if ideal else None,
             "belady_hit_rate": round(belady_hit_rate(requests, capacity_blocks), 4),
+            "reuse_oracle_lru_hit_rate": round(reuse_oracle_lru_hit_rate(requests, capacity_blocks), 4),
             "seconds": round(time.perf_counter() - started, 2)}
 
 

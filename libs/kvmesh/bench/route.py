@@ -5,6 +5,10 @@ offered work is what the trace needs computed at the least: its prompts less wha
 hold (`ideal` basis, the default), priced by the cost model; `--load-basis prompt` prices whole prompts instead.
 A policy that caches less than the ideal therefore runs above X; one at X = 1 can only keep up by caching ideally.
 
+`ttft_p99_floor_s` (the same for every policy) is the p99 of what TTFT would be with no queue at all and every
+prompt's ideally cached prefix already on its worker: the compute alone. No policy's p99 can be below it, so it
+bounds how many times better than another policy's a p99 can be.
+
 Goodput: the highest request rate at which 90% of requests meet both `ttft_slo_s` and `tpot_slo_s`, found by
 bracketing the load geometrically from `--load` and then bisecting (the rate is the requests over the rescaled
 trace's span).
@@ -25,7 +29,7 @@ from mesh.routing import POLICIES, CostModel, check_policy
 
 GOODPUT_ATTAINMENT = 0.9
 FIELDS = ("hit_rate", "ideal_hit_rate", "prefill_imbalance", "decode_efficiency", "ttft_mean_s", "ttft_p50_s",
-          "ttft_p99_s", "tpot_p50_s", "goodput")
+          "ttft_p99_s", "tpot_p50_s", "goodput", "ttft_p99_floor_s")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,15 @@ class BenchConfig:
 @functools.lru_cache(maxsize=4)
 def _trace(path: str, limit: int | None) -> tuple[TraceRequest, ...]:
     return tuple(load_trace(path, limit))
+
+
+def ttft_floor_p99_s(requests: Sequence[TraceRequest], cost: CostModel, block_tokens: int) -> float:
+    """p99 of the compute-only TTFT: each prompt less its ideally cached prefix, no queue, no transfer."""
+    hits = ideal_leading_hits(requests)
+    compute = [cost.prefill_s(min(h * block_tokens, r.num_prompt_tokens),
+                              r.num_prompt_tokens - min(h * block_tokens, r.num_prompt_tokens))
+               for h, r in zip(hits, requests)]
+    return percentile(compute, 0.99)
 
 
 def offered_work_s(requests: Sequence[TraceRequest], cost: CostModel, basis: str, block_tokens: int) -> float:
@@ -144,6 +157,7 @@ def run_policy(policy: str, config: BenchConfig, with_series: bool = False) -> d
     result = simulate(scale.at(config.load), policy, replace(config.sim, record_series=with_series))
     fields: dict[str, Any] = summary(result, ideal_hit_rate(requests))
     fields["goodput"] = goodput(policy, scale, config, result)
+    fields["ttft_p99_floor_s"] = round(ttft_floor_p99_s(requests, config.sim.cost, config.sim.block_tokens), 4)
     extra = {"ttft_s": result.ttft_s, "series_s": result.series_s, "prefill_queue": result.prefill_queue_series,
              "decode_kv": result.decode_kv_series} if with_series else {}
     return {"fields": fields, **extra}

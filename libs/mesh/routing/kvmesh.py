@@ -18,11 +18,13 @@ Picks within `tie_fraction` of the request's least prefill time of the best are 
 id, so replicas that pick at the same moment do not all choose the same idle worker.
 
 Decode: the worker with the least KV predicted for when this request's KV gets there (prefill queue + prefill +
-transfer from now): the reported KV, grown by a token per running request per step and decayed by requests
-finishing at the rate their expected lifetime says (expected output x step time; the expected output is learned
-from finished requests through `observe_output`, starting from `expected_output_tokens`), plus the prompts of
-requests assigned since that get there first. Reports are up to a heartbeat old and staggered across workers,
-so aligning them to one moment matters; ties go to fewer requests.
+transfer from now). With the decode workers' finished-request feed: the reported KV less the requests that left
+since, grown by a token per running request per step (up to the expected output, learned from finished requests
+through `observe_output`, starting from `expected_output_tokens`), plus the prompts of every request assigned
+since. Without it: the reported KV grown and decayed by requests finishing at the rate their expected lifetime
+says (expected output x step time), plus the prompts of requests assigned since that get there first. Reports are
+up to a heartbeat old and staggered across workers, so aligning them to one moment matters; ties go to fewer
+requests.
 """
 
 from __future__ import annotations
@@ -87,24 +89,31 @@ class KvmeshDecode:
         self.output_smoothing = output_smoothing
 
     def predicted_kv(self, worker: WorkerState, view: LoadView, now_s: float, arrival_s: float) -> float:
-        """The worker's KV when this request's KV gets there: the reported KV grown by a token per running request
-        per step, of which requests leave at the rate their expected lifetime says, plus the requests assigned
-        since that get there first (those arriving later are for the policy to balance when they do).
-        When the view hears finished requests, the time up to now is known, not predicted: requests that left
-        since the report are subtracted and the rest still run; only the time from now to the arrival decays."""
+        """The worker's KV when this request's KV gets there.
+
+        Hearing finished requests (the decode workers' feed), the KV up to now is known rather than predicted:
+        the report less the requests that left since, the rest grown a token per step; to the arrival it grows
+        again, and every request assigned since counts with its prompt, whenever it gets there (they will all be
+        on it together). Without the feed, requests leave at the rate their expected lifetime says: the reported
+        KV grown and decayed from the report to the arrival, plus the assigned requests that get there first.
+        On the Mooncake conversation trace the feed's reading balances better (decode efficiency 0.947 against
+        0.935 at --load-basis prompt; docs/balancer.md): exact KV beats a decay model of it."""
         step_s = view.cost.decode_step_s(worker.num_kv_tokens)
+        if view.hears_finishes:
+            known_s = max(now_s, worker.reported_s)
+            num_finished, freed = view.num_finished(worker.worker_id)
+            running = max(worker.num_running - num_finished, 0)
+            grown_steps = min((max(arrival_s, known_s) - worker.reported_s) / step_s, self.expected_output_tokens)
+            kv = max(worker.num_kv_tokens - freed, 0) + running * grown_steps
+            return kv + sum(entry.num_tokens for entry in view.pending(worker.worker_id))
         lifetime_s = max(self.expected_output_tokens * step_s, 1e-3)
-        known_s = max(now_s, worker.reported_s) if view.hears_finishes else worker.reported_s
-        num_finished, freed = view.num_finished(worker.worker_id)
-        running = max(worker.num_running - num_finished, 0)
-        kv = max(worker.num_kv_tokens - freed, 0) + running * min((known_s - worker.reported_s) / step_s,
-                                                                   self.expected_output_tokens)
-        ahead_s = max(arrival_s - known_s, 0.0)
-        kv = (kv + running * min(ahead_s / step_s, self.expected_output_tokens)) * math.exp(-ahead_s / lifetime_s)
+        elapsed_s = max(arrival_s - worker.reported_s, 0.0)
+        grown = worker.num_kv_tokens + worker.num_running * min(elapsed_s / step_s, self.expected_output_tokens)
+        kv = grown * math.exp(-elapsed_s / lifetime_s)
         for entry in view.pending(worker.worker_id):
             if entry.visible_s > arrival_s:
                 break
-            kv += entry.num_tokens * math.exp(-(arrival_s - max(entry.visible_s, known_s)) / lifetime_s)
+            kv += entry.num_tokens * math.exp(-(arrival_s - entry.visible_s) / lifetime_s)
         return kv
 
     def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,
