@@ -119,3 +119,23 @@ def test_command_line_on_the_conversation_trace(capsys: pytest.CaptureFixture[st
     assert fields["hit_rate"] > 0.5 * fields["ideal_hit_rate"] and fields["prefill_imbalance"] >= 1.0
     assert main(["bench", "route", "--trace", str(CONVERSATION), "--policy", "fastest"]) == 2
     assert "unknown routing policy 'fastest'" in capsys.readouterr().err
+
+
+def test_the_cost_model_calibrates_from_an_engine_bench_report(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from kvmesh.bench.route_cli import calibration
+
+    report = {"results": {"1": {"ours": {"prefill_tok_s": 900.0, "decode_tok_s": 20.0}},
+                          "8": {"ours": {"prefill_tok_s": 1500.0, "decode_tok_s": 100.0}},
+                          "32": {"ours": {"prefill_tok_s": 1400.0, "decode_tok_s": 160.0}}}}
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(report))
+    # the best batched prefill rate; a step at the largest batch makes 32 tokens: 32 / 160 tok/s
+    assert calibration(str(path)) == {"prefill_tokens_per_s": 1500.0, "decode_step_base_s": 0.2}
+    trace = write_trace(tmp_path / "t.jsonl", [(n * 1000, 1024, 4, [n * 2, n * 2 + 1]) for n in range(6)])
+    assert main(["bench", "route", "--trace", str(trace), "--calibrate", str(path), "--json"]) == 0
+    fields = json.loads(capsys.readouterr().out)
+    assert fields["tpot_p50_s"] >= 0.2  # steps as slow as the calibrated engine's
+    path.write_text(json.dumps({"results": {}}))
+    assert main(["bench", "route", "--trace", str(trace), "--calibrate", str(path)]) == 2
+    assert "not a `kvmesh bench engine --json` report" in capsys.readouterr().err

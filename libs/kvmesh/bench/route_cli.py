@@ -28,6 +28,8 @@ def add_parser(bench_commands: Any) -> None:
                        help="a prefill worker's uncached tokens/s at context depth 0 (default: DeepSeek-V3 on H800)")
     route.add_argument("--decode-step-s", type=float, default=None,
                        help="a decode step's time without attention (default: DeepSeek-V3 on H800)")
+    route.add_argument("--calibrate", default=None, metavar="ENGINE_JSON",
+                       help="take both from `kvmesh bench engine --json` output: this engine on this machine")
     route.add_argument("--replicas", type=int, default=1, help="balancer replicas (requests go to them in turn)")
     route.add_argument("--no-share", action="store_true", help="replicas do not share their assignments")
     route.add_argument("--share-delay-s", type=float, default=0.005, help="how late a peer's assignment is heard")
@@ -40,11 +42,28 @@ def add_parser(bench_commands: Any) -> None:
     route.add_argument("--json", action="store_true", help="one line of JSON")
 
 
+def calibration(path: str) -> dict[str, float]:
+    """The cost model's rates from a `kvmesh bench engine --json` report: the best batched prefill rate of our
+    engine over the concurrencies it ran, and the decode step at its largest batch (a step makes one token per
+    running request, so step time = batch / decode tokens/s)."""
+    with open(path) as file:
+        report = json.load(file)
+    try:
+        runs = {int(c): r["ours"] for c, r in report["results"].items()}
+        largest = max(runs)
+        prefill = max(r["prefill_tok_s"] for r in runs.values() if r["prefill_tok_s"])
+        step_s = largest / runs[largest]["decode_tok_s"]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ValueError(f"--calibrate {path}: not a `kvmesh bench engine --json` report ({exc!r})") from exc
+    return {"prefill_tokens_per_s": float(prefill), "decode_step_base_s": step_s}
+
+
 def cost_model(args: argparse.Namespace) -> Any:
     from mesh.routing import CostModel
 
-    overrides = {name: value for name, value in (("prefill_tokens_per_s", args.prefill_tokens_per_s),
-                                                 ("decode_step_base_s", args.decode_step_s)) if value is not None}
+    overrides = calibration(args.calibrate) if args.calibrate else {}
+    overrides.update({name: value for name, value in (("prefill_tokens_per_s", args.prefill_tokens_per_s),
+                                                      ("decode_step_base_s", args.decode_step_s)) if value is not None})
     return CostModel(scale=args.scale, **overrides)
 
 
