@@ -16,6 +16,7 @@ class PrefillSettings(WorkerSettings):
     kv_protection: str = "1+0"  # k+m: each block as k data + m parity fragments on k+m store nodes (1+2: 3 copies)
     kv_index_enabled: bool = True  # read the store through the global KV index (JetStream replay)
     kv_stream_layers: bool = True  # with the index: read layer-major into the engine while it computes
+    kv_store_lanes: bool = True  # ... over the store nodes' bulk lanes (plain TCP) where they have one, else gRPC
 
     def __post_init__(self) -> None:
         super().__post_init__()

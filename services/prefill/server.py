@@ -138,7 +138,8 @@ class PrefillService:
             registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], settings.heartbeat_interval_s)
             await registry.start()
             store = StoreClient(registry, runtime.channels, protection=Protection.parse(settings.kv_protection),
-                                use_index=settings.kv_index_enabled, stream_layers=settings.kv_stream_layers)
+                                use_index=settings.kv_index_enabled, stream_layers=settings.kv_stream_layers,
+                                use_lanes=settings.kv_store_lanes)
             await store.start(bus)
             writer = StoreWriter(store, settings.store_write_queue_bytes)
             writer.start()

@@ -61,7 +61,7 @@ def calibration(path: str) -> dict[str, float]:
 def cost_model(args: argparse.Namespace) -> Any:
     from mesh.routing import CostModel
 
-    overrides = calibration(args.calibrate) if args.calibrate else {}
+    overrides: dict[str, Any] = calibration(args.calibrate) if args.calibrate else {}
     overrides.update({name: value for name, value in (("prefill_tokens_per_s", args.prefill_tokens_per_s),
                                                       ("decode_step_base_s", args.decode_step_s)) if value is not None})
     return CostModel(scale=args.scale, **overrides)
