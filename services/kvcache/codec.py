@@ -23,10 +23,12 @@ def fragment_from_pb(block: kvcache_pb2.Block) -> Fragment:
     return Fragment(block.fragment_index, block.num_data_fragments, block.num_fragments)
 
 
-def block_from_pb(block: kvcache_pb2.Block) -> Block:
+def block_from_pb(block: kvcache_pb2.Block, data: bytes | None = None) -> Block:
+    """`data`: the block's bytes when they did not travel inside the message (the bulk lane's payloads)."""
     if not block.HasField("layout"):
         raise BlockError(f"block {block.block_hash.hex()[:16]} has no layout")
-    return Block(block.block_hash, block.parent_hash, layout_from_pb(block.layout), block.data,
+    return Block(block.block_hash, block.parent_hash, layout_from_pb(block.layout),
+                 block.data if data is None else data,
                  checksum=block.checksum if block.HasField("checksum") else None, fragment=fragment_from_pb(block),
                  block_checksum=block.block_checksum, traffic_class=block.traffic_class)
 

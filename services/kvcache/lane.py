@@ -1,9 +1,11 @@
-"""The node's bulk lane (mesh.lane): layer-major reads over plain TCP, the same answer as KVCache.Get with
-slice_bytes, written straight from the blocks the store holds.
+"""The node's bulk lane (mesh.lane): layer-major reads and block writes over plain TCP, the same answers as
+KVCache.Get with slice_bytes and KVCache.Put, the reads written straight from the blocks the store holds.
 
-Each connection is served by one task, one exchange at a time: a request frame, the header frames, the chunk
-frames (payload: the slices, never joined when large), an end frame. A request that fails (bad input, draining)
-gets an end frame with the error and the gRPC code Get would have answered, then the connection is closed.
+Each connection is served by one task, one exchange at a time. A read: a request frame, answered by the header
+frames, the chunk frames (payload: the slices, never joined) and an end frame. A write: block frames (payload:
+each block's bytes) and an end frame, answered by a put_response frame. An exchange that fails (bad input,
+rejected blocks, draining) gets an end frame with the error and the gRPC code Get or Put would have answered,
+then the connection is closed.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import TYPE_CHECKING
 import grpc
 
 from mesh import rpc
-from mesh.lane import LaneError, recv_frame, send_frame
+from mesh.lane import LaneError, recv_exactly_into, recv_frame, send_frame
 from mesh.logging import get_logger
 from mesh.pb import kvcache_pb2
-from services.kvcache.codec import block_to_pb
+from services.kvcache.blocks import Block, BlockError
+from services.kvcache.codec import block_from_pb, block_to_pb
 
 if TYPE_CHECKING:
     from services.kvcache.server import KVCacheServicer
@@ -100,30 +103,59 @@ class LaneServer:
             sock.close()
 
     async def _exchange(self, sock: socket.socket) -> bool:
-        """Answer one request; False when the connection is done (closed by the reader, or after an error)."""
+        """Answer one exchange; False when the connection is done (closed by the client, or after an error)."""
         try:
             frame, payload_bytes = await recv_frame(sock)
         except LaneError:
-            return False  # closed between requests: the normal end of a pooled connection
+            return False  # closed between exchanges: the normal end of a pooled connection
         try:
-            if frame.WhichOneof("kind") != "request" or payload_bytes:
-                raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                       "a bulk lane exchange starts with a request frame and no payload")
-            request = frame.request
-            if request.slice_bytes <= 0:
-                raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                       "the bulk lane reads layer-major: slice_bytes must be positive")
             with self.servicer.lifecycle.track(), rpc.status_on_error():
-                blocks = await self.servicer.read(request)
-                for block, tier in blocks:
-                    await send_frame(sock, kvcache_pb2.LaneFrame(block=block_to_pb(block.without_data(), tier)))
-                for offset, first, pieces in layer_major_slices([b.data for b, _ in blocks], request.slice_bytes,
-                                                                LANE_CHUNK_BYTES):
-                    chunk = kvcache_pb2.Block(offset=offset, first_block=first)
-                    await send_frame(sock, kvcache_pb2.LaneFrame(block=chunk), pieces)
+                kind = frame.WhichOneof("kind")
+                if kind == "request" and not payload_bytes:
+                    await self._read(sock, frame.request)
+                elif kind == "block":
+                    response = await self._write(sock, frame, payload_bytes)
+                    await send_frame(sock, kvcache_pb2.LaneFrame(put_response=response))
+                    return True
+                else:
+                    raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane exchange starts with a "
+                                           "request frame (no payload) or a block frame")
         except rpc.ServiceError as error:
             end = kvcache_pb2.LaneEnd(error=str(error), code=error.code.value[0])
             await send_frame(sock, kvcache_pb2.LaneFrame(end=end))
             return False
         await send_frame(sock, kvcache_pb2.LaneFrame(end=kvcache_pb2.LaneEnd()))
         return True
+
+    async def _read(self, sock: socket.socket, request: kvcache_pb2.GetRequest) -> None:
+        if request.slice_bytes <= 0:
+            raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "the bulk lane reads layer-major: slice_bytes must be positive")
+        blocks = await self.servicer.read(request)
+        for block, tier in blocks:
+            await send_frame(sock, kvcache_pb2.LaneFrame(block=block_to_pb(block.without_data(), tier)))
+        for offset, first, pieces in layer_major_slices([b.data for b, _ in blocks], request.slice_bytes,
+                                                        LANE_CHUNK_BYTES):
+            chunk = kvcache_pb2.Block(offset=offset, first_block=first)
+            await send_frame(sock, kvcache_pb2.LaneFrame(block=chunk), pieces)
+
+    async def _write(self, sock: socket.socket, frame: kvcache_pb2.LaneFrame,
+                     payload_bytes: int) -> kvcache_pb2.PutResponse:
+        """Block frames (data as payloads) up to an end frame, then every good one stored, as Put does."""
+        blocks: list[Block] = []
+        rejections: list[str] = []
+        while frame.WhichOneof("kind") == "block":
+            if payload_bytes > rpc.MAX_MESSAGE_BYTES:  # what Put takes in one message
+                raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"a block of {payload_bytes} bytes: past "
+                                       f"the {rpc.MAX_MESSAGE_BYTES} a write takes")
+            data = bytearray(payload_bytes)
+            await recv_exactly_into(sock, memoryview(data))
+            try:
+                blocks.append(block_from_pb(frame.block, bytes(data)))
+            except BlockError as exc:
+                rejections.append(str(exc))
+            frame, payload_bytes = await recv_frame(sock)
+        if frame.WhichOneof("kind") != "end" or payload_bytes:
+            raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane write is block frames, then an "
+                                   "end frame")
+        return await self.servicer.write(blocks, rejections)

@@ -148,6 +148,10 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 blocks.append(block_from_pb(message))
             except BlockError as exc:
                 rejections.append(str(exc))
+        return await self.write(blocks, rejections)
+
+    async def write(self, blocks: list[Block], rejections: list[str]) -> kvcache_pb2.PutResponse:
+        """Store the good blocks of a Put (or a write on the bulk lane); BlockError naming the bad ones after."""
         result = self.store.put(blocks)
         metrics.KV_TRANSFER_BYTES.labels(direction="store_in").inc(sum(len(b.data) for b in blocks))
         await self.changed(result.events)

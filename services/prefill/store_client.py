@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import grpc.aio
 
-from mesh import erasure, metrics, rpc
+from mesh import erasure, lane, metrics, rpc
 from mesh.bus import Bus
 from mesh.discovery import WorkerRegistry
 from mesh.kv_index import GlobalKVIndex
@@ -50,17 +50,27 @@ def block_from_proto(block: kvcache_pb2.Block) -> StoreBlock:
     return StoreBlock(block.block_hash, block.parent_hash, layout_from_proto(block.layout), block.data)
 
 
-def fragments_to_proto(block: StoreBlock, protection: erasure.Protection, traffic_class: str) -> list[kvcache_pb2.Block]:
+Fragment = tuple[kvcache_pb2.Block, bytes]  # a Put message without its data, and the data
+
+
+def fragments_of(block: StoreBlock, protection: erasure.Protection, traffic_class: str) -> list[Fragment]:
     """The block's k+m fragments, each with its own checksum and the whole block's."""
     k, n = protection.num_data, protection.num_total
     layout = layout_to_proto(block.layout)
     block_checksum = checksum(block.data)
     coded = n > 1
-    return [kvcache_pb2.Block(block_hash=block.block_hash, parent_hash=block.parent_hash, layout=layout, data=data,
-                              checksum=checksum(data) if coded else block_checksum, block_checksum=block_checksum,
-                              fragment_index=index, num_data_fragments=k if coded else 0,
-                              num_fragments=n if coded else 0, traffic_class=traffic_class)
+    return [(kvcache_pb2.Block(block_hash=block.block_hash, parent_hash=block.parent_hash, layout=layout,
+                               checksum=checksum(data) if coded else block_checksum, block_checksum=block_checksum,
+                               fragment_index=index, num_data_fragments=k if coded else 0,
+                               num_fragments=n if coded else 0, traffic_class=traffic_class), data)
             for index, data in enumerate(erasure.encode(block.data, k, n))]
+
+
+def with_data(header: kvcache_pb2.Block, data: bytes) -> kvcache_pb2.Block:
+    message = kvcache_pb2.Block()
+    message.CopyFrom(header)
+    message.data = data
+    return message
 
 
 def group_by_owner(keys: Sequence[bytes], owners: Sequence[str]) -> dict[str, list[bytes]]:
@@ -340,24 +350,43 @@ class StoreClient:
             if nodes:
                 metrics.PREFILL_STORE_DROPPED_BLOCKS.inc(len(blocks))  # too few nodes to hold k fragments
             return
-        messages = await asyncio.to_thread(self._encode, blocks, list(nodes))
-        await asyncio.gather(*(self._put(nodes[n], node_messages) for n, node_messages in messages.items()))
+        fragments = await asyncio.to_thread(self._encode, blocks, list(nodes))
+        lanes = self.lane_addresses()
+        await asyncio.gather(*(self._put_lane(lanes[n], node_fragments) if n in lanes
+                               else self._put(nodes[n], node_fragments) for n, node_fragments in fragments.items()))
 
-    def _encode(self, blocks: Sequence[StoreBlock], nodes: list[str]) -> dict[str, list[kvcache_pb2.Block]]:
-        by_node: dict[str, list[kvcache_pb2.Block]] = {}
+    def _encode(self, blocks: Sequence[StoreBlock], nodes: list[str]) -> dict[str, list[Fragment]]:
+        by_node: dict[str, list[Fragment]] = {}
         for block in blocks:
-            fragments = fragments_to_proto(block, self.protection, self._classes.get(block.block_hash, ""))
+            fragments = fragments_of(block, self.protection, self._classes.get(block.block_hash, ""))
             for node, fragment in zip(rank_nodes(block.block_hash, nodes), fragments):
                 by_node.setdefault(node, []).append(fragment)  # fewer nodes than k+m: repair adds the rest later
         return by_node
 
-    async def _put(self, address: str, blocks: list[kvcache_pb2.Block]) -> None:
+    async def _put(self, address: str, fragments: list[Fragment]) -> None:
         try:
-            await self._stub(address).Put(iter(blocks), timeout=self.timeout_s)
+            await self._stub(address).Put((with_data(header, data) for header, data in fragments),
+                                          timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             _store_failed("put", address, exc)
             return
-        metrics.KV_TRANSFER_BYTES.labels(direction="store_put").inc(sum(len(b.data) for b in blocks))
+        metrics.KV_TRANSFER_BYTES.labels(direction="store_put").inc(sum(len(data) for _, data in fragments))
+
+    async def _put_lane(self, address: str, fragments: list[Fragment]) -> None:
+        """`_put` over the node's bulk lane: each fragment's bytes go from where they lie, after its header."""
+        try:
+            async with asyncio.timeout(self.timeout_s), self.lanes.connection(address) as sock:
+                for header, data in fragments:
+                    await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=header), [data])
+                await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=kvcache_pb2.LaneEnd()))
+                frame, payload_bytes = await lane.recv_frame(sock)
+                if frame.WhichOneof("kind") != "put_response" or payload_bytes:
+                    raise lane.LaneError(frame.end.error or "the node did not answer the write")
+        except (OSError, TimeoutError, lane.LaneError) as exc:
+            metrics.PREFILL_STORE_ERRORS.labels(op="put").inc()
+            log.warning("KV store write failed; the blocks are not stored", node=address, error=str(exc))
+            return
+        metrics.KV_TRANSFER_BYTES.labels(direction="store_put").inc(sum(len(data) for _, data in fragments))
 
     async def pin(self, model: str, block_hashes: Sequence[bytes], ttl_s: float) -> int:
         """Pin the blocks on every node holding a fragment of them (0 unpins); returns fragments pinned."""

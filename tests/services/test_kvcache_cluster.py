@@ -23,6 +23,7 @@ from mesh.erasure import Protection
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower
 from mesh.pb import common_pb2, kvcache_pb2
+from services.compute.convert import layout_to_proto
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.server import serve
 from services.prefill.prefiller import StoreBlock
@@ -200,3 +201,37 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
         frame, _ = await lane.recv_frame(sock)
         assert frame.WhichOneof("kind") == "end" and frame.end.error == "" and frame.end.code == 0
     sock.close()
+
+
+async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad_ones(cluster) -> None:
+    nats_url, nodes, client, _ = cluster
+    info = next(w.info for w in client.registry.workers(common_pb2.ROLE_KVCACHE) if w.worker_id == "kv-2")
+    address = info.data_address
+    good = chain_blocks(2, seed=7)
+    headers = [kvcache_pb2.Block(block_hash=b.block_hash, parent_hash=b.parent_hash,
+                                 layout=layout_to_proto(b.layout)) for b in good]
+    sock = await lane.connect(address, timeout_s=2.0)
+    for _ in range(2):  # twice on one connection: the second time both are already there
+        for header, block in zip(headers, good):
+            await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=header), [block.data])
+        await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=kvcache_pb2.LaneEnd()))
+        frame, _ = await lane.recv_frame(sock)
+        assert frame.WhichOneof("kind") == "put_response"
+    assert (frame.put_response.num_stored, frame.put_response.num_present) == (0, 2)
+    # a block without a layout and one whose bytes do not match its checksum: rejected, named; the good one kept
+    other = chain_blocks(1, seed=8)[0]
+    await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=kvcache_pb2.Block(block_hash=bytes(32))), [b"x"])
+    bad_sum = kvcache_pb2.Block(block_hash=bytes([9]) * 32, parent_hash=ROOT, layout=layout_to_proto(LAYOUT),
+                                checksum=1)
+    await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=bad_sum), [other.data])
+    await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=kvcache_pb2.Block(
+        block_hash=other.block_hash, parent_hash=ROOT, layout=layout_to_proto(LAYOUT))), [other.data])
+    await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=kvcache_pb2.LaneEnd()))
+    frame, _ = await lane.recv_frame(sock)
+    assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert frame.end.error.startswith("rejected 2 block(s), stored 1, already present 0: ")
+    assert "has no layout" in frame.end.error
+    sock.close()
+    stub = client._stub(info.address)
+    for keys, num_hits in (([b.block_hash for b in good], 2), ([other.block_hash], 1), ([bytes([9]) * 32], 0)):
+        assert (await stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=keys, model="m"))).num_hits == num_hits

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LaneFrame(_message.Message):
-    __slots__ = ("request", "block", "end")
+    __slots__ = ("request", "block", "end", "put_response")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    PUT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     request: GetRequest
     block: Block
     end: LaneEnd
-    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., end: _Optional[_Union[LaneEnd, _Mapping]] = ...) -> None: ...
+    put_response: PutResponse
+    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., end: _Optional[_Union[LaneEnd, _Mapping]] = ..., put_response: _Optional[_Union[PutResponse, _Mapping]] = ...) -> None: ...
 
 class LaneEnd(_message.Message):
     __slots__ = ("error", "code")
