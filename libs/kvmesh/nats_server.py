@@ -3,6 +3,7 @@ with JetStream on, stopped with the mesh."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -12,8 +13,39 @@ import time
 from pathlib import Path
 
 
+_handed_out: set[int] = set()  # ports this process chose: never twice
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for binds to port 0 and outgoing connections (Linux; the IANA range elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A port nothing listens on now, for a process started later to bind.
+
+    Chosen below the kernel's ephemeral range: a port found by binding port 0 is back in that range once released,
+    so another process's bind to 0 or any outgoing connection can take it before the intended one binds (seen as
+    "address already in use" when a mesh starts under load). Below the range only another caller of this function
+    could, and within this process it never hands out a port twice."""
+    low, _ = _ephemeral_range()
+    start = max(1024, low - 16384)
+    for _ in range(200 if low - start >= 1024 else 0):
+        port = random.randrange(start, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as sock:  # a crowded range: fall back to the kernel's choice
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
