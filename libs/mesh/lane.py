@@ -2,14 +2,16 @@
 
 grpc-python copies a message's bytes several times on each side (serialise, frame, deframe, parse, and once more
 when a `bytes` field is read), and on loopback it moved about a third of what one socket moves. KV blocks are
-the mesh's bulk traffic, so the store also answers layer-major reads here (kvcache.proto, LaneFrame): the
-node writes straight from the blocks it holds (gather writes, no joins of large pieces) and the reader receives
-straight into the buffer the engine loads from (`recv_exactly_into` a slice of it). Control stays on gRPC.
+the mesh's bulk traffic, so the store also answers layer-major reads and takes writes here (kvcache.proto,
+LaneFrame): the node writes straight from the blocks it holds (gather writes: `sendmsg` of the slices, no joins)
+and the reader receives straight into the buffers the engine loads from (scatter reads: `recvmsg_into` the
+blocks' slices). Control stays on gRPC.
 
 A frame is an 8-byte header (uint32 little-endian: the LaneFrame's length, the payload's length), the LaneFrame,
 then the payload. Sockets are non-blocking and driven by the event loop (a call goes straight to the socket and
-waits for readiness only when it would block), so one lane costs no thread. `LanePool` keeps idle connections per address; a connection whose exchange did not end cleanly is
-closed, never reused, so a half-read answer cannot leak into the next one.
+waits for readiness only when it would block), so one lane costs no thread. `LanePool` keeps idle connections
+per address; a connection whose exchange did not end cleanly is closed, never reused, so a half-read answer
+cannot leak into the next one.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ CHUNK_BYTES = 2**20  # grpc-python moves ~1 MiB messages fastest (kvmesh bench k
 LANE_CHUNK_BYTES = 8 * 2**20  # a lane frame's payload: one scatter-gather exchange of the slices it holds
 
 
-
 def layer_major_slices(datas: Sequence[bytes], slice_bytes: int,
                        chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int, list[memoryview]]]:
     """Slice s (bytes [s * slice_bytes, (s + 1) * slice_bytes)) of every block in order, in chunks of about

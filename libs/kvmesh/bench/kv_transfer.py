@@ -8,9 +8,9 @@ Measurements are interleaved (store, then TCP, per repeat) so a burst of load el
 each is reported. `store_gbps` is the read path prefill uses (the layer-major stream through the global index that
 feeds an engine while it computes, over the node's bulk lane, mesh.lane; every block checked; the engine's own
 writes left out); `ratio` = store / raw. `store_grpc_stream_gbps` is the same stream over gRPC (KVCache.Get, what
-a node without a lane answers). `store_fetch_gbps` is the other read path (whole blocks; used without the index or when parity must be decoded),
-`store_put_gbps` the write path (every block checked by the node, written to host memory, events acked by
-JetStream).
+a node without a lane answers). `store_fetch_gbps` is the other read path (whole blocks, over gRPC; used without
+the index or when parity must be decoded), `store_put_gbps` the write path (over the lane; every block checked by
+the node, written to host memory, events acked by JetStream).
 """
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
     raw_gbps = total / min(tcp_s) / 1e9
     return {"store_gbps": round(store_gbps, 3), "raw_tcp_gbps": round(raw_gbps, 3),
             "ratio": round(store_gbps / raw_gbps, 3),
-            "store_grpc_stream_gbps": round(total / min(grpc_stream_s) / 1e9, 3), "store_fetch_gbps": round(total / min(fetch_s) / 1e9, 3),
+            "store_grpc_stream_gbps": round(total / min(grpc_stream_s) / 1e9, 3),
+            "store_fetch_gbps": round(total / min(fetch_s) / 1e9, 3),
             "store_put_gbps": round(total / min(put_s) / 1e9, 3),
             "megabytes": round(total / 2**20, 1), "block_bytes": num_block_bytes, "repeats": repeats,
             "load_average_1m": round(os.getloadavg()[0], 2)}
