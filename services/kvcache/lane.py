@@ -2,7 +2,8 @@
 KVCache.Get with slice_bytes and KVCache.Put, the reads written straight from the blocks the store holds.
 
 Each connection is served by one task, one exchange at a time. A read: a request frame, answered by the header
-frames, the chunk frames (payload: the slices, never joined) and an end frame. A write: block frames (payload:
+frames, the chunk frames (payload: the slices, never joined) and an end frame; or, for whole blocks
+(slice_bytes 0), by one header frame per block with its bytes as the payload, and an end frame. A write: block frames (payload:
 each block's bytes) and an end frame, answered by a put_response frame. An exchange that fails (bad input,
 rejected blocks, draining) gets an end frame with the error and the gRPC code Get or Put would have answered,
 then the connection is closed.
@@ -127,10 +128,13 @@ class LaneServer:
         return True
 
     async def _read(self, sock: socket.socket, request: kvcache_pb2.GetRequest) -> None:
-        if request.slice_bytes <= 0:
-            raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   "the bulk lane reads layer-major: slice_bytes must be positive")
+        """Layer-major (slice_bytes > 0): headers, then chunks of slices; whole (0): each header with its bytes."""
         blocks = await self.servicer.read(request)
+        if request.slice_bytes == 0:
+            for block, tier in blocks:
+                await send_frame(sock, kvcache_pb2.LaneFrame(block=block_to_pb(block.without_data(), tier)),
+                                 [block.data])
+            return
         for block, tier in blocks:
             await send_frame(sock, kvcache_pb2.LaneFrame(block=block_to_pb(block.without_data(), tier)))
         for offset, first, pieces in layer_major_slices([b.data for b, _ in blocks], request.slice_bytes,

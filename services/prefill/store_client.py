@@ -291,30 +291,56 @@ class StoreClient:
         for key, sources in zip(keys, plan):
             for source in sources:
                 by_node.setdefault(source.node, []).append(key)
-        await asyncio.gather(*(self._get(nodes[node], model, node_keys, fetched) for node, node_keys in by_node.items()))
+        lanes = self.lane_addresses()
+        await asyncio.gather(*(self._get_lane(lanes[node], model, node_keys, fetched) if node in lanes
+                               else self._get(nodes[node], model, node_keys, fetched)
+                               for node, node_keys in by_node.items()))
         return fetched
 
     async def _get(self, address: str, model: str, keys: list[bytes], fetched: dict[bytes, _Fetched]) -> None:
         request = kvcache_pb2.GetRequest(block_hashes=keys, model=model, skip_missing=True)
-        received = metrics.KV_TRANSFER_BYTES.labels(direction="store_get")
         try:
             async for message in self._stub(address).Get(request, timeout=self.timeout_s):
                 data = message.data  # each access to a bytes field copies it (upb): once
-                received.inc(len(data))
-                # a fragment is checked here; a whole block once, by _assemble, against the block's checksum
-                coded = message.num_fragments > 1
-                if coded and message.HasField("checksum") and checksum(data) != message.checksum:
-                    metrics.PREFILL_STORE_ERRORS.labels(op="checksum").inc()
-                    log.warning("store fragment fails its checksum; skipped", node=address,
-                                block_hash=message.block_hash.hex()[:16])
-                    continue
-                entry = fetched.setdefault(message.block_hash, _Fetched())
-                entry.pieces[message.fragment_index] = data
-                if entry.meta is None:
-                    message.ClearField("data")
-                    entry.meta = message
+                message.ClearField("data")
+                self._take(address, message, data, fetched)
         except grpc.aio.AioRpcError as exc:
             _store_failed("get", address, exc)  # the fragments that did arrive are still good
+
+    async def _get_lane(self, address: str, model: str, keys: list[bytes], fetched: dict[bytes, _Fetched]) -> None:
+        """`_get` over the node's bulk lane: each block's header, its bytes as the frame's payload."""
+        request = kvcache_pb2.GetRequest(block_hashes=keys, model=model, skip_missing=True)
+        try:
+            async with asyncio.timeout(self.timeout_s), self.lanes.connection(address) as sock:
+                await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=request))
+                while True:
+                    frame, payload_bytes = await lane.recv_frame(sock)
+                    if frame.WhichOneof("kind") == "end":
+                        if frame.end.error:
+                            raise lane.LaneError(frame.end.error)
+                        return
+                    data = bytearray(payload_bytes)
+                    await lane.recv_exactly_into(sock, memoryview(data))
+                    self._take(address, frame.block, bytes(data), fetched)
+        except (OSError, TimeoutError, lane.LaneError) as exc:  # the fragments that did arrive are still good
+            metrics.PREFILL_STORE_ERRORS.labels(op="get").inc()
+            log.warning("KV store lane read failed; treated as a miss", node=address, error=str(exc))
+
+    @staticmethod
+    def _take(address: str, message: kvcache_pb2.Block, data: bytes, fetched: dict[bytes, _Fetched]) -> None:
+        """One fragment (or whole block) read, its header without the data: checked, then kept."""
+        metrics.KV_TRANSFER_BYTES.labels(direction="store_get").inc(len(data))
+        # a fragment is checked here; a whole block once, by _assemble, against the block's checksum
+        coded = message.num_fragments > 1
+        if coded and message.HasField("checksum") and checksum(data) != message.checksum:
+            metrics.PREFILL_STORE_ERRORS.labels(op="checksum").inc()
+            log.warning("store fragment fails its checksum; skipped", node=address,
+                        block_hash=message.block_hash.hex()[:16])
+            return
+        entry = fetched.setdefault(message.block_hash, _Fetched())
+        entry.pieces[message.fragment_index] = data
+        if entry.meta is None:
+            entry.meta = message
 
     @staticmethod
     def _is_complete(entry: _Fetched | None) -> bool:

@@ -24,6 +24,7 @@ from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower
 from mesh.pb import common_pb2, kvcache_pb2
 from services.compute.convert import layout_to_proto
+from services.kvcache.blocks import checksum
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.server import serve
 from services.prefill.prefiller import StoreBlock
@@ -179,10 +180,10 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
                    if w.worker_id == "kv-0")
     sock = await lane.connect(address, timeout_s=2.0)
     await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
-        block_hashes=[blocks[0].block_hash], model="m", skip_missing=True)))  # no slice_bytes
+        block_hashes=[blocks[0].block_hash], model="m", skip_missing=True, slice_bytes=-1)))
     frame, payload_bytes = await lane.recv_frame(sock)
     assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and payload_bytes == 0
-    assert "slice_bytes must be positive" in frame.end.error
+    assert "slice_bytes must not be negative" in frame.end.error
     with pytest.raises(lane.LaneError, match="closed"):  # the node closed this connection
         await lane.recv_frame(sock)
     sock.close()
@@ -192,6 +193,20 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
         block_hashes=[blocks[0].block_hash], slice_bytes=64)))
     frame, _ = await lane.recv_frame(sock)
     assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "model is required" in frame.end.error
+    sock.close()
+
+    sock = await lane.connect(address, timeout_s=2.0)  # whole (slice_bytes 0): each header with its bytes
+    await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
+        block_hashes=[b.block_hash for b in blocks], model="m", skip_missing=True)))
+    for block in blocks:  # 2+1 over three nodes: this one holds a fragment of each
+        frame, payload_bytes = await lane.recv_frame(sock)
+        assert frame.block.block_hash == block.block_hash and not frame.block.data
+        assert payload_bytes == len(block.data) // 2  # a data or parity fragment: half the block
+        fragment = bytearray(payload_bytes)
+        await lane.recv_exactly_into(sock, memoryview(fragment))
+        assert checksum(fragment) == frame.block.checksum
+    frame, _ = await lane.recv_frame(sock)
+    assert frame.WhichOneof("kind") == "end" and not frame.end.error
     sock.close()
 
     sock = await lane.connect(address, timeout_s=2.0)  # a key nobody holds: no headers, a clean end
