@@ -54,6 +54,16 @@ async def _ready(sock: socket.socket, writable: bool) -> None:
         remove(sock.fileno())
 
 
+def _consume(pending: list[memoryview], num_bytes: int) -> None:
+    """Drop `num_bytes` from the front of the pending views (what one sendmsg or recvmsg_into moved)."""
+    while num_bytes:
+        taken = min(num_bytes, len(pending[0]))
+        num_bytes -= taken
+        pending[0] = pending[0][taken:]
+        if not pending[0]:
+            pending.pop(0)
+
+
 async def recv_exactly_into(sock: socket.socket, *views: memoryview) -> None:
     """Fill the views in order (a scatter read: one call can fill several)."""
     pending = [v for v in views if len(v)]
@@ -65,12 +75,7 @@ async def recv_exactly_into(sock: socket.socket, *views: memoryview) -> None:
             continue
         if not received:
             raise LaneError("the connection closed mid-frame")
-        while received:
-            taken = min(received, len(pending[0]))
-            received -= taken
-            pending[0] = pending[0][taken:]
-            if not pending[0]:
-                pending.pop(0)
+        _consume(pending, received)
 
 
 async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
@@ -82,12 +87,7 @@ async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
         except (BlockingIOError, InterruptedError):
             await _ready(sock, writable=True)
             continue
-        while sent:
-            taken = min(sent, len(pending[0]))
-            sent -= taken
-            pending[0] = pending[0][taken:]
-            if not pending[0]:
-                pending.pop(0)
+        _consume(pending, sent)
 
 
 async def recv_frame(sock: socket.socket) -> tuple[kvcache_pb2.LaneFrame, int]:
@@ -108,12 +108,18 @@ async def send_frame(sock: socket.socket, frame: kvcache_pb2.LaneFrame, payload:
     await send_all(sock, [HEADER.pack(len(encoded), sum(len(p) for p in payload)), encoded, *payload])
 
 
-async def discard(sock: socket.socket, num_bytes: int) -> None:
-    scratch = memoryview(bytearray(min(num_bytes, 2**20)))
-    while num_bytes:
-        view = scratch[: min(num_bytes, len(scratch))]
-        await recv_exactly_into(sock, view)
-        num_bytes -= len(view)
+async def read_answer(sock: socket.socket,
+                      request: kvcache_pb2.GetRequest) -> AsyncIterator[tuple[kvcache_pb2.Block, int]]:
+    """Send a read request, then yield each answer frame's Block and payload length until the end frame. The
+    caller reads each payload before asking for the next frame; an answer that ends in an error is a LaneError."""
+    await send_frame(sock, kvcache_pb2.LaneFrame(request=request))
+    while True:
+        frame, payload_bytes = await recv_frame(sock)
+        if frame.WhichOneof("kind") == "end":
+            if frame.end.error:
+                raise LaneError(frame.end.error)
+            return
+        yield frame.block, payload_bytes
 
 
 def _is_open(sock: socket.socket) -> bool:

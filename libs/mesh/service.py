@@ -100,10 +100,14 @@ class ServiceRuntime:
         self._announcer: Announcer | None = None
         self._stop = asyncio.Event()
 
+    def advertised(self, port: int) -> str:
+        """host:port as the other roles dial this process's `port`."""
+        host = advertise_host(self.settings.host, self.settings.advertise_host, self.settings.nats_url)
+        return f"{host}:{port}"
+
     @property
     def address(self) -> str:
-        host = advertise_host(self.settings.host, self.settings.advertise_host, self.settings.nats_url)
-        return f"{host}:{self.grpc_port}"
+        return self.advertised(self.grpc_port)
 
     async def connect_bus(self) -> Bus:
         self.bus = await Bus.connect(self.settings.nats_url, name=self.worker_id)
@@ -141,7 +145,7 @@ class ServiceRuntime:
             self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         info = common_pb2.WorkerInfo(worker_id=self.worker_id, role=self.role, address=self.address, models=models,  # type: ignore[arg-type]
                                      max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, block_size=block_size,
-                                     data_address=f"{self.address.rpartition(':')[0]}:{data_port}" if data_port else "")
+                                     data_address=self.advertised(data_port) if data_port else "")
         self._announcer = Announcer(self.bus, info, load, self.settings.heartbeat_interval_s)
         await self._announcer.start()
         self._install_signal_handlers()

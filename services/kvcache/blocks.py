@@ -4,6 +4,7 @@ events that describe each change. Pure values: no storage, no protobuf.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import crc32c
@@ -159,3 +160,21 @@ def append_removed(events: list[StoreEvent], key: bytes, model: str, reason: str
         last.block_hashes.append(key)
         return
     events.append(BlocksRemoved([key], model, reason, tier))
+
+
+def layer_major_slices(datas: Sequence[bytes], slice_bytes: int,
+                       chunk_bytes: int) -> Iterator[tuple[int, int, list[memoryview]]]:
+    """Slice s (bytes [s * slice_bytes, (s + 1) * slice_bytes)) of every block in order, in chunks of about
+    chunk_bytes: (offset, the chunk's first block, its pieces). See GetRequest.slice_bytes."""
+    if slice_bytes <= 0 or not datas:
+        return
+    views = [memoryview(data) for data in datas]
+    for offset in range(0, max(len(v) for v in views), slice_bytes):
+        first, parts, size = 0, [], 0
+        for index, view in enumerate(views):
+            part = view[offset : offset + slice_bytes]
+            parts.append(part)
+            size += len(part)
+            if size >= chunk_bytes or index == len(views) - 1:
+                yield offset, first, parts
+                first, parts, size = index + 1, [], 0

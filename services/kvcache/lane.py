@@ -3,10 +3,10 @@ KVCache.Get with slice_bytes and KVCache.Put, the reads written straight from th
 
 Each connection is served by one task, one exchange at a time. A read: a request frame, answered by the header
 frames, the chunk frames (payload: the slices, never joined) and an end frame; or, for whole blocks
-(slice_bytes 0), by one header frame per block with its bytes as the payload, and an end frame. A write: block frames (payload:
-each block's bytes) and an end frame, answered by a put_response frame. An exchange that fails (bad input,
-rejected blocks, draining) gets an end frame with the error and the gRPC code Get or Put would have answered,
-then the connection is closed.
+(slice_bytes 0), by one header frame per block with its bytes as the payload, and an end frame. A write: block
+frames (payload: each block's bytes) and an end frame, answered by a put_response frame. An exchange that fails
+(bad input, rejected blocks, draining) gets an end frame with the error and the gRPC code Get or Put would have
+answered, then the connection is closed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -23,39 +22,19 @@ from mesh import rpc
 from mesh.lane import LaneError, recv_exactly_into, recv_frame, send_frame
 from mesh.logging import get_logger
 from mesh.pb import kvcache_pb2
-from services.kvcache.blocks import Block, BlockError
+from services.kvcache.blocks import Block, BlockError, layer_major_slices
 from services.kvcache.codec import block_from_pb, block_to_pb
 
 if TYPE_CHECKING:
     from services.kvcache.server import KVCacheServicer
 
 log = get_logger(__name__)
-CHUNK_BYTES = 2**20  # grpc-python moves ~1 MiB messages fastest (kvmesh bench kv-transfer --explore)
 LANE_CHUNK_BYTES = 8 * 2**20  # a lane frame's payload: one scatter-gather exchange of the slices it holds
-
-
-def layer_major_slices(datas: Sequence[bytes], slice_bytes: int,
-                       chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int, list[memoryview]]]:
-    """Slice s (bytes [s * slice_bytes, (s + 1) * slice_bytes)) of every block in order, in chunks of about
-    chunk_bytes: (offset, the chunk's first block, its pieces). See GetRequest.slice_bytes."""
-    if slice_bytes <= 0 or not datas:
-        return
-    views = [memoryview(data) for data in datas]
-    for offset in range(0, max(len(v) for v in views), slice_bytes):
-        first, parts, size = 0, [], 0
-        for index, view in enumerate(views):
-            part = view[offset : offset + slice_bytes]
-            parts.append(part)
-            size += len(part)
-            if size >= chunk_bytes or index == len(views) - 1:
-                yield offset, first, parts
-                first, parts, size = index + 1, [], 0
 
 
 class LaneServer:
     def __init__(self, servicer: KVCacheServicer) -> None:
         self.servicer = servicer
-        self.port = 0
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -68,9 +47,8 @@ class LaneServer:
         listener.listen(64)
         listener.setblocking(False)
         self._listener = listener
-        self.port = listener.getsockname()[1]
         self._accepting = asyncio.create_task(self._accept_forever())
-        return self.port
+        return int(listener.getsockname()[1])
 
     async def stop(self) -> None:
         tasks = [t for t in (self._accepting, *self._connections) if t is not None]

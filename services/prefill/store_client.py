@@ -312,16 +312,10 @@ class StoreClient:
         request = kvcache_pb2.GetRequest(block_hashes=keys, model=model, skip_missing=True)
         try:
             async with asyncio.timeout(self.timeout_s), self.lanes.connection(address) as sock:
-                await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=request))
-                while True:
-                    frame, payload_bytes = await lane.recv_frame(sock)
-                    if frame.WhichOneof("kind") == "end":
-                        if frame.end.error:
-                            raise lane.LaneError(frame.end.error)
-                        return
+                async for block, payload_bytes in lane.read_answer(sock, request):
                     data = bytearray(payload_bytes)
                     await lane.recv_exactly_into(sock, memoryview(data))
-                    self._take(address, frame.block, bytes(data), fetched)
+                    self._take(address, block, bytes(data), fetched)
         except (OSError, TimeoutError, lane.LaneError) as exc:  # the fragments that did arrive are still good
             metrics.PREFILL_STORE_ERRORS.labels(op="get").inc()
             log.warning("KV store lane read failed; treated as a miss", node=address, error=str(exc))

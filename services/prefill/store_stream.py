@@ -195,14 +195,7 @@ class LayerStream:
         headers: list[tuple[int, int]] = []  # (block index, fragment index), in the node's order
         try:
             async with asyncio.timeout(self.client.timeout_s), self.client.lanes.connection(address) as sock:
-                await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=request))
-                while True:
-                    frame, payload_bytes = await lane.recv_frame(sock)
-                    if frame.WhichOneof("kind") == "end":
-                        if frame.end.error:
-                            raise lane.LaneError(frame.end.error)
-                        break
-                    block = frame.block
+                async for block, payload_bytes in lane.read_answer(sock, request):
                     if block.HasField("layout"):  # a header
                         index, fragment = positions.get(block.block_hash, (-1, -1))
                         if payload_bytes or index < 0 or block.fragment_index != fragment or block.layout != expected:

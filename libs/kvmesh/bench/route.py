@@ -55,23 +55,25 @@ def _trace(path: str, limit: int | None) -> tuple[TraceRequest, ...]:
     return tuple(load_trace(path, limit))
 
 
+def compute_s(requests: Sequence[TraceRequest], cost: CostModel, block_tokens: int,
+              basis: str = "ideal") -> list[float]:
+    """Each request's prefill seconds alone: its prompt less its ideally cached prefix (or the whole prompt)."""
+    hits = ideal_leading_hits(requests) if basis == "ideal" else [0] * len(requests)
+    seconds = []
+    for num_hits, request in zip(hits, requests):
+        cached = min(num_hits * block_tokens, request.num_prompt_tokens)
+        seconds.append(cost.prefill_s(cached, request.num_prompt_tokens - cached))
+    return seconds
+
+
 def ttft_floor_p99_s(requests: Sequence[TraceRequest], cost: CostModel, block_tokens: int) -> float:
     """p99 of the compute-only TTFT: each prompt less its ideally cached prefix, no queue, no transfer."""
-    hits = ideal_leading_hits(requests)
-    compute = [cost.prefill_s(min(h * block_tokens, r.num_prompt_tokens),
-                              r.num_prompt_tokens - min(h * block_tokens, r.num_prompt_tokens))
-               for h, r in zip(hits, requests)]
-    return percentile(compute, 0.99)
+    return percentile(compute_s(requests, cost, block_tokens), 0.99)
 
 
 def offered_work_s(requests: Sequence[TraceRequest], cost: CostModel, basis: str, block_tokens: int) -> float:
     """Prefill seconds the trace offers: every prompt less its ideally cached prefix (or whole prompts)."""
-    hits = ideal_leading_hits(requests) if basis == "ideal" else [0] * len(requests)
-    total = 0.0
-    for num_hits, request in zip(hits, requests):
-        cached = min(num_hits * block_tokens, request.num_prompt_tokens)
-        total += cost.prefill_s(cached, request.num_prompt_tokens - cached)
-    return total
+    return sum(compute_s(requests, cost, block_tokens, basis))
 
 
 @dataclass(frozen=True)

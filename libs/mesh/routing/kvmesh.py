@@ -96,7 +96,7 @@ class KvmeshDecode:
         again, and every request assigned since counts with its prompt, whenever it gets there (they will all be
         on it together). Without the feed, requests leave at the rate their expected lifetime says: the reported
         KV grown and decayed from the report to the arrival, plus the assigned requests that get there first.
-        On the Mooncake conversation trace the feed's reading balances better (decode efficiency 0.947 against
+        On the Mooncake conversation trace the feed's reading balances better (decode efficiency 0.948 against
         0.935 at --load-basis prompt; docs/balancer.md): exact KV beats a decay model of it."""
         step_s = view.cost.decode_step_s(worker.num_kv_tokens)
         if view.hears_finishes:
