@@ -3,6 +3,11 @@
 `Announcer` publishes this worker's WorkerHeartbeat every interval (and a last one with `leaving` set on
 shutdown). `WorkerRegistry` follows heartbeats of some roles and keeps who is alive: a worker joins on its
 first heartbeat and leaves on `leaving` or after `MISSED_HEARTBEATS` intervals of silence.
+
+Silence is counted only while the registry could listen. When its event loop stalls (a long synchronous step,
+a paused process, a test session's loop idle between tests), heartbeats wait unread in the socket; a prune
+that wakes first would drop every worker at once and answer the next request with "no workers". The prune
+task measures how late it woke and does not count that time against anyone.
 """
 
 from __future__ import annotations
@@ -124,7 +129,8 @@ class Announcer:
 class KnownWorker:
     info: common_pb2.WorkerInfo
     load: common_pb2.WorkerLoad
-    last_seen_ms: int
+    last_seen_ms: int  # wall clock, for reports
+    heard_s: float = 0.0  # the registry's monotonic clock, less time it could not listen: for liveness
 
     @property
     def worker_id(self) -> str:
@@ -174,7 +180,7 @@ class WorkerRegistry:
         if worker_id not in self._workers:
             log.info("worker joined", worker_id=worker_id, role=ROLE_NAMES.get(beat.worker.role),
                      address=beat.worker.address, models=list(beat.worker.models))
-        self._workers[worker_id] = KnownWorker(beat.worker, beat.load, now_ms())
+        self._workers[worker_id] = KnownWorker(beat.worker, beat.load, now_ms(), time.monotonic())
 
     def mark_failed(self, worker_id: str) -> None:
         """A call to the worker failed: take it out of the pools until it is heard from again."""
@@ -188,11 +194,21 @@ class WorkerRegistry:
                 self.on_leave(worker)
 
     def prune(self) -> None:
-        deadline = now_ms() - int(MISSED_HEARTBEATS * self.interval_s * 1000)
-        for worker in [w for w in self._workers.values() if w.last_seen_ms < deadline]:
+        deadline = time.monotonic() - MISSED_HEARTBEATS * self.interval_s
+        for worker in [w for w in self._workers.values() if w.heard_s < deadline]:
             self._remove(worker.worker_id, "missed heartbeats")
 
+    def excuse(self, deaf_s: float) -> None:
+        """The registry could not listen for `deaf_s` seconds: that silence is nobody's."""
+        for worker in self._workers.values():
+            worker.heard_s += deaf_s
+
     async def _prune_forever(self) -> None:
+        period = self.interval_s / 2
         while True:
-            await asyncio.sleep(self.interval_s / 2)
+            slept_from = time.monotonic()
+            await asyncio.sleep(period)
+            late_s = time.monotonic() - slept_from - period
+            if late_s > period:  # the loop stalled: beats sent meanwhile may still sit unread
+                self.excuse(late_s)
             self.prune()

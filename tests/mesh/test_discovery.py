@@ -1,12 +1,22 @@
-"""The address a worker announces: what peers will dial, so it must be one they can reach."""
+"""The address a worker announces: what peers will dial, so it must be one they can reach; and who is alive,
+counted from heartbeats over a real NATS."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
-from mesh.discovery import address_towards, advertise_host
+from kvmesh.nats_server import EmbeddedNats
+from mesh.bus import Bus
+from mesh.discovery import MISSED_HEARTBEATS, Announcer, WorkerRegistry, address_towards, advertise_host
+from mesh.pb import common_pb2
+
+INTERVAL_S = 0.2
 
 
 def test_a_configured_address_wins():
@@ -36,3 +46,47 @@ def test_an_ipv6_address_comes_in_brackets():
     except OSError:
         pytest.skip("no IPv6 loopback on this machine")
     assert advertise_host("::", "", "nats://[::1]:4222") == "[::1]"
+
+
+@pytest.fixture
+async def beating(tmp_path: Path) -> AsyncIterator[tuple[Announcer, WorkerRegistry, list[str]]]:
+    """A prefill worker's Announcer and a registry following prefill, both in this event loop."""
+    with EmbeddedNats(store_dir=tmp_path / "nats") as nats:
+        bus = await Bus.connect(nats.url, "test-discovery")
+        left: list[str] = []
+        registry = WorkerRegistry(bus, [common_pb2.ROLE_PREFILL], INTERVAL_S, on_leave=lambda w: left.append(w.worker_id))
+        await registry.start()
+        info = common_pb2.WorkerInfo(worker_id="prefill-a", role=common_pb2.ROLE_PREFILL, address="127.0.0.1:1")
+        announcer = Announcer(bus, info, common_pb2.WorkerLoad, INTERVAL_S)
+        await announcer.start()
+        try:
+            for _ in range(100):
+                if registry.get("prefill-a") is not None:
+                    break
+                await asyncio.sleep(0.02)
+            assert registry.get("prefill-a") is not None
+            yield announcer, registry, left
+        finally:
+            await announcer.stop()
+            await registry.stop()
+            await bus.close()
+
+
+async def test_a_stalled_loop_does_not_count_as_silence(beating):
+    """While the loop is blocked nobody's beats can be read; after it the worker must still be there."""
+    _, registry, left = beating
+    time.sleep(2 * MISSED_HEARTBEATS * INTERVAL_S)  # the whole loop stalls, as a long synchronous step would
+    await asyncio.sleep(2 * INTERVAL_S)  # the prune wakes first, then the beats waiting in the socket are read
+    assert (registry.get("prefill-a") is not None, left) == (True, [])
+
+
+async def test_a_silent_worker_still_leaves(beating):
+    announcer, registry, left = beating
+    assert announcer._task is not None
+    announcer._task.cancel()  # it stops beating without announcing that it leaves, as a killed process would
+    started = time.monotonic()
+    while registry.get("prefill-a") is not None:
+        assert time.monotonic() - started < 10 * INTERVAL_S
+        await asyncio.sleep(0.02)
+    waited = time.monotonic() - started
+    assert left == ["prefill-a"] and waited >= (MISSED_HEARTBEATS - 1) * INTERVAL_S
