@@ -75,6 +75,11 @@ def require(condition: bool, field_name: str, value: Any, expectation: str) -> N
         raise SettingError(f"{env_name(field_name)}={value!r}: {expectation}")
 
 
+def require_data_port(port: int) -> None:
+    """A bulk lane's port (mesh.lane): KVMESH_DATA_PORT, on the roles that have one."""
+    require(-1 <= port < 65536, "data_port", port, "must be a port number (0 for any free port, -1 for no bulk lane)")
+
+
 @dataclass(frozen=True)
 class ServiceSettings:
     """What every role reads. Roles subclass it with their own fields."""

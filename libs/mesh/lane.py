@@ -3,15 +3,15 @@
 grpc-python copies a message's bytes several times on each side (serialise, frame, deframe, parse, and once more
 when a `bytes` field is read), and on loopback it moved about a third of what one socket moves. KV blocks are
 the mesh's bulk traffic, so the store also answers layer-major reads and takes writes here (kvcache.proto,
-LaneFrame): the node writes straight from the blocks it holds (gather writes: `sendmsg` of the slices, no joins)
+LaneFrame), and decode takes prefill's KV pushes here (decode.proto, PushLaneFrame): the node writes straight from the blocks it holds (gather writes: `sendmsg` of the slices, no joins)
 and the reader receives straight into the buffers the engine loads from (scatter reads: `recvmsg_into` the
 blocks' slices). Control stays on gRPC.
 
 A frame is an 8-byte header (uint32 little-endian: the LaneFrame's length, the payload's length), the LaneFrame,
 then the payload. Sockets are non-blocking and driven by the event loop (a call goes straight to the socket and
-waits for readiness only when it would block), so one lane costs no thread. `LanePool` keeps idle connections
-per address; a connection whose exchange did not end cleanly is closed, never reused, so a half-read answer
-cannot leak into the next one.
+waits for readiness only when it would block), so one lane costs no thread. `LaneListener` serves each accepted
+connection with one task, one exchange at a time. `LanePool` keeps idle connections per address; a connection
+whose exchange did not end cleanly is closed, never reused, so a half-read answer cannot leak into the next one.
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
+from google.protobuf.message import Message
+
+from mesh.logging import get_logger
 from mesh.pb import kvcache_pb2
 
 HEADER = struct.Struct("<II")
@@ -29,8 +33,11 @@ MAX_FRAME_BYTES = 16 * 2**20  # a LaneFrame (headers and requests: keys and layo
 MAX_PAYLOAD_BYTES = 2**31
 IOV_MAX = 512  # pieces per sendmsg / recvmsg_into (the kernel allows 1024)
 MAX_IDLE_PER_ADDRESS = 8
+DRAIN_AFTER_ERROR_S = 10.0  # how long an answering side reads and drops what still comes after its error frame
 
 Buffer = bytes | bytearray | memoryview
+M = TypeVar("M", bound=Message)
+log = get_logger(__name__)
 
 
 class LaneError(ConnectionError):
@@ -90,8 +97,8 @@ async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
         _consume(pending, sent)
 
 
-async def recv_frame(sock: socket.socket) -> tuple[kvcache_pb2.LaneFrame, int]:
-    """The next frame and its payload's length (the caller reads the payload)."""
+async def recv_frame(sock: socket.socket, kind: type[M]) -> tuple[M, int]:
+    """The next frame, a `kind` message, and its payload's length (the caller reads the payload)."""
     header = bytearray(HEADER.size)
     await recv_exactly_into(sock, memoryview(header))
     frame_bytes, payload_bytes = HEADER.unpack(header)
@@ -99,10 +106,10 @@ async def recv_frame(sock: socket.socket) -> tuple[kvcache_pb2.LaneFrame, int]:
         raise LaneError(f"frame of {frame_bytes} bytes with a payload of {payload_bytes}: past the lane's limits")
     frame = bytearray(frame_bytes)
     await recv_exactly_into(sock, memoryview(frame))
-    return kvcache_pb2.LaneFrame.FromString(bytes(frame)), payload_bytes
+    return kind.FromString(bytes(frame)), payload_bytes
 
 
-async def send_frame(sock: socket.socket, frame: kvcache_pb2.LaneFrame, payload: Sequence[Buffer] = ()) -> None:
+async def send_frame(sock: socket.socket, frame: Message, payload: Sequence[Buffer] = ()) -> None:
     """The frame, then the payload's pieces in order."""
     encoded = frame.SerializeToString()
     await send_all(sock, [HEADER.pack(len(encoded), sum(len(p) for p in payload)), encoded, *payload])
@@ -114,12 +121,41 @@ async def read_answer(sock: socket.socket,
     caller reads each payload before asking for the next frame; an answer that ends in an error is a LaneError."""
     await send_frame(sock, kvcache_pb2.LaneFrame(request=request))
     while True:
-        frame, payload_bytes = await recv_frame(sock)
+        frame, payload_bytes = await recv_frame(sock, kvcache_pb2.LaneFrame)
         if frame.WhichOneof("kind") == "end":
             if frame.end.error:
                 raise LaneError(frame.end.error)
             return
         yield frame.block, payload_bytes
+
+
+async def send_error(sock: socket.socket, frame: Message) -> None:
+    """Answer with an error frame, then read and drop whatever the peer still sends until it closes (up to
+    DRAIN_AFTER_ERROR_S): closing with its bytes unread would reset the connection, and a reset can throw away
+    the error frame before the peer has read it."""
+    await send_frame(sock, frame)
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+    sink = bytearray(2**16)
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(DRAIN_AFTER_ERROR_S):
+            while True:
+                try:
+                    if not sock.recv_into(sink):
+                        return
+                except (BlockingIOError, InterruptedError):
+                    await _ready(sock, writable=False)
+
+
+def has_pending(sock: socket.socket) -> bool:
+    """Whether something (or an EOF) waits to be read: the peer answered before being asked to."""
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True  # the next read raises it
+    return True
 
 
 def _is_open(sock: socket.socket) -> bool:
@@ -148,6 +184,59 @@ async def connect(address: str, timeout_s: float) -> socket.socket:
     return sock
 
 
+class LaneListener:
+    """A lane's listening socket: each connection is served by one task calling `exchange` until it returns
+    False (the peer closed between exchanges, or an exchange failed and answered so). A connection that breaks
+    mid-exchange is the peer's loss alone: logged, closed, nothing else disturbed."""
+
+    def __init__(self, exchange: Callable[[socket.socket], Awaitable[bool]]) -> None:
+        self.exchange = exchange
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0: any free port); the port bound."""
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._accepting = asyncio.create_task(self._accept_forever())
+        return int(listener.getsockname()[1])
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._accepting, *self._connections) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._listener is not None:
+            self._listener.close()
+
+    async def _accept_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.create_task(self._serve(sock))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        try:
+            while await self.exchange(sock):
+                pass
+        except (LaneError, OSError) as exc:  # the peer went away or broke the protocol: its loss only
+            log.info("bulk lane connection dropped", error=str(exc))
+        finally:
+            sock.close()
+
+
 class LanePool:
     """Connections to lanes, by address: each serves one exchange at a time, idle ones are kept for the next."""
 
@@ -155,10 +244,19 @@ class LanePool:
         self.connect_timeout_s = connect_timeout_s
         self._idle: dict[str, list[socket.socket]] = {}
 
+    async def acquire(self, address: str) -> socket.socket:
+        """An idle connection, else a new one (OSError or TimeoutError when the lane cannot be reached)."""
+        return self._take_idle(address) or await connect(address, self.connect_timeout_s)
+
     @contextlib.asynccontextmanager
     async def connection(self, address: str) -> AsyncIterator[socket.socket]:
         """A connection for one exchange; back to the pool only if the block exits normally."""
-        sock = self._take_idle(address) or await connect(address, self.connect_timeout_s)
+        async with self.holding(address, await self.acquire(address)) as sock:
+            yield sock
+
+    @contextlib.asynccontextmanager
+    async def holding(self, address: str, sock: socket.socket) -> AsyncIterator[socket.socket]:
+        """Use an acquired connection for one exchange; back to the pool only if the block exits normally."""
         try:
             yield sock
         except BaseException:

@@ -99,6 +99,7 @@ class ServiceRuntime:
         self._status: web.AppRunner | None = None
         self._announcer: Announcer | None = None
         self._stop = asyncio.Event()
+        self.data_address = ""  # host:port of the role's bulk lane, once started with one
 
     def advertised(self, port: int) -> str:
         """host:port as the other roles dial this process's `port`."""
@@ -143,9 +144,10 @@ class ServiceRuntime:
             site = web.TCPSite(self._status, self.settings.host, self.settings.http_port)
             await site.start()
             self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.data_address = self.advertised(data_port) if data_port else ""
         info = common_pb2.WorkerInfo(worker_id=self.worker_id, role=self.role, address=self.address, models=models,  # type: ignore[arg-type]
                                      max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, block_size=block_size,
-                                     data_address=self.advertised(data_port) if data_port else "")
+                                     data_address=self.data_address)
         self._announcer = Announcer(self.bus, info, load, self.settings.heartbeat_interval_s)
         await self._announcer.start()
         self._install_signal_handlers()

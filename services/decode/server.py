@@ -18,26 +18,13 @@ from mesh.logging import bind_request_id, get_logger
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc, events_pb2
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
-from services.compute.convert import (
-    finish_reason_to_proto, image_from_proto, layout_from_proto, logprob_to_proto, sampling_from_proto, worker_load,
-)
+from services.compute.convert import finish_reason_to_proto, logprob_to_proto, worker_load
 from services.compute.engines import ModelEngines
 from services.compute.errors import abort, status_on_error
 from services.decode.config import DecodeSettings
 from services.decode.decoder import Decoder, LeftRequest, PushHeader, TokenBatch
-
-PREFILL_TO_DECODE = "prefill_to_decode"
+from services.decode.lane import PREFILL_TO_DECODE, PushLane, header_from_proto
 log = get_logger(__name__)
-
-
-def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
-    """Raises SamplingParamsError (INVALID_ARGUMENT) for parameters the engine refuses."""
-    return PushHeader(
-        request_id=h.request_id, model=h.model, prompt_token_ids=list(h.prompt_token_ids),
-        output_token_ids=list(h.output_token_ids), params=sampling_from_proto(h.sampling),
-        cache_salt=h.cache_salt or None, layout=layout_from_proto(h.layout), num_tokens=h.num_tokens,
-        num_blocks=h.num_blocks, images=tuple(image_from_proto(i) for i in h.images),
-    )
 
 
 def token_batch_to_proto(batch: TokenBatch) -> decode_pb2.TokenBatch:
@@ -127,6 +114,7 @@ class DecodeService:
         self.runtime = runtime
         self.engines = engines
         self.decoder = Decoder(engines, settings.stream_attach_timeout_s, on_left=self._announce_left)
+        self.lane: PushLane | None = None  # the bulk lane prefill pushes KV over (KVMESH_DATA_PORT)
         self._announcing: set[asyncio.Task[None]] = set()
         self._exporter = asyncio.create_task(export_metrics_forever(engines, settings.heartbeat_interval_s))
 
@@ -137,11 +125,15 @@ class DecodeService:
         service = cls(settings, runtime, engines)
         servicer = DecodeServicer(service.decoder, runtime.lifecycle, runtime.worker_id)
         try:
+            data_port = 0
+            if settings.data_port >= 0:
+                service.lane = PushLane(service.decoder, runtime.lifecycle, runtime.worker_id)
+                data_port = await service.lane.start(settings.host, settings.data_port)
             await runtime.start(
                 register=lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server),
                 load=lambda: worker_load(engines.stats().values()), models=engines.models,
                 max_num_seqs=settings.max_num_seqs, num_kv_blocks=engines.num_kv_blocks,
-                block_size=settings.block_size)
+                block_size=settings.block_size, data_port=data_port)
             await engines.start_expert_sync(runtime.bus, runtime.worker_id, settings.expert_report_steps)
         except BaseException:
             await service.stop()
@@ -164,6 +156,8 @@ class DecodeService:
     async def stop(self) -> None:
         """Leave the pool, let followed requests finish (up to drain_timeout_s), then close."""
         await self.runtime.shutdown()
+        if self.lane is not None:
+            await self.lane.stop()
         self.decoder.close()
         self._exporter.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -184,7 +184,8 @@ class Pipeline:
         request = prefill_pb2.PrefillRequest(
             request_id=attempt_id, model=generation.model.name, prompt_token_ids=generation.prompt_token_ids,
             sampling=generation.sampling, cache_salt=generation.cache_salt, traffic_class=generation.traffic_class,
-            decode_address=route.decode.address, decode_worker_id=route.decode.worker_id, images=generation.images)
+            decode_address=route.decode.address, decode_worker_id=route.decode.worker_id,
+            decode_data_address=route.decode.data_address, images=generation.images)
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(route.prefill.address))
         call: grpc.aio.UnaryStreamCall = stub.PrefillStream(
             request, timeout=deadline.remaining(rpc.PREFILL_TIMEOUT_S), metadata=rpc.metadata(attempt_id))

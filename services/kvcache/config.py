@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mesh.config import ServiceSettings, require
+from mesh.config import ServiceSettings, require, require_data_port
 from services.kvcache.policy import POLICIES
 from services.kvcache.store import DAY_S, StoreConfig
 
@@ -49,8 +49,7 @@ class KVCacheSettings(ServiceSettings):
                 "must be one of the classes in KVMESH_TTLS")
         for name in ("expire_interval_s", "repair_interval_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
-        require(-1 <= self.data_port < 65536, "data_port", self.data_port,
-                "must be a port number (0 for any free port, -1 for no bulk lane)")
+        require_data_port(self.data_port)
         require(self.repair_delay_s >= 0, "repair_delay_s", self.repair_delay_s, "must not be negative")
 
     def store_config(self, worker_id: str) -> StoreConfig:

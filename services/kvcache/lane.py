@@ -1,89 +1,49 @@
 """The node's bulk lane (mesh.lane): layer-major reads and block writes over plain TCP, the same answers as
 KVCache.Get with slice_bytes and KVCache.Put, the reads written straight from the blocks the store holds.
 
-Each connection is served by one task, one exchange at a time. A read: a request frame, answered by the header
-frames, the chunk frames (payload: the slices, never joined) and an end frame; or, for whole blocks
-(slice_bytes 0), by one header frame per block with its bytes as the payload, and an end frame. A write: block
+Each connection is served by one task (mesh.lane.LaneListener), one exchange at a time. A read: a request
+frame, answered by the header frames, the chunk frames (payload: the slices, never joined) and an end frame; or,
+for whole blocks (slice_bytes 0), by one header frame per block with its bytes as the payload, and an end frame. A write: block
 frames (payload: each block's bytes) and an end frame, answered by a put_response frame. An exchange that fails
 (bad input, rejected blocks, draining) gets an end frame with the error and the gRPC code Get or Put would have
-answered, then the connection is closed.
+answered; what the client still sends is dropped until it closes.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import socket
 from typing import TYPE_CHECKING
 
 import grpc
 
 from mesh import rpc
-from mesh.lane import LaneError, recv_exactly_into, recv_frame, send_frame
-from mesh.logging import get_logger
-from mesh.pb import kvcache_pb2
+from mesh.lane import LaneError, LaneListener, recv_exactly_into, recv_frame, send_error, send_frame
+from mesh.pb import common_pb2, kvcache_pb2
 from services.kvcache.blocks import Block, BlockError, layer_major_slices
 from services.kvcache.codec import block_from_pb, block_to_pb
 
 if TYPE_CHECKING:
     from services.kvcache.server import KVCacheServicer
 
-log = get_logger(__name__)
 LANE_CHUNK_BYTES = 8 * 2**20  # a lane frame's payload: one scatter-gather exchange of the slices it holds
 
 
 class LaneServer:
     def __init__(self, servicer: KVCacheServicer) -> None:
         self.servicer = servicer
-        self._listener: socket.socket | None = None
-        self._accepting: asyncio.Task[None] | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._listener = LaneListener(self._exchange)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port); the port bound."""
-        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(64)
-        listener.setblocking(False)
-        self._listener = listener
-        self._accepting = asyncio.create_task(self._accept_forever())
-        return int(listener.getsockname()[1])
+        return await self._listener.start(host, port)
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._accepting, *self._connections) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._listener is not None:
-            self._listener.close()
-
-    async def _accept_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._listener is not None
-        while True:
-            sock, _ = await loop.sock_accept(self._listener)
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = asyncio.create_task(self._serve(sock))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
-
-    async def _serve(self, sock: socket.socket) -> None:
-        try:
-            while await self._exchange(sock):
-                pass
-        except (LaneError, OSError) as exc:  # the reader went away or broke the protocol: its loss only
-            log.info("bulk lane connection dropped", error=str(exc))
-        finally:
-            sock.close()
+        await self._listener.stop()
 
     async def _exchange(self, sock: socket.socket) -> bool:
         """Answer one exchange; False when the connection is done (closed by the client, or after an error)."""
         try:
-            frame, payload_bytes = await recv_frame(sock)
+            frame, payload_bytes = await recv_frame(sock, kvcache_pb2.LaneFrame)
         except LaneError:
             return False  # closed between exchanges: the normal end of a pooled connection
         try:
@@ -99,10 +59,10 @@ class LaneServer:
                     raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane exchange starts with a "
                                            "request frame (no payload) or a block frame")
         except rpc.ServiceError as error:
-            end = kvcache_pb2.LaneEnd(error=str(error), code=error.code.value[0])
-            await send_frame(sock, kvcache_pb2.LaneFrame(end=end))
+            end = common_pb2.LaneEnd(error=str(error), code=error.code.value[0])
+            await send_error(sock, kvcache_pb2.LaneFrame(end=end))
             return False
-        await send_frame(sock, kvcache_pb2.LaneFrame(end=kvcache_pb2.LaneEnd()))
+        await send_frame(sock, kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd()))
         return True
 
     async def _read(self, sock: socket.socket, request: kvcache_pb2.GetRequest) -> None:
@@ -135,7 +95,7 @@ class LaneServer:
                 blocks.append(block_from_pb(frame.block, bytes(data)))
             except BlockError as exc:
                 rejections.append(str(exc))
-            frame, payload_bytes = await recv_frame(sock)
+            frame, payload_bytes = await recv_frame(sock, kvcache_pb2.LaneFrame)
         if frame.WhichOneof("kind") != "end" or payload_bytes:
             raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane write is block frames, then an "
                                    "end frame")

@@ -17,6 +17,7 @@ class PrefillSettings(WorkerSettings):
     kv_index_enabled: bool = True  # read the store through the global KV index (JetStream replay)
     kv_stream_layers: bool = True  # with the index: read layer-major into the engine while it computes
     kv_store_lanes: bool = True  # ... over the store nodes' bulk lanes (plain TCP) where they have one, else gRPC
+    kv_push_lanes: bool = True  # push KV to decode over its bulk lane where it has one, else Decode.PushKV
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -42,6 +42,7 @@ class PrefillJob:
     cache_salt: str | None  # tenant salt: enters every block key
     decode_address: str
     decode_worker_id: str
+    decode_data_address: str = ""  # the decode worker's bulk lane: the push goes there when set
     traffic_class: str = ""  # agent | chat | ...: the TTL class of the blocks it writes to the KV store
     images: tuple[EmbeddingSpan, ...] = ()  # embeddings at the prompt's image placeholders (from the encoder)
 

@@ -39,6 +39,7 @@ def job_from_proto(r: prefill_pb2.PrefillRequest) -> PrefillJob:
     return PrefillJob(request_id=r.request_id, model=r.model, prompt_token_ids=list(r.prompt_token_ids),
                       params=sampling_from_proto(r.sampling), cache_salt=r.cache_salt or None,
                       decode_address=r.decode_address, decode_worker_id=r.decode_worker_id,
+                      decode_data_address=r.decode_data_address,
                       traffic_class=r.traffic_class, images=tuple(image_from_proto(i) for i in r.images))
 
 
@@ -128,6 +129,7 @@ class PrefillService:
         self.relay = relay
         self.store: StoreClient | None = None
         self.engines: ModelEngines | None = None
+        self.pusher: DecodePusher | None = None
 
     @classmethod
     async def start(cls, settings: PrefillSettings) -> PrefillService:
@@ -149,7 +151,8 @@ class PrefillService:
         service.store = store
         try:
             service.engines = engines = await ModelEngines.load(settings, relay.hook)
-            prefiller = Prefiller(engines, DecodePusher(runtime.channels), store, relay.note_injected,
+            service.pusher = DecodePusher(runtime.channels, use_lanes=settings.kv_push_lanes)
+            prefiller = Prefiller(engines, service.pusher, store, relay.note_injected,
                                   max_chunk_bytes=rpc.KV_CHUNK_BYTES,
                                   critical=writer.defer_while if writer is not None else contextlib.nullcontext)
             servicer = PrefillServicer(prefiller, runtime.lifecycle, runtime.worker_id)
@@ -175,6 +178,8 @@ class PrefillService:
         await self.runtime.shutdown(before_drain=finish_work)
         if self.engines is not None:
             await self.engines.stop()
+        if self.pusher is not None:
+            self.pusher.close()
         await self.relay.stop()
         if self.writer is not None:
             await self.writer.stop()

@@ -398,8 +398,8 @@ class StoreClient:
             async with asyncio.timeout(self.timeout_s), self.lanes.connection(address) as sock:
                 for header, data in fragments:
                     await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=header), [data])
-                await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=kvcache_pb2.LaneEnd()))
-                frame, payload_bytes = await lane.recv_frame(sock)
+                await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd()))
+                frame, payload_bytes = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
                 if frame.WhichOneof("kind") != "put_response" or payload_bytes:
                     raise lane.LaneError(frame.end.error or "the node did not answer the write")
         except (OSError, TimeoutError, lane.LaneError) as exc:

@@ -1,6 +1,7 @@
 """The bulk lane's frames over a real loopback connection: pieces written from where they lie arrive byte for
 byte in the views they are received into, however the kernel splits them; a frame past the limits or a
-connection closed mid-frame is a LaneError; the pool reuses a cleanly used connection and drops a broken one."""
+connection closed mid-frame is a LaneError; the pool reuses a cleanly used connection and drops a broken one;
+an error frame reaches a peer still writing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import socket
 import pytest
 
 from mesh import lane
-from mesh.pb import kvcache_pb2
+from mesh.pb import common_pb2, kvcache_pb2
 
 
 async def connected_pair() -> tuple[socket.socket, socket.socket]:
@@ -34,7 +35,7 @@ async def test_a_frame_and_its_pieces_arrive_exactly_in_the_views_they_are_recei
     total = sum(map(len, pieces))
 
     async def receive() -> tuple[kvcache_pb2.LaneFrame, int, list[bytearray]]:
-        got, payload_bytes = await lane.recv_frame(receiver)
+        got, payload_bytes = await lane.recv_frame(receiver, kvcache_pb2.LaneFrame)
         sizes = [10, total - 10 - 4, 4]  # views that cut across the pieces' boundaries
         views = [bytearray(n) for n in sizes]
         await lane.recv_exactly_into(receiver, *map(memoryview, views))
@@ -53,11 +54,11 @@ async def test_a_connection_closed_mid_frame_or_a_frame_past_the_limits_is_a_lan
     sender, receiver = await connected_pair()
     await asyncio.get_running_loop().sock_sendall(sender, lane.HEADER.pack(lane.MAX_FRAME_BYTES + 1, 0))
     with pytest.raises(lane.LaneError, match="past the lane's limits"):
-        await lane.recv_frame(receiver)
+        await lane.recv_frame(receiver, kvcache_pb2.LaneFrame)
     await asyncio.get_running_loop().sock_sendall(sender, lane.HEADER.pack(100, 0) + b"only part")
     sender.close()
     with pytest.raises(lane.LaneError, match="closed mid-frame"):
-        await lane.recv_frame(receiver)
+        await lane.recv_frame(receiver, kvcache_pb2.LaneFrame)
     receiver.close()
 
 
@@ -99,3 +100,24 @@ async def test_the_pool_reuses_a_clean_connection_and_closes_one_that_failed() -
     for sock in accepted:
         sock.close()
     listener.close()
+
+
+async def test_an_error_frame_reaches_a_peer_that_is_still_writing() -> None:
+    """The answering side gives up after one frame while the peer still writes a large payload: the peer can
+    finish writing and then read the error (a plain close with bytes unread would reset the connection)."""
+    writer, answerer = await connected_pair()
+    error = kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd(error="refused", code=3))
+
+    async def refuse() -> None:
+        await lane.recv_frame(answerer, kvcache_pb2.LaneFrame)
+        await lane.send_error(answerer, error)  # returns once the writer has closed
+        answerer.close()  # as LaneListener does after a failed exchange
+
+    refusing = asyncio.create_task(refuse())
+    assert not lane.has_pending(writer)
+    await lane.send_frame(writer, kvcache_pb2.LaneFrame(block=kvcache_pb2.Block()), [bytes(32 * 2**20)])
+    assert lane.has_pending(writer)  # the answer came before it was asked for
+    got, payload_bytes = await lane.recv_frame(writer, kvcache_pb2.LaneFrame)
+    assert (got, payload_bytes) == (error, 0)
+    writer.close()
+    await asyncio.wait_for(refusing, 5.0)

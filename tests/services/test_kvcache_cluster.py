@@ -181,17 +181,17 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
     sock = await lane.connect(address, timeout_s=2.0)
     await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
         block_hashes=[blocks[0].block_hash], model="m", skip_missing=True, slice_bytes=-1)))
-    frame, payload_bytes = await lane.recv_frame(sock)
+    frame, payload_bytes = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
     assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and payload_bytes == 0
     assert "slice_bytes must not be negative" in frame.end.error
     with pytest.raises(lane.LaneError, match="closed"):  # the node closed this connection
-        await lane.recv_frame(sock)
+        await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
     sock.close()
 
     sock = await lane.connect(address, timeout_s=2.0)  # a new one is served; and the model is required
     await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
         block_hashes=[blocks[0].block_hash], slice_bytes=64)))
-    frame, _ = await lane.recv_frame(sock)
+    frame, _ = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
     assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "model is required" in frame.end.error
     sock.close()
 
@@ -199,13 +199,13 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
     await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
         block_hashes=[b.block_hash for b in blocks], model="m", skip_missing=True)))
     for block in blocks:  # 2+1 over three nodes: this one holds a fragment of each
-        frame, payload_bytes = await lane.recv_frame(sock)
+        frame, payload_bytes = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
         assert frame.block.block_hash == block.block_hash and not frame.block.data
         assert payload_bytes == len(block.data) // 2  # a data or parity fragment: half the block
         fragment = bytearray(payload_bytes)
         await lane.recv_exactly_into(sock, memoryview(fragment))
         assert checksum(fragment) == frame.block.checksum
-    frame, _ = await lane.recv_frame(sock)
+    frame, _ = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
     assert frame.WhichOneof("kind") == "end" and not frame.end.error
     sock.close()
 
@@ -213,7 +213,7 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
     for _ in range(2):  # twice on one connection
         await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
             block_hashes=[bytes(32)], model="m", skip_missing=True, slice_bytes=64)))
-        frame, _ = await lane.recv_frame(sock)
+        frame, _ = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
         assert frame.WhichOneof("kind") == "end" and frame.end.error == "" and frame.end.code == 0
     sock.close()
 
@@ -229,8 +229,8 @@ async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad
     for _ in range(2):  # twice on one connection: the second time both are already there
         for header, block in zip(headers, good):
             await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=header), [block.data])
-        await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=kvcache_pb2.LaneEnd()))
-        frame, _ = await lane.recv_frame(sock)
+        await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd()))
+        frame, _ = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
         assert frame.WhichOneof("kind") == "put_response"
     assert (frame.put_response.num_stored, frame.put_response.num_present) == (0, 2)
     # a block without a layout and one whose bytes do not match its checksum: rejected, named; the good one kept
@@ -241,8 +241,8 @@ async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad
     await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=bad_sum), [other.data])
     await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=kvcache_pb2.Block(
         block_hash=other.block_hash, parent_hash=ROOT, layout=layout_to_proto(LAYOUT))), [other.data])
-    await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=kvcache_pb2.LaneEnd()))
-    frame, _ = await lane.recv_frame(sock)
+    await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd()))
+    frame, _ = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
     assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert frame.end.error.startswith("rejected 2 block(s), stored 1, already present 0: ")
     assert "has no layout" in frame.end.error

@@ -75,7 +75,8 @@ class Mesh:
         decode = decode or self.decode
         values: dict = dict(request_id=request_id, model=model, prompt_token_ids=prompt,
                             sampling=sampling_to_proto(params), decode_address=decode.runtime.address,
-                            decode_worker_id=decode.runtime.worker_id)
+                            decode_worker_id=decode.runtime.worker_id,
+                            decode_data_address=decode.runtime.data_address)  # pushes go over the bulk lane
         return prefill_pb2.PrefillRequest(**{**values, **fields})
 
 
@@ -214,7 +215,8 @@ async def test_a_handoff_streams_exactly_the_tokens_of_one_engine(mesh: Mesh, wh
 async def test_a_first_token_that_ends_the_request_pushes_nothing(mesh: Mesh):
     prompt = prompt_of(30, seed=2)
     expected, _ = reference_outputs(mesh.llama, prompt, GREEDY)
-    nowhere = dict(decode_address=f"127.0.0.1:{free_port()}", decode_worker_id="decode-nowhere")
+    nowhere = dict(decode_address=f"127.0.0.1:{free_port()}", decode_worker_id="decode-nowhere",
+                   decode_data_address=f"127.0.0.1:{free_port()}")
     one = await mesh.prefill_stub.Prefill(
         mesh.request("one-token", mesh.llama, prompt, dataclasses.replace(GREEDY, max_tokens=1), **nowhere))
     assert (one.first_token_id, one.finish_reason, one.kv_bytes_sent) == (
@@ -342,8 +344,8 @@ async def test_a_full_or_missing_decode_worker_fails_the_prefill_naming_it(mesh:
 
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await mesh.prefill_stub.Prefill(mesh.request(
-            "unreachable", mesh.llama, prompt_of(40, seed=6), GREEDY,
-            decode_address=f"127.0.0.1:{free_port()}", decode_worker_id="decode-gone"))
+            "unreachable", mesh.llama, prompt_of(40, seed=6), GREEDY, decode_address=f"127.0.0.1:{free_port()}",
+            decode_worker_id="decode-gone", decode_data_address=f"127.0.0.1:{free_port()}"))
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     assert trailing(error.value)[rpc.FAILED_WORKER_KEY] == "decode-gone"
 
@@ -356,7 +358,7 @@ async def test_a_cancelled_prefill_frees_its_kv_and_breaks_the_push(mesh: Mesh):
     await server.start()
     try:
         call = mesh.prefill_stub.Prefill(mesh.request("abandoned", mesh.llama, prompt_of(37, seed=10), GREEDY,
-                                                      decode_address=f"127.0.0.1:{port}"))
+                                                      decode_address=f"127.0.0.1:{port}", decode_data_address=""))
         await wait_until(lambda: stalled.num_messages == 1 + 3, what="the header and one chunk per layer")
         stats = await engine_stats(mesh.prefill, mesh.llama)
         assert stats.num_free_kv_blocks == stats.num_kv_blocks - 3  # the kept request, waiting on decode

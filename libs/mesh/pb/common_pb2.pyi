@@ -133,6 +133,14 @@ class WorkerInfo(_message.Message):
     data_address: str
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
+class LaneEnd(_message.Message):
+    __slots__ = ("error", "code")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    code: int
+    def __init__(self, error: _Optional[str] = ..., code: _Optional[int] = ...) -> None: ...
+
 class WorkerLoad(_message.Message):
     __slots__ = ("num_running", "num_waiting", "num_free_kv_blocks", "kv_usage", "num_kv_tokens", "num_queued_prompt_tokens", "num_cached_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]

@@ -15,17 +15,9 @@ class LaneFrame(_message.Message):
     PUT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     request: GetRequest
     block: Block
-    end: LaneEnd
+    end: _common_pb2.LaneEnd
     put_response: PutResponse
-    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., end: _Optional[_Union[LaneEnd, _Mapping]] = ..., put_response: _Optional[_Union[PutResponse, _Mapping]] = ...) -> None: ...
-
-class LaneEnd(_message.Message):
-    __slots__ = ("error", "code")
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    error: str
-    code: int
-    def __init__(self, error: _Optional[str] = ..., code: _Optional[int] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.LaneEnd, _Mapping]] = ..., put_response: _Optional[_Union[PutResponse, _Mapping]] = ...) -> None: ...
 
 class Block(_message.Message):
     __slots__ = ("block_hash", "parent_hash", "layout", "data", "checksum", "block_checksum", "fragment_index", "num_data_fragments", "num_fragments", "traffic_class", "tier", "offset", "first_block")

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "cache_salt", "decode_address", "decode_worker_id", "traffic_class", "images")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "cache_salt", "decode_address", "decode_worker_id", "traffic_class", "images", "decode_data_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class PrefillRequest(_message.Message):
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -28,7 +29,8 @@ class PrefillRequest(_message.Message):
     decode_worker_id: str
     traffic_class: str
     images: _containers.RepeatedCompositeFieldContainer[_encoder_pb2.PromptImage]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., traffic_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_encoder_pb2.PromptImage, _Mapping]]] = ...) -> None: ...
+    decode_data_address: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., traffic_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_encoder_pb2.PromptImage, _Mapping]]] = ..., decode_data_address: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("worker_id", "first_token_id", "first_logprob", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_store_tokens", "prefill_seconds", "kv_bytes_sent", "kv_pending")

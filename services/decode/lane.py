@@ -1,0 +1,107 @@
+"""Decode's bulk lane (mesh.lane): prefill's KV pushes over plain TCP, the same exchange as Decode.PushKV.
+
+A push (decode.proto, PushLaneFrame): a header frame, answered with `reserved` once the blocks are held; chunk
+frames, each chunk's bytes as the frame's payload, received straight into the buffers the engine loads from;
+an end frame, answered with `response` once every chunk is written and the request decodes. A push that fails
+(bad input, no free blocks, draining, too slow) gets an end frame with the error and the code PushKV would have
+answered; prefill closing the connection mid-push aborts it, and the Decoder frees its blocks either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine_core.kv_transfer import KVChunk, KVLayoutError
+from mesh import metrics
+from mesh.lane import LaneError, LaneListener, recv_exactly_into, recv_frame, send_error, send_frame
+from mesh.logging import bind_request_id
+from mesh.pb import common_pb2, decode_pb2
+from mesh.rpc import ServiceError
+from mesh.service import Lifecycle
+from services.compute.convert import image_from_proto, layout_from_proto, sampling_from_proto
+from services.compute.errors import status_on_error
+from services.decode.decoder import Decoder, PushHeader
+
+PUSH_TIMEOUT_S = 120.0  # header to end: the deadline prefill puts on PushKV, so a stalled pusher frees its blocks
+PREFILL_TO_DECODE = "prefill_to_decode"  # kvmesh_kv_transfer_bytes_total's direction, counted by both ends
+
+
+def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
+    """Raises SamplingParamsError (INVALID_ARGUMENT) for parameters the engine refuses."""
+    return PushHeader(
+        request_id=h.request_id, model=h.model, prompt_token_ids=list(h.prompt_token_ids),
+        output_token_ids=list(h.output_token_ids), params=sampling_from_proto(h.sampling),
+        cache_salt=h.cache_salt or None, layout=layout_from_proto(h.layout), num_tokens=h.num_tokens,
+        num_blocks=h.num_blocks, images=tuple(image_from_proto(i) for i in h.images),
+    )
+
+
+class PushLane:
+    def __init__(self, decoder: Decoder, lifecycle: Lifecycle, worker_id: str,
+                 push_timeout_s: float = PUSH_TIMEOUT_S) -> None:
+        self.decoder = decoder
+        self.lifecycle = lifecycle
+        self.worker_id = worker_id
+        self.push_timeout_s = push_timeout_s
+        self._listener = LaneListener(self._exchange)
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0: any free port); the port bound."""
+        return await self._listener.start(host, port)
+
+    async def stop(self) -> None:
+        await self._listener.stop()
+
+    async def _exchange(self, sock: socket.socket) -> bool:
+        """Take one push; False when the connection is done (closed by prefill, or after an error)."""
+        try:
+            frame, payload_bytes = await recv_frame(sock, decode_pb2.PushLaneFrame)
+        except LaneError:
+            return False  # closed between pushes: the normal end of a pooled connection
+        try:
+            with self.lifecycle.track(), status_on_error():
+                if frame.WhichOneof("kind") != "header" or payload_bytes:
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
+                header = header_from_proto(frame.header)
+                with bind_request_id(header.request_id):
+                    try:
+                        async with asyncio.timeout(self.push_timeout_s):
+                            num_bytes = await self.decoder.receive(
+                                header, self._chunks(sock, header),
+                                on_reserved=lambda: send_frame(sock, decode_pb2.PushLaneFrame(
+                                    reserved=decode_pb2.PushReserved())))
+                    except TimeoutError as exc:
+                        raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the KV push took longer than "
+                                           f"{self.push_timeout_s:g} s") from exc
+        except ServiceError as error:
+            end = common_pb2.LaneEnd(error=str(error), code=error.code.value[0])
+            await send_error(sock, decode_pb2.PushLaneFrame(end=end))
+            return False
+        metrics.KV_TRANSFER_BYTES.labels(direction=PREFILL_TO_DECODE).inc(num_bytes)
+        response = decode_pb2.PushKVResponse(worker_id=self.worker_id, num_bytes=num_bytes)
+        await send_frame(sock, decode_pb2.PushLaneFrame(response=response))
+        return True
+
+    @staticmethod
+    async def _chunks(sock: socket.socket, header: PushHeader) -> AsyncIterator[KVChunk]:
+        """The push's chunks up to its end frame, each received into a buffer of its own (the Decoder keeps them
+        until it writes them all in one engine call)."""
+        layout = header.layout
+        while True:
+            frame, payload_bytes = await recv_frame(sock, decode_pb2.PushLaneFrame)
+            kind = frame.WhichOneof("kind")
+            if kind == "end" and not payload_bytes:
+                return
+            if kind != "chunk":
+                raise ValueError("a KV push has exactly one header, and it comes first; then chunks, then an end")
+            chunk = frame.chunk
+            # checked before the payload is read: the buffer is sized by what the header allows, never by the frame
+            if not 0 < chunk.num_blocks <= header.num_blocks or payload_bytes != layout.chunk_bytes(chunk.num_blocks):
+                raise KVLayoutError(f"KV chunk of {payload_bytes} bytes does not hold {chunk.num_blocks} blocks")
+            data = bytearray(payload_bytes)
+            await recv_exactly_into(sock, memoryview(data))
+            yield KVChunk(chunk.layer, chunk.first_block, chunk.num_blocks, data)
