@@ -34,7 +34,7 @@ def header_to_proto(job: PrefillJob, export: KVExport) -> decode_pb2.KVPushHeade
 
 def chunk_to_proto(chunk: KVChunk, with_data: bool = True) -> decode_pb2.KVChunk:
     return decode_pb2.KVChunk(layer=chunk.layer, first_block=chunk.first_block, num_blocks=chunk.num_blocks,
-                              data=chunk.data if with_data else b"")
+                              data=bytes(chunk.data) if with_data else b"")  # bytes: no copy
 
 
 def push_error(job: PrefillJob, code: grpc.StatusCode, details: str | None) -> PushError:
