@@ -366,7 +366,7 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return True
 
-    def import_kv_chunk(self, request_id: str, layer: int, data: bytes | bytearray, first_block: int = 0) -> None:
+    def import_kv_chunk(self, request_id: str, layer: int, data: bytes | bytearray | memoryview, first_block: int = 0) -> None:
         """Write one chunk of the request's KV: blocks [first_block, ...) of `layer`, as many as `data` holds."""
         request = self._importing(request_id)
         if not 0 <= layer < self.model_config.num_layers:

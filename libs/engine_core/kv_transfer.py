@@ -57,12 +57,13 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def bytes_to_tensor(data: bytes | bytearray, layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    """A view of `data` when it is a bytearray (received into, so writable), else of a writable copy."""
+def bytes_to_tensor(data: bytes | bytearray | memoryview, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """A view of `data` when it is writable (received into), else of a writable copy."""
     expected = layout.chunk_bytes(num_blocks)
     if len(data) != expected:
         raise KVLayoutError(f"KV chunk has {len(data)} bytes, expected {expected} for {num_blocks} blocks")
-    raw = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+    raw = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
     return raw.view(layout.torch_dtype).view(layout.chunk_shape(num_blocks))
 
 
@@ -71,7 +72,8 @@ def block_bytes_to_tensor(data: bytes, layout: KVLayout) -> torch.Tensor:
     expected = layout.num_layers * layout.chunk_bytes(1)
     if len(data) != expected:
         raise KVLayoutError(f"KV block has {len(data)} bytes, expected {expected}")
-    raw = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+    raw = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
     return raw.view(layout.torch_dtype).view(layout.num_layers, *layout.layer_shape)
 
 
@@ -82,7 +84,7 @@ class KVChunk:
     layer: int
     first_block: int
     num_blocks: int
-    data: bytes | bytearray  # layout.chunk_shape(num_blocks), raw
+    data: bytes | bytearray | memoryview  # layout.chunk_shape(num_blocks), raw
 
 
 @dataclass(frozen=True)

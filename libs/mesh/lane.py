@@ -184,6 +184,43 @@ async def connect(address: str, timeout_s: float) -> socket.socket:
     return sock
 
 
+class BufferPool:
+    """Receive buffers, reused. A fresh bytearray is zeroed and then faulted in page by page as bytes land, which
+    for a large prefix cost more than moving it (256 MiB: 0.16 s, the wire 0.12 s). Buffers come back once their
+    bytes are in the engine (which copies them); the idle ones are bounded by bytes, and a buffer given back makes
+    room by dropping idle ones of other sizes (the sizes used lately win). `take` gives exactly the size asked
+    (readers whose sizes repeat: one model's blocks); `take_at_least` rounds up to a power of two, so buffers of
+    varied sizes (one per push) are reused too, at most twice the bytes asked (pages never written are never
+    faulted in)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._free: dict[int, list[bytearray]] = {}
+
+    def take(self, size: int) -> bytearray:
+        free = self._free.get(size)
+        if free:
+            self.num_bytes -= size
+            return free.pop()
+        return bytearray(size)
+
+    def take_at_least(self, size: int) -> bytearray:
+        return self.take(1 << max(size - 1, 0).bit_length())
+
+    def give(self, buffers: Sequence[bytearray]) -> None:
+        for buffer in buffers:
+            size = len(buffer)
+            for other in sorted(self._free, reverse=True):  # the largest other size goes first
+                if self.num_bytes + size <= self.max_bytes:
+                    break
+                if other != size:
+                    self.num_bytes -= other * len(self._free.pop(other))
+            if self.num_bytes + size <= self.max_bytes:
+                self._free.setdefault(size, []).append(buffer)
+                self.num_bytes += size
+
+
 class LaneListener:
     """A lane's listening socket: each connection is served by one task calling `exchange` until it returns
     False (the peer closed between exchanges, or an exchange failed and answered so). A connection that breaks

@@ -1,7 +1,8 @@
 """Decode's bulk lane (mesh.lane): prefill's KV pushes over plain TCP, the same exchange as Decode.PushKV.
 
 A push (decode.proto, PushLaneFrame): a header frame, answered with `reserved` once the blocks are held; chunk
-frames, each chunk's bytes as the frame's payload, received straight into the buffers the engine loads from;
+frames, each chunk's bytes as the frame's payload, received straight into one buffer the engine loads from
+(pooled: faulting in fresh pages cost more than the wire);
 an end frame, answered with `response` once every chunk is written and the request decodes. A push that fails
 (bad input, no free blocks, draining, too slow) gets an end frame with the error and the code PushKV would have
 answered; prefill closing the connection mid-push aborts it, and the Decoder frees its blocks either way.
@@ -17,7 +18,7 @@ import grpc
 
 from engine_core.kv_transfer import KVChunk, KVLayoutError
 from mesh import metrics
-from mesh.lane import LaneError, LaneListener, recv_exactly_into, recv_frame, send_error, send_frame
+from mesh.lane import BufferPool, LaneError, LaneListener, recv_exactly_into, recv_frame, send_error, send_frame
 from mesh.logging import bind_request_id
 from mesh.pb import common_pb2, decode_pb2
 from mesh.rpc import ServiceError
@@ -27,6 +28,7 @@ from services.compute.errors import status_on_error
 from services.decode.decoder import Decoder, PushHeader
 
 PUSH_TIMEOUT_S = 120.0  # header to end: the deadline prefill puts on PushKV, so a stalled pusher frees its blocks
+RECEIVE_BUFFER_BYTES = 512 * 2**20  # idle receive buffers kept for the next pushes
 PREFILL_TO_DECODE = "prefill_to_decode"  # kvmesh_kv_transfer_bytes_total's direction, counted by both ends
 
 
@@ -47,6 +49,7 @@ class PushLane:
         self.lifecycle = lifecycle
         self.worker_id = worker_id
         self.push_timeout_s = push_timeout_s
+        self.buffers = BufferPool(RECEIVE_BUFFER_BYTES)
         self._listener = LaneListener(self._exchange)
 
     async def start(self, host: str, port: int) -> int:
@@ -67,16 +70,18 @@ class PushLane:
                 if frame.WhichOneof("kind") != "header" or payload_bytes:
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
                 header = header_from_proto(frame.header)
+                taken: list[bytearray] = []
                 with bind_request_id(header.request_id):
                     try:
                         async with asyncio.timeout(self.push_timeout_s):
                             num_bytes = await self.decoder.receive(
-                                header, self._chunks(sock, header),
+                                header, self._chunks(sock, header, taken),
                                 on_reserved=lambda: send_frame(sock, decode_pb2.PushLaneFrame(
                                     reserved=decode_pb2.PushReserved())))
                     except TimeoutError as exc:
                         raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the KV push took longer than "
                                            f"{self.push_timeout_s:g} s") from exc
+                self.buffers.give(taken)  # the engine has copied it; not after a failure, when it may not have
         except ServiceError as error:
             end = common_pb2.LaneEnd(error=str(error), code=error.code.value[0])
             await send_error(sock, decode_pb2.PushLaneFrame(end=end))
@@ -86,11 +91,15 @@ class PushLane:
         await send_frame(sock, decode_pb2.PushLaneFrame(response=response))
         return True
 
-    @staticmethod
-    async def _chunks(sock: socket.socket, header: PushHeader) -> AsyncIterator[KVChunk]:
-        """The push's chunks up to its end frame, each received into a buffer of its own (the Decoder keeps them
-        until it writes them all in one engine call)."""
+    async def _chunks(self, sock: socket.socket, header: PushHeader, taken: list[bytearray]) -> AsyncIterator[KVChunk]:
+        """The push's chunks up to its end frame, received one after another into one pooled buffer (put in
+        `taken`), which the Decoder keeps until it writes them all in one engine call. The buffer is taken at the
+        first chunk: by then the header is checked and its blocks are reserved, so its size is one the cache
+        holds."""
         layout = header.layout
+        total = layout.num_layers * layout.chunk_bytes(header.num_blocks)
+        buffer = memoryview(b"")
+        offset = 0
         while True:
             frame, payload_bytes = await recv_frame(sock, decode_pb2.PushLaneFrame)
             kind = frame.WhichOneof("kind")
@@ -99,9 +108,15 @@ class PushLane:
             if kind != "chunk":
                 raise ValueError("a KV push has exactly one header, and it comes first; then chunks, then an end")
             chunk = frame.chunk
-            # checked before the payload is read: the buffer is sized by what the header allows, never by the frame
+            # checked before the payload is read: it lands in what the header announced, never past it
             if not 0 < chunk.num_blocks <= header.num_blocks or payload_bytes != layout.chunk_bytes(chunk.num_blocks):
                 raise KVLayoutError(f"KV chunk of {payload_bytes} bytes does not hold {chunk.num_blocks} blocks")
-            data = bytearray(payload_bytes)
-            await recv_exactly_into(sock, memoryview(data))
+            if offset + payload_bytes > total:
+                raise KVLayoutError(f"the KV push holds more than its header's {header.num_blocks} blocks per layer")
+            if not taken:
+                taken.append(self.buffers.take_at_least(total))
+                buffer = memoryview(taken[0])
+            data = buffer[offset:offset + payload_bytes]
+            await recv_exactly_into(sock, data)
+            offset += payload_bytes
             yield KVChunk(chunk.layer, chunk.first_block, chunk.num_blocks, data)

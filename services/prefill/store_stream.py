@@ -25,7 +25,7 @@ from mesh.logging import get_logger
 from mesh.pb import kvcache_pb2
 from services.compute.convert import layout_to_proto
 from services.kvcache.blocks import checksum
-from services.prefill.store_client import BufferPool, Source, StoreClient, _Fetched, _store_failed, plan_reads
+from services.prefill.store_client import Source, StoreClient, _Fetched, _store_failed, plan_reads
 
 log = get_logger(__name__)
 MAX_CHUNK_BYTES = 2 * 2**20  # a slice of every block, past which more layers per slice only add latency
@@ -47,7 +47,7 @@ class _Buffers:
 
     layout: KVLayout
     num_data: list[int]  # k, per block
-    pool: BufferPool
+    pool: lane.BufferPool
     data: list[bytearray] = field(init=False)
     filled: list[list[int]] = field(init=False)  # per block, per data fragment: bytes arrived (in order)
     layer_bytes: int = field(init=False)

@@ -121,3 +121,19 @@ async def test_an_error_frame_reaches_a_peer_that_is_still_writing() -> None:
     assert (got, payload_bytes) == (error, 0)
     writer.close()
     await asyncio.wait_for(refusing, 5.0)
+
+
+def test_the_buffer_pool_reuses_by_size_and_keeps_a_bounded_number_of_bytes() -> None:
+    pool = lane.BufferPool(max_bytes=12)
+    exact = pool.take(3)
+    rounded = [pool.take_at_least(n) for n in (3, 4, 5, 1, 0)]
+    assert (len(exact), [len(b) for b in rounded]) == (3, [4, 4, 8, 1, 1])
+    pool.give([exact, rounded[0]])
+    assert pool.num_bytes == 7 and pool.take_at_least(3) is rounded[0] and pool.take(3) is exact
+    pool.give([exact, rounded[0], rounded[1], rounded[2]])  # 3 + 4 + 4 = 11, then the 8 drops the 4s to fit
+    assert pool.num_bytes == 11
+    assert pool.take_at_least(5) is rounded[2] and pool.take(3) is exact
+    fresh = pool.take_at_least(4)
+    assert all(fresh is not r for r in rounded) and pool.num_bytes == 0
+    pool.give([bytearray(13)])  # past the bound on its own: dropped
+    assert pool.num_bytes == 0

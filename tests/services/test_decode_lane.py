@@ -157,6 +157,8 @@ async def test_bad_pushes_on_the_lane_get_the_codes_pushkv_gives_and_free_their_
         ([header, chunk(0, 2, 2 * LAYER_BLOCK_BYTES), end], grpc.StatusCode.INVALID_ARGUMENT,
          "incomplete KV push"),  # one layer of three
         ([header, header], grpc.StatusCode.INVALID_ARGUMENT, "exactly one header"),
+        ([header] + [chunk(layer % 3, 2, 2 * LAYER_BLOCK_BYTES) for layer in range(4)],
+         grpc.StatusCode.INVALID_ARGUMENT, "holds more than its header's 2 blocks per layer"),
     ]
     for frames, code, message in cases:
         answer = await exchange(pair.decode.runtime.data_address, frames)

@@ -1,4 +1,5 @@
-"""The KV cache benchmarks' command lines (`kvmesh bench kvcache | kv-transfer | kv-ttft`), kept out of cli.py.
+"""The KV benchmarks' command lines (`kvmesh bench kvcache | kv-transfer | kv-push | kv-ttft | kv-index`), kept
+out of cli.py.
 Imports here stay light: each benchmark's module is imported only when it runs."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-COMMANDS = ("kvcache", "kv-transfer", "kv-ttft", "kv-index")
+COMMANDS = ("kvcache", "kv-transfer", "kv-push", "kv-ttft", "kv-index")
 
 
 def add_parsers(bench_commands: Any) -> None:
@@ -27,6 +28,12 @@ def add_parsers(bench_commands: Any) -> None:
                           help="also time grpc-python variants: aio/sync, protobuf/identity, message sizes, streams")
     transfer.add_argument("--repeats", type=int, default=3, help="runs per measurement, best reported")
     transfer.add_argument("--json", action="store_true", help="one line of JSON")
+
+    push = bench_commands.add_parser("kv-push", help="prefill's KV push to decode: the bulk lane vs Decode.PushKV")
+    push.add_argument("--model", default="smollm2-135m")
+    push.add_argument("--prompt-tokens", default="2000,8000", help="prompt sizes whose KV is pushed, comma separated")
+    push.add_argument("--repeats", type=int, default=5, help="pushes per size and transport, median reported")
+    push.add_argument("--json", action="store_true", help="one line of JSON")
 
     index = bench_commands.add_parser("kv-index", help="rebuild the global KV index by replaying JetStream")
     index.add_argument("--batches", type=int, default=20_000)
@@ -59,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
             from kvmesh.bench.grpc_bulk import explore
 
             result = {**result, "explore": explore(min(args.megabytes, 128), args.repeats)}
+    elif args.bench_command == "kv-push":
+        from kvmesh.bench.kv_push import run_push_bench
+
+        sizes = tuple(int(size) for size in args.prompt_tokens.split(","))
+        result = run_push_bench(args.model, sizes, args.repeats)
     elif args.bench_command == "kv-index":
         from kvmesh.bench.kv_index import run_index_bench
 
