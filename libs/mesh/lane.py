@@ -23,10 +23,12 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
+import grpc
 from google.protobuf.message import Message
 
 from mesh.logging import get_logger
-from mesh.pb import kvcache_pb2
+from mesh.pb import common_pb2, kvcache_pb2
+from mesh.rpc import ServiceError
 
 HEADER = struct.Struct("<II")
 MAX_FRAME_BYTES = 16 * 2**20  # a LaneFrame (headers and requests: keys and layouts, never bulk bytes)
@@ -37,6 +39,7 @@ DRAIN_AFTER_ERROR_S = 10.0  # how long an answering side reads and drops what st
 
 Buffer = bytes | bytearray | memoryview
 M = TypeVar("M", bound=Message)
+STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 log = get_logger(__name__)
 
 
@@ -127,6 +130,15 @@ async def read_answer(sock: socket.socket,
                 raise LaneError(frame.end.error)
             return
         yield frame.block, payload_bytes
+
+
+def error_end(error: ServiceError) -> common_pb2.LaneEnd:
+    """The end frame that reports `error`: its message, and the code the same error has on gRPC."""
+    return common_pb2.LaneEnd(error=str(error), code=error.code.value[0])
+
+
+def status_of(end: common_pb2.LaneEnd) -> grpc.StatusCode:
+    return STATUS_BY_CODE.get(end.code, grpc.StatusCode.UNKNOWN)
 
 
 async def send_error(sock: socket.socket, frame: Message) -> None:

@@ -18,9 +18,11 @@ import grpc
 
 from engine_core.kv_transfer import KVChunk, KVLayoutError
 from mesh import metrics
-from mesh.lane import BufferPool, LaneError, LaneListener, recv_exactly_into, recv_frame, send_error, send_frame
+from mesh.lane import (
+    BufferPool, LaneError, LaneListener, error_end, recv_exactly_into, recv_frame, send_error, send_frame,
+)
 from mesh.logging import bind_request_id
-from mesh.pb import common_pb2, decode_pb2
+from mesh.pb import decode_pb2
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle
 from services.compute.convert import image_from_proto, layout_from_proto, sampling_from_proto
@@ -83,8 +85,7 @@ class PushLane:
                                            f"{self.push_timeout_s:g} s") from exc
                 self.buffers.give(taken)  # the engine has copied it; not after a failure, when it may not have
         except ServiceError as error:
-            end = common_pb2.LaneEnd(error=str(error), code=error.code.value[0])
-            await send_error(sock, decode_pb2.PushLaneFrame(end=end))
+            await send_error(sock, decode_pb2.PushLaneFrame(end=error_end(error)))
             return False
         metrics.KV_TRANSFER_BYTES.labels(direction=PREFILL_TO_DECODE).inc(num_bytes)
         response = decode_pb2.PushKVResponse(worker_id=self.worker_id, num_bytes=num_bytes)

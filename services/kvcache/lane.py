@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from mesh import rpc
-from mesh.lane import LaneError, LaneListener, recv_exactly_into, recv_frame, send_error, send_frame
+from mesh.lane import LaneError, LaneListener, error_end, recv_exactly_into, recv_frame, send_error, send_frame
 from mesh.pb import common_pb2, kvcache_pb2
 from services.kvcache.blocks import Block, BlockError, layer_major_slices
 from services.kvcache.codec import block_from_pb, block_to_pb
@@ -59,8 +59,7 @@ class LaneServer:
                     raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane exchange starts with a "
                                            "request frame (no payload) or a block frame")
         except rpc.ServiceError as error:
-            end = common_pb2.LaneEnd(error=str(error), code=error.code.value[0])
-            await send_error(sock, kvcache_pb2.LaneFrame(end=end))
+            await send_error(sock, kvcache_pb2.LaneFrame(end=error_end(error)))
             return False
         await send_frame(sock, kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd()))
         return True

@@ -19,7 +19,6 @@ from services.compute.convert import image_to_proto, layout_to_proto, sampling_t
 from services.prefill.prefiller import PrefillJob, PushError
 
 PUSH_TIMEOUT_S = 120.0  # the whole push; a long prompt's KV is hundreds of MB on a slow network
-STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 log = get_logger(__name__)
 
 
@@ -83,7 +82,8 @@ class DecodePusher:
                 await lane.send_frame(sock, decode_pb2.PushLaneFrame(end=common_pb2.LaneEnd()))
                 await self._answer(sock, job, "response")
         except TimeoutError as exc:
-            raise push_error(job, grpc.StatusCode.DEADLINE_EXCEEDED, "the push took too long") from exc
+            raise push_error(job, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"the push took longer than {self.timeout_s:g} s") from exc
         except (lane.LaneError, OSError) as exc:
             raise push_error(job, grpc.StatusCode.UNAVAILABLE, f"the bulk lane broke: {exc}") from exc
         return num_bytes
@@ -94,8 +94,7 @@ class DecodePusher:
         frame, payload_bytes = await lane.recv_frame(sock, decode_pb2.PushLaneFrame)
         kind = frame.WhichOneof("kind")
         if kind == "end":
-            code = STATUS_BY_CODE.get(frame.end.code, grpc.StatusCode.UNKNOWN)
-            raise push_error(job, code, frame.end.error)
+            raise push_error(job, lane.status_of(frame.end), frame.end.error)
         if kind != expected or payload_bytes:
             raise lane.LaneError(f"decode answered {kind} where {expected} was due")
 
