@@ -100,6 +100,15 @@ async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
         _consume(pending, sent)
 
 
+async def first_frame(sock: socket.socket, kind: type[M]) -> tuple[M, int] | None:
+    """The first frame of the next exchange on a served connection, or None when the peer closed it between
+    exchanges (the normal end of a pooled connection)."""
+    try:
+        return await recv_frame(sock, kind)
+    except LaneError:
+        return None
+
+
 async def recv_frame(sock: socket.socket, kind: type[M]) -> tuple[M, int]:
     """The next frame, a `kind` message, and its payload's length (the caller reads the payload)."""
     header = bytearray(HEADER.size)
@@ -236,13 +245,17 @@ class BufferPool:
 class LaneListener:
     """A lane's listening socket: each connection is served by one task calling `exchange` until it returns
     False (the peer closed between exchanges, or an exchange failed and answered so). A connection that breaks
-    mid-exchange is the peer's loss alone: logged, closed, nothing else disturbed."""
+    mid-exchange is the peer's loss alone: logged, closed, nothing else disturbed. Each lane subclasses it with
+    its `exchange`."""
 
-    def __init__(self, exchange: Callable[[socket.socket], Awaitable[bool]]) -> None:
-        self.exchange = exchange
+    def __init__(self) -> None:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
+
+    async def exchange(self, sock: socket.socket) -> bool:
+        """Answer one exchange; False when the connection is done."""
+        raise NotImplementedError
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port); the port bound."""

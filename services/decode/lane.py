@@ -19,7 +19,7 @@ import grpc
 from engine_core.kv_transfer import KVChunk, KVLayoutError
 from mesh import metrics
 from mesh.lane import (
-    BufferPool, LaneError, LaneListener, error_end, recv_exactly_into, recv_frame, send_error, send_frame,
+    BufferPool, LaneListener, error_end, first_frame, recv_exactly_into, recv_frame, send_error, send_frame,
 )
 from mesh.logging import bind_request_id
 from mesh.pb import decode_pb2
@@ -44,29 +44,22 @@ def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
     )
 
 
-class PushLane:
+class PushLane(LaneListener):
     def __init__(self, decoder: Decoder, lifecycle: Lifecycle, worker_id: str,
                  push_timeout_s: float = PUSH_TIMEOUT_S) -> None:
+        super().__init__()
         self.decoder = decoder
         self.lifecycle = lifecycle
         self.worker_id = worker_id
         self.push_timeout_s = push_timeout_s
         self.buffers = BufferPool(RECEIVE_BUFFER_BYTES)
-        self._listener = LaneListener(self._exchange)
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0: any free port); the port bound."""
-        return await self._listener.start(host, port)
-
-    async def stop(self) -> None:
-        await self._listener.stop()
-
-    async def _exchange(self, sock: socket.socket) -> bool:
+    async def exchange(self, sock: socket.socket) -> bool:
         """Take one push; False when the connection is done (closed by prefill, or after an error)."""
-        try:
-            frame, payload_bytes = await recv_frame(sock, decode_pb2.PushLaneFrame)
-        except LaneError:
-            return False  # closed between pushes: the normal end of a pooled connection
+        first = await first_frame(sock, decode_pb2.PushLaneFrame)
+        if first is None:
+            return False
+        frame, payload_bytes = first
         try:
             with self.lifecycle.track(), status_on_error():
                 if frame.WhichOneof("kind") != "header" or payload_bytes:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from mesh import rpc
-from mesh.lane import LaneError, LaneListener, error_end, recv_exactly_into, recv_frame, send_error, send_frame
+from mesh.lane import LaneListener, error_end, first_frame, recv_exactly_into, recv_frame, send_error, send_frame
 from mesh.pb import common_pb2, kvcache_pb2
 from services.kvcache.blocks import Block, BlockError, layer_major_slices
 from services.kvcache.codec import block_from_pb, block_to_pb
@@ -28,24 +28,17 @@ if TYPE_CHECKING:
 LANE_CHUNK_BYTES = 8 * 2**20  # a lane frame's payload: one scatter-gather exchange of the slices it holds
 
 
-class LaneServer:
+class LaneServer(LaneListener):
     def __init__(self, servicer: KVCacheServicer) -> None:
+        super().__init__()
         self.servicer = servicer
-        self._listener = LaneListener(self._exchange)
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0: any free port); the port bound."""
-        return await self._listener.start(host, port)
-
-    async def stop(self) -> None:
-        await self._listener.stop()
-
-    async def _exchange(self, sock: socket.socket) -> bool:
+    async def exchange(self, sock: socket.socket) -> bool:
         """Answer one exchange; False when the connection is done (closed by the client, or after an error)."""
-        try:
-            frame, payload_bytes = await recv_frame(sock, kvcache_pb2.LaneFrame)
-        except LaneError:
-            return False  # closed between exchanges: the normal end of a pooled connection
+        first = await first_frame(sock, kvcache_pb2.LaneFrame)
+        if first is None:
+            return False
+        frame, payload_bytes = first
         try:
             with self.servicer.lifecycle.track(), rpc.status_on_error():
                 kind = frame.WhichOneof("kind")
