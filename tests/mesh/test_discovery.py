@@ -16,7 +16,7 @@ from mesh.bus import Bus
 from mesh.discovery import MISSED_HEARTBEATS, Announcer, WorkerRegistry, address_towards, advertise_host
 from mesh.pb import common_pb2
 
-INTERVAL_S = 0.2
+INTERVAL_S = 0.5  # wide margins: a loaded CI machine delays beats too
 
 
 def test_a_configured_address_wins():

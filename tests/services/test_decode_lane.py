@@ -203,7 +203,7 @@ async def test_a_pusher_that_goes_away_or_stalls_frees_the_blocks(pair: Pair):
     sock.close()  # prefill died mid-push
     await pair.wait_for_free_blocks()
 
-    impatient = PushLane(pair.decode.decoder, pair.decode.runtime.lifecycle, "decode-impatient", push_timeout_s=0.3)
+    impatient = PushLane(pair.decode.decoder, pair.decode.runtime.lifecycle, "decode-impatient", push_timeout_s=1.0)
     port = await impatient.start("127.0.0.1", 0)
     try:
         sock = await lane.connect(f"127.0.0.1:{port}", timeout_s=2.0)
@@ -211,7 +211,7 @@ async def test_a_pusher_that_goes_away_or_stalls_frees_the_blocks(pair: Pair):
         frames = [(await lane.recv_frame(sock, decode_pb2.PushLaneFrame))[0] for _ in range(2)]  # then nothing sent
         assert [f.WhichOneof("kind") for f in frames] == ["reserved", "end"]
         assert (frames[1].end.code, frames[1].end.error) == (grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                                                             "the KV push took longer than 0.3 s")
+                                                             "the KV push took longer than 1 s")
         sock.close()
         await pair.wait_for_free_blocks()
     finally:
