@@ -2,10 +2,10 @@
 
 A push (decode.proto, PushLaneFrame): a header frame, answered with `reserved` once the blocks are held; chunk
 frames, each chunk's bytes as the frame's payload, received straight into one buffer the engine loads from
-(pooled: faulting in fresh pages cost more than the wire);
-an end frame, answered with `response` once every chunk is written and the request decodes. A push that fails
-(bad input, no free blocks, draining, too slow) gets an end frame with the error and the code PushKV would have
-answered; prefill closing the connection mid-push aborts it, and the Decoder frees its blocks either way.
+(pooled: faulting in fresh pages cost more than the wire); an end frame, answered with `response` once every
+chunk is written and the request decodes. A push that fails (bad input, no free blocks, draining, too slow) gets
+an end frame with the error and the code PushKV would have answered; prefill closing the connection mid-push
+aborts it, and the Decoder frees its blocks either way.
 """
 
 from __future__ import annotations
