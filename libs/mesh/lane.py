@@ -1,27 +1,29 @@
 """The bulk lane: length-prefixed frames over a plain TCP socket beside gRPC, for the bytes gRPC moves too slowly.
 
 grpc-python copies a message's bytes several times on each side (serialise, frame, deframe, parse, and once more
-when a `bytes` field is read), and on loopback it moved about a third of what one socket moves. KV blocks are
-the mesh's bulk traffic, so the store also answers layer-major reads and takes writes here (kvcache.proto,
-LaneFrame), and decode takes prefill's KV pushes here (decode.proto, PushLaneFrame): the node writes straight from the blocks it holds (gather writes: `sendmsg` of the slices, no joins)
-and the reader receives straight into the buffers the engine loads from (scatter reads: `recvmsg_into` the
-blocks' slices). Control stays on gRPC.
+when a `bytes` field is read), and on loopback it moved about a third of what one socket moves. KV blocks are the
+mesh's bulk traffic, so the store also answers layer-major reads and takes writes here (kvcache.proto, LaneFrame),
+and decode takes prefill's KV pushes here (decode.proto, PushLaneFrame): the node writes straight from the blocks it
+holds (gather writes: `sendmsg` of the slices, no joins) and the reader receives straight into the buffers the
+engine loads from (scatter reads: `recvmsg_into` the blocks' slices). Control stays on gRPC.
 
 A frame is an 8-byte header (uint32 little-endian: the LaneFrame's length, the payload's length), the LaneFrame,
 then the payload. Sockets are non-blocking and driven by the event loop (a call goes straight to the socket and
 waits for readiness only when it would block), so one lane costs no thread. `LaneListener` serves each accepted
-connection with one task, one exchange at a time. `LanePool` keeps idle connections per address; a connection
-whose exchange did not end cleanly is closed, never reused, so a half-read answer cannot leak into the next one.
+connection with one task, one exchange at a time, and answers errors alike on every lane. `LanePool` keeps idle
+connections per address; a connection whose exchange did not end cleanly is closed, never reused, so a half-read
+answer cannot leak into the next one.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Generic, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -98,15 +100,6 @@ async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
             await _ready(sock, writable=True)
             continue
         _consume(pending, sent)
-
-
-async def first_frame(sock: socket.socket, kind: type[M]) -> tuple[M, int] | None:
-    """The first frame of the next exchange on a served connection, or None when the peer closed it between
-    exchanges (the normal end of a pooled connection)."""
-    try:
-        return await recv_frame(sock, kind)
-    except LaneError:
-        return None
 
 
 async def recv_frame(sock: socket.socket, kind: type[M]) -> tuple[M, int]:
@@ -242,20 +235,22 @@ class BufferPool:
                 self.num_bytes += size
 
 
-class LaneListener:
-    """A lane's listening socket: each connection is served by one task calling `exchange` until it returns
-    False (the peer closed between exchanges, or an exchange failed and answered so). A connection that breaks
-    mid-exchange is the peer's loss alone: logged, closed, nothing else disturbed. Each lane subclasses it with
-    its `exchange`."""
+class LaneListener(abc.ABC, Generic[M]):
+    """A lane's listening socket, for frames of type `frame_type` (a message with an `end` field, LaneEnd). Each
+    connection is served by one task, one exchange at a time: the exchange's first frame goes to `answer`; a
+    ServiceError it raises is answered with an end frame naming it (`send_error`), which ends the connection. A
+    connection the peer closes between exchanges just ends; one that breaks mid-exchange is the peer's loss
+    alone: logged, closed, nothing else disturbed."""
 
-    def __init__(self) -> None:
+    def __init__(self, frame_type: type[M]) -> None:
+        self.frame_type = frame_type
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
-    async def exchange(self, sock: socket.socket) -> bool:
-        """Answer one exchange; False when the connection is done."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def answer(self, sock: socket.socket, frame: M, payload_bytes: int) -> None:
+        """Answer the exchange `frame` begins (its payload still unread), or raise ServiceError."""
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port); the port bound."""
@@ -291,8 +286,16 @@ class LaneListener:
 
     async def _serve(self, sock: socket.socket) -> None:
         try:
-            while await self.exchange(sock):
-                pass
+            while True:
+                try:
+                    frame, payload_bytes = await recv_frame(sock, self.frame_type)
+                except LaneError:
+                    return  # closed between exchanges: the normal end of a pooled connection
+                try:
+                    await self.answer(sock, frame, payload_bytes)
+                except ServiceError as error:
+                    await send_error(sock, self.frame_type(end=error_end(error)))
+                    return
         except (LaneError, OSError) as exc:  # the peer went away or broke the protocol: its loss only
             log.info("bulk lane connection dropped", error=str(exc))
         finally:

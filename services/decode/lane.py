@@ -18,9 +18,7 @@ import grpc
 
 from engine_core.kv_transfer import KVChunk, KVLayoutError
 from mesh import metrics
-from mesh.lane import (
-    BufferPool, LaneListener, error_end, first_frame, recv_exactly_into, recv_frame, send_error, send_frame,
-)
+from mesh.lane import BufferPool, LaneListener, recv_exactly_into, recv_frame, send_frame
 from mesh.logging import bind_request_id
 from mesh.pb import decode_pb2
 from mesh.rpc import ServiceError
@@ -44,46 +42,41 @@ def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
     )
 
 
-class PushLane(LaneListener):
+class PushLane(LaneListener[decode_pb2.PushLaneFrame]):
     def __init__(self, decoder: Decoder, lifecycle: Lifecycle, worker_id: str,
                  push_timeout_s: float = PUSH_TIMEOUT_S) -> None:
-        super().__init__()
+        super().__init__(decode_pb2.PushLaneFrame)
         self.decoder = decoder
         self.lifecycle = lifecycle
         self.worker_id = worker_id
         self.push_timeout_s = push_timeout_s
         self.buffers = BufferPool(RECEIVE_BUFFER_BYTES)
 
-    async def exchange(self, sock: socket.socket) -> bool:
-        """Take one push; False when the connection is done (closed by prefill, or after an error)."""
-        first = await first_frame(sock, decode_pb2.PushLaneFrame)
-        if first is None:
-            return False
-        frame, payload_bytes = first
-        try:
-            with self.lifecycle.track(), status_on_error():
-                if frame.WhichOneof("kind") != "header" or payload_bytes:
-                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
-                header = header_from_proto(frame.header)
-                taken: list[bytearray] = []
-                with bind_request_id(header.request_id):
-                    try:
-                        async with asyncio.timeout(self.push_timeout_s):
-                            num_bytes = await self.decoder.receive(
-                                header, self._chunks(sock, header, taken),
-                                on_reserved=lambda: send_frame(sock, decode_pb2.PushLaneFrame(
-                                    reserved=decode_pb2.PushReserved())))
-                    except TimeoutError as exc:
-                        raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the KV push took longer than "
-                                           f"{self.push_timeout_s:g} s") from exc
-                self.buffers.give(taken)  # the engine has copied it; not after a failure, when it may not have
-        except ServiceError as error:
-            await send_error(sock, decode_pb2.PushLaneFrame(end=error_end(error)))
-            return False
+    async def answer(self, sock: socket.socket, frame: decode_pb2.PushLaneFrame, payload_bytes: int) -> None:
+        """Take one push."""
+        with self.lifecycle.track(), status_on_error():
+            if frame.WhichOneof("kind") != "header" or payload_bytes:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
+            header = header_from_proto(frame.header)
+            with bind_request_id(header.request_id):
+                num_bytes = await self._receive(sock, header)
         metrics.KV_TRANSFER_BYTES.labels(direction=PREFILL_TO_DECODE).inc(num_bytes)
         response = decode_pb2.PushKVResponse(worker_id=self.worker_id, num_bytes=num_bytes)
         await send_frame(sock, decode_pb2.PushLaneFrame(response=response))
-        return True
+
+    async def _receive(self, sock: socket.socket, header: PushHeader) -> int:
+        """The Decoder takes the push within its deadline; the KV bytes received."""
+        taken: list[bytearray] = []
+        try:
+            async with asyncio.timeout(self.push_timeout_s):
+                num_bytes = await self.decoder.receive(
+                    header, self._chunks(sock, header, taken),
+                    on_reserved=lambda: send_frame(sock, decode_pb2.PushLaneFrame(reserved=decode_pb2.PushReserved())))
+        except TimeoutError as exc:
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"the KV push took longer than {self.push_timeout_s:g} s") from exc
+        self.buffers.give(taken)  # the engine has copied it; not after a failure, when it may not have
+        return num_bytes
 
     async def _chunks(self, sock: socket.socket, header: PushHeader, taken: list[bytearray]) -> AsyncIterator[KVChunk]:
         """The push's chunks up to its end frame, received one after another into one pooled buffer (put in

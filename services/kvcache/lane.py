@@ -1,12 +1,12 @@
 """The node's bulk lane (mesh.lane): layer-major reads and block writes over plain TCP, the same answers as
 KVCache.Get with slice_bytes and KVCache.Put, the reads written straight from the blocks the store holds.
 
-Each connection is served by one task (mesh.lane.LaneListener), one exchange at a time. A read: a request
-frame, answered by the header frames, the chunk frames (payload: the slices, never joined) and an end frame; or,
-for whole blocks (slice_bytes 0), by one header frame per block with its bytes as the payload, and an end frame. A write: block
-frames (payload: each block's bytes) and an end frame, answered by a put_response frame. An exchange that fails
-(bad input, rejected blocks, draining) gets an end frame with the error and the gRPC code Get or Put would have
-answered; what the client still sends is dropped until it closes.
+Each connection is served by one task (mesh.lane.LaneListener), one exchange at a time. A read: a request frame,
+answered by the header frames, the chunk frames (payload: the slices, never joined) and an end frame; or, for whole
+blocks (slice_bytes 0), by one header frame per block with its bytes as the payload, and an end frame. A write:
+block frames (payload: each block's bytes) and an end frame, answered by a put_response frame. An exchange that
+fails (bad input, rejected blocks, draining) gets an end frame with the error and the gRPC code Get or Put would
+have answered; what the client still sends is dropped until it closes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from mesh import rpc
-from mesh.lane import LaneListener, error_end, first_frame, recv_exactly_into, recv_frame, send_error, send_frame
+from mesh.lane import LaneListener, recv_exactly_into, recv_frame, send_frame
 from mesh.pb import common_pb2, kvcache_pb2
 from services.kvcache.blocks import Block, BlockError, layer_major_slices
 from services.kvcache.codec import block_from_pb, block_to_pb
@@ -28,34 +28,23 @@ if TYPE_CHECKING:
 LANE_CHUNK_BYTES = 8 * 2**20  # a lane frame's payload: one scatter-gather exchange of the slices it holds
 
 
-class LaneServer(LaneListener):
+class LaneServer(LaneListener[kvcache_pb2.LaneFrame]):
     def __init__(self, servicer: KVCacheServicer) -> None:
-        super().__init__()
+        super().__init__(kvcache_pb2.LaneFrame)
         self.servicer = servicer
 
-    async def exchange(self, sock: socket.socket) -> bool:
-        """Answer one exchange; False when the connection is done (closed by the client, or after an error)."""
-        first = await first_frame(sock, kvcache_pb2.LaneFrame)
-        if first is None:
-            return False
-        frame, payload_bytes = first
-        try:
-            with self.servicer.lifecycle.track(), rpc.status_on_error():
-                kind = frame.WhichOneof("kind")
-                if kind == "request" and not payload_bytes:
-                    await self._read(sock, frame.request)
-                elif kind == "block":
-                    response = await self._write(sock, frame, payload_bytes)
-                    await send_frame(sock, kvcache_pb2.LaneFrame(put_response=response))
-                    return True
-                else:
-                    raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane exchange starts with a "
-                                           "request frame (no payload) or a block frame")
-        except rpc.ServiceError as error:
-            await send_error(sock, kvcache_pb2.LaneFrame(end=error_end(error)))
-            return False
-        await send_frame(sock, kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd()))
-        return True
+    async def answer(self, sock: socket.socket, frame: kvcache_pb2.LaneFrame, payload_bytes: int) -> None:
+        with self.servicer.lifecycle.track(), rpc.status_on_error():
+            kind = frame.WhichOneof("kind")
+            if kind == "request" and not payload_bytes:
+                await self._read(sock, frame.request)
+                await send_frame(sock, kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd()))
+            elif kind == "block":
+                response = await self._write(sock, frame, payload_bytes)
+                await send_frame(sock, kvcache_pb2.LaneFrame(put_response=response))
+            else:
+                raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane exchange starts with a "
+                                       "request frame (no payload) or a block frame")
 
     async def _read(self, sock: socket.socket, request: kvcache_pb2.GetRequest) -> None:
         """Layer-major (slice_bytes > 0): headers, then chunks of slices; whole (0): each header with its bytes."""

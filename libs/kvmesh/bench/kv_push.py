@@ -1,13 +1,13 @@
 """`kvmesh bench kv-push`: prefill's KV push to a decode worker, over the bulk lane against Decode.PushKV.
 
-Starts one decode worker (`kvmesh serve decode`, its own process, on an embedded NATS) and pushes the KV of a
-prompt of each size with prefill's own pusher (services.prefill.decode_client), alternating the two transports:
-PushKV over gRPC (the baseline) and the decode worker's bulk lane. A push is timed from the header to decode's
-answer, so it includes decode reserving the blocks and writing every chunk into its cache (the same work on both
-transports); each pushed request is aborted, and decode left a moment to end the step it was in, before the
-next push (a push's reservation waits for a step boundary, which is the engine's time, not the transport's). The KV bytes are zeros in the model's own
-layout, cut into chunks as prefill cuts them (`rpc.KV_CHUNK_BYTES`). Prints medians, GB/s and `speedup`
-(gRPC time / lane time) per size.
+Starts one decode worker (`kvmesh serve decode`, its own process, on an embedded NATS) and pushes the KV of a prompt
+of each size with prefill's own pusher (services.prefill.decode_client), alternating the two transports: PushKV over
+gRPC (the baseline) and the decode worker's bulk lane. A push is timed from the header to decode's answer, so it
+includes decode reserving the blocks and writing every chunk into its cache (the same work on both transports); each
+pushed request is aborted, and decode left a moment to end the step it was in, before the next push (a push's
+reservation waits for a step boundary, which is the engine's time, not the transport's). The KV bytes are zeros in
+the model's own layout, cut into chunks as prefill cuts them (`rpc.KV_CHUNK_BYTES`). Prints medians, GB/s and
+`speedup` (gRPC time / lane time) per size.
 """
 
 from __future__ import annotations
