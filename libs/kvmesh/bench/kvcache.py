@@ -13,7 +13,7 @@ import heapq
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,21 @@ def ideal_hit_rate(requests: Sequence[tuple[float, list[int]]]) -> float:
     return hits / max(total, 1)
 
 
+def _prefix_hit_rate(requests: Sequence[tuple[float, list[int]]], cached: Container[int],
+                     after: Callable[[int, int], None]) -> float:
+    """Hits counted as the store counts them (a request's blocks hit up to its first miss), over a cache that
+    `after(position in the trace, hash_id)` updates once each block has been looked up."""
+    hits = position = 0
+    for _, ids in requests:
+        leading = True
+        for hash_id in ids:
+            leading = leading and hash_id in cached
+            hits += leading
+            after(position, hash_id)
+            position += 1
+    return hits / max(position, 1)
+
+
 def belady_hit_rate(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int) -> float:
     """The offline optimum's neighbourhood: Belady's MIN (evict the block used again furthest in the future) with
     the same leading-prefix hits. No online policy can know the future; this says how much of the gap between a
@@ -67,20 +82,16 @@ def belady_hit_rate(requests: Sequence[tuple[float, list[int]]], capacity_blocks
         upcoming[sequence[position]] = position
     cached: dict[int, int] = {}  # hash_id -> its next use
     farthest: list[tuple[int, int]] = []  # (-next use, hash_id), stale entries skipped
-    hits = position = 0
-    for _, ids in requests:
-        leading = True
-        for hash_id in ids:
-            leading = leading and hash_id in cached
-            hits += leading
-            cached[hash_id] = next_use[position]
-            heapq.heappush(farthest, (-next_use[position], hash_id))
-            position += 1
-            while len(cached) > capacity_blocks:
-                negative_next, victim = heapq.heappop(farthest)
-                if cached.get(victim) == -negative_next:
-                    del cached[victim]
-    return hits / max(len(sequence), 1)
+
+    def store(position: int, hash_id: int) -> None:
+        cached[hash_id] = next_use[position]
+        heapq.heappush(farthest, (-next_use[position], hash_id))
+        while len(cached) > capacity_blocks:
+            negative_next, victim = heapq.heappop(farthest)
+            if cached.get(victim) == -negative_next:
+                del cached[victim]
+
+    return _prefix_hit_rate(requests, cached, store)
 
 
 def reuse_oracle_lru_hit_rate(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int) -> float:
@@ -89,20 +100,16 @@ def reuse_oracle_lru_hit_rate(requests: Sequence[tuple[float, list[int]]], capac
     sequence = [hash_id for _, ids in requests for hash_id in ids]
     last_use = {hash_id: position for position, hash_id in enumerate(sequence)}
     cached: OrderedDict[int, None] = OrderedDict()
-    hits = position = 0
-    for _, ids in requests:
-        leading = True
-        for hash_id in ids:
-            leading = leading and hash_id in cached
-            hits += leading
-            if hash_id in cached:
-                cached.move_to_end(hash_id)
-            elif last_use[hash_id] > position:
-                cached[hash_id] = None
-            position += 1
-            while len(cached) > capacity_blocks:
-                cached.popitem(last=False)
-    return hits / max(len(sequence), 1)
+
+    def store(position: int, hash_id: int) -> None:
+        if hash_id in cached:
+            cached.move_to_end(hash_id)
+        elif last_use[hash_id] > position:
+            cached[hash_id] = None
+        while len(cached) > capacity_blocks:
+            cached.popitem(last=False)
+
+    return _prefix_hit_rate(requests, cached, store)
 
 
 class _TraceClock:
