@@ -66,11 +66,30 @@ def test_results_are_consistent(report: dict[str, Any], concurrency: int) -> Non
     e2e = result["seconds"]["ours_e2e"][0]
     assert ours["throughput_tok_s"] == pytest.approx(result["num_output_tokens"] / e2e, rel=1e-2)
     assert all(len(runs) == 1 for runs in result["seconds"].values())
+    # Decode is timed inside each end-to-end run, so it can never come out longer than that run.
+    assert list(result["decode_seconds"]) == ["ours_e2e", "hf_batched_e2e"]
+    for name, spans in result["decode_seconds"].items():
+        assert 0 < spans[0] < result["seconds"][name][0]
+    # transformers decodes every row in one step after the prompt: its decode span holds each request's own
+    # tokens after the first one.
+    hf_span = result["decode_seconds"]["hf_batched_e2e"][0]
+    assert batched["decode_tok_s"] == pytest.approx((workload.num_output_tokens - concurrency) / hf_span, rel=1e-2)
 
 
 def test_cli_passes_the_options() -> None:
     args = build_parser().parse_args(["bench", "engine", "--quick", "--max-output-tokens", "8", "--repeats", "2"])
     assert (args.quick, args.max_output_tokens, args.repeats, args.concurrency) == (True, 8, 2, None)
+
+
+def test_decode_is_timed_inside_the_run_even_when_the_prefill_run_was_slower() -> None:
+    """The rate CI once saw as None: a prefill-only run slower than the end-to-end run (load elsewhere on the
+    machine) left nothing for decode when decode time was one run's seconds minus the other's."""
+    from kvmesh.bench.engine import Run, _decode_rate
+
+    runs = [Run(seconds=0.50, decode_seconds=0.20, decode_tokens=10), Run(seconds=0.40, decode_seconds=0.25,
+                                                                            decode_tokens=10)]
+    assert _decode_rate(runs) == 45.0  # the median of 50 and 40 tok/s, whatever a prefill run took
+    assert _decode_rate([Run(seconds=0.1, decode_seconds=0.001, decode_tokens=0)]) is None
 
 
 def test_runs_interleave_and_sequential_can_run_once() -> None:

@@ -5,10 +5,16 @@ ignore_eos so every output has its exact length) runs on three systems, all in t
 weights: our `LLM` (all C requests submitted at once), transformers' batched `generate` (left-padded, one
 call), and transformers one request at a time. Each measurement runs `repeats` times, interleaved across
 systems so that a burst of load elsewhere on the machine hits all of them alike; the median is reported.
+
+Prefill rates come from runs that generate one token per request. Decode rates are timed inside each
+end-to-end run, from the moment every request holds its first token to the end, over the tokens generated in
+that span: subtracting two separate runs' times would let noise between the runs decide the rate (or make it
+negative).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import statistics
@@ -74,6 +80,15 @@ QUICK = BenchConfig(concurrencies=(1, 4), prompt_lens=(8, 32), output_lens=(4, 1
 
 
 @dataclass(frozen=True)
+class Run:
+    """One end-to-end run: its wall seconds, and the decode span inside it."""
+
+    seconds: float
+    decode_seconds: float  # from the moment every request held its first token to the end
+    decode_tokens: int  # tokens generated in that span (only each request's own, not padding rows')
+
+
+@dataclass(frozen=True)
 class Workload:
     prompts: list[list[int]]  # token ids
     output_lens: list[int]  # exact output length of each request
@@ -116,22 +131,35 @@ class OurSystem:
         self.llm = LLM(model, device=device, enable_prefix_caching=False, block_size=BLOCK_SIZE,
                        num_kv_blocks=num_requests * max_blocks_per_request, max_num_seqs=max(64, num_requests))
         self.ops = self.llm.engine.ops
-
-    def run(self, workload: Workload, output_lens: Sequence[int]) -> float:
-        """Wall seconds to serve every request with the given output lengths, all submitted at once."""
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
-        start = time.perf_counter()
-        outputs = self.llm.generate(workload.prompts, params)
-        self.ops.synchronize()
-        seconds = time.perf_counter() - start
-        assert [len(o.token_ids) for o in outputs] == list(output_lens), "ignore_eos must give exact lengths"
-        return seconds
+        self.ids = itertools.count()
 
     def prefill(self, workload: Workload) -> float:
-        return self.run(workload, [1] * workload.num_requests)
+        return self.run(workload, [1] * workload.num_requests).seconds
 
-    def e2e(self, workload: Workload) -> float:
+    def e2e(self, workload: Workload) -> Run:
         return self.run(workload, workload.output_lens)
+
+    def run(self, workload: Workload, output_lens: Sequence[int]) -> Run:
+        """Serve every request with the given output lengths, all submitted at once, stepping the engine
+        here (as `LLM.generate` does) to see when the last request gets its first token."""
+        engine = self.llm.engine
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        generated = dict.fromkeys((f"bench-{next(self.ids)}" for _ in params), 0)
+        start = time.perf_counter()
+        for request_id, prompt, param in zip(generated, workload.prompts, params):
+            engine.add_request(request_id, prompt, param)
+        all_started_at, tokens_then = None, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                generated[output.request_id] += len(output.new_token_ids)
+            if all_started_at is None and all(generated.values()):
+                self.ops.synchronize()
+                all_started_at, tokens_then = time.perf_counter(), sum(generated.values())
+        self.ops.synchronize()
+        end = time.perf_counter()
+        assert list(generated.values()) == list(output_lens), "ignore_eos must give exact lengths"
+        assert all_started_at is not None
+        return Run(end - start, end - all_started_at, sum(output_lens) - tokens_then)
 
 
 class HFSystem:
@@ -150,8 +178,8 @@ class HFSystem:
         self.pad_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], num_new_tokens: int) -> float:
-        """Wall seconds of one `generate` over left-padded prompts; every row gets exactly num_new_tokens."""
+    def _generate(self, prompts: list[list[int]], num_new_tokens: int) -> Run:
+        """One `generate` over left-padded prompts; every row gets exactly num_new_tokens."""
         from transformers import GenerationConfig
 
         width = max(len(p) for p in prompts)
@@ -159,36 +187,68 @@ class HFSystem:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         config = GenerationConfig(do_sample=False, max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
                                   pad_token_id=self.pad_id, eos_token_id=self.model.config.eos_token_id)
+        clock = _FirstTokenClock()
         start = time.perf_counter()
-        output = self.model.generate(input_ids, attention_mask=mask, generation_config=config)
+        output = self.model.generate(input_ids, attention_mask=mask, generation_config=config, streamer=clock)
         output = output.cpu()  # waits for the device
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
         assert output.shape == (len(prompts), width + num_new_tokens), "min_new_tokens must give exact lengths"
-        return seconds
+        assert clock.first_token_at is not None
+        return Run(end - start, end - clock.first_token_at, len(prompts) * (num_new_tokens - 1))
 
     def batched_prefill(self, workload: Workload) -> float:
-        return self._generate(workload.prompts, 1)
+        return self._generate(workload.prompts, 1).seconds
 
-    def batched_e2e(self, workload: Workload) -> float:
+    def batched_e2e(self, workload: Workload) -> Run:
         """One call: it cannot stop a row at its own length, so it runs every row to the longest one."""
-        return self._generate(workload.prompts, max(workload.output_lens))
+        run = self._generate(workload.prompts, max(workload.output_lens))
+        # Only each request's own tokens count: the padding rows' extra tokens are waste.
+        return replace(run, decode_tokens=workload.num_output_tokens - workload.num_requests)
 
     def sequential(self, workload: Workload) -> float:
-        return sum(self._generate([p], n) for p, n in zip(workload.prompts, workload.output_lens))
+        return sum(self._generate([p], n).seconds for p, n in zip(workload.prompts, workload.output_lens))
 
 
-def _timed_runs(measurements: dict[str, Callable[[], float]], repeats: dict[str, int]) -> dict[str, list[float]]:
-    """Every measurement's seconds, one run of each per round, interleaved so load bursts hit all alike."""
-    seconds: dict[str, list[float]] = {name: [] for name in measurements}
+class _FirstTokenClock:
+    """A transformers streamer that notes when `generate` emits its first new tokens (the second `put`:
+    the first one hands over the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()  # `value` came to the host: the step has finished
+
+    def end(self) -> None:
+        pass
+
+
+def _timed_runs(measurements: dict[str, Callable[[], float | Run]],
+                repeats: dict[str, int]) -> dict[str, list[float | Run]]:
+    """Every measurement's runs, one of each per round, interleaved so load bursts hit all alike."""
+    runs: dict[str, list[float | Run]] = {name: [] for name in measurements}
     for round_index in range(max(repeats.values())):
         for name, measure in measurements.items():
             if round_index < repeats[name]:
-                seconds[name].append(measure())
-    return seconds
+                runs[name].append(measure())
+    return runs
 
 
-def _rate(tokens: int, seconds: float) -> float | None:
-    return round(tokens / seconds, 2) if seconds > 0 else None
+def _seconds(run: float | Run) -> float:
+    return run.seconds if isinstance(run, Run) else run
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return round(tokens / seconds, 2)
+
+
+def _decode_rate(runs: list[float | Run]) -> float | None:
+    """Median over the end-to-end runs of each one's decode rate; None when no run decoded a token."""
+    rates = [r.decode_tokens / r.decode_seconds for r in runs if isinstance(r, Run) and r.decode_tokens]
+    return round(statistics.median(rates), 2) if rates else None
 
 
 def _speedup(ours_s: float, theirs_s: float) -> float:
@@ -198,7 +258,7 @@ def _speedup(ours_s: float, theirs_s: float) -> float:
 
 def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config: BenchConfig) -> dict[str, Any]:
     stats_before = ours.llm.engine.stats()
-    measurements = {
+    measurements: dict[str, Callable[[], float | Run]] = {
         "ours_prefill": lambda: ours.prefill(workload),
         "ours_e2e": lambda: ours.e2e(workload),
         "hf_batched_prefill": lambda: hf.batched_prefill(workload),
@@ -210,19 +270,18 @@ def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config:
         repeats["hf_sequential"] = 1
     runs = _timed_runs(measurements, repeats)
     stats_after = ours.llm.engine.stats()
-    med = {name: statistics.median(values) for name, values in runs.items()}
+    med = {name: statistics.median(_seconds(run) for run in values) for name, values in runs.items()}
     num, num_prompt, num_out = workload.num_requests, workload.num_prompt_tokens, workload.num_output_tokens
-    # Decode rates count the tokens after each request's first one, over the time the prefill run did not take.
     ours_result = {
         "prefill_tok_s": _rate(num_prompt, med["ours_prefill"]),
-        "decode_tok_s": _rate(num_out - num, med["ours_e2e"] - med["ours_prefill"]),
+        "decode_tok_s": _decode_rate(runs["ours_e2e"]),
         "throughput_tok_s": _rate(num_out, med["ours_e2e"]),
         "num_preemptions": stats_after.num_preemptions - stats_before.num_preemptions,
         "num_prefix_hit_tokens": stats_after.num_prefix_hit_tokens - stats_before.num_prefix_hit_tokens,
     }
     batched = {
         "prefill_tok_s": _rate(num_prompt, med["hf_batched_prefill"]),
-        "decode_tok_s": _rate(num_out - num, med["hf_batched_e2e"] - med["hf_batched_prefill"]),
+        "decode_tok_s": _decode_rate(runs["hf_batched_e2e"]),
         "throughput_tok_s": _rate(num_out, med["hf_batched_e2e"]),
         "generated_tokens": num * max(workload.output_lens),
         "counted_tokens": num_out,  # each request's own output length; the padding rows' extra tokens are waste
@@ -237,7 +296,9 @@ def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config:
         "hf_sequential": sequential,
         "ours_vs_hf_batched": _speedup(med["ours_e2e"], med["hf_batched_e2e"]),
         "ours_vs_hf_sequential": _speedup(med["ours_e2e"], med["hf_sequential"]),
-        "seconds": {name: [round(s, 4) for s in values] for name, values in runs.items()},
+        "seconds": {name: [round(_seconds(run), 4) for run in values] for name, values in runs.items()},
+        "decode_seconds": {name: [round(run.decode_seconds, 4) for run in values if isinstance(run, Run)]
+                           for name, values in runs.items() if name.endswith("e2e")},
     }
 
 
