@@ -37,7 +37,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_kv_events: KVEventHook | None = None, name: str = "engine") -> None:
         self.engine = engine
         self.on_kv_events = on_kv_events
-        self.stats: EngineStats = engine.stats()  # replaced (never mutated) by the engine thread after each step
+        self.stats: EngineStats = engine.stats()  # replaced (never mutated) by the engine thread: each step, call
         self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], asyncio.Future[Any]]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -141,11 +141,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             try:
-                result = fn(self.engine)
+                outcome: tuple[Callable[..., None], Any] = (_set_result, fn(self.engine))
             except BaseException as exc:
-                self._post(_set_exception, future, exc)
-            else:
-                self._post(_set_result, future, result)
+                outcome = (_set_exception, exc)
+            self.stats = self.engine.stats()  # so a caller that awaited the call sees what it changed
+            self._post(outcome[0], future, outcome[1])
 
     def _fail_all(self, exc: Exception) -> None:
         scheduler = self.engine.scheduler
