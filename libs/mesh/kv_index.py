@@ -18,6 +18,12 @@ from mesh.pb import events_pb2
 
 TIER_BITS = {"device": 1, "host": 2, "ssd": 4}
 STORE_TIERS = TIER_BITS["host"] | TIER_BITS["ssd"]  # the KV store nodes' tiers
+ALL_TIERS = TIER_BITS["device"] | STORE_TIERS
+
+
+def tier_mask(tiers: Iterable[str] | None) -> int:
+    """The TIER_BITS of `tiers` (None: every tier)."""
+    return ALL_TIERS if tiers is None else sum(TIER_BITS[tier] for tier in set(tiers))
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,45 @@ class GlobalKVIndex:
         """The worker left the mesh for good: forget its blocks and its event numbering."""
         self.clear(worker_id)
         self._last_seq.pop(worker_id, None)
+
+    def reset(self) -> None:
+        """Forget everything (before a snapshot is restored)."""
+        self._holders.clear()
+        self._coding.clear()
+        self._by_worker.clear()
+        self._last_seq.clear()
+
+    # -- snapshots ------------------------------------------------------------------------------------------
+    def to_snapshot(self, stream_seq: int) -> events_pb2.KVIndexSnapshot:
+        """The whole index as the snapshot of the stream up to `stream_seq` (the caller's last applied message)."""
+        snapshot = events_pb2.KVIndexSnapshot(stream_seq=stream_seq)
+        for worker_id in sorted(self._by_worker.keys() | self._last_seq.keys()):
+            keys = sorted(self._by_worker.get(worker_id, ()))
+            holdings = [self._holders[key][worker_id] for key in keys]
+            snapshot.workers.append(events_pb2.WorkerHoldings(
+                worker_id=worker_id, last_seq=self._last_seq.get(worker_id, 0), block_hashes=keys,
+                fragment_indices=[h.fragment_index for h in holdings], tier_masks=[h.tier_mask for h in holdings]))
+        snapshot.codings.extend(events_pb2.BlockCoding(block_hash=key, num_data=c.num_data, num_total=c.num_total)
+                                for key, c in sorted(self._coding.items()))
+        return snapshot
+
+    def restore(self, snapshot: events_pb2.KVIndexSnapshot, tier_mask: int = ALL_TIERS) -> None:
+        """Replace the index by `snapshot`, keeping only holdings in `tier_mask`'s tiers (every worker's batch
+        numbering is kept whatever its tiers: a follower's filter never changes a worker's seq)."""
+        self.reset()
+        for worker in snapshot.workers:
+            if worker.last_seq:
+                self._last_seq[worker.worker_id] = worker.last_seq
+            held: set[bytes] = set()
+            for key, index, mask in zip(worker.block_hashes, worker.fragment_indices, worker.tier_masks):
+                if mask & tier_mask:
+                    self._holders.setdefault(key, {})[worker.worker_id] = Holding(index, mask & tier_mask)
+                    held.add(key)
+            if held:
+                self._by_worker[worker.worker_id] = held
+        for coding in snapshot.codings:
+            if coding.block_hash in self._holders:
+                self._coding[coding.block_hash] = Coding(coding.num_data, coding.num_total)
 
     def _stored(self, worker_id: str, stored: events_pb2.KVBlocksStored, bit: int) -> None:
         indices = list(stored.fragment_indices)

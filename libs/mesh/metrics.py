@@ -62,6 +62,8 @@ KVCACHE_REPAIRED_FRAGMENTS = Counter("kvmesh_kvcache_repaired_fragments_total",
                                      "Fragments rebuilt and placed on another node by repair")
 KV_INDEX_LAG_SECONDS = Gauge("kvmesh_kv_index_lag_seconds",
                              "Age of the last KV event batch applied to this process's global index (publish to apply)")
+KV_INDEX_SNAPSHOTS = Counter("kvmesh_kv_index_snapshots_total",
+                             "Snapshots of the global KV index this process wrote (the stream purged below each)")
 KV_INDEX_BLOCKS = Gauge("kvmesh_kv_index_blocks", "Blocks the global KV index knows of, in any tier of any worker")
 
 # balancer

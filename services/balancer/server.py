@@ -25,7 +25,7 @@ from mesh import metrics, rpc, subjects
 from mesh.bus import Bus
 from mesh.discovery import KnownWorker, WorkerRegistry, now_ms
 from mesh.kv_index import GlobalKVIndex
-from mesh.kv_stream import KVEventFollower
+from mesh.kv_stream import KVEventFollower, KVIndexCompactor
 from mesh.logging import get_logger
 from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, events_pb2
 from mesh.routing import Assignment, CostModel, NoWorkerError, RouteRequest, Router, WorkerState
@@ -190,15 +190,24 @@ def export_pool_sizes(pools: Pools) -> None:
         metrics.BALANCER_RECOMMENDED_WORKERS.labels(pool=pool).set_function(num_recommended(pool))
 
 
-async def follow_kv_events(bus: Bus, index: GlobalKVIndex) -> Callable[[], Any]:
-    """Replay and follow KVMESH_KV into the index; without JetStream, follow the live subjects only. Returns the
-    coroutine function that stops following."""
+async def follow_kv_events(bus: Bus, index: GlobalKVIndex, settings: BalancerSettings) -> Callable[[], Any]:
+    """Replay and follow KVMESH_KV into the index, compacting the stream every `kv_snapshot_every` messages;
+    without JetStream, follow the live subjects only. Returns the coroutine function that stops following."""
     follower = KVEventFollower(bus, index)
     try:
         await follower.start()
-        return follower.stop
     except RuntimeError:
         log.warning("no KV event stream: the index starts empty and follows live events only")
+    else:
+        if not settings.kv_snapshot_every:
+            return follower.stop
+        compactor = KVIndexCompactor(follower, settings.kv_snapshot_every)
+        compacting = asyncio.create_task(compactor.run_forever(settings.kv_snapshot_check_s))
+
+        async def stop() -> None:
+            compacting.cancel()
+            await follower.stop()
+        return stop
 
     async def on_batch(batch: events_pb2.KVEventBatch, subject: str) -> None:
         index.apply(batch, batch.worker_id or subject.removeprefix(subjects.KV_EVENTS_PREFIX + "."))
@@ -249,7 +258,7 @@ async def serve(settings: BalancerSettings) -> None:
             metrics.BALANCER_PEER_ASSIGNMENTS.inc()
 
     await registry.start()
-    stop_kv = await follow_kv_events(bus, index)
+    stop_kv = await follow_kv_events(bus, index, settings)
     peers = (await bus.subscribe(subjects.BALANCER_ASSIGN, balancer_pb2.Assignment, on_peer)
              if settings.balancer_share_assignments else None)
     finished = await bus.subscribe(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished, on_finished)

@@ -86,3 +86,39 @@ class RequestFinished(_message.Message):
     finish_reason: str
     timestamp_ms: int
     def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_kv_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class KVIndexSnapshot(_message.Message):
+    __slots__ = ("stream_seq", "workers", "codings", "timestamp_ms")
+    STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CODINGS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    stream_seq: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerHoldings]
+    codings: _containers.RepeatedCompositeFieldContainer[BlockCoding]
+    timestamp_ms: int
+    def __init__(self, stream_seq: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerHoldings, _Mapping]]] = ..., codings: _Optional[_Iterable[_Union[BlockCoding, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class WorkerHoldings(_message.Message):
+    __slots__ = ("worker_id", "last_seq", "block_hashes", "fragment_indices", "tier_masks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    TIER_MASKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    last_seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    fragment_indices: _containers.RepeatedScalarFieldContainer[int]
+    tier_masks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fragment_indices: _Optional[_Iterable[int]] = ..., tier_masks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockCoding(_message.Message):
+    __slots__ = ("block_hash", "num_data", "num_total")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    num_data: int
+    num_total: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., num_data: _Optional[int] = ..., num_total: _Optional[int] = ...) -> None: ...
