@@ -12,7 +12,7 @@ One writer: the follower's callback (or the owner's explicit calls); readers get
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from mesh.pb import events_pb2
 
@@ -26,8 +26,7 @@ def tier_mask(tiers: Iterable[str] | None) -> int:
     return ALL_TIERS if tiers is None else sum(TIER_BITS[tier] for tier in set(tiers))
 
 
-@dataclass(frozen=True)
-class Holding:
+class Holding(NamedTuple):  # tuples: a million of them build and hash fast, in C
     """What one worker holds of one block."""
 
     fragment_index: int  # 0 for a whole block
@@ -37,8 +36,7 @@ class Holding:
         return bool(self.tier_mask & TIER_BITS.get(tier, 0))
 
 
-@dataclass(frozen=True)
-class Coding:
+class Coding(NamedTuple):
     num_data: int  # k: any k distinct fragments give the block back (1: whole blocks, maybe replicated)
     num_total: int  # k + m
 
@@ -111,34 +109,41 @@ class GlobalKVIndex:
     # -- snapshots ------------------------------------------------------------------------------------------
     def to_snapshot(self, stream_seq: int) -> events_pb2.KVIndexSnapshot:
         """The whole index as the snapshot of the stream up to `stream_seq` (the caller's last applied message)."""
-        snapshot = events_pb2.KVIndexSnapshot(stream_seq=stream_seq)
+        coding_ids: dict[Coding, int] = {}
+        workers = []
         for worker_id in sorted(self._by_worker.keys() | self._last_seq.keys()):
             keys = sorted(self._by_worker.get(worker_id, ()))
             holdings = [self._holders[key][worker_id] for key in keys]
-            snapshot.workers.append(events_pb2.WorkerHoldings(
+            codings = [self._coding.get(key) for key in keys]
+            workers.append(events_pb2.WorkerHoldings(
                 worker_id=worker_id, last_seq=self._last_seq.get(worker_id, 0), block_hashes=keys,
-                fragment_indices=[h.fragment_index for h in holdings], tier_masks=[h.tier_mask for h in holdings]))
-        snapshot.codings.extend(events_pb2.BlockCoding(block_hash=key, num_data=c.num_data, num_total=c.num_total)
-                                for key, c in sorted(self._coding.items()))
-        return snapshot
+                fragment_indices=[h.fragment_index for h in holdings], tier_masks=[h.tier_mask for h in holdings],
+                coding_ids=[0 if c is None else coding_ids.setdefault(c, len(coding_ids) + 1) for c in codings]))
+        return events_pb2.KVIndexSnapshot(
+            stream_seq=stream_seq, workers=workers,
+            codings=[events_pb2.BlockCoding(num_data=c.num_data, num_total=c.num_total) for c in coding_ids])
 
     def restore(self, snapshot: events_pb2.KVIndexSnapshot, tier_mask: int = ALL_TIERS) -> None:
         """Replace the index by `snapshot`, keeping only holdings in `tier_mask`'s tiers (every worker's batch
         numbering is kept whatever its tiers: a follower's filter never changes a worker's seq)."""
         self.reset()
+        codings = [None, *(Coding(c.num_data, c.num_total) for c in snapshot.codings)]
+        holders, coding_of = self._holders, self._coding
         for worker in snapshot.workers:
+            worker_id = worker.worker_id
             if worker.last_seq:
-                self._last_seq[worker.worker_id] = worker.last_seq
+                self._last_seq[worker_id] = worker.last_seq
             held: set[bytes] = set()
-            for key, index, mask in zip(worker.block_hashes, worker.fragment_indices, worker.tier_masks):
+            for key, index, mask, coding_id in zip(worker.block_hashes, worker.fragment_indices, worker.tier_masks,
+                                                   worker.coding_ids):
                 if mask & tier_mask:
-                    self._holders.setdefault(key, {})[worker.worker_id] = Holding(index, mask & tier_mask)
+                    holders.setdefault(key, {})[worker_id] = Holding(index, mask & tier_mask)
                     held.add(key)
+                    coding = codings[coding_id]
+                    if coding is not None:
+                        coding_of[key] = coding
             if held:
-                self._by_worker[worker.worker_id] = held
-        for coding in snapshot.codings:
-            if coding.block_hash in self._holders:
-                self._coding[coding.block_hash] = Coding(coding.num_data, coding.num_total)
+                self._by_worker[worker_id] = held
 
     def _stored(self, worker_id: str, stored: events_pb2.KVBlocksStored, bit: int) -> None:
         indices = list(stored.fragment_indices)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import grpc.aio
@@ -15,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from kvmesh.nats_server import EmbeddedNats, free_port
-from mesh import metrics, subjects
+from mesh import kv_snapshot, metrics, subjects
 from mesh.bus import Bus
 from mesh.config import SettingError, load_settings
 from mesh.discovery import Announcer, KnownWorker
@@ -44,6 +45,8 @@ def test_a_bad_policy_fails_at_start_naming_the_setting() -> None:
         load_settings(BalancerSettings, env={"KVMESH_BALANCER_POLICY": "fastest"})
     with pytest.raises(SettingError, match="KVMESH_BALANCER_TARGET_UTILIZATION"):
         load_settings(BalancerSettings, env={"KVMESH_BALANCER_TARGET_UTILIZATION": "1.5"})
+    with pytest.raises(SettingError, match=r"^KVMESH_KV_SNAPSHOT_EVERY=-1: must be 0 \(never\) or more"):
+        load_settings(BalancerSettings, env={"KVMESH_KV_SNAPSHOT_EVERY": "-1"})
 
 
 def test_conversions() -> None:
@@ -125,6 +128,37 @@ async def expect_unavailable(stub: balancer_pb2_grpc.BalancerStub, request: bala
         await stub.Route(request)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     return str(error.value.details())
+
+
+async def test_the_balancer_compacts_the_kv_stream_and_a_restarted_one_restores_the_snapshot(tmp_path) -> None:
+    with EmbeddedNats(store_dir=tmp_path / "nats") as nats:  # its own stream: this test purges it
+        workers = {"p-1": await start_worker(nats.url, "p-1", common_pb2.ROLE_PREFILL),
+                   "d-1": await start_worker(nats.url, "d-1", common_pb2.ROLE_DECODE)}
+        worker = workers["p-1"]
+        assert await ensure_kv_stream(worker.bus)
+        js = worker.bus.client.jetstream()
+        compacting = replace(settings(nats.url, "balancer-a"), kv_snapshot_every=4, kv_snapshot_check_s=0.05)
+
+        async def all_listed() -> bool:
+            return await listed_ids(stub) == set(workers)
+
+        async def snapshot_at(seq: int) -> bool:
+            info = await js.stream_info("KVMESH_KV")
+            return await kv_snapshot.latest_seq(worker.bus) == seq and info.state.first_seq == seq + 1
+
+        async with serving(serve, compacting) as channel:
+            stub = balancer_pb2_grpc.BalancerStub(channel)
+            for seq in range(1, 7):  # one block per batch: p-1 ends up holding blocks 1-6
+                event = events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(block_hashes=[key(seq)]))
+                batch = events_pb2.KVEventBatch(worker_id="p-1", seq=seq, tier="device", events=[event])
+                await js.publish(subjects.kv_events("p-1"), batch.SerializeToString())
+            await wait_until(lambda: snapshot_at(6))  # 6 messages applied, >= 4 since none: one snapshot
+        async with serving(serve, compacting) as channel:  # restarted: the stream holds nothing before seq 7
+            stub = balancer_pb2_grpc.BalancerStub(channel)
+            await wait_until(all_listed)
+            response = await stub.Route(route_request(1, 2, 3, 4, 5, 6, 7, num_prompt_tokens=7 * BLOCK_SIZE))
+            assert picked(response)[::2] == ("p-1", 6 * BLOCK_SIZE)
+        await stop_workers(workers)
 
 
 async def test_service_routes_by_the_policy_over_heartbeats_and_the_kv_event_stream(nats_url: str) -> None:

@@ -38,6 +38,8 @@ def add_parsers(bench_commands: Any) -> None:
     index = bench_commands.add_parser("kv-index", help="rebuild the global KV index by replaying JetStream")
     index.add_argument("--batches", type=int, default=20_000)
     index.add_argument("--blocks-per-batch", type=int, default=16)
+    index.add_argument("--live-batches", type=int, default=None,
+                       help="caches churn: each batch also removes its worker's blocks from this many batches ago")
     index.add_argument("--json", action="store_true", help="one line of JSON")
 
     ttft = bench_commands.add_parser("kv-ttft", help="time to first token on a long shared prefix, through the store")
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench_command == "kv-index":
         from kvmesh.bench.kv_index import run_index_bench
 
-        result = run_index_bench(args.batches, args.blocks_per_batch)
+        result = run_index_bench(args.batches, args.blocks_per_batch, live_batches=args.live_batches)
     else:
         from kvmesh.bench.kv_ttft import run_ttft_bench
 

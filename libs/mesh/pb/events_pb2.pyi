@@ -100,25 +100,25 @@ class KVIndexSnapshot(_message.Message):
     def __init__(self, stream_seq: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerHoldings, _Mapping]]] = ..., codings: _Optional[_Iterable[_Union[BlockCoding, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerHoldings(_message.Message):
-    __slots__ = ("worker_id", "last_seq", "block_hashes", "fragment_indices", "tier_masks")
+    __slots__ = ("worker_id", "last_seq", "block_hashes", "fragment_indices", "tier_masks", "coding_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_INDICES_FIELD_NUMBER: _ClassVar[int]
     TIER_MASKS_FIELD_NUMBER: _ClassVar[int]
+    CODING_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     last_seq: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     fragment_indices: _containers.RepeatedScalarFieldContainer[int]
     tier_masks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fragment_indices: _Optional[_Iterable[int]] = ..., tier_masks: _Optional[_Iterable[int]] = ...) -> None: ...
+    coding_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., fragment_indices: _Optional[_Iterable[int]] = ..., tier_masks: _Optional[_Iterable[int]] = ..., coding_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockCoding(_message.Message):
-    __slots__ = ("block_hash", "num_data", "num_total")
-    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("num_data", "num_total")
     NUM_DATA_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    block_hash: bytes
     num_data: int
     num_total: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., num_data: _Optional[int] = ..., num_total: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_data: _Optional[int] = ..., num_total: _Optional[int] = ...) -> None: ...
