@@ -62,8 +62,11 @@ async def _run(num_batches: int, blocks_per_batch: int, num_workers: int, live_b
             else:
                 await bus.client.publish(subject, data)
         await bus.flush()
-        publish_s = time.perf_counter() - started
         info = await js.stream_info(STREAM)
+        while info.state.last_seq < num_batches:  # the server has them all; the stream stores the last few
+            await asyncio.sleep(0.01)
+            info = await js.stream_info(STREAM)
+        publish_s = time.perf_counter() - started
 
         replayed = await _rebuilt(bus)
         await replayed.stop()
