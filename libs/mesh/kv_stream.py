@@ -99,7 +99,11 @@ class KVEventFollower:
 
     async def _subscribe(self) -> None:
         """Restore the latest snapshot (if any), then follow the stream from the message after it."""
-        snapshot = await kv_snapshot.load_latest(self.bus)
+        try:
+            snapshot = await kv_snapshot.load_latest(self.bus)
+        except Exception as exc:  # no snapshot store (or NATS briefly away): replay whatever the stream still has
+            log.warning("KV index snapshot unreadable: replaying the stream", error=f"{type(exc).__name__}: {exc}")
+            snapshot = None
         if snapshot is not None:
             self.index.restore(snapshot, tier_mask(self.tiers))
             self.last_stream_seq = snapshot.stream_seq
@@ -212,7 +216,11 @@ class KVIndexCompactor:
     async def compact(self) -> bool:
         """Snapshot now; True when it became the latest (the stream is then purged below it)."""
         follower = self.follower
+        latest = await kv_snapshot.latest_seq(follower.bus)
         seq = follower.last_stream_seq
+        if latest >= seq:  # another replica's, or the one this follower restored
+            self.snapshot_seq = latest
+            return False
         started = time.perf_counter()
         snapshot = follower.index.to_snapshot(seq)  # before any await: the index exactly as of message `seq`
         snapshot.timestamp_ms = int(time.time() * 1000)
@@ -230,12 +238,12 @@ class KVIndexCompactor:
         return True
 
     async def run_forever(self, interval_s: float) -> None:
-        self.snapshot_seq = await kv_snapshot.latest_seq(self.follower.bus)
+        """Compact whenever due. The first round after a restart may find the latest snapshot is already as new
+        as its index (restored from it): `compact` then only learns its seq."""
         while True:
             await asyncio.sleep(interval_s)
-            if not self.due():
-                continue
             try:
-                await self.compact()
+                if self.due():
+                    await self.compact()
             except Exception as exc:  # NATS away for a moment: the next round tries again
                 log.warning("KV index snapshot failed", error=f"{type(exc).__name__}: {exc}")
