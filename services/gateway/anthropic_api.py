@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (/v1/messages): content blocks (text, tool_use, tool_result) -> a ChatTurn,
+"""Anthropic's Messages API (/v1/messages): content blocks (text, image, tool_use, tool_result) -> a ChatTurn,
 events -> content blocks, streamed as named SSE events (the anthropic SDK drops frames without `event:`):
 
     message_start, ping, then per block content_block_start, content_block_delta (text_delta or
@@ -22,6 +22,7 @@ from services.gateway.chat import (
 )
 from services.gateway.errors import GatewayError, invalid
 from services.gateway.http_app import admitted, dumps, json_body, served_headers, start_turn, stream_response
+from services.gateway.images import IMAGE_MARKER, ImagePart, check_text
 from services.gateway.openai_api import field_of, parse_stop, tool_call_message
 from services.gateway.pipeline import Usage
 from services.gateway.sampling import openai_to_wire
@@ -34,6 +35,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 
 def _text_of(blocks: Any, param: str) -> str:
     if isinstance(blocks, str):
+        check_text(blocks, param)
         return blocks
     if not isinstance(blocks, list):
         raise invalid(param, f"'{param}' must be a string or an array of text blocks")
@@ -41,16 +43,33 @@ def _text_of(blocks: Any, param: str) -> str:
     for index, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise invalid(f"{param}[{index}]", f"'{param}[{index}]' must be a text block")
+        check_text(block["text"], f"{param}[{index}].text")
         texts.append(block["text"])
     return "\n".join(texts)
 
 
-def _message(message: Any, param: str) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages: tool_result blocks become `tool` turns before the user's text."""
+def _image(block: dict[str, Any], param: str) -> ImagePart:
+    """{"type": "image", "source": {"type": "base64", "media_type": ..., "data": ...}} or a "url" source."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        source = {}
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        return ImagePart(param, f"data:{source['media_type']};base64,{source['data']}")
+    if kind == "url" and isinstance(source.get("url"), str):
+        return ImagePart(param, source["url"])
+    raise invalid(f"{param}.source", f"'{param}.source' must be {{\"type\": \"base64\", \"media_type\": "
+                                     "\"image/png\", \"data\": ...} or {\"type\": \"url\", \"url\": ...}")
+
+
+def _message(message: Any, param: str, images: list[ImagePart]) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: tool_result blocks become `tool` turns before the user's text; an
+    image block stands in the user's text as IMAGE_MARKER and joins `images`."""
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
         raise invalid(f"{param}.role", f"'{param}.role' must be 'user' or 'assistant'")
     role, content = message["role"], message.get("content")
     if isinstance(content, str):
+        check_text(content, f"{param}.content")
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise invalid(f"{param}.content", f"'{param}.content' must be a string or an array of content blocks")
@@ -61,7 +80,11 @@ def _message(message: Any, param: str) -> list[dict[str, Any]]:
         block_param = f"{param}.content[{index}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
+            check_text(block["text"], f"{block_param}.text")
             texts.append(block["text"])
+        elif kind == "image" and role == "user":
+            images.append(_image(block, block_param))
+            texts.append(IMAGE_MARKER)
         elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str) \
                 and isinstance(block.get("input", {}), dict):
             calls.append(tool_call_message(str(block.get("id", "")), block["name"],
@@ -71,8 +94,8 @@ def _message(message: Any, param: str) -> list[dict[str, Any]]:
             results.append({"role": "tool", "content": f"Error: {output}" if block.get("is_error") else output,
                             "tool_call_id": block["tool_use_id"]})
         else:
-            raise invalid(block_param, f"'{block_param}' must be a text block, a tool_use block (assistant) or a "
-                                       "tool_result block (user)")
+            raise invalid(block_param, f"'{block_param}' must be a text block, an image or tool_result block (user) "
+                                       "or a tool_use block (assistant)")
     out: list[dict[str, Any]] = list(results)
     if role == "assistant":
         out.append({"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
@@ -110,7 +133,8 @@ def parse_messages_request(body: Any) -> tuple[ChatTurn, bool]:
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
         raise invalid("messages", "'messages' must be a non-empty array")
-    messages = [m for i, raw in enumerate(raw_messages) for m in _message(raw, f"messages[{i}]")]
+    images: list[ImagePart] = []
+    messages = [m for i, raw in enumerate(raw_messages) for m in _message(raw, f"messages[{i}]", images)]
     if body.get("system") is not None:
         messages.insert(0, {"role": "system", "content": _text_of(body["system"], "system")})
     tools = []
@@ -124,7 +148,7 @@ def parse_messages_request(body: Any) -> tuple[ChatTurn, bool]:
                               top_k=field_of(body, "top_k", "integer", 0))
     turn = ChatTurn(model=model, messages=messages, sampling=sampling, max_tokens_param="max_tokens",
                     stop=parse_stop(body, "stop_sequences"), tools=tuple(tools), tool_choice=choice,
-                    parallel_tool_calls=parallel)
+                    parallel_tool_calls=parallel, images=tuple(images))
     return turn, bool(field_of(body, "stream", "boolean", False))
 
 

@@ -65,8 +65,12 @@ class GatewayError(Exception):
         return OVERLOADED_STATUS if self.kind is ErrorKind.RATE_LIMITED else self.http_status
 
     def anthropic_body(self) -> dict[str, Any]:
-        """`{"type": "error", "error": {"type", "message"}}`; a saturated mesh is `overloaded_error`."""
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.kind, "api_error"), "message": self.message}}
+        """`{"type": "error", "error": {"type", "message"}}`; a saturated mesh is `overloaded_error`. Anthropic's
+        shape has no `param`, so the message starts with it (as Anthropic's own do) unless it names it already."""
+        message = self.message
+        if self.param and self.param not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.kind, "api_error"), "message": message}}
 
 
 OVERLOADED_STATUS = 529  # Anthropic's "overloaded": its SDK retries it

@@ -195,3 +195,43 @@ async def test_the_gateway_sends_an_image_to_its_home_encoder_unless_that_one_is
     busy = {home.worker_id: 3}  # more than 2 calls over the idle ones: the least loaded (then by id) instead
     assert pick_encoder(workers, busy, image) is min((w for w in workers if w is not home), key=lambda w: w.worker_id)
     assert pick_encoder([], {}, image) is None
+
+
+async def test_images_through_the_anthropic_sdk_match_chat_completions(client):
+    """Messages' image blocks (base64 sources) reach the same prompt as Chat Completions' image_url parts; a bad
+    block is a 400 in Anthropic's shape naming the block."""
+    import anthropic
+
+    messages = anthropic.AsyncAnthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key=KEY,
+                                        max_retries=0, timeout=120).messages
+    image = png((120, 60, 200))
+    chat_reply = await chat(client, ask(data_url(image)))
+    content: list[dict[str, Any]] = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(image).decode()}}]
+    reply = await messages.create(model=DEEPSEEK, system=SYSTEM, max_tokens=4, extra_body={"temperature": 0},
+                                  messages=[{"role": "user", "content": content}])  # type: ignore[list-item]
+    prompt_tokens = reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0)
+    assert prompt_tokens == chat_reply.usage.prompt_tokens
+    assert reply.usage.cache_read_input_tokens == (prompt_tokens - 1) // 16 * 16  # the KV chat left, image and all
+    assert reply.content[0].text == chat_reply.choices[0].message.content  # type: ignore[union-attr]
+
+    async def refused(blocks: list[dict[str, Any]], role: str = "user") -> dict[str, Any]:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await messages.create(model=DEEPSEEK, max_tokens=4,
+                                  messages=[{"role": role, "content": blocks}])  # type: ignore[misc, list-item]
+        body = caught.value.body
+        assert isinstance(body, dict) and body["type"] == "error"
+        return body["error"]
+
+    corrupt = await refused([{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                          "data": base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()}}])
+    assert corrupt == {"type": "invalid_request_error", "message": "messages[0].content[0]: bad image: the image is "
+                                                                   "not a PNG or JPEG file (or its header is corrupt)"}
+    no_source = await refused([{"type": "image", "source": {"type": "file", "file_id": "file_1"}}])
+    assert "'messages[0].content[0].source' must be" in no_source["message"]
+    remote = await refused([{"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}])
+    assert "remote image URLs are not allowed" in remote["message"]
+    from_assistant = await refused([{"type": "image", "source": content[1]["source"]}], role="assistant")
+    assert "'messages[0].content[0]' must be a text block, an image or tool_result block" in from_assistant["message"]
