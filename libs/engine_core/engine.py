@@ -178,12 +178,31 @@ class LLMEngine:
         cache_salt: str | None = None,
         keep_kv: bool = False,
         embeddings: Sequence[EmbeddingSpan] = (),
+        output_token_ids: Sequence[int] = (),
     ) -> Request:
         """Queue a request. keep_kv=True holds its blocks after it finishes, for `export_kv`, until `release`.
-        `embeddings`: prompt positions whose input embeddings are given (images at their placeholder tokens)."""
+        `embeddings`: prompt positions whose input embeddings are given (images at their placeholder tokens).
+        `output_token_ids`: output it already has (a generation resumed elsewhere): they are computed with the
+        prompt, and it goes on as if it had generated them (max_tokens, penalties, seeded draws, grammars)."""
         request = self._new_request(request_id, prompt, params or SamplingParams(), cache_salt, keep_kv, embeddings)
+        if output_token_ids:
+            self._resume(request, output_token_ids)
         self.scheduler.add_request(request)
         return request
+
+    def _resume(self, request: Request, output_token_ids: Sequence[int]) -> None:
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in output_token_ids):
+            raise PromptError(f"output token ids must be integers in [0, {vocab})")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and len(output_token_ids) >= max_tokens:
+            raise PromptError(f"the request already has {len(output_token_ids)} output tokens; max_tokens is "
+                              f"{max_tokens}")
+        if request.num_prompt_tokens + len(output_token_ids) >= self.max_model_len:
+            raise PromptError(f"the prompt and output have {request.num_prompt_tokens + len(output_token_ids)} "
+                              f"tokens; this model's context is {self.max_model_len} tokens")
+        for token in output_token_ids:
+            request.append_output_token(token)
 
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)

@@ -55,6 +55,7 @@ class Generation:
     cache_salt: str = ""
     traffic_class: str = ""
     images: tuple[encoder_pb2.PromptImage, ...] = ()  # embeddings at the prompt's image placeholders (image_encoding)
+    output_token_ids: tuple[int, ...] = ()  # a migrated generation's output so far: prefill goes on after it
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ class Pipeline:
                      excluded: Sequence[str], deadline: Deadline) -> balancer_pb2.RouteResponse:
         request = balancer_pb2.RouteRequest(
             request_id=attempt_id, model=generation.model.name, block_hashes=block_hashes,
-            num_prompt_tokens=len(generation.prompt_token_ids), traffic_class=generation.traffic_class,
+            num_prompt_tokens=len(generation.prompt_token_ids) + len(generation.output_token_ids),
+            traffic_class=generation.traffic_class,
             exclude_worker_ids=excluded)
         for balancer in self.mesh.balancers():
             stub = balancer_pb2_grpc.BalancerStub(self.channels.get(balancer.info.address))
@@ -185,7 +187,8 @@ class Pipeline:
             request_id=attempt_id, model=generation.model.name, prompt_token_ids=generation.prompt_token_ids,
             sampling=generation.sampling, cache_salt=generation.cache_salt, traffic_class=generation.traffic_class,
             decode_address=route.decode.address, decode_worker_id=route.decode.worker_id,
-            decode_data_address=route.decode.data_address, images=generation.images)
+            decode_data_address=route.decode.data_address, images=generation.images,
+            output_token_ids=generation.output_token_ids)
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(route.prefill.address))
         call: grpc.aio.UnaryStreamCall = stub.PrefillStream(
             request, timeout=deadline.remaining(rpc.PREFILL_TIMEOUT_S), metadata=rpc.metadata(attempt_id))
@@ -218,11 +221,12 @@ class GenerationStream:
 
     The first token goes out as soon as prefill samples it, while the KV is still on its way to decode. When the
     decode side fails after that (the push failed, the worker died or aborted the request), the generation
-    migrates, as Dynamo's request migration does: the prompt plus the tokens already sent is prefilled on another
-    (prefill, decode) pair, excluding the failed worker, and the output goes on where it stopped. Greedy output is
-    the same as without the failure; sampled output goes on from a fresh generator, and presence/frequency
-    penalties see the earlier output as prompt. Requests under a grammar do not migrate (the grammar's state is
-    not carried over): they fail as before, with an error the client sees.
+    migrates, as Dynamo's request migration does: the prompt and the tokens already sent are prefilled on another
+    (prefill, decode) pair, excluding the failed worker, and the output goes on where it stopped. The tokens sent
+    go as output, not prompt (`PrefillRequest.output_token_ids`), so the engine there continues the generation
+    itself: max_tokens and min_tokens count them, penalties see them, a seeded request draws the same tokens
+    (its draws depend on the seed and the output position), and a grammar's matcher advances over them. The
+    output is the one an uninterrupted run gives.
     """
 
     def __init__(self, pipeline: Pipeline, generation: Generation, attempt: Attempt, deadline: Deadline) -> None:
@@ -294,17 +298,11 @@ class GenerationStream:
         """Go on on another pair: prefill the prompt plus the output so far (raises GatewayError when it may not)."""
         generation = self._generation
         self.close()
-        if generation.sampling.HasField("structured_output") or self.num_migrations >= self._pipeline.max_retries:
+        if self.num_migrations >= self._pipeline.max_retries:
             raise GatewayError(ErrorKind.UNAVAILABLE, f"{why}; retry shortly")
         self.num_migrations += 1
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(generation.sampling)
-        if sampling.HasField("max_tokens"):
-            sampling.max_tokens -= self.num_completion_tokens
-        sampling.min_tokens = max(0, sampling.min_tokens - self.num_completion_tokens)
         resumed = dataclasses.replace(generation, request_id=f"{generation.request_id}.m{self.num_migrations}",
-                                      prompt_token_ids=[*generation.prompt_token_ids, *self._token_ids],
-                                      sampling=sampling)
+                                      output_token_ids=tuple(self._token_ids))
         log.warning("migrating a generation", reason=why, failed_worker=failed,
                     num_output_tokens=self.num_completion_tokens, migration=self.num_migrations)
         self._attempt = await self._pipeline.attempt(resumed, self._deadline, excluded=[failed])

@@ -45,6 +45,7 @@ class PrefillJob:
     decode_data_address: str = ""  # the decode worker's bulk lane: the push goes there when set
     traffic_class: str = ""  # agent | chat | ...: the TTL class of the blocks it writes to the KV store
     images: tuple[EmbeddingSpan, ...] = ()  # embeddings at the prompt's image placeholders (from the encoder)
+    output_token_ids: tuple[int, ...] = ()  # a migrated generation's output so far (computed with the prompt)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class Prefiller:
         """Raises UnknownModelError, ValueError (bad prompt or parameters), PushError, EngineFailure.
         `on_first` gets the result as soon as the first token is known, before the KV push (kv_bytes_sent 0)."""
         engine = self.engines.get(job.model)
-        first_params = first_token_params(job.params)
+        first_params = first_token_params(job.params, len(job.output_token_ids))
         if job.request_id in self._active:  # its stream and its kept KV would collide with the other's
             raise ValueError(f"duplicate request id {job.request_id!r}")
         self._active.add(job.request_id)
@@ -209,7 +210,7 @@ class Prefiller:
         if hit is not None:
             self.on_injected(job.model, hit.block_hashes[:num_injected])
         engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt, keep_kv=True,
-                           embeddings=job.images)
+                           embeddings=job.images, output_token_ids=job.output_token_ids)
         return num_injected, load
 
     def _feed(self, engine: AsyncEngine, job: PrefillJob, hit: _StoreHit | None,
@@ -234,10 +235,12 @@ class Prefiller:
         return asyncio.create_task(feed())
 
     def _finish_reason(self, job: PrefillJob, first: RequestOutput) -> str | None:
-        """Whether prefill's one token ends the request for real: a stop, max_tokens 1, or a full context."""
+        """Whether prefill's one token ends the request for real: a stop, max_tokens reached, or a full context."""
         if first.finish_reason == "stop":
             return "stop"
-        if job.params.max_tokens == 1 or first.num_prompt_tokens + 1 >= self.engines.max_model_len(job.model):
+        num_outputs = len(job.output_token_ids) + 1
+        if job.params.max_tokens == num_outputs or \
+                first.num_prompt_tokens + num_outputs >= self.engines.max_model_len(job.model):
             return "length"
         return None
 
@@ -279,10 +282,12 @@ class Prefiller:
         return _StoreHit(parent, [b.block_hash for b in blocks], tokens, [b.data for b in blocks], num_local)
 
 
-def first_token_params(params: SamplingParams) -> SamplingParams:
-    """The user's sampling for prefill's one token: max_tokens 1 (min_tokens capped to match: a min_tokens
-    of 1 or more masks EOS and stop tokens for the first token, exactly as the user's value does)."""
-    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+def first_token_params(params: SamplingParams, num_output_tokens: int = 0) -> SamplingParams:
+    """The user's sampling for prefill's one token, after `num_output_tokens` a migrated generation already has:
+    max_tokens one more (min_tokens capped to match: while the output is shorter than min_tokens, EOS and stop
+    tokens are masked for this token exactly as the user's value does)."""
+    limit = num_output_tokens + 1
+    return dataclasses.replace(params, max_tokens=limit, min_tokens=min(params.min_tokens, limit))
 
 
 def _num_store_tokens(num_cached_tokens: int, hit: _StoreHit | None, num_injected: int, block_size: int) -> int:

@@ -40,7 +40,8 @@ def job_from_proto(r: prefill_pb2.PrefillRequest) -> PrefillJob:
                       params=sampling_from_proto(r.sampling), cache_salt=r.cache_salt or None,
                       decode_address=r.decode_address, decode_worker_id=r.decode_worker_id,
                       decode_data_address=r.decode_data_address,
-                      traffic_class=r.traffic_class, images=tuple(image_from_proto(i) for i in r.images))
+                      traffic_class=r.traffic_class, images=tuple(image_from_proto(i) for i in r.images),
+                      output_token_ids=tuple(r.output_token_ids))
 
 
 def response_to_proto(result: PrefillResult, worker_id: str) -> prefill_pb2.PrefillResponse:

@@ -98,10 +98,8 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
             self.script.prefill_ends.append("cancelled")
             raise
         self.script.prefill_ends.append("finished")
-        # a migrated request's prompt goes on with the output so far: answer from where it stopped
-        base_id, _, migration = request.request_id.partition(".m")
-        original = next(p for p in self.script.prefills if p.request_id == base_id) if migration else request
-        offset = len(request.prompt_token_ids) - len(original.prompt_token_ids)
+        # a migrated request comes with the output so far: answer from where it stopped
+        offset = len(request.output_token_ids)
         self.script.offsets[request.request_id] = offset
         ids = self.script.token_ids[offset:]
         finish_reason: Any = self.script.finish_reason if len(ids) == 1 else 0
@@ -438,10 +436,12 @@ async def test_a_decode_failure_mid_stream_migrates_and_the_output_goes_on(mesh:
     assert status == 200 and events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
     first_decode = headers["x-kvmesh-decode-worker"]
-    # the second attempt: routed without the failed decode worker, its prompt the first plus the 3 tokens sent
-    # (prefill's, then decode's first batch of 2)
+    # the second attempt: routed without the failed decode worker, with the first's prompt and, as its output so
+    # far, the 3 tokens sent (prefill's, then decode's first batch of 2)
     assert [list(r.exclude_worker_ids) for r in script.routes] == [[], [first_decode]]
-    assert len(script.prefills[1].prompt_token_ids) == len(script.prefills[0].prompt_token_ids) + 3
+    assert script.prefills[1].prompt_token_ids == script.prefills[0].prompt_token_ids
+    assert list(script.prefills[1].output_token_ids) == script.token_ids[:3]
+    assert script.routes[1].num_prompt_tokens == script.routes[0].num_prompt_tokens + 3  # prefill computes them too
     assert script.prefills[1].request_id == script.prefills[0].request_id + ".m1"
 
 

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "cache_salt", "decode_address", "decode_worker_id", "traffic_class", "images", "decode_data_address")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "cache_salt", "decode_address", "decode_worker_id", "traffic_class", "images", "decode_data_address", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class PrefillRequest(_message.Message):
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     DECODE_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -30,7 +31,8 @@ class PrefillRequest(_message.Message):
     traffic_class: str
     images: _containers.RepeatedCompositeFieldContainer[_encoder_pb2.PromptImage]
     decode_data_address: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., traffic_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_encoder_pb2.PromptImage, _Mapping]]] = ..., decode_data_address: _Optional[str] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., traffic_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_encoder_pb2.PromptImage, _Mapping]]] = ..., decode_data_address: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("worker_id", "first_token_id", "first_logprob", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_store_tokens", "prefill_seconds", "kv_bytes_sent", "kv_pending")
