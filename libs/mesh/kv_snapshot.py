@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from nats.js.api import KeyValueConfig, ObjectStoreConfig
 from nats.js.client import JetStreamContext
-from nats.js.errors import KeyNotFoundError, ObjectNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, ObjectNotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -117,10 +117,9 @@ async def publish(bus: Bus, snapshot: events_pb2.KVIndexSnapshot) -> int | None:
             await kv.create(LATEST, value)
         else:
             await kv.update(LATEST, value, last=previous.revision)
-    except Exception as exc:  # KeyWrongLastSequenceError; `create` raises a plain API error when the key exists
+    except KeyWrongLastSequenceError:  # (any other error may have moved the pointer: the object stays)
         await _delete_quietly(objects, name)
-        log.info("KV index snapshot dropped: another writer moved the pointer first", seq=seq,
-                 error=type(exc).__name__)
+        log.info("KV index snapshot dropped: another writer moved the pointer first", seq=seq)
         return None
     if previous.object_name:
         await _delete_quietly(objects, previous.object_name)

@@ -99,11 +99,16 @@ class KVEventFollower:
 
     async def _subscribe(self) -> None:
         """Restore the latest snapshot (if any), then follow the stream from the message after it."""
+        await self._follow_from(await self._latest_snapshot())
+
+    async def _latest_snapshot(self) -> events_pb2.KVIndexSnapshot | None:
         try:
-            snapshot = await kv_snapshot.load_latest(self.bus)
+            return await kv_snapshot.load_latest(self.bus)
         except Exception as exc:  # no snapshot store (or NATS briefly away): replay whatever the stream still has
-            log.warning("KV index snapshot unreadable: replaying the stream", error=f"{type(exc).__name__}: {exc}")
-            snapshot = None
+            log.warning("KV index snapshot unreadable", error=f"{type(exc).__name__}: {exc}")
+            return None
+
+    async def _follow_from(self, snapshot: events_pb2.KVIndexSnapshot | None) -> None:
         if snapshot is not None:
             self.index.restore(snapshot, tier_mask(self.tiers))
             self.last_stream_seq = snapshot.stream_seq
@@ -166,23 +171,24 @@ class KVEventFollower:
             self._mark_caught_up()
 
     async def _restore_over_gap(self, seq: int) -> bool:
-        """Messages up to `seq` - 1 are gone. True when a snapshot covers them (a restore starts, from outside this
-        callback: it replaces the subscription); else they aged out, and the follower goes on without them."""
-        latest = await kv_snapshot.latest_seq(self.bus)
-        if latest >= seq - 1:
-            log.info("KV stream compacted past this follower: restoring the snapshot", snapshot_seq=latest,
-                     applied_seq=self.last_stream_seq)
-            self._resync = asyncio.create_task(self._restore_again())
+        """Messages up to `seq` - 1 are gone. True when a snapshot covers them (it is restored from outside this
+        callback, which replaces the subscription); else they aged out, and the follower goes on without them.
+        Each restore moves the follower past the gap, so gaps never loop."""
+        snapshot = await self._latest_snapshot()
+        if snapshot is not None and snapshot.stream_seq >= seq - 1:
+            log.info("KV stream compacted past this follower: restoring the snapshot",
+                     snapshot_seq=snapshot.stream_seq, applied_seq=self.last_stream_seq)
+            self._resync = asyncio.create_task(self._restore_again(snapshot))
             return True
         self.num_lost += seq - self.last_stream_seq - 1
         log.warning("KV events aged out of the stream before this follower read them",
                     num_messages=seq - self.last_stream_seq - 1)
         return False
 
-    async def _restore_again(self) -> None:
+    async def _restore_again(self, snapshot: events_pb2.KVIndexSnapshot) -> None:
         try:
             await self._unsubscribe()
-            await self._subscribe()
+            await self._follow_from(snapshot)
         except Exception as exc:  # NATS away: the index stays as it was, as after a missed batch
             log.warning("KV index restore failed", error=f"{type(exc).__name__}: {exc}")
         finally:
