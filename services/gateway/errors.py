@@ -64,13 +64,18 @@ class GatewayError(Exception):
     def anthropic_status(self) -> int:
         return OVERLOADED_STATUS if self.kind is ErrorKind.RATE_LIMITED else self.http_status
 
+    @property
+    def message_naming_param(self) -> str:
+        """The message, starting with the field it is about unless it names it already: for the shapes that have
+        no `param` (Anthropic's errors, gRPC status details), as Anthropic's own messages do."""
+        if self.param and self.param not in self.message:
+            return f"{self.param}: {self.message}"
+        return self.message
+
     def anthropic_body(self) -> dict[str, Any]:
-        """`{"type": "error", "error": {"type", "message"}}`; a saturated mesh is `overloaded_error`. Anthropic's
-        shape has no `param`, so the message starts with it (as Anthropic's own do) unless it names it already."""
-        message = self.message
-        if self.param and self.param not in message:
-            message = f"{self.param}: {message}"
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.kind, "api_error"), "message": message}}
+        """`{"type": "error", "error": {"type", "message"}}`; a saturated mesh is `overloaded_error`."""
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.kind, "api_error"),
+                                           "message": self.message_naming_param}}
 
 
 OVERLOADED_STATUS = 529  # Anthropic's "overloaded": its SDK retries it

@@ -1,10 +1,12 @@
 """The Gateway gRPC service: Generate runs a chat turn exactly as the REST APIs do (chat.py: tools,
-structured output, logprobs, n), streaming one message per event; ListModels. The key comes in `authorization: Bearer <key>` metadata. GatewayError -> status code happens in
-errors.py (ErrorKind.grpc_code); this module only converts messages."""
+structured output, logprobs, n, images), streaming one message per event; ListModels. The key comes in
+`authorization: Bearer <key>` metadata. GatewayError -> status code happens in errors.py
+(ErrorKind.grpc_code); this module only converts messages."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +23,7 @@ from services.gateway.chat import (
 )
 from services.gateway.core import GatewayCore, new_request_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
+from services.gateway.images import ImagePart
 from services.gateway.openai_api import MAX_STOP_STRINGS, parse_message, tool_call_message
 from services.gateway.sampling import check_wire
 from services.gateway.schema_support import checked_grammar, json_schema_output
@@ -38,26 +41,47 @@ def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
     return None
 
 
-def _messages(request: gateway_pb2.GenerateRequest) -> list[dict[str, Any]]:
+def _messages(request: gateway_pb2.GenerateRequest, images: list[ImagePart]) -> list[dict[str, Any]]:
     messages = []
     for index, message in enumerate(request.messages):
-        raw: dict[str, Any] = {"role": message.role, "content": message.content}
+        param = f"messages[{index}]"
+        if message.parts and message.content:
+            raise invalid(f"{param}.parts", f"'{param}': give content or parts, not both")
+        content: Any = [_part(part, f"{param}.parts[{n}]") for n, part in enumerate(message.parts)] \
+            if message.parts else message.content
+        raw: dict[str, Any] = {"role": message.role, "content": content}
         if message.tool_calls:
             raw["tool_calls"] = [tool_call_message(c.id, c.name, c.arguments) for c in message.tool_calls]
         if message.tool_call_id:
             raw["tool_call_id"] = message.tool_call_id
-        messages.append(parse_message(raw, f"messages[{index}]"))
+        messages.append(parse_message(raw, param, images, content_field="parts" if message.parts else "content"))
     return messages
 
 
-def _prompt(request: gateway_pb2.GenerateRequest) -> tuple[list[dict[str, Any]], str | list[int] | None, str]:
+def _part(part: gateway_pb2.ContentPart, param: str) -> dict[str, Any]:
+    """A part in Chat Completions' shape, for the one parser of messages."""
+    kind = part.WhichOneof("kind")
+    if kind == "text":
+        return {"type": "text", "text": part.text}
+    if kind == "image":
+        image = part.image
+        if image.data:  # checked as bytes downstream (PNG or JPEG); the type here only labels the URL
+            mime = "image/png" if image.data.startswith(b"\x89PNG") else "image/jpeg"
+            return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,"
+                                                              + base64.b64encode(image.data).decode()}}
+        return {"type": "image_url", "image_url": {"url": image.url}}
+    raise invalid(param, f"'{param}' must have text or image")
+
+
+def _prompt(request: gateway_pb2.GenerateRequest,
+            images: list[ImagePart]) -> tuple[list[dict[str, Any]], str | list[int] | None, str]:
     """(messages, raw prompt, the field it came from) from exactly one of messages, prompt, prompt_token_ids."""
     given = [name for name, present in (("messages", bool(request.messages)), ("prompt", bool(request.prompt)),
                                         ("prompt_token_ids", bool(request.prompt_token_ids))) if present]
     if len(given) != 1:
         raise invalid("messages", "give exactly one of messages, prompt and prompt_token_ids")
     if given[0] == "messages":
-        return _messages(request), None, "messages"
+        return _messages(request, images), None, "messages"
     if given[0] == "prompt":
         return [], request.prompt, "prompt"
     return [], list(request.prompt_token_ids), "prompt_token_ids"
@@ -99,7 +123,8 @@ def _response_format(request: gateway_pb2.GenerateRequest) -> StructuredOutput |
 
 def to_turn(core: GatewayCore, request: gateway_pb2.GenerateRequest) -> ChatTurn:
     core.catalog.require(request.model)
-    messages, prompt, prompt_param = _prompt(request)
+    images: list[ImagePart] = []
+    messages, prompt, prompt_param = _prompt(request, images)
     sampling = request.sampling if request.HasField("sampling") else common_pb2.SamplingParams()
     check_wire(sampling)
     if len(request.stop) > MAX_STOP_STRINGS:
@@ -115,7 +140,8 @@ def to_turn(core: GatewayCore, request: gateway_pb2.GenerateRequest) -> ChatTurn
                     parallel_tool_calls=request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True,
                     response_format=_response_format(request), n=request.n or 1, logprobs=logprobs,
                     top_logprobs=sampling.logprobs if logprobs else 0, cache_salt=request.cache_salt,
-                    traffic_class=request.traffic_class, prompt_param=prompt_param, prompt=prompt)
+                    traffic_class=request.traffic_class, prompt_param=prompt_param, prompt=prompt,
+                    images=tuple(images))
 
 
 def _response(request_id: str, run: ChatRun, event: ChatEvent) -> gateway_pb2.GenerateResponse | None:
@@ -177,7 +203,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except GatewayError as error:
                 record.finish(error.kind.grpc_code.name)
                 context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
-                await context.abort(error.kind.grpc_code, error.message)
+                await context.abort(error.kind.grpc_code, error.message_naming_param)
             except asyncio.CancelledError:
                 record.finish(grpc.StatusCode.CANCELLED.name)
                 raise

@@ -138,14 +138,15 @@ def _parse_tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:
     return calls
 
 
-def parse_message(message: Any, param: str, images: list[ImagePart] | None = None) -> dict[str, Any]:
+def parse_message(message: Any, param: str, images: list[ImagePart] | None = None,
+                  content_field: str = "content") -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid(param, f"'{param}' must be an object")
     role = message.get("role")
     if role not in ROLES:
         raise invalid(f"{param}.role", f"'{param}.role' must be one of system, developer, user, assistant, tool"
                       f" (got {json.dumps(role)[:40]})")
-    content = content_text(message.get("content"), role, f"{param}.content", images)
+    content = content_text(message.get("content"), role, f"{param}.{content_field}", images)
     parsed: dict[str, Any] = {"role": ROLES[role], "content": content}
     if role == "assistant" and message.get("tool_calls"):
         parsed["tool_calls"] = _parse_tool_calls(message["tool_calls"], f"{param}.tool_calls")

@@ -10,7 +10,7 @@ import base64
 import io
 import random
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import openai
 import pytest
@@ -59,8 +59,13 @@ def ask(*urls: str, text: str = "What is in this picture?") -> list[dict[str, An
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
 
 
+class ImageMesh(NamedTuple):
+    client: openai.AsyncOpenAI
+    grpc_address: str  # the gateway's gRPC API
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client() -> AsyncIterator[openai.AsyncOpenAI]:
+async def mesh() -> AsyncIterator[ImageMesh]:
     with EmbeddedNats() as nats:
         common = dict(nats_url=nats.url, heartbeat_interval_s=0.5, log_level="warning", drain_timeout_s=1.0)
         workers = dict(common, models=(DEEPSEEK,), kv_cache_memory_bytes=16 * 2**20)
@@ -85,11 +90,16 @@ async def client() -> AsyncIterator[openai.AsyncOpenAI]:
                         break
                     except openai.InternalServerError:
                         await asyncio.sleep(0.1)
-                yield openai_client
+                yield ImageMesh(openai_client, f"127.0.0.1:{gateway.grpc_port}")
             finally:
                 await gateway.stop()
                 await prefill.stop()
                 await decode.stop()
+
+
+@pytest.fixture
+def client(mesh: ImageMesh) -> openai.AsyncOpenAI:
+    return mesh.client
 
 
 async def chat(client: openai.AsyncOpenAI, messages: list[dict[str, Any]], model: str = DEEPSEEK) -> Any:
@@ -235,3 +245,35 @@ async def test_images_through_the_anthropic_sdk_match_chat_completions(client):
     assert "remote image URLs are not allowed" in remote["message"]
     from_assistant = await refused([{"type": "image", "source": content[1]["source"]}], role="assistant")
     assert "'messages[0].content[0]' must be a text block, an image or tool_result block" in from_assistant["message"]
+
+
+async def test_images_through_the_grpc_api_match_chat_completions(mesh: ImageMesh):
+    """ChatMessage.parts with image bytes reach the same prompt as the REST image_url part; a bad image is
+    INVALID_ARGUMENT naming the part."""
+    import grpc
+
+    from mesh.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    image = png((200, 200, 20))
+    chat_reply = await chat(mesh.client, ask(data_url(image)))
+    metadata = (("authorization", f"Bearer {KEY}"),)
+
+    def request(*parts: gateway_pb2.ContentPart) -> gateway_pb2.GenerateRequest:
+        return gateway_pb2.GenerateRequest(
+            model=DEEPSEEK, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=4),
+            messages=[gateway_pb2.ChatMessage(role="system", content=SYSTEM),
+                      gateway_pb2.ChatMessage(role="user", parts=parts)])
+
+    question = gateway_pb2.ContentPart(text="What is in this picture?")
+    async with grpc.aio.insecure_channel(mesh.grpc_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        replies = [r async for r in stub.Generate(
+            request(question, gateway_pb2.ContentPart(image=gateway_pb2.ImageData(data=image))), metadata=metadata)]
+        assert replies[-1].usage.prompt_tokens == chat_reply.usage.prompt_tokens
+        assert "".join(r.text for r in replies) == chat_reply.choices[0].message.content
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Generate(request(question, gateway_pb2.ContentPart(
+                image=gateway_pb2.ImageData(data=b"\x89PNG\r\n\x1a\n"))), metadata=metadata).read()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details() == ("messages[1].parts[1]: bad image: the image is not a PNG or JPEG file (or "
+                                          "its header is corrupt)")

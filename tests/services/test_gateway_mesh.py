@@ -253,6 +253,7 @@ async def test_sdk_completion(mesh: Mesh, script: Script) -> None:
     assert prefill.sampling == common_pb2.SamplingParams(temperature=0.5, top_p=0.9, max_tokens=50, seed=7,
                                                          repetition_penalty=1.0)
     assert (prefill.decode_worker_id, prefill.decode_address) == ("decode-a", mesh.fakes.address)
+    await wait_for(lambda: script.stream_ends)  # the fake's generator ends just after its last message is read
     assert script.streams == [request_id] and script.stream_ends == ["finished"]
 
 

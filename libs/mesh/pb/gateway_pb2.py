@@ -25,35 +25,39 @@ _sym_db = _symbol_database.Default()
 from mesh.pb import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"W\n\x0eResponseFormat\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"\x88\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x15\n\rtraffic_class\x18\x08 \x01(\t\x12\x1e\n\x05tools\x18\t \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12\x13\n\x0btool_choice\x18\n \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12\x32\n\x0fresponse_format\x18\x0c \x01(\x0b\x32\x19.kvmesh.v1.ResponseFormat\x12\t\n\x01n\x18\r \x01(\x05\x42\x16\n\x14_parallel_tool_calls\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xbf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\x05\x12,\n\ntool_calls\x18\n \x03(\x0b\x32\x18.kvmesh.v1.ToolCallDelta\x12\x0e\n\x06\x66inish\x18\x0b \x01(\t\"\x13\n\x11ListModelsRequest\".\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelCard2\x9b\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x92\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12%\n\x05parts\x18\x05 \x03(\x0b\x32\x16.kvmesh.v1.ContentPart\"L\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x05image\x18\x02 \x01(\x0b\x32\x14.kvmesh.v1.ImageDataH\x00\x42\x06\n\x04kind\"&\n\tImageData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03url\x18\x02 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"W\n\x0eResponseFormat\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"\x88\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x15\n\rtraffic_class\x18\x08 \x01(\t\x12\x1e\n\x05tools\x18\t \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12\x13\n\x0btool_choice\x18\n \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12\x32\n\x0fresponse_format\x18\x0c \x01(\x0b\x32\x19.kvmesh.v1.ResponseFormat\x12\t\n\x01n\x18\r \x01(\x05\x42\x16\n\x14_parallel_tool_calls\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xbf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\x05\x12,\n\ntool_calls\x18\n \x03(\x0b\x32\x18.kvmesh.v1.ToolCallDelta\x12\x0e\n\x06\x66inish\x18\x0b \x01(\t\"\x13\n\x11ListModelsRequest\".\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelCard2\x9b\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=62
-  _globals['_CHATMESSAGE']._serialized_end=169
-  _globals['_TOOLCALL']._serialized_start=171
-  _globals['_TOOLCALL']._serialized_end=226
-  _globals['_TOOL']._serialized_start=228
-  _globals['_TOOL']._serialized_end=294
-  _globals['_RESPONSEFORMAT']._serialized_start=296
-  _globals['_RESPONSEFORMAT']._serialized_end=383
-  _globals['_GENERATEREQUEST']._serialized_start=386
-  _globals['_GENERATEREQUEST']._serialized_end=778
-  _globals['_TOOLCALLDELTA']._serialized_start=780
-  _globals['_TOOLCALLDELTA']._serialized_end=855
-  _globals['_USAGE']._serialized_start=857
-  _globals['_USAGE']._serialized_end=937
-  _globals['_GENERATERESPONSE']._serialized_start=940
-  _globals['_GENERATERESPONSE']._serialized_end=1259
-  _globals['_LISTMODELSREQUEST']._serialized_start=1261
-  _globals['_LISTMODELSREQUEST']._serialized_end=1280
-  _globals['_MODELCARD']._serialized_start=1282
-  _globals['_MODELCARD']._serialized_end=1328
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1330
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1388
-  _globals['_GATEWAY']._serialized_start=1391
-  _globals['_GATEWAY']._serialized_end=1546
+  _globals['_CHATMESSAGE']._serialized_start=63
+  _globals['_CHATMESSAGE']._serialized_end=209
+  _globals['_CONTENTPART']._serialized_start=211
+  _globals['_CONTENTPART']._serialized_end=287
+  _globals['_IMAGEDATA']._serialized_start=289
+  _globals['_IMAGEDATA']._serialized_end=327
+  _globals['_TOOLCALL']._serialized_start=329
+  _globals['_TOOLCALL']._serialized_end=384
+  _globals['_TOOL']._serialized_start=386
+  _globals['_TOOL']._serialized_end=452
+  _globals['_RESPONSEFORMAT']._serialized_start=454
+  _globals['_RESPONSEFORMAT']._serialized_end=541
+  _globals['_GENERATEREQUEST']._serialized_start=544
+  _globals['_GENERATEREQUEST']._serialized_end=936
+  _globals['_TOOLCALLDELTA']._serialized_start=938
+  _globals['_TOOLCALLDELTA']._serialized_end=1013
+  _globals['_USAGE']._serialized_start=1015
+  _globals['_USAGE']._serialized_end=1095
+  _globals['_GENERATERESPONSE']._serialized_start=1098
+  _globals['_GENERATERESPONSE']._serialized_end=1417
+  _globals['_LISTMODELSREQUEST']._serialized_start=1419
+  _globals['_LISTMODELSREQUEST']._serialized_end=1438
+  _globals['_MODELCARD']._serialized_start=1440
+  _globals['_MODELCARD']._serialized_end=1486
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1488
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1546
+  _globals['_GATEWAY']._serialized_start=1549
+  _globals['_GATEWAY']._serialized_end=1704
 # @@protoc_insertion_point(module_scope)
