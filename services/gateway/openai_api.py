@@ -85,8 +85,9 @@ _field = field_of
 
 
 def content_text(content: Any, role: str, param: str, images: list[ImagePart] | None = None) -> str:
-    """The content as text. With `images` (Chat Completions), a user message's image_url parts are appended to it
-    and stand in the text as IMAGE_MARKER; without, only text parts are taken."""
+    """The content as text. With `images`, a user message's image parts (Chat Completions' `image_url`, the
+    Responses API's `input_image`) are appended to it and stand in the text as IMAGE_MARKER; without, only text
+    parts are taken."""
     if isinstance(content, str):
         if images is not None:
             check_text(content, param)
@@ -98,7 +99,7 @@ def content_text(content: Any, role: str, param: str, images: list[ImagePart] | 
     texts = []
     for index, part in enumerate(content):
         part_param = f"{param}[{index}]"
-        if images is not None and isinstance(part, dict) and part.get("type") == "image_url":
+        if images is not None and isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
             if role != "user":
                 raise invalid(part_param, f"'{part_param}': images are taken in user messages only")
             images.append(parse_image_part(part, part_param))

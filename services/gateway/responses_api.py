@@ -26,6 +26,7 @@ from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.http_app import (
     STORE_KEY, admitted, dumps, json_body, served_headers, start_turn, stream_response,
 )
+from services.gateway.images import ImagePart, check_text
 from services.gateway.openai_api import (
     content_text, field_of, parse_response_format, parse_tool_choice, tool_call_message,
 )
@@ -44,6 +45,15 @@ def _new_id(prefix: str) -> str:
 
 
 @dataclass(frozen=True)
+class Conversation:
+    """A stored conversation: chat messages (an image stands in the text as IMAGE_MARKER) and its images' URLs,
+    in the order of their markers."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    image_urls: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class ResponseRequest:
     turn: ChatTurn
     new_messages: list[dict[str, Any]]  # this request's input, as chat messages (stored for follow-ups)
@@ -55,7 +65,7 @@ class ResponseRequest:
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
 
 
-def _input_messages(raw: Any) -> list[dict[str, Any]]:
+def _input_messages(raw: Any, images: list[ImagePart]) -> list[dict[str, Any]]:
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
@@ -71,7 +81,7 @@ def _input_messages(raw: Any) -> list[dict[str, Any]]:
             if role not in INPUT_ROLES:
                 raise invalid(f"{param}.role", f"'{param}.role' must be one of user, system, developer, assistant")
             messages.append({"role": INPUT_ROLES[role], "content": content_text(item.get("content"), role,
-                                                                                 f"{param}.content")})
+                                                                                 f"{param}.content", images)})
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
@@ -110,14 +120,19 @@ def _text_format(body: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     return parse_response_format(fmt, "text.format"), {"format": fmt}
 
 
-def parse_response_request(body: Any, history: list[dict[str, Any]]) -> ResponseRequest:
+def parse_response_request(body: Any, history: Conversation | None = None) -> ResponseRequest:
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "'model' must be a non-empty string")
-    new_messages = _input_messages(body.get("input"))
+    history = history or Conversation()
+    # the stored conversation's images first: their markers come first in the prompt
+    images = [ImagePart(f"previous_response_id (its image {n})", url) for n, url in enumerate(history.image_urls)]
+    new_messages = _input_messages(body.get("input"), images)
     instructions = field_of(body, "instructions", "string")
+    if instructions:
+        check_text(instructions, "instructions")
     tools = _tools(body)
     response_format, text = _text_format(body)
     max_tokens = field_of(body, "max_output_tokens", "integer")
@@ -127,16 +142,16 @@ def parse_response_request(body: Any, history: list[dict[str, Any]]) -> Response
                               param_names={"max_tokens": "max_output_tokens"})
     system = [{"role": "system", "content": instructions}] if instructions else []
     parallel = bool(field_of(body, "parallel_tool_calls", "boolean", True))
-    turn = ChatTurn(model=model, messages=system + history + new_messages, sampling=sampling,
+    turn = ChatTurn(model=model, messages=system + history.messages + new_messages, sampling=sampling,
                     max_tokens_param="max_output_tokens", tools=tools,
                     tool_choice=parse_tool_choice(body.get("tool_choice"), bool(tools)), parallel_tool_calls=parallel,
                     response_format=response_format, cache_salt=field_of(body, "cache_salt", "string", ""),
-                    prompt_param="input")
+                    prompt_param="input", images=tuple(images))
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "parallel_tool_calls": parallel,
             "temperature": sampling.temperature, "top_p": sampling.top_p, "text": text,
             "tool_choice": body.get("tool_choice", "auto" if tools else "none"), "tools": body.get("tools") or [],
             "metadata": field_of(body, "metadata", "object", {}), "user": field_of(body, "user", "string")}
-    return ResponseRequest(turn, new_messages, history, instructions,
+    return ResponseRequest(turn, new_messages, history.messages, instructions,
                            stream=bool(field_of(body, "stream", "boolean", False)),
                            store=bool(field_of(body, "store", "boolean", True)),
                            previous_response_id=field_of(body, "previous_response_id", "string"), echo=echo)
@@ -185,16 +200,16 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ---- handlers --------------------------------------------------------------------------------------------
 
-async def _history(request: web.Request, body: Any) -> list[dict[str, Any]]:
+async def _history(request: web.Request, body: Any) -> Conversation:
     previous = body.get("previous_response_id") if isinstance(body, dict) else None
     if previous is None:
-        return []
+        return Conversation()
     if not isinstance(previous, str) or not RESPONSE_ID.fullmatch(previous):
         raise invalid("previous_response_id", "'previous_response_id' must be a response id (resp_...)")
     record = await request.app[STORE_KEY].get(previous)
     if record is None:
         raise GatewayError(ErrorKind.NOT_FOUND, f"no stored response {previous!r}", "previous_response_id")
-    return list(record["messages"])
+    return Conversation(list(record["messages"]), list(record.get("image_urls", [])))
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -222,7 +237,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 async def _store(request: web.Request, req: ResponseRequest, obj: dict[str, Any]) -> None:
     if req.store:
         messages = req.history + req.new_messages + output_messages(obj["output"])
-        await request.app[STORE_KEY].put(obj["id"], {"response": obj, "messages": messages})
+        image_urls = [image.url for image in req.turn.images]  # the conversation's, stored ones first
+        await request.app[STORE_KEY].put(obj["id"], {"response": obj, "messages": messages, "image_urls": image_urls})
 
 
 async def get_response(request: web.Request) -> web.Response:

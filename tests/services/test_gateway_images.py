@@ -277,3 +277,28 @@ async def test_images_through_the_grpc_api_match_chat_completions(mesh: ImageMes
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert caught.value.details() == ("messages[1].parts[1]: bad image: the image is not a PNG or JPEG file (or "
                                           "its header is corrupt)")
+
+
+async def test_images_in_the_responses_api_carry_over_to_a_follow_up(client):
+    """input_image parts reach the same prompt as Chat Completions; a follow-up by previous_response_id keeps the
+    stored conversation's image (the same image key, so its KV is reused) and adds its own."""
+    image = png((20, 160, 90))
+    chat_reply = await chat(client, ask(data_url(image)))
+    question = [{"type": "input_text", "text": "What is in this picture?"},
+                {"type": "input_image", "image_url": data_url(image)}]
+    first = await client.responses.create(model=DEEPSEEK, instructions=SYSTEM, max_output_tokens=4, temperature=0,
+                                          input=[{"role": "user", "content": question}])  # type: ignore[list-item, misc]
+    assert first.usage is not None and first.usage.input_tokens == chat_reply.usage.prompt_tokens
+    assert first.output_text == chat_reply.choices[0].message.content
+    follow_up = await client.responses.create(
+        model=DEEPSEEK, instructions=SYSTEM, max_output_tokens=4, temperature=0, previous_response_id=first.id,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "And this one?"},  # type: ignore[list-item]
+                                            {"type": "input_image", "image_url": data_url(png((1, 2, 3)))}]}])
+    assert follow_up.usage is not None
+    # the first turn's prompt (image and all) is a prefix of this one: its full blocks come from the cache
+    assert follow_up.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens - 1) // 16 * 16
+    assert follow_up.usage.input_tokens > first.usage.input_tokens + 64  # the second image's 64 tokens and more
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.responses.create(model=DEEPSEEK, max_output_tokens=4, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}])  # type: ignore[list-item]
+    assert caught.value.body["param"] == "input[0].content[0]"  # type: ignore[index]
