@@ -67,6 +67,7 @@ class ResponseRequest:
 
 def _input_messages(raw: Any, images: list[ImagePart]) -> list[dict[str, Any]]:
     if isinstance(raw, str):
+        check_text(raw, "input")
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise invalid("input", "'input' must be a string or a non-empty array of input items")
@@ -93,6 +94,7 @@ def _input_messages(raw: Any, images: list[ImagePart]) -> list[dict[str, Any]]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not isinstance(output, str):
                 raise invalid(param, f"'{param}' needs string 'call_id' and 'output'")
+            check_text(output, f"{param}.output")
             messages.append({"role": "tool", "content": output, "tool_call_id": call_id})
         else:
             raise invalid(f"{param}.type", f"input items of type {str(kind)[:40]!r} are not supported")
