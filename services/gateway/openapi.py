@@ -23,11 +23,15 @@ TOOL = {"type": "object", "required": ["type", "function"], "properties": {
 TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "required": ["type", "function"],
                          "properties": {"type": {"const": "function"}, "function": {
                              "type": "object", "required": ["name"], "properties": {"name": STRING}}}}]}
-TEXT_PARTS = {"anyOf": [STRING, {"type": "array", "items": {"type": "object", "required": ["type", "text"],
-                                                           "properties": {"type": {"const": "text"}, "text": STRING}}}]}
+TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": STRING}}
+IMAGE_PART = {"type": "object", "required": ["type", "image_url"], "description": "user messages only; a data: URL "
+              "(PNG or JPEG), or http(s) where the server allows remote images", "properties": {
+                  "type": {"const": "image_url"}, "image_url": {"type": "object", "required": ["url"], "properties": {
+                      "url": STRING, "detail": {"enum": ["auto", "low", "high"]}}}}}
+CONTENT_PARTS = {"anyOf": [STRING, {"type": "array", "items": {"anyOf": [TEXT_PART, IMAGE_PART]}}]}
 MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-    "content": {"anyOf": [TEXT_PARTS, {"type": "null"}]}, "tool_call_id": STRING,
+    "content": {"anyOf": [CONTENT_PARTS, {"type": "null"}]}, "tool_call_id": STRING,
     "tool_calls": {"type": "array", "items": OBJECT}}}
 RESPONSE_FORMAT = {"type": "object", "required": ["type"], "properties": {
     "type": {"enum": ["text", "json_object", "json_schema"]},

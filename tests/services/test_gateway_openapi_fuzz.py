@@ -137,6 +137,8 @@ def test_openapi_document_lists_every_route(gateway: Gateway) -> None:
             assert operation["responses"], f"{method} {path} documents no response"
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"tools", "tool_choice", "response_format", "logprobs", "n", "stream_options"} <= set(chat["properties"])
+    parts = chat["properties"]["messages"]["items"]["properties"]["content"]["anyOf"][0]["anyOf"][1]["items"]["anyOf"]
+    assert [part["properties"]["type"]["const"] for part in parts] == ["text", "image_url"]
 
 
 # ---- generated bad input ----------------------------------------------------------------------------------
