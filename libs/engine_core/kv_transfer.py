@@ -57,14 +57,17 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def _as_bytes_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A uint8 view of `data` when it is writable (received into), else of a writable copy."""
+    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+    return torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
+
+
 def bytes_to_tensor(data: bytes | bytearray | memoryview, layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    """A view of `data` when it is writable (received into), else of a writable copy."""
     expected = layout.chunk_bytes(num_blocks)
     if len(data) != expected:
         raise KVLayoutError(f"KV chunk has {len(data)} bytes, expected {expected} for {num_blocks} blocks")
-    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
-    raw = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
-    return raw.view(layout.torch_dtype).view(layout.chunk_shape(num_blocks))
+    return _as_bytes_tensor(data).view(layout.torch_dtype).view(layout.chunk_shape(num_blocks))
 
 
 def block_bytes_to_tensor(data: bytes, layout: KVLayout) -> torch.Tensor:
@@ -72,9 +75,7 @@ def block_bytes_to_tensor(data: bytes, layout: KVLayout) -> torch.Tensor:
     expected = layout.num_layers * layout.chunk_bytes(1)
     if len(data) != expected:
         raise KVLayoutError(f"KV block has {len(data)} bytes, expected {expected}")
-    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
-    raw = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
-    return raw.view(layout.torch_dtype).view(layout.num_layers, *layout.layer_shape)
+    return _as_bytes_tensor(data).view(layout.torch_dtype).view(layout.num_layers, *layout.layer_shape)
 
 
 @dataclass(frozen=True)

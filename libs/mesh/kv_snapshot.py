@@ -99,13 +99,13 @@ async def load_latest(bus: Bus, attempts: int = 3) -> events_pb2.KVIndexSnapshot
     raise RuntimeError(f"no readable KV index snapshot after {attempts} attempts (snapshots replaced too fast)")
 
 
-async def publish(bus: Bus, snapshot: events_pb2.KVIndexSnapshot) -> int | None:
-    """Store `snapshot` and make it the latest. Returns the seq of the snapshot it replaced (0 for none), or None
-    when it was not newer than the latest or another writer moved the pointer first (its object is deleted). Each
-    writer's object has its own name, so a loser never deletes the winner's snapshot of the same seq."""
+async def publish(bus: Bus, snapshot: events_pb2.KVIndexSnapshot, previous: Pointer) -> int | None:
+    """Store `snapshot` and move the pointer from `previous` (as last read) to it. Returns the seq of the snapshot
+    it replaced (0 for none), or None when it was not newer than `previous` or another writer moved the pointer
+    since (its object is deleted). Each writer's object has its own name, so a loser never deletes the winner's
+    snapshot of the same seq."""
     js = bus.client.jetstream()
     seq = snapshot.stream_seq
-    previous = await latest(bus)
     if previous.stream_seq >= seq:
         return None
     objects, kv = await _objects(js), await _pointer(js)

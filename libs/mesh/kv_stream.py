@@ -222,15 +222,15 @@ class KVIndexCompactor:
     async def compact(self) -> bool:
         """Snapshot now; True when it became the latest (the stream is then purged below it)."""
         follower = self.follower
-        latest = await kv_snapshot.latest_seq(follower.bus)
+        pointer = await kv_snapshot.latest(follower.bus)
         seq = follower.last_stream_seq
-        if latest >= seq:  # another replica's, or the one this follower restored
-            self.snapshot_seq = latest
+        if pointer.stream_seq >= seq:  # another replica's, or the one this follower restored
+            self.snapshot_seq = pointer.stream_seq
             return False
         started = time.perf_counter()
         snapshot = follower.index.to_snapshot(seq)  # before any await: the index exactly as of message `seq`
         snapshot.timestamp_ms = int(time.time() * 1000)
-        previous = await kv_snapshot.publish(follower.bus, snapshot)
+        previous = await kv_snapshot.publish(follower.bus, snapshot, pointer)
         if previous is None:
             self.snapshot_seq = max(self.snapshot_seq, await kv_snapshot.latest_seq(follower.bus))
             return False
