@@ -53,10 +53,15 @@ def advertise_host(bind_host: str, configured: str, bus_url: str = "") -> str:
     bus's network is one every peer can dial, with no DNS at all.
     """
     if configured:
-        return configured
+        return _host_form(configured)
     if bind_host in ("0.0.0.0", "::", ""):
         return address_towards(bus_url) or socket.gethostname()
-    return bind_host
+    return _host_form(bind_host)
+
+
+def _host_form(host: str) -> str:
+    """`host` as it goes before `:port`: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def address_towards(url: str) -> str | None:
@@ -74,7 +79,7 @@ def address_towards(url: str) -> str | None:
             address = str(probe.getsockname()[0])
     except OSError:  # unresolvable or no route: the caller falls back
         return None
-    return f"[{address}]" if ":" in address else address  # an IPv6 address in host:port form
+    return _host_form(address)
 
 
 def _first_host_port(url: str) -> tuple[str | None, int]:

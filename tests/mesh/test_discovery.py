@@ -39,6 +39,12 @@ def test_an_unresolvable_bus_falls_back_to_the_machine_name():
     assert advertise_host("0.0.0.0", "", "") == socket.gethostname()
 
 
+def test_a_configured_or_bound_ipv6_address_comes_in_brackets():
+    assert advertise_host("::1", "", "") == "[::1]"
+    assert advertise_host("0.0.0.0", "fd00::7", "") == "[fd00::7]"
+    assert advertise_host("0.0.0.0", "[fd00::7]", "") == "[fd00::7]"
+
+
 def test_an_ipv6_address_comes_in_brackets():
     try:
         with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as probe:
