@@ -21,8 +21,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
-    report = run_jsonschemabench(args.model, args.limit, None if args.generate_all else args.generate,
-                                 args.max_tokens, batch_size=args.batch_size)
+    report = run_jsonschemabench(
+        args.model,
+        args.limit,
+        None if args.generate_all else args.generate,
+        args.max_tokens,
+        batch_size=args.batch_size,
+    )
     print(json.dumps(report, indent=2))
 
 

@@ -18,18 +18,48 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEEPSEEK_TEST_CONFIG = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
-    n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=1024, initializer_range=0.1,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
     routed_scaling_factor=2.5,
-    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32,
-                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
 )
 
 LLAMA_TEST_CONFIG = dict(
-    vocab_size=500, hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,
-    num_key_value_heads=2, max_position_embeddings=1024, rope_theta=100000.0, initializer_range=0.1,
+    vocab_size=500,
+    hidden_size=96,
+    intermediate_size=192,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_theta=100000.0,
+    initializer_range=0.1,
 )
 
 

@@ -1,7 +1,7 @@
 """Device modules: one per accelerator family, all behind the `DeviceOps` contract (see base.py).
 
-    ops = get_device()          # the best family this machine has: cuda, then ascend, then cpu
-    ops = get_device("cpu")     # or ask for one by name
+ops = get_device()          # the best family this machine has: cuda, then ascend, then cpu
+ops = get_device("cpu")     # or ask for one by name
 """
 
 from __future__ import annotations

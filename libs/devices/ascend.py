@@ -4,7 +4,7 @@ on the NPU device (they are written device-agnostically)."""
 from __future__ import annotations
 
 import torch
-import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+import torch_npu
 
 from devices.cpu import CpuOps
 

@@ -88,7 +88,9 @@ class AsyncEngine:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    async def follow(self, request_id: str, stream: asyncio.Queue[RequestOutput | BaseException]) -> AsyncIterator[RequestOutput]:
+    async def follow(
+        self, request_id: str, stream: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; abort it if the caller stops listening first."""
         finished = False
         try:
@@ -103,7 +105,9 @@ class AsyncEngine:
             if not finished:  # no await here: this may run while the caller is being cancelled
                 self.call_soon(lambda engine: engine.abort_request(request_id))
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
         stream = self.open_stream(request_id)
         try:
             await self.call(lambda engine: engine.add_request(request_id, prompt, params, **kwargs))

@@ -111,7 +111,9 @@ class ModelConfig:
         heads = _require(raw, "num_attention_heads", int)
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise ConfigError(f"malformed model config: num_attention_heads {heads} not a multiple of kv heads {kv_heads}")
+            raise ConfigError(
+                f"malformed model config: num_attention_heads {heads} not a multiple of kv heads {kv_heads}"
+            )
         theta, scaling = _rope_params(raw)
         mla = moe = None
         if model_type == "deepseek_v3":
@@ -212,13 +214,20 @@ class EngineConfig:
     num_redundant_experts: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-                     "expert_parallel_size"):
+        for name in (
+            "block_size",
+            "kv_cache_memory_bytes",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "expert_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
-            raise ConfigError(f"num_redundant_experts must be a non-negative integer, got {self.num_redundant_experts!r}")
+            raise ConfigError(
+                f"num_redundant_experts must be a non-negative integer, got {self.num_redundant_experts!r}"
+            )
         for name in ("num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

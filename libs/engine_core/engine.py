@@ -28,7 +28,13 @@ from engine_core.kv_cache.events import KVCacheEvent
 from engine_core.kv_cache.manager import KVCacheManager, cdiv
 from engine_core.kv_load import KVLoadFailed, LayerLoads
 from engine_core.kv_transfer import (
-    KVExport, KVLayout, KVLayoutError, block_bytes_to_tensor, bytes_to_tensor, dtype_name, tensor_to_bytes,
+    KVExport,
+    KVLayout,
+    KVLayoutError,
+    block_bytes_to_tensor,
+    bytes_to_tensor,
+    dtype_name,
+    tensor_to_bytes,
 )
 from engine_core.loader.checkpoint import open_checkpoint
 from engine_core.model_runner import ModelRunner
@@ -74,20 +80,30 @@ class LLMEngine:
         model = build_model(self.model_config, self.ops, self.dtype)
         model.load_weights(checkpoint.tensors())  # type: ignore[operator]
         num_blocks = self._num_blocks(model)
-        self.runner = ModelRunner(model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size)
+        self.runner = ModelRunner(
+            model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size
+        )
         self.experts = ExpertParallel.attach(model, self.model_config, config)  # None without MoE layers
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.loads = LayerLoads(self.kv.pool, self.runner.kv_caches, self.kv_layout, self.runner.block_axis)
         self.sampler = Sampler(config.seed)
-        model_len = min(config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings)
+        model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings
+        )
         self.max_model_len = min(model_len, num_blocks * config.block_size)  # a request alone must always fit
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
-        log.info("engine ready: %s on %s, %d KV blocks (%d MiB), context %d", self.served_name, self.ops.name,
-                 num_blocks, self.runner.kv_cache_bytes >> 20, self.max_model_len)
+        log.info(
+            "engine ready: %s on %s, %d KV blocks (%d MiB), context %d",
+            self.served_name,
+            self.ops.name,
+            num_blocks,
+            self.runner.kv_cache_bytes >> 20,
+            self.max_model_len,
+        )
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
         if self.config.num_kv_blocks is not None:
@@ -110,8 +126,14 @@ class LLMEngine:
     @property
     def kv_layout(self) -> KVLayout:
         shape = self.runner.model.kv_cache_shape(1, self.config.block_size)  # type: ignore[operator]
-        return KVLayout(self.served_name, dtype_name(self.dtype), self.config.block_size,
-                        self.model_config.num_layers, tuple(shape), self.runner.block_axis)
+        return KVLayout(
+            self.served_name,
+            dtype_name(self.dtype),
+            self.config.block_size,
+            self.model_config.num_layers,
+            tuple(shape),
+            self.runner.block_axis,
+        )
 
     # -- requests -----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -122,7 +144,12 @@ class LLMEngine:
         return list(prompt)
 
     def _new_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, keep_kv: bool,
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        keep_kv: bool,
         embeddings: Sequence[EmbeddingSpan] = (),
     ) -> Request:
         token_ids = self.tokenize_prompt(prompt)
@@ -161,8 +188,10 @@ class LLMEngine:
             if len(shape) != 2 or shape[1] != hidden or shape[0] < 1:
                 raise PromptError(f"embeddings of shape {shape} do not fit this model: expected (n, {hidden})")
             if span.offset < end or span.end > num_prompt_tokens:
-                raise PromptError(f"embeddings for positions [{span.offset}, {span.end}) overlap another span or "
-                                  f"run past the prompt's {num_prompt_tokens} tokens")
+                raise PromptError(
+                    f"embeddings for positions [{span.offset}, {span.end}) overlap another span or "
+                    f"run past the prompt's {num_prompt_tokens} tokens"
+                )
             if not span.key:
                 raise PromptError("embeddings need a key (their content hash): it enters the block keys")
             checked.append(EmbeddingSpan(span.offset, span.embeddings.to(self.dtype), span.key))
@@ -196,11 +225,14 @@ class LLMEngine:
             raise PromptError(f"output token ids must be integers in [0, {vocab})")
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None and len(output_token_ids) >= max_tokens:
-            raise PromptError(f"the request already has {len(output_token_ids)} output tokens; max_tokens is "
-                              f"{max_tokens}")
+            raise PromptError(
+                f"the request already has {len(output_token_ids)} output tokens; max_tokens is {max_tokens}"
+            )
         if request.num_prompt_tokens + len(output_token_ids) >= self.max_model_len:
-            raise PromptError(f"the prompt and output have {request.num_prompt_tokens + len(output_token_ids)} "
-                              f"tokens; this model's context is {self.max_model_len} tokens")
+            raise PromptError(
+                f"the prompt and output have {request.num_prompt_tokens + len(output_token_ids)} "
+                f"tokens; this model's context is {self.max_model_len} tokens"
+            )
         for token in output_token_ids:
             request.append_output_token(token)
 
@@ -221,7 +253,9 @@ class LLMEngine:
         self.loads.release_done()
         wait_for_layer = self.loads.waiter([s.block_ids for s in output.scheduled])
         try:
-            logits = self.runner.execute(output) if wait_for_layer is None else self.runner.execute(output, wait_for_layer)
+            logits = (
+                self.runner.execute(output) if wait_for_layer is None else self.runner.execute(output, wait_for_layer)
+            )
         except KVLoadFailed:
             return self._recompute_failed_loads(output)
         self.loads.release_done()  # a load this step waited for is complete: its requests hold its blocks now
@@ -242,8 +276,10 @@ class LLMEngine:
             if failed.intersection(item.block_ids):
                 self.scheduler.requeue(item.request)
         self.loads.release_done()
-        log.warning("a KV load failed mid-step; %d block(s) dropped from the prefix cache, their requests recompute",
-                    len(failed))
+        log.warning(
+            "a KV load failed mid-step; %d block(s) dropped from the prefix cache, their requests recompute",
+            len(failed),
+        )
         return []
 
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -297,8 +333,9 @@ class LLMEngine:
         )
 
     # -- prefix cache blocks, for a KV store ----------------------------------------------------------
-    def prompt_block_hashes(self, prompt_token_ids: list[int], cache_salt: str | None = None,
-                            key_spans: Sequence[KeySpan] = ()) -> list[bytes]:
+    def prompt_block_hashes(
+        self, prompt_token_ids: list[int], cache_salt: str | None = None, key_spans: Sequence[KeySpan] = ()
+    ) -> list[bytes]:
         """The keys of the prompt's full blocks, as this engine computes them (`key_spans`: its images')."""
         root = root_hash(self.served_name, cache_salt)
         return hash_token_blocks(root, prompt_token_ids, self.config.block_size, key_spans=key_spans)
@@ -320,8 +357,9 @@ class LLMEngine:
             out.append(None if block is None else tensor_to_bytes(self.runner.read_all_layers(block.block_id)))
         return out
 
-    def inject_cached_blocks(self, parent_hash: bytes, block_hashes: list[bytes], token_ids: list[int],
-                             blocks_data: list[bytes]) -> int:
+    def inject_cached_blocks(
+        self, parent_hash: bytes, block_hashes: list[bytes], token_ids: list[int], blocks_data: list[bytes]
+    ) -> int:
         """Enter blocks fetched from elsewhere (a KV store) into the prefix cache, as a chain after `parent_hash`.
 
         Returns how many were entered (fewer when blocks run short). They sit in the free queue as cached
@@ -349,8 +387,15 @@ class LLMEngine:
         def read(layer: int, first: int, count: int) -> bytes:
             return tensor_to_bytes(self.runner.read_blocks(layer, block_ids[first : first + count]))
 
-        return KVExport(self.kv_layout, request_id, list(request.prompt_token_ids), list(request.output_token_ids),
-                        num_tokens, len(block_ids), read)
+        return KVExport(
+            self.kv_layout,
+            request_id,
+            list(request.prompt_token_ids),
+            list(request.output_token_ids),
+            num_tokens,
+            len(block_ids),
+            read,
+        )
 
     def begin_kv_import(
         self,
@@ -372,8 +417,9 @@ class LLMEngine:
         self.kv_layout.check_compatible(layout)
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        request = self._new_request(request_id, prompt_token_ids, params, cache_salt, keep_kv=False,
-                                    embeddings=embeddings)
+        request = self._new_request(
+            request_id, prompt_token_ids, params, cache_salt, keep_kv=False, embeddings=embeddings
+        )
         for token in output_token_ids:
             request.append_output_token(token)
         if not 0 < num_tokens < request.num_tokens:
@@ -385,7 +431,9 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return True
 
-    def import_kv_chunk(self, request_id: str, layer: int, data: bytes | bytearray | memoryview, first_block: int = 0) -> None:
+    def import_kv_chunk(
+        self, request_id: str, layer: int, data: bytes | bytearray | memoryview, first_block: int = 0
+    ) -> None:
         """Write one chunk of the request's KV: blocks [first_block, ...) of `layer`, as many as `data` holds."""
         request = self._importing(request_id)
         if not 0 <= layer < self.model_config.num_layers:

@@ -64,8 +64,11 @@ class ExpertParallel:
     @classmethod
     def attach(cls, model: nn.Module, model_config: ModelConfig, config: EngineConfig) -> ExpertParallel | None:
         """Counters (and placements) on every MoE layer of `model`; None for a model without MoE layers."""
-        layers = [(i, m) for i, layer in enumerate(model.model.layers)  # type: ignore[union-attr, arg-type]
-                  if isinstance(m := layer.mlp, DeepseekMoE)]
+        layers = [
+            (i, m)
+            for i, layer in enumerate(model.model.layers)  # type: ignore[union-attr, arg-type]
+            if isinstance(m := layer.mlp, DeepseekMoE)
+        ]
         if not layers or model_config.moe is None:
             return None
         moe = model_config.moe
@@ -73,9 +76,11 @@ class ExpertParallel:
         if num_slots % config.expert_parallel_size:
             raise ConfigError(
                 f"expert_parallel_size {config.expert_parallel_size} must divide the {num_slots} expert slots "
-                f"({moe.num_experts} experts + num_redundant_experts {config.num_redundant_experts})")
-        layout = ExpertLayout(len(layers), layers[0][0], moe.num_experts, moe.num_groups, num_slots,
-                              config.expert_parallel_size)
+                f"({moe.num_experts} experts + num_redundant_experts {config.num_redundant_experts})"
+            )
+        layout = ExpertLayout(
+            len(layers), layers[0][0], moe.num_experts, moe.num_groups, num_slots, config.expert_parallel_size
+        )
         return cls(layers, layout)
 
     def note_step(self) -> None:
@@ -89,7 +94,7 @@ class ExpertParallel:
             assert module.counters is not None
             experts, slots = module.counters.take()
             counts.append(experts)
-            rank_loads.append([sum(slots[r * per_rank:(r + 1) * per_rank]) for r in range(self.layout.num_ranks)])
+            rank_loads.append([sum(slots[r * per_rank : (r + 1) * per_rank]) for r in range(self.layout.num_ranks)])
         report = ExpertLoadReport(self.version, self.num_steps, counts, rank_loads)
         self.num_steps = 0
         return report
@@ -104,10 +109,14 @@ class ExpertParallel:
             if len(row) != layout.num_slots:
                 raise ValueError(f"layer {layer}: a placement needs {layout.num_slots} slots, got {len(row)}")
             if set(row) != set(range(layout.num_experts)):
-                raise ValueError(f"layer {layer}: every slot must hold an expert in [0, {layout.num_experts}) "
-                                 "and every expert needs a slot")
-        layers = tuple(PhysicalExperts.build(row, module.w_gate_up, module.w_down, layout.num_ranks, version)
-                       for row, module in zip(phy2log, self.layers))
+                raise ValueError(
+                    f"layer {layer}: every slot must hold an expert in [0, {layout.num_experts}) "
+                    "and every expert needs a slot"
+                )
+        layers = tuple(
+            PhysicalExperts.build(row, module.w_gate_up, module.w_down, layout.num_ranks, version)
+            for row, module in zip(phy2log, self.layers)
+        )
         return PreparedPlacement(version, layers)
 
     def apply(self, prepared: PreparedPlacement, force: bool = False) -> bool:
@@ -122,5 +131,7 @@ class ExpertParallel:
 
     def phy2log(self) -> list[list[int]]:
         """The current placement, (layers, slots)."""
-        return [module.placement.phy2log.tolist() if module.placement is not None
-                else list(range(self.layout.num_experts)) for module in self.layers]
+        return [
+            module.placement.phy2log.tolist() if module.placement is not None else list(range(self.layout.num_experts))
+            for module in self.layers
+        ]

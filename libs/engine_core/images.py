@@ -58,8 +58,10 @@ def _open(data: bytes, limits: ImageLimits) -> Image.Image:
     if width < 1 or height < 1:
         raise ImageError(f"the image has no pixels ({width}x{height})")
     if max(width, height) > limits.max_side or width * height > limits.max_pixels:
-        raise ImageError(f"the image is {width}x{height} pixels; the limit is {limits.max_side} pixels a side "
-                         f"and {limits.max_pixels} in all")
+        raise ImageError(
+            f"the image is {width}x{height} pixels; the limit is {limits.max_side} pixels a side "
+            f"and {limits.max_pixels} in all"
+        )
     return image
 
 

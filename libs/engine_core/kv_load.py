@@ -57,8 +57,14 @@ class LayerLoad:
 
 
 class LayerLoads:
-    def __init__(self, pool: BlockPool, kv_caches: torch.Tensor, layout: KVLayout, block_axis: int,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        kv_caches: torch.Tensor,
+        layout: KVLayout,
+        block_axis: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self.pool = pool
         self.kv_caches = kv_caches  # (num_layers, *layer_shape): loads write their blocks' layers into it
         self.layout = layout

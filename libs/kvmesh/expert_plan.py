@@ -33,8 +33,9 @@ def read_input(path: str | Path) -> dict[str, Any]:
     return inputs
 
 
-def plan_from_input(inputs: dict[str, Any], policy: str = "auto", max_moves: int | None = None,
-                    replan_gain: float = 1.0) -> dict[str, Any]:
+def plan_from_input(
+    inputs: dict[str, Any], policy: str = "auto", max_moves: int | None = None, replan_gain: float = 1.0
+) -> dict[str, Any]:
     """The plan of one input object, as JSON-ready data. ValueError for inputs that do not fit together."""
     topology = eplb.Topology(inputs["num_replicas"], inputs["num_groups"], inputs["num_nodes"], inputs["num_gpus"])
     current = inputs.get("phy2log", inputs.get("current"))

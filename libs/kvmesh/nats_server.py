@@ -12,7 +12,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 _handed_out: set[int] = set()  # ports this process chose: never twice
 
 
@@ -89,8 +88,9 @@ class EmbeddedNats:
     def start(self, timeout_s: float = 10.0) -> EmbeddedNats:
         command = [str(nats_server_binary()), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
         # its own session: a Ctrl-C on the terminal must not stop NATS before the roles have said goodbye on it
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             wait_for_port(self.host, self.port, timeout_s, self.process)
         except Exception:

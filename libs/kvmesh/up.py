@@ -65,8 +65,9 @@ class Mesh:
     def __init__(self, plan: MeshPlan, out: IO[str] | None = None) -> None:
         self.plan = plan
         self.out = out or sys.stderr
-        self.api_keys = plan.api_keys or (os.environ.get("KVMESH_API_KEYS", "") and
-                                          tuple(os.environ["KVMESH_API_KEYS"].split(",")))
+        self.api_keys = plan.api_keys or (
+            os.environ.get("KVMESH_API_KEYS", "") and tuple(os.environ["KVMESH_API_KEYS"].split(","))
+        )
         self.generated_key = None
         if not self.api_keys:
             self.generated_key = "sk-kvmesh-dev-" + secrets.token_urlsafe(18)
@@ -99,13 +100,15 @@ class Mesh:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
         env.update({k: v for k, v in os.environ.items() if k.startswith("KVMESH_")})  # the user's settings pass through
         env.update(self.plan.env)
-        env.update({
-            "KVMESH_NATS_URL": self.nats_url,
-            "KVMESH_WORKER_ID": f"{role}-{index}",
-            "KVMESH_MODELS": ",".join(self.plan.models),
-            "KVMESH_API_KEYS": ",".join(self.api_keys),
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "KVMESH_NATS_URL": self.nats_url,
+                "KVMESH_WORKER_ID": f"{role}-{index}",
+                "KVMESH_MODELS": ",".join(self.plan.models),
+                "KVMESH_API_KEYS": ",".join(self.api_keys),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env["KVMESH_HTTP_PORT"] = str(http_port)
         # workers take any free gRPC port and announce it; only the gateway's ports are fixed
         env["KVMESH_GRPC_PORT"] = str(self.plan.grpc_port) if role == "gateway" else "0"
@@ -115,8 +118,12 @@ class Mesh:
         name = f"{role}-{index}"
         http_port = self.plan.http_port if role == "gateway" else free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh", "serve", role], env=self.child_env(role, index, http_port),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            [sys.executable, "-m", "kvmesh", "serve", role],
+            env=self.child_env(role, index, http_port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         child = Child(name, role, process, http_port)
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()

@@ -32,6 +32,7 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, name: str, timeout_s: float = 5.0) -> Bus:
         """Connect, failing within `timeout_s` with an error naming the URL; reconnects forever afterwards."""
+
         async def on_error(exc: Exception) -> None:  # one line, not the client's traceback per retry
             log.warning("nats error", url=url, error=f"{type(exc).__name__}: {exc}")
 
@@ -43,9 +44,17 @@ class Bus:
 
         try:
             client = await asyncio.wait_for(
-                nats.connect(url, name=name, connect_timeout=timeout_s, max_reconnect_attempts=-1,
-                             allow_reconnect=True, reconnect_time_wait=0.5, error_cb=on_error,
-                             disconnected_cb=on_disconnected, reconnected_cb=on_reconnected),
+                nats.connect(
+                    url,
+                    name=name,
+                    connect_timeout=timeout_s,
+                    max_reconnect_attempts=-1,
+                    allow_reconnect=True,
+                    reconnect_time_wait=0.5,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnected,
+                    reconnected_cb=on_reconnected,
+                ),
                 timeout=timeout_s * 2,
             )
         except (OSError, asyncio.TimeoutError, nats.errors.NoServersError) as exc:
@@ -100,4 +109,4 @@ def decode(message_type: type[M], data: bytes) -> M:
     return message
 
 
-__all__ = ["Bus", "BusError", "decode", "Any"]
+__all__ = ["Any", "Bus", "BusError", "decode"]

@@ -101,9 +101,21 @@ class ServiceSettings:
             require(0 <= value < 65536, name, value, "must be a port number (0 for any free port)")
         require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s, "must be positive")
         require(self.drain_timeout_s >= 0, "drain_timeout_s", self.drain_timeout_s, "must not be negative")
-        require(self.log_format in ("auto", "json", "console"), "log_format", self.log_format,
-                "must be auto, json or console")
-        require(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", self.log_level,
-                "must be debug, info, warning or error")
-        require(self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")), "nats_url", self.nats_url,
-                "must be a nats:// URL")
+        require(
+            self.log_format in ("auto", "json", "console"),
+            "log_format",
+            self.log_format,
+            "must be auto, json or console",
+        )
+        require(
+            self.log_level.lower() in ("debug", "info", "warning", "error"),
+            "log_level",
+            self.log_level,
+            "must be debug, info, warning or error",
+        )
+        require(
+            self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")),
+            "nats_url",
+            self.nats_url,
+            "must be a nats:// URL",
+        )

@@ -96,8 +96,9 @@ def now_ms() -> int:
 
 
 class Announcer:
-    def __init__(self, bus: Bus, info: common_pb2.WorkerInfo, load: Callable[[], common_pb2.WorkerLoad],
-                 interval_s: float) -> None:
+    def __init__(
+        self, bus: Bus, info: common_pb2.WorkerInfo, load: Callable[[], common_pb2.WorkerLoad], interval_s: float
+    ) -> None:
         self.bus = bus
         self.info = info
         self.load = load
@@ -145,8 +146,9 @@ class KnownWorker:
 class WorkerRegistry:
     """Live workers of the followed roles. The registry's own tasks are the only writers of `_workers`."""
 
-    def __init__(self, bus: Bus, roles: Iterable[int], interval_s: float,
-                 on_leave: Callable[[KnownWorker], None] | None = None) -> None:
+    def __init__(
+        self, bus: Bus, roles: Iterable[int], interval_s: float, on_leave: Callable[[KnownWorker], None] | None = None
+    ) -> None:
         self.bus = bus
         self.roles = tuple(roles)
         self.interval_s = interval_s
@@ -170,8 +172,11 @@ class WorkerRegistry:
 
     def workers(self, role: int | None = None, model: str | None = None) -> list[KnownWorker]:
         """Live workers, optionally of one role and serving one model, in worker-id order."""
-        found = [w for w in self._workers.values()
-                 if (role is None or w.info.role == role) and (model is None or model in w.info.models)]
+        found = [
+            w
+            for w in self._workers.values()
+            if (role is None or w.info.role == role) and (model is None or model in w.info.models)
+        ]
         return sorted(found, key=lambda w: w.worker_id)
 
     def get(self, worker_id: str) -> KnownWorker | None:
@@ -183,8 +188,13 @@ class WorkerRegistry:
             self._remove(worker_id, "announced leaving")
             return
         if worker_id not in self._workers:
-            log.info("worker joined", worker_id=worker_id, role=ROLE_NAMES.get(beat.worker.role),
-                     address=beat.worker.address, models=list(beat.worker.models))
+            log.info(
+                "worker joined",
+                worker_id=worker_id,
+                role=ROLE_NAMES.get(beat.worker.role),
+                address=beat.worker.address,
+                models=list(beat.worker.models),
+            )
         self._workers[worker_id] = KnownWorker(beat.worker, beat.load, now_ms(), time.monotonic())
 
     def mark_failed(self, worker_id: str) -> None:

@@ -68,8 +68,10 @@ class Topology:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         divides = self.num_groups % self.num_nodes == 0
         if policy == "hierarchical" and not divides:
-            raise ValueError(f"the hierarchical policy needs num_groups ({self.num_groups}) to be a multiple of "
-                             f"num_nodes ({self.num_nodes})")
+            raise ValueError(
+                f"the hierarchical policy needs num_groups ({self.num_groups}) to be a multiple of "
+                f"num_nodes ({self.num_nodes})"
+            )
         if policy == "auto":
             return "hierarchical" if divides and self.num_nodes > 1 else "global"
         return policy
@@ -117,6 +119,7 @@ class Plan:
 
 # -- evaluation --------------------------------------------------------------------------------------------------
 
+
 def gpu_loads(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
     """(L, E), (L, S) -> (L, G): each slot carries weight / count of its expert."""
     weight = np.asarray(weight, dtype=np.float64)
@@ -139,6 +142,7 @@ def default_placement(num_experts: int, num_replicas: int) -> np.ndarray:
 
 # -- greedy steps --------------------------------------------------------------------------------------------------
 
+
 def replicate(weight: np.ndarray, num_slots: int, max_count: int) -> np.ndarray:
     """(E,) -> replicas per expert (E,), summing to num_slots: each spare slot goes to the expert with the most
     tokens per replica (ties: the lower id), never past max_count replicas."""
@@ -149,8 +153,9 @@ def replicate(weight: np.ndarray, num_slots: int, max_count: int) -> np.ndarray:
     return counts
 
 
-def pack(item_weight: np.ndarray, item_key: np.ndarray, num_bins: int, per_bin: int, num_keys: int,
-         spread_keys: bool = True) -> np.ndarray:
+def pack(
+    item_weight: np.ndarray, item_key: np.ndarray, num_bins: int, per_bin: int, num_keys: int, spread_keys: bool = True
+) -> np.ndarray:
     """Bin of each item, per_bin items per bin: heaviest item first (ties: lower index) into the lightest bin
     with room (ties: the lower bin); with spread_keys, one that holds no item of the same key if there is one."""
     bins = np.empty(len(item_weight), dtype=np.int64)
@@ -189,6 +194,7 @@ def replicate_and_pack(weight: np.ndarray, num_slots: int, num_gpus: int) -> np.
 
 # -- policies ------------------------------------------------------------------------------------------------------
 
+
 def plan_global(weight: np.ndarray, topology: Topology) -> np.ndarray:
     """(E,) -> phy2log (S,)."""
     return replicate_and_pack(weight, topology.num_replicas, topology.num_gpus)
@@ -199,8 +205,9 @@ def plan_hierarchical(weight: np.ndarray, topology: Topology) -> np.ndarray:
     group_size = len(weight) // topology.num_groups
     groups_per_node = topology.num_groups // topology.num_nodes
     group_weight = weight.reshape(topology.num_groups, group_size).sum(axis=1)
-    node_of_group = pack(group_weight, np.arange(topology.num_groups), topology.num_nodes, groups_per_node,
-                         topology.num_groups)
+    node_of_group = pack(
+        group_weight, np.arange(topology.num_groups), topology.num_nodes, groups_per_node, topology.num_groups
+    )
     order = np.lexsort((np.arange(topology.num_groups), node_of_group))  # groups by node, then id
     node_groups = order.reshape(topology.num_nodes, groups_per_node)
     node_groups = _improve_groups(group_weight, node_groups)
@@ -238,24 +245,32 @@ def node_groups_of(phy2log: np.ndarray, topology: Topology, num_experts: int) ->
 
 # -- entry point ---------------------------------------------------------------------------------------------------
 
-def rebalance(weight: np.ndarray | list[list[float]], topology: Topology, current: np.ndarray | None = None,
-              options: PlanOptions = PlanOptions()) -> Plan:
+
+def rebalance(
+    weight: np.ndarray | list[list[float]],
+    topology: Topology,
+    current: np.ndarray | None = None,
+    options: PlanOptions = PlanOptions(),
+) -> Plan:
     """A placement for every layer of `weight` (L, E). With `current` (L, S): num_moved counts against it, the
     plan is aligned to it, and options.max_moves limits the change (see the module's docstring)."""
     weight = _check_weight(weight, topology)
     policy = topology.resolve(options.policy)
     if current is not None:
         current = _check_current(current, weight.shape, topology)
-    rows = [_plan_layer(weight[i], topology, policy, None if current is None else current[i], options)
-            for i in range(len(weight))]
+    rows = [
+        _plan_layer(weight[i], topology, policy, None if current is None else current[i], options)
+        for i in range(len(weight))
+    ]
     phy2log = np.stack(rows) if rows else np.zeros((0, topology.num_replicas), dtype=np.int64)
     loads = gpu_loads(weight, phy2log, topology.num_gpus)
     moved = (phy2log != current).sum(axis=1) if current is not None else np.zeros(len(weight), dtype=np.int64)
     return Plan(policy, phy2log, loads, balancedness(loads), moved)
 
 
-def _plan_layer(weight: np.ndarray, topology: Topology, policy: str, current: np.ndarray | None,
-                options: PlanOptions) -> np.ndarray:
+def _plan_layer(
+    weight: np.ndarray, topology: Topology, policy: str, current: np.ndarray | None, options: PlanOptions
+) -> np.ndarray:
     hierarchical = policy == "hierarchical"
 
     def full_plan() -> np.ndarray:
@@ -279,8 +294,9 @@ def _plan_layer(weight: np.ndarray, topology: Topology, policy: str, current: np
     return limited
 
 
-def _improve_in_place(weight: np.ndarray, current: np.ndarray, topology: Topology, hierarchical: bool,
-                      max_moves: int) -> np.ndarray | None:
+def _improve_in_place(
+    weight: np.ndarray, current: np.ndarray, topology: Topology, hierarchical: bool, max_moves: int
+) -> np.ndarray | None:
     """`current` improved with at most max_moves changed slots (hierarchical: within nodes, over the nodes in
     turn, sharing the budget); None when current is not a placement of the policy's shape."""
     if not hierarchical:
@@ -296,13 +312,14 @@ def _improve_in_place(weight: np.ndarray, current: np.ndarray, topology: Topolog
         local = np.searchsorted(experts, slots)
         improved = improve(weight[experts], local, topology.gpus_per_node, budget)
         budget -= int((improved != local).sum())
-        result[node * len(slots):(node + 1) * len(slots)] = experts[improved]
+        result[node * len(slots) : (node + 1) * len(slots)] = experts[improved]
     return result
 
 
 def _score(weight: np.ndarray, num_gpus: int) -> Callable[[np.ndarray], float]:
     def score(phy2log: np.ndarray) -> float:
         return float(balancedness(gpu_loads(weight[None], phy2log[None], num_gpus))[0])
+
     return score
 
 

@@ -139,8 +139,9 @@ class _Search:
         self.phy2log[slot] = expert
 
 
-def improve(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int, max_moves: int | None,
-            replicas: bool = True) -> np.ndarray:
+def improve(
+    weight: np.ndarray, phy2log: np.ndarray, num_gpus: int, max_moves: int | None, replicas: bool = True
+) -> np.ndarray:
     """Local search on one domain: swaps, then re-replication when no swap helps, while the heaviest GPU gets
     lighter and at most max_moves slots differ from `phy2log` (None: no limit). Each step lowers the sum of
     squared GPU loads, so it ends."""
@@ -163,8 +164,7 @@ def improve(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int, max_moves: i
     return search.phy2log
 
 
-def lightest_partition(weight: np.ndarray, num_bins: int, bound: float,
-                       max_steps: int = 20_000) -> np.ndarray | None:
+def lightest_partition(weight: np.ndarray, num_bins: int, bound: float, max_steps: int = 20_000) -> np.ndarray | None:
     """Branch and bound: items (heaviest first) into num_bins equal-size bins with the heaviest bin below
     `bound`; the best found within max_steps, or None."""
     per_bin = len(weight) // num_bins
@@ -226,7 +226,7 @@ def align(new: np.ndarray, current: np.ndarray, num_gpus: int, num_domains: int,
     domain_target = _match(holds(new_gpus.reshape(num_domains, -1)), holds(cur_gpus.reshape(num_domains, -1)))
     result = np.empty_like(cur_gpus)
     for d_new, d_cur in enumerate(domain_target):
-        src = new_gpus[d_new * gpus_per_domain:(d_new + 1) * gpus_per_domain]
+        src = new_gpus[d_new * gpus_per_domain : (d_new + 1) * gpus_per_domain]
         dst = slice(d_cur * gpus_per_domain, (d_cur + 1) * gpus_per_domain)
         gpu_target = _match(holds(src), holds(cur_gpus[dst]))
         for g_new, g_cur in enumerate(gpu_target):

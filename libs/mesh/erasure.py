@@ -28,7 +28,7 @@ class Protection:
 
     @classmethod
     def parse(cls, text: str) -> Protection:
-        """"2+1" (erasure coding), "1+2" (three copies), "1+0" (none)."""
+        """ "2+1" (erasure coding), "1+2" (three copies), "1+0" (none)."""
         data, plus, parity = text.strip().partition("+")
         try:
             num_data, num_parity = int(data), int(parity) if plus else 0

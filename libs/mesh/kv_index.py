@@ -115,13 +115,21 @@ class GlobalKVIndex:
             keys = sorted(self._by_worker.get(worker_id, ()))
             holdings = [self._holders[key][worker_id] for key in keys]
             codings = [self._coding.get(key) for key in keys]
-            workers.append(events_pb2.WorkerHoldings(
-                worker_id=worker_id, last_seq=self._last_seq.get(worker_id, 0), block_hashes=keys,
-                fragment_indices=[h.fragment_index for h in holdings], tier_masks=[h.tier_mask for h in holdings],
-                coding_ids=[0 if c is None else coding_ids.setdefault(c, len(coding_ids) + 1) for c in codings]))
+            workers.append(
+                events_pb2.WorkerHoldings(
+                    worker_id=worker_id,
+                    last_seq=self._last_seq.get(worker_id, 0),
+                    block_hashes=keys,
+                    fragment_indices=[h.fragment_index for h in holdings],
+                    tier_masks=[h.tier_mask for h in holdings],
+                    coding_ids=[0 if c is None else coding_ids.setdefault(c, len(coding_ids) + 1) for c in codings],
+                )
+            )
         return events_pb2.KVIndexSnapshot(
-            stream_seq=stream_seq, workers=workers,
-            codings=[events_pb2.BlockCoding(num_data=c.num_data, num_total=c.num_total) for c in coding_ids])
+            stream_seq=stream_seq,
+            workers=workers,
+            codings=[events_pb2.BlockCoding(num_data=c.num_data, num_total=c.num_total) for c in coding_ids],
+        )
 
     def restore(self, snapshot: events_pb2.KVIndexSnapshot, tier_mask: int = ALL_TIERS) -> None:
         """Replace the index by `snapshot`, keeping only holdings in `tier_mask`'s tiers (every worker's batch
@@ -134,8 +142,9 @@ class GlobalKVIndex:
             if worker.last_seq:
                 self._last_seq[worker_id] = worker.last_seq
             held: set[bytes] = set()
-            for key, index, mask, coding_id in zip(worker.block_hashes, worker.fragment_indices, worker.tier_masks,
-                                                   worker.coding_ids):
+            for key, index, mask, coding_id in zip(
+                worker.block_hashes, worker.fragment_indices, worker.tier_masks, worker.coding_ids
+            ):
                 if mask & tier_mask:
                     holders.setdefault(key, {})[worker_id] = Holding(index, mask & tier_mask)
                     held.add(key)

@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
-from nats.js.errors import NotFoundError
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.errors import NotFoundError
 
 from mesh import kv_snapshot, metrics, subjects
 from mesh.bus import Bus
@@ -52,15 +52,18 @@ async def ensure_kv_stream(bus: Bus, max_age_s: float = MAX_AGE_S, max_bytes: in
             await js.stream_info(STREAM)
         return True
     except Exception as exc:
-        log.warning("no JetStream stream for KV events: indexes cannot be rebuilt by replay",
-                    error=f"{type(exc).__name__}: {exc}")
+        log.warning(
+            "no JetStream stream for KV events: indexes cannot be rebuilt by replay",
+            error=f"{type(exc).__name__}: {exc}",
+        )
         return False
 
 
 async def publish_acked(bus: Bus, batch: events_pb2.KVEventBatch, timeout_s: float = 5.0) -> int:
     """Publish one batch through JetStream; returns its stream sequence (raises when NATS does not ack)."""
-    ack = await bus.client.jetstream().publish(subjects.kv_events(batch.worker_id), batch.SerializeToString(),
-                                                timeout=timeout_s)
+    ack = await bus.client.jetstream().publish(
+        subjects.kv_events(batch.worker_id), batch.SerializeToString(), timeout=timeout_s
+    )
     return int(ack.seq)
 
 
@@ -117,8 +120,14 @@ class KVEventFollower:
             self._mark_caught_up()
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.last_stream_seq + 1)
         self._subscription = await self.bus.client.jetstream().subscribe(
-            subjects.ALL_KV_EVENTS, stream=STREAM, cb=self._on_message, ordered_consumer=True, config=config,
-            pending_msgs_limit=-1, pending_bytes_limit=-1)
+            subjects.ALL_KV_EVENTS,
+            stream=STREAM,
+            cb=self._on_message,
+            ordered_consumer=True,
+            config=config,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
+        )
 
     async def stop(self) -> None:
         if self._resync is not None:
@@ -176,13 +185,18 @@ class KVEventFollower:
         Each restore moves the follower past the gap, so gaps never loop."""
         snapshot = await self._latest_snapshot()
         if snapshot is not None and snapshot.stream_seq >= seq - 1:
-            log.info("KV stream compacted past this follower: restoring the snapshot",
-                     snapshot_seq=snapshot.stream_seq, applied_seq=self.last_stream_seq)
+            log.info(
+                "KV stream compacted past this follower: restoring the snapshot",
+                snapshot_seq=snapshot.stream_seq,
+                applied_seq=self.last_stream_seq,
+            )
             self._resync = asyncio.create_task(self._restore_again(snapshot))
             return True
         self.num_lost += seq - self.last_stream_seq - 1
-        log.warning("KV events aged out of the stream before this follower read them",
-                    num_messages=seq - self.last_stream_seq - 1)
+        log.warning(
+            "KV events aged out of the stream before this follower read them",
+            num_messages=seq - self.last_stream_seq - 1,
+        )
         return False
 
     async def _restore_again(self, snapshot: events_pb2.KVIndexSnapshot) -> None:
@@ -197,8 +211,12 @@ class KVEventFollower:
     def _mark_caught_up(self) -> None:
         self.replay_seconds = time.monotonic() - self._started
         self._caught_up.set()
-        log.info("KV index caught up", num_blocks=self.index.num_blocks(), seconds=round(self.replay_seconds, 3),
-                 stream_seq=self._target_seq)
+        log.info(
+            "KV index caught up",
+            num_blocks=self.index.num_blocks(),
+            seconds=round(self.replay_seconds, 3),
+            stream_seq=self._target_seq,
+        )
 
 
 class KVIndexCompactor:
@@ -238,9 +256,14 @@ class KVIndexCompactor:
         self.snapshot_seq = seq
         self.num_snapshots += 1
         metrics.KV_INDEX_SNAPSHOTS.inc()
-        log.info("KV index snapshot taken; stream purged below it", seq=seq, replaced=previous,
-                 num_blocks=follower.index.num_blocks(), bytes=snapshot.ByteSize(),
-                 seconds=round(time.perf_counter() - started, 3))
+        log.info(
+            "KV index snapshot taken; stream purged below it",
+            seq=seq,
+            replaced=previous,
+            num_blocks=follower.index.num_blocks(),
+            bytes=snapshot.ByteSize(),
+            seconds=round(time.perf_counter() - started, 3),
+        )
         return True
 
     async def run_forever(self, interval_s: float) -> None:

@@ -120,8 +120,9 @@ async def send_frame(sock: socket.socket, frame: Message, payload: Sequence[Buff
     await send_all(sock, [HEADER.pack(len(encoded), sum(len(p) for p in payload)), encoded, *payload])
 
 
-async def read_answer(sock: socket.socket,
-                      request: kvcache_pb2.GetRequest) -> AsyncIterator[tuple[kvcache_pb2.Block, int]]:
+async def read_answer(
+    sock: socket.socket, request: kvcache_pb2.GetRequest
+) -> AsyncIterator[tuple[kvcache_pb2.Block, int]]:
     """Send a read request, then yield each answer frame's Block and payload length until the end frame. The
     caller reads each payload before asking for the next frame; an answer that ends in an error is a LaneError."""
     await send_frame(sock, kvcache_pb2.LaneFrame(request=request))

@@ -30,8 +30,15 @@ def generate(out_dir: Path) -> None:
     protos = sorted(str(p.relative_to(PROTO_DIR)) for p in (PROTO_DIR / "kvmesh" / "v1").glob("*.proto"))
     with tempfile.TemporaryDirectory() as tmp:
         include = Path(protoc.__file__).parent / "_proto"
-        args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *protos]
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *protos,
+        ]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -48,8 +55,13 @@ def is_stale() -> list[str]:
         fresh = Path(tmp) / "pb"
         generate(fresh)
         names = {p.name for p in fresh.iterdir()} | {p.name for p in OUT_DIR.glob("*") if p.suffix in (".py", ".pyi")}
-        return sorted(n for n in names if not (OUT_DIR / n).exists() or not (fresh / n).exists()
-                      or not filecmp.cmp(fresh / n, OUT_DIR / n, shallow=False))
+        return sorted(
+            n
+            for n in names
+            if not (OUT_DIR / n).exists()
+            or not (fresh / n).exists()
+            or not filecmp.cmp(fresh / n, OUT_DIR / n, shallow=False)
+        )
 
 
 def main() -> int:
@@ -59,7 +71,9 @@ def main() -> int:
     if args.check:
         stale = is_stale()
         if stale:
-            print(f"generated protobuf code is stale: {', '.join(stale)}; run `python -m mesh.protogen`", file=sys.stderr)
+            print(
+                f"generated protobuf code is stale: {', '.join(stale)}; run `python -m mesh.protogen`", file=sys.stderr
+            )
             return 1
         return 0
     generate(OUT_DIR)

@@ -103,8 +103,9 @@ class ServiceError(Exception):
     `trailing_metadata` travels with the status, e.g. FAILED_WORKER_KEY naming the worker to route around.
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str,
-                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailing_metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.trailing_metadata = trailing_metadata

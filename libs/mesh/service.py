@@ -145,9 +145,16 @@ class ServiceRuntime:
             await site.start()
             self.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.data_address = self.advertised(data_port) if data_port else ""
-        info = common_pb2.WorkerInfo(worker_id=self.worker_id, role=self.role, address=self.address, models=models,  # type: ignore[arg-type]
-                                     max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, block_size=block_size,
-                                     data_address=self.data_address)
+        info = common_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            address=self.address,
+            models=models,  # type: ignore[arg-type]
+            max_num_seqs=max_num_seqs,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            data_address=self.data_address,
+        )
         self._announcer = Announcer(self.bus, info, load, self.settings.heartbeat_interval_s)
         await self._announcer.start()
         self._install_signal_handlers()

@@ -32,10 +32,18 @@ class BalancerSettings(ServiceSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.balancer_policy in POLICIES, "balancer_policy", self.balancer_policy,
-                f"must be one of {', '.join(POLICIES)}")
+        require(
+            self.balancer_policy in POLICIES,
+            "balancer_policy",
+            self.balancer_policy,
+            f"must be one of {', '.join(POLICIES)}",
+        )
         require(self.balancer_cost_scale > 0, "balancer_cost_scale", self.balancer_cost_scale, "must be positive")
-        require(0 < self.balancer_target_utilization <= 1, "balancer_target_utilization",
-                self.balancer_target_utilization, "must be in (0, 1]")
+        require(
+            0 < self.balancer_target_utilization <= 1,
+            "balancer_target_utilization",
+            self.balancer_target_utilization,
+            "must be in (0, 1]",
+        )
         require(self.kv_snapshot_every >= 0, "kv_snapshot_every", self.kv_snapshot_every, "must be 0 (never) or more")
         require(self.kv_snapshot_check_s > 0, "kv_snapshot_check_s", self.kv_snapshot_check_s, "must be positive")

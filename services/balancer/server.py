@@ -28,7 +28,7 @@ from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower, KVIndexCompactor
 from mesh.logging import get_logger
 from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, events_pb2
-from mesh.routing import Assignment, CostModel, NoWorkerError, RouteRequest, Router, WorkerState
+from mesh.routing import Assignment, CostModel, NoWorkerError, Router, RouteRequest, WorkerState
 from mesh.routing import Route as Picked  # `Route` is the servicer's method
 from mesh.routing.capacity import CapacityPlanner, PoolRecommendation
 from mesh.routing.encoder import EncoderBalancer
@@ -43,42 +43,72 @@ log = get_logger(__name__)
 # -- conversions ----------------------------------------------------------------------------------------------------
 def worker_state(worker: KnownWorker) -> WorkerState:
     info, load = worker.info, worker.load
-    return WorkerState(worker_id=info.worker_id, reported_s=worker.last_seen_ms / 1000.0, block_size=info.block_size,
-                       max_num_seqs=info.max_num_seqs, num_kv_blocks=info.num_kv_blocks,
-                       num_running=load.num_running, num_waiting=load.num_waiting,
-                       num_queued_prompt_tokens=load.num_queued_prompt_tokens, num_kv_tokens=load.num_kv_tokens,
-                       num_cached_blocks=load.num_cached_blocks)
+    return WorkerState(
+        worker_id=info.worker_id,
+        reported_s=worker.last_seen_ms / 1000.0,
+        block_size=info.block_size,
+        max_num_seqs=info.max_num_seqs,
+        num_kv_blocks=info.num_kv_blocks,
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        num_queued_prompt_tokens=load.num_queued_prompt_tokens,
+        num_kv_tokens=load.num_kv_tokens,
+        num_cached_blocks=load.num_cached_blocks,
+    )
 
 
 def route_request_from_pb(request: balancer_pb2.RouteRequest) -> RouteRequest:
     if not request.model:
         raise ValueError("model is required")
-    return RouteRequest(model=request.model, block_hashes=tuple(request.block_hashes),
-                        num_prompt_tokens=request.num_prompt_tokens, request_id=request.request_id,
-                        exclude_worker_ids=frozenset(request.exclude_worker_ids))
+    return RouteRequest(
+        model=request.model,
+        block_hashes=tuple(request.block_hashes),
+        num_prompt_tokens=request.num_prompt_tokens,
+        request_id=request.request_id,
+        exclude_worker_ids=frozenset(request.exclude_worker_ids),
+    )
 
 
 def assignment_to_pb(assignment: Assignment, num_cached_blocks: int) -> balancer_pb2.Assignment:
     """Peers need only the blocks the worker will newly hold (for their pending-cache view)."""
-    blocks = assignment.block_hashes[num_cached_blocks:num_cached_blocks + MAX_SHARED_BLOCKS]
+    blocks = assignment.block_hashes[num_cached_blocks : num_cached_blocks + MAX_SHARED_BLOCKS]
     return balancer_pb2.Assignment(
-        balancer_id=assignment.balancer_id, request_id=assignment.request_id, assigned_s=assignment.assigned_s,
-        prefill_worker_id=assignment.prefill_worker_id, decode_worker_id=assignment.decode_worker_id,
-        num_prompt_tokens=assignment.num_prompt_tokens, num_uncached_tokens=assignment.num_uncached_tokens,
-        prefill_s=assignment.prefill_s, decode_arrival_s=assignment.decode_arrival_s, block_hashes=blocks)
+        balancer_id=assignment.balancer_id,
+        request_id=assignment.request_id,
+        assigned_s=assignment.assigned_s,
+        prefill_worker_id=assignment.prefill_worker_id,
+        decode_worker_id=assignment.decode_worker_id,
+        num_prompt_tokens=assignment.num_prompt_tokens,
+        num_uncached_tokens=assignment.num_uncached_tokens,
+        prefill_s=assignment.prefill_s,
+        decode_arrival_s=assignment.decode_arrival_s,
+        block_hashes=blocks,
+    )
 
 
 def assignment_from_pb(message: balancer_pb2.Assignment) -> Assignment:
-    return Assignment(message.balancer_id, message.request_id, message.assigned_s, message.prefill_worker_id,
-                      message.decode_worker_id, message.num_prompt_tokens, message.num_uncached_tokens,
-                      message.prefill_s, message.decode_arrival_s, tuple(message.block_hashes))
+    return Assignment(
+        message.balancer_id,
+        message.request_id,
+        message.assigned_s,
+        message.prefill_worker_id,
+        message.decode_worker_id,
+        message.num_prompt_tokens,
+        message.num_uncached_tokens,
+        message.prefill_s,
+        message.decode_arrival_s,
+        tuple(message.block_hashes),
+    )
 
 
 def pool_status_pb(recommendation: PoolRecommendation) -> balancer_pb2.PoolStatus:
-    return balancer_pb2.PoolStatus(pool=recommendation.pool, num_workers=recommendation.num_workers,
-                                   num_recommended=recommendation.num_recommended,
-                                   utilization=recommendation.utilization,
-                                   target_utilization=recommendation.target_utilization)
+    return balancer_pb2.PoolStatus(
+        pool=recommendation.pool,
+        num_workers=recommendation.num_workers,
+        num_recommended=recommendation.num_recommended,
+        utilization=recommendation.utilization,
+        target_utilization=recommendation.target_utilization,
+    )
 
 
 # -- the servicer ---------------------------------------------------------------------------------------------------
@@ -117,23 +147,32 @@ class Pools:
 
 
 class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
-    def __init__(self, pools: Pools, router: Router, lifecycle: Lifecycle, bus: Bus | None,
-                 encoders: EncoderBalancer | None = None) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        router: Router,
+        lifecycle: Lifecycle,
+        bus: Bus | None,
+        encoders: EncoderBalancer | None = None,
+    ) -> None:
         self.pools = pools
         self.router = router  # written only by Route, the peers' subscription and the registry's leave callback
         self.encoders = encoders or EncoderBalancer()  # written only by RouteEncoder and the leave callback
         self.lifecycle = lifecycle
         self.bus = bus  # publishes decisions to peers (None: not shared)
 
-    async def Route(self, request: balancer_pb2.RouteRequest,
-                    context: grpc.aio.ServicerContext) -> balancer_pb2.RouteResponse:
+    async def Route(
+        self, request: balancer_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> balancer_pb2.RouteResponse:
         try:
             with self.lifecycle.track(), status_codes():
                 route, assignment = self._route(route_request_from_pb(request))
-                response = balancer_pb2.RouteResponse(prefill=self._info(route.prefill_worker_id),
-                                                      decode=self._info(route.decode_worker_id),
-                                                      num_cached_tokens=route.num_cached_tokens,
-                                                      predicted_ttft_s=route.predicted_ttft_s)
+                response = balancer_pb2.RouteResponse(
+                    prefill=self._info(route.prefill_worker_id),
+                    decode=self._info(route.decode_worker_id),
+                    num_cached_tokens=route.num_cached_tokens,
+                    predicted_ttft_s=route.predicted_ttft_s,
+                )
         except rpc.ServiceError as error:
             await abort(context, error)
         if self.bus is not None:
@@ -145,8 +184,12 @@ class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
         return response
 
     def _route(self, request: RouteRequest) -> tuple[Picked, Assignment]:
-        route, assignment = self.router.route(request, self.pools.states("prefill", request.model),
-                                              self.pools.states("decode", request.model), now_s=time.time())
+        route, assignment = self.router.route(
+            request,
+            self.pools.states("prefill", request.model),
+            self.pools.states("decode", request.model),
+            now_s=time.time(),
+        )
         metrics.BALANCER_ROUTES.labels(pool="prefill", worker=route.prefill_worker_id).inc()
         metrics.BALANCER_ROUTES.labels(pool="decode", worker=route.decode_worker_id).inc()
         return route, assignment
@@ -156,22 +199,31 @@ class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
         assert worker is not None, "picked from the registry without yielding"
         return worker.info
 
-    async def RouteEncoder(self, request: balancer_pb2.RouteEncoderRequest,
-                           context: grpc.aio.ServicerContext) -> balancer_pb2.RouteEncoderResponse:
+    async def RouteEncoder(
+        self, request: balancer_pb2.RouteEncoderRequest, context: grpc.aio.ServicerContext
+    ) -> balancer_pb2.RouteEncoderResponse:
         excluded = set(request.exclude_worker_ids)
-        workers = [worker_state(w) for w in self.pools.registry.workers(common_pb2.ROLE_ENCODER, request.model)
-                   if w.worker_id not in excluded]
+        workers = [
+            worker_state(w)
+            for w in self.pools.registry.workers(common_pb2.ROLE_ENCODER, request.model)
+            if w.worker_id not in excluded
+        ]
         if not workers:
-            await abort(context, rpc.ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                                  f"no encoder worker serves {request.model!r} images"))
+            await abort(
+                context,
+                rpc.ServiceError(grpc.StatusCode.UNAVAILABLE, f"no encoder worker serves {request.model!r} images"),
+            )
         worker_id = self.encoders.pick(workers, request.image_hash)
         metrics.BALANCER_ROUTES.labels(pool="encoder", worker=worker_id).inc()
         return balancer_pb2.RouteEncoderResponse(encoder=self._info(worker_id))
 
-    async def ListWorkers(self, request: balancer_pb2.ListWorkersRequest,
-                          context: grpc.aio.ServicerContext) -> balancer_pb2.ListWorkersResponse:
-        statuses = [balancer_pb2.WorkerStatus(worker=w.info, load=w.load, last_seen_ms=w.last_seen_ms)
-                    for w in self.pools.registry.workers()]
+    async def ListWorkers(
+        self, request: balancer_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> balancer_pb2.ListWorkersResponse:
+        statuses = [
+            balancer_pb2.WorkerStatus(worker=w.info, load=w.load, last_seen_ms=w.last_seen_ms)
+            for w in self.pools.registry.workers()
+        ]
         pools = [pool_status_pb(r) for r in self.pools.recommendations()]
         return balancer_pb2.ListWorkersResponse(workers=statuses, pools=pools)
 
@@ -179,6 +231,7 @@ class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
 # -- serve ----------------------------------------------------------------------------------------------------------
 def export_pool_sizes(pools: Pools) -> None:
     """BALANCER_WORKERS and BALANCER_RECOMMENDED_WORKERS read the registry and the planner at each scrape."""
+
     def num_workers(role: int) -> Callable[[], float]:
         return lambda: len(pools.registry.workers(role))
 
@@ -207,6 +260,7 @@ async def follow_kv_events(bus: Bus, index: GlobalKVIndex, settings: BalancerSet
         async def stop() -> None:
             compacting.cancel()
             await follower.stop()
+
         return stop
 
     async def on_batch(batch: events_pb2.KVEventBatch, subject: str) -> None:
@@ -221,7 +275,8 @@ async def publish_pools(bus: Bus, pools: Pools, balancer_id: str, interval_s: fl
         await asyncio.sleep(interval_s)
         pools.observe(time.time())
         message = balancer_pb2.ReplicaRecommendation(
-            balancer_id=balancer_id, timestamp_ms=now_ms(), pools=[pool_status_pb(r) for r in pools.recommendations()])
+            balancer_id=balancer_id, timestamp_ms=now_ms(), pools=[pool_status_pb(r) for r in pools.recommendations()]
+        )
         try:
             await bus.publish(subjects.BALANCER_REPLICAS, message)
         except Exception:  # NATS briefly away: the next interval publishes again
@@ -232,8 +287,9 @@ async def serve(settings: BalancerSettings) -> None:
     runtime = ServiceRuntime(settings, common_pb2.ROLE_BALANCER)
     bus = await runtime.connect_bus()
     index = GlobalKVIndex()
-    router = Router(settings.balancer_policy, index, CostModel(scale=settings.balancer_cost_scale),
-                    balancer_id=settings.worker_id)
+    router = Router(
+        settings.balancer_policy, index, CostModel(scale=settings.balancer_cost_scale), balancer_id=settings.worker_id
+    )
     log.info("routing policy", policy=settings.balancer_policy, share=settings.balancer_share_assignments)
 
     encoders = EncoderBalancer()
@@ -243,13 +299,19 @@ async def serve(settings: BalancerSettings) -> None:
         router.forget(worker.worker_id)
         encoders.forget(worker.worker_id)
 
-    registry = WorkerRegistry(bus, [*POOL_ROLES.values(), common_pb2.ROLE_ENCODER], settings.heartbeat_interval_s,
-                              on_leave=on_leave)
+    registry = WorkerRegistry(
+        bus, [*POOL_ROLES.values(), common_pb2.ROLE_ENCODER], settings.heartbeat_interval_s, on_leave=on_leave
+    )
     pools = Pools(registry, CapacityPlanner(settings.balancer_target_utilization))
 
     async def on_finished(message: events_pb2.RequestFinished, subject: str) -> None:
-        router.observe_finished(message.worker_id, message.request_id, message.timestamp_ms / 1000.0,
-                                message.num_kv_tokens, message.num_output_tokens)
+        router.observe_finished(
+            message.worker_id,
+            message.request_id,
+            message.timestamp_ms / 1000.0,
+            message.num_kv_tokens,
+            message.num_output_tokens,
+        )
         metrics.BALANCER_FINISHED_HEARD.inc()
 
     async def on_peer(message: balancer_pb2.Assignment, subject: str) -> None:
@@ -259,14 +321,19 @@ async def serve(settings: BalancerSettings) -> None:
 
     await registry.start()
     stop_kv = await follow_kv_events(bus, index, settings)
-    peers = (await bus.subscribe(subjects.BALANCER_ASSIGN, balancer_pb2.Assignment, on_peer)
-             if settings.balancer_share_assignments else None)
+    peers = (
+        await bus.subscribe(subjects.BALANCER_ASSIGN, balancer_pb2.Assignment, on_peer)
+        if settings.balancer_share_assignments
+        else None
+    )
     finished = await bus.subscribe(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished, on_finished)
     planner_task = asyncio.create_task(publish_pools(bus, pools, settings.worker_id, settings.heartbeat_interval_s))
     export_pool_sizes(pools)
     servicer = BalancerServicer(pools, router, runtime.lifecycle, bus if peers is not None else None, encoders)
-    await runtime.start(register=lambda server: balancer_pb2_grpc.add_BalancerServicer_to_server(servicer, server),
-                        load=common_pb2.WorkerLoad)
+    await runtime.start(
+        register=lambda server: balancer_pb2_grpc.add_BalancerServicer_to_server(servicer, server),
+        load=common_pb2.WorkerLoad,
+    )
 
     async def stop_following() -> None:
         planner_task.cancel()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mesh.compute.settings import WorkerSettings
 from mesh.config import require, require_data_port
-from services.compute.settings import WorkerSettings
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,10 @@ class DecodeSettings(WorkerSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.stream_attach_timeout_s > 0, "stream_attach_timeout_s", self.stream_attach_timeout_s,
-                "must be positive")
+        require(
+            self.stream_attach_timeout_s > 0,
+            "stream_attach_timeout_s",
+            self.stream_attach_timeout_s,
+            "must be positive",
+        )
         require_data_port(self.data_port)

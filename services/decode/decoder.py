@@ -21,9 +21,9 @@ from engine_core.async_engine import AsyncEngine
 from engine_core.kv_cache.manager import cdiv
 from engine_core.kv_transfer import KVChunk, KVLayout, KVLayoutError
 from engine_core.request import EmbeddingSpan, TokenLogprobs
+from mesh.compute.engines import ModelEngines
+from mesh.compute.errors import NoFreeBlocksError, UnknownRequestError
 from mesh.logging import get_logger
-from services.compute.engines import ModelEngines
-from services.compute.errors import NoFreeBlocksError, UnknownRequestError
 
 T = TypeVar("T")
 log = get_logger(__name__)
@@ -74,8 +74,9 @@ class _Pushed:
 
 
 class Decoder:
-    def __init__(self, engines: ModelEngines, attach_timeout_s: float,
-                 on_left: Callable[[LeftRequest], None] = lambda left: None) -> None:
+    def __init__(
+        self, engines: ModelEngines, attach_timeout_s: float, on_left: Callable[[LeftRequest], None] = lambda left: None
+    ) -> None:
         self.engines = engines
         self.attach_timeout_s = attach_timeout_s
         self.on_left = on_left
@@ -85,8 +86,12 @@ class Decoder:
         self._following: dict[str, str] = {}
 
     # -- PushKV ---------------------------------------------------------------------------------------
-    async def receive(self, header: PushHeader, chunks: AsyncIterator[KVChunk],
-                      on_reserved: Callable[[], Awaitable[None]] | None = None) -> int:
+    async def receive(
+        self,
+        header: PushHeader,
+        chunks: AsyncIterator[KVChunk],
+        on_reserved: Callable[[], Awaitable[None]] | None = None,
+    ) -> int:
         """Reserve blocks (then await `on_reserved`), write every chunk, start decoding; returns the KV bytes.
 
         Raises NoFreeBlocksError when the blocks are not free now. Any later failure (a bad chunk, a stream
@@ -99,10 +104,22 @@ class Decoder:
         try:
             await engine.prepare_grammar(header.params)  # compiled before the request joins the batch
             # cancelled while waiting, the reservation still happens: the abort queued after it undoes it
-            begun = await self._aborting_on_failure(engine, request_id, engine.call(lambda e: e.begin_kv_import(
-                request_id, header.prompt_token_ids, header.output_token_ids, header.params, header.layout,
-                header.num_tokens, cache_salt=header.cache_salt,
-                embeddings=header.images)))  # checks the layout against the engine's
+            begun = await self._aborting_on_failure(
+                engine,
+                request_id,
+                engine.call(
+                    lambda e: e.begin_kv_import(
+                        request_id,
+                        header.prompt_token_ids,
+                        header.output_token_ids,
+                        header.params,
+                        header.layout,
+                        header.num_tokens,
+                        cache_salt=header.cache_salt,
+                        embeddings=header.images,
+                    )
+                ),
+            )  # checks the layout against the engine's
             if not begun:
                 raise NoFreeBlocksError("no free KV blocks")
             if on_reserved is not None:
@@ -123,8 +140,9 @@ class Decoder:
         outputs = engine.open_stream(request_id)  # before decoding starts, so no token is lost
         await engine.call(_import_all(request_id, received))
         expiry = asyncio.get_running_loop().call_later(self.attach_timeout_s, self._expire, request_id)
-        self._pushed[request_id] = _Pushed(header.model, outputs, len(header.output_token_ids), header.num_tokens,
-                                           expiry)
+        self._pushed[request_id] = _Pushed(
+            header.model, outputs, len(header.output_token_ids), header.num_tokens, expiry
+        )
         return num_bytes
 
     @staticmethod
@@ -144,8 +162,10 @@ class Decoder:
             raise ValueError(f"duplicate request id {header.request_id!r}")
         expected_blocks = cdiv(header.num_tokens, header.layout.block_size) if header.layout.block_size > 0 else -1
         if header.num_blocks != expected_blocks:
-            raise KVLayoutError(f"num_blocks {header.num_blocks} does not match {header.num_tokens} tokens "
-                                f"in blocks of {header.layout.block_size}")
+            raise KVLayoutError(
+                f"num_blocks {header.num_blocks} does not match {header.num_tokens} tokens "
+                f"in blocks of {header.layout.block_size}"
+            )
 
     @staticmethod
     async def _receive_chunks(layout: KVLayout, chunks: AsyncIterator[KVChunk]) -> list[KVChunk]:
@@ -178,8 +198,11 @@ class Decoder:
         finally:
             del self._following[request_id]
             num_decoded = num_output_tokens - pushed.num_output_tokens
-            self.on_left(LeftRequest(request_id, pushed.model, pushed.num_kv_tokens + num_decoded, num_output_tokens,
-                                     finish_reason))
+            self.on_left(
+                LeftRequest(
+                    request_id, pushed.model, pushed.num_kv_tokens + num_decoded, num_output_tokens, finish_reason
+                )
+            )
 
     # -- Abort ----------------------------------------------------------------------------------------
     async def abort(self, request_id: str) -> bool:
@@ -218,6 +241,7 @@ class Decoder:
 
 def _import_all(request_id: str, chunks: list[KVChunk]) -> Callable[[LLMEngine], None]:
     """Write every chunk, then start decoding: one engine call."""
+
     def run(engine: LLMEngine) -> None:
         for chunk in chunks:
             engine.import_kv_chunk(request_id, chunk.layer, chunk.data, chunk.first_block)

@@ -18,13 +18,13 @@ import grpc
 
 from engine_core.kv_transfer import KVChunk, KVLayoutError
 from mesh import metrics
+from mesh.compute.convert import image_from_proto, layout_from_proto, sampling_from_proto
+from mesh.compute.errors import status_on_error
 from mesh.lane import BufferPool, LaneListener, recv_exactly_into, recv_frame, send_frame
 from mesh.logging import bind_request_id
 from mesh.pb import decode_pb2
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle
-from services.compute.convert import image_from_proto, layout_from_proto, sampling_from_proto
-from services.compute.errors import status_on_error
 from services.decode.decoder import Decoder, PushHeader
 
 PUSH_TIMEOUT_S = 120.0  # header to end: the deadline prefill puts on PushKV, so a stalled pusher frees its blocks
@@ -35,16 +35,23 @@ PREFILL_TO_DECODE = "prefill_to_decode"  # kvmesh_kv_transfer_bytes_total's dire
 def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
     """Raises SamplingParamsError (INVALID_ARGUMENT) for parameters the engine refuses."""
     return PushHeader(
-        request_id=h.request_id, model=h.model, prompt_token_ids=list(h.prompt_token_ids),
-        output_token_ids=list(h.output_token_ids), params=sampling_from_proto(h.sampling),
-        cache_salt=h.cache_salt or None, layout=layout_from_proto(h.layout), num_tokens=h.num_tokens,
-        num_blocks=h.num_blocks, images=tuple(image_from_proto(i) for i in h.images),
+        request_id=h.request_id,
+        model=h.model,
+        prompt_token_ids=list(h.prompt_token_ids),
+        output_token_ids=list(h.output_token_ids),
+        params=sampling_from_proto(h.sampling),
+        cache_salt=h.cache_salt or None,
+        layout=layout_from_proto(h.layout),
+        num_tokens=h.num_tokens,
+        num_blocks=h.num_blocks,
+        images=tuple(image_from_proto(i) for i in h.images),
     )
 
 
 class PushLane(LaneListener[decode_pb2.PushLaneFrame]):
-    def __init__(self, decoder: Decoder, lifecycle: Lifecycle, worker_id: str,
-                 push_timeout_s: float = PUSH_TIMEOUT_S) -> None:
+    def __init__(
+        self, decoder: Decoder, lifecycle: Lifecycle, worker_id: str, push_timeout_s: float = PUSH_TIMEOUT_S
+    ) -> None:
         super().__init__(decode_pb2.PushLaneFrame)
         self.decoder = decoder
         self.lifecycle = lifecycle
@@ -70,11 +77,14 @@ class PushLane(LaneListener[decode_pb2.PushLaneFrame]):
         try:
             async with asyncio.timeout(self.push_timeout_s):
                 num_bytes = await self.decoder.receive(
-                    header, self._chunks(sock, header, taken),
-                    on_reserved=lambda: send_frame(sock, decode_pb2.PushLaneFrame(reserved=decode_pb2.PushReserved())))
+                    header,
+                    self._chunks(sock, header, taken),
+                    on_reserved=lambda: send_frame(sock, decode_pb2.PushLaneFrame(reserved=decode_pb2.PushReserved())),
+                )
         except TimeoutError as exc:
-            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"the KV push took longer than {self.push_timeout_s:g} s") from exc
+            raise ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"the KV push took longer than {self.push_timeout_s:g} s"
+            ) from exc
         self.buffers.give(taken)  # the engine has copied it; not after a failure, when it may not have
         return num_bytes
 
@@ -103,7 +113,7 @@ class PushLane(LaneListener[decode_pb2.PushLaneFrame]):
             if not taken:
                 taken.append(self.buffers.take_at_least(total))
                 buffer = memoryview(taken[0])
-            data = buffer[offset:offset + payload_bytes]
+            data = buffer[offset : offset + payload_bytes]
             await recv_exactly_into(sock, data)
             offset += payload_bytes
             yield KVChunk(chunk.layer, chunk.first_block, chunk.num_blocks, data)

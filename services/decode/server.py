@@ -13,24 +13,28 @@ from engine_core import EngineStats
 from engine_core.kv_transfer import KVChunk
 from mesh import metrics, rpc, subjects
 from mesh.bus import Bus
+from mesh.compute.convert import finish_reason_to_proto, logprob_to_proto, worker_load
+from mesh.compute.engines import ModelEngines
+from mesh.compute.errors import abort, status_on_error
 from mesh.discovery import now_ms
 from mesh.logging import bind_request_id, get_logger
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc, events_pb2
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
-from services.compute.convert import finish_reason_to_proto, logprob_to_proto, worker_load
-from services.compute.engines import ModelEngines
-from services.compute.errors import abort, status_on_error
 from services.decode.config import DecodeSettings
 from services.decode.decoder import Decoder, LeftRequest, PushHeader, TokenBatch
 from services.decode.lane import PREFILL_TO_DECODE, PushLane, header_from_proto
+
 log = get_logger(__name__)
 
 
 def token_batch_to_proto(batch: TokenBatch) -> decode_pb2.TokenBatch:
-    return decode_pb2.TokenBatch(token_ids=batch.token_ids, logprobs=[logprob_to_proto(lp) for lp in batch.logprobs],
-                                 finish_reason=finish_reason_to_proto(batch.finish_reason),
-                                 num_output_tokens=batch.num_output_tokens)
+    return decode_pb2.TokenBatch(
+        token_ids=batch.token_ids,
+        logprobs=[logprob_to_proto(lp) for lp in batch.logprobs],
+        finish_reason=finish_reason_to_proto(batch.finish_reason),
+        num_output_tokens=batch.num_output_tokens,
+    )
 
 
 async def read_header(messages: AsyncIterator[decode_pb2.KVPushMessage]) -> PushHeader:
@@ -54,23 +58,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.lifecycle = lifecycle
         self.worker_id = worker_id
 
-    async def PushKV(self, request_iterator: AsyncIterator[decode_pb2.KVPushMessage],
-                     context: grpc.aio.ServicerContext) -> decode_pb2.PushKVResponse:
+    async def PushKV(
+        self, request_iterator: AsyncIterator[decode_pb2.KVPushMessage], context: grpc.aio.ServicerContext
+    ) -> decode_pb2.PushKVResponse:
         messages = aiter(request_iterator)
         try:
             with self.lifecycle.track(), status_on_error():
                 header = await read_header(messages)
                 with bind_request_id(header.request_id):
                     num_bytes = await self.decoder.receive(
-                        header, read_chunks(messages),
-                        on_reserved=lambda: context.send_initial_metadata(((rpc.KV_RESERVED_KEY, "1"),)))
+                        header,
+                        read_chunks(messages),
+                        on_reserved=lambda: context.send_initial_metadata(((rpc.KV_RESERVED_KEY, "1"),)),
+                    )
         except ServiceError as error:
             await abort(context, error)
         metrics.KV_TRANSFER_BYTES.labels(direction=PREFILL_TO_DECODE).inc(num_bytes)
         return decode_pb2.PushKVResponse(worker_id=self.worker_id, num_bytes=num_bytes)
 
-    async def Stream(self, request: decode_pb2.StreamRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenBatch]:
+    async def Stream(
+        self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.TokenBatch]:
         with bind_request_id(request.request_id):
             try:
                 with self.lifecycle.track(), status_on_error():
@@ -79,8 +87,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except ServiceError as error:
                 await abort(context, error)
 
-    async def Abort(self, request: decode_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> decode_pb2.AbortResponse:
+    async def Abort(
+        self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.AbortResponse:
         # not tracked: aborting must work while draining too (it only shortens the drain)
         with bind_request_id(request.request_id):
             return decode_pb2.AbortResponse(aborted=await self.decoder.abort(request.request_id))
@@ -131,9 +140,13 @@ class DecodeService:
                 data_port = await service.lane.start(settings.host, settings.data_port)
             await runtime.start(
                 register=lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server),
-                load=lambda: worker_load(engines.stats().values()), models=engines.models,
-                max_num_seqs=settings.max_num_seqs, num_kv_blocks=engines.num_kv_blocks,
-                block_size=settings.block_size, data_port=data_port)
+                load=lambda: worker_load(engines.stats().values()),
+                models=engines.models,
+                max_num_seqs=settings.max_num_seqs,
+                num_kv_blocks=engines.num_kv_blocks,
+                block_size=settings.block_size,
+                data_port=data_port,
+            )
             await engines.start_expert_sync(runtime.bus, runtime.worker_id, settings.expert_report_steps)
         except BaseException:
             await service.stop()
@@ -146,9 +159,14 @@ class DecodeService:
         if bus is None:
             return
         message = events_pb2.RequestFinished(
-            request_id=left.request_id, worker_id=self.runtime.worker_id, model=left.model,
-            num_kv_tokens=left.num_kv_tokens, num_output_tokens=left.num_output_tokens,
-            finish_reason=left.finish_reason, timestamp_ms=now_ms())
+            request_id=left.request_id,
+            worker_id=self.runtime.worker_id,
+            model=left.model,
+            num_kv_tokens=left.num_kv_tokens,
+            num_output_tokens=left.num_output_tokens,
+            finish_reason=left.finish_reason,
+            timestamp_ms=now_ms(),
+        )
         task = asyncio.get_running_loop().create_task(publish_finished(bus, message))
         self._announcing.add(task)
         task.add_done_callback(self._announcing.discard)

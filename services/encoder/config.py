@@ -29,10 +29,13 @@ class EncoderSettings(ServiceSettings):
         super().__post_init__()
         require(len(self.models) > 0, "models", self.models, "must name at least one model")
         require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
-        require(self.embedding_dtype in EMBEDDING_DTYPES, "embedding_dtype", self.embedding_dtype,
-                f"must be one of {', '.join(EMBEDDING_DTYPES)}")
-        for name in ("torch_threads", "encoder_cache_bytes", "max_image_bytes", "max_image_side",
-                     "max_image_pixels"):
+        require(
+            self.embedding_dtype in EMBEDDING_DTYPES,
+            "embedding_dtype",
+            self.embedding_dtype,
+            f"must be one of {', '.join(EMBEDDING_DTYPES)}",
+        )
+        for name in ("torch_threads", "encoder_cache_bytes", "max_image_bytes", "max_image_side", "max_image_pixels"):
             value = getattr(self, name)
             require(value > 0, name, value, "must be positive")
 

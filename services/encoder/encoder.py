@@ -88,8 +88,9 @@ def _num_bytes(tensor: torch.Tensor) -> int:
 
 
 class ImageEncoder:
-    def __init__(self, encoders: Mapping[str, VisionEncoder], limits: ImageLimits, cache_bytes: int,
-                 dtype: str = "float32") -> None:
+    def __init__(
+        self, encoders: Mapping[str, VisionEncoder], limits: ImageLimits, cache_bytes: int, dtype: str = "float32"
+    ) -> None:
         self.encoders = dict(encoders)  # model -> its vision tower; read-only after construction
         self.limits = limits
         self.dtype = EMBEDDING_DTYPES[dtype]
@@ -148,8 +149,12 @@ def load_encoders(models: tuple[str, ...], weights: str, seed: int, device: str)
             log.info("model takes no images; not encoding for it", model=model)
             continue
         encoders[model] = load_encoder(config, Path(weights) if weights else None, seed, device)
-        log.info("vision encoder ready", model=model, num_image_tokens=config.num_image_tokens,
-                 weights=weights or f"random (seed {seed})")
+        log.info(
+            "vision encoder ready",
+            model=model,
+            num_image_tokens=config.num_image_tokens,
+            weights=weights or f"random (seed {seed})",
+        )
     if not encoders:
         log.warning("none of the models takes images: this encoder serves none", models=list(models))
     return encoders

@@ -29,8 +29,14 @@ log = get_logger(__name__)
 def encoded_to_proto(encoded: EncodedImage) -> encoder_pb2.EncodeResponse:
     data, dtype = embeddings_to_bytes(encoded.embeddings)
     num_tokens, hidden_size = encoded.embeddings.shape
-    return encoder_pb2.EncodeResponse(image_hash=encoded.image_hash, num_tokens=num_tokens, hidden_size=hidden_size,
-                                      dtype=dtype, embeddings=data, cached=encoded.is_cached)
+    return encoder_pb2.EncodeResponse(
+        image_hash=encoded.image_hash,
+        num_tokens=num_tokens,
+        hidden_size=hidden_size,
+        dtype=dtype,
+        embeddings=data,
+        cached=encoded.is_cached,
+    )
 
 
 @contextlib.contextmanager
@@ -61,8 +67,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.encoder = encoder
         self.lifecycle = lifecycle
 
-    async def Encode(self, request: encoder_pb2.EncodeRequest,
-                     context: grpc.aio.ServicerContext) -> encoder_pb2.EncodeResponse:
+    async def Encode(
+        self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EncodeResponse:
         try:
             with bind_request_id(request.request_id), self.lifecycle.track(), status_codes():
                 encoded = await self.encoder.encode(request.model, request.image)
@@ -75,13 +82,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 async def serve(settings: EncoderSettings) -> None:
     runtime = ServiceRuntime(settings, common_pb2.ROLE_ENCODER)
     torch.set_num_threads(settings.torch_threads)
-    encoders = await asyncio.to_thread(load_encoders, settings.models, settings.encoder_weights,
-                                       settings.encoder_seed, settings.device)
+    encoders = await asyncio.to_thread(
+        load_encoders, settings.models, settings.encoder_weights, settings.encoder_seed, settings.device
+    )
     encoder = ImageEncoder(encoders, settings.image_limits, settings.encoder_cache_bytes, settings.embedding_dtype)
     servicer = EncoderServicer(encoder, runtime.lifecycle)
-    await runtime.start(register=lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
-                        load=lambda: common_pb2.WorkerLoad(num_running=runtime.lifecycle.in_flight),
-                        models=encoder.models)
+    await runtime.start(
+        register=lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
+        load=lambda: common_pb2.WorkerLoad(num_running=runtime.lifecycle.in_flight),
+        models=encoder.models,
+    )
     try:
         await runtime.wait_for_stop()
     finally:

@@ -25,17 +25,31 @@ class ExpertLBSettings(ServiceSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.expert_plan_interval_s > 0, "expert_plan_interval_s", self.expert_plan_interval_s,
-                "must be positive")
-        require(self.expert_window_intervals > 0, "expert_window_intervals", self.expert_window_intervals,
-                "must be positive")
-        require(self.expert_policy in POLICIES, "expert_policy", self.expert_policy,
-                f"must be one of {', '.join(POLICIES)}")
+        require(
+            self.expert_plan_interval_s > 0, "expert_plan_interval_s", self.expert_plan_interval_s, "must be positive"
+        )
+        require(
+            self.expert_window_intervals > 0,
+            "expert_window_intervals",
+            self.expert_window_intervals,
+            "must be positive",
+        )
+        require(
+            self.expert_policy in POLICIES, "expert_policy", self.expert_policy, f"must be one of {', '.join(POLICIES)}"
+        )
         require(self.expert_num_nodes > 0, "expert_num_nodes", self.expert_num_nodes, "must be positive")
-        require(0 < self.expert_max_moves_fraction <= 1, "expert_max_moves_fraction", self.expert_max_moves_fraction,
-                "must be in (0, 1]")
+        require(
+            0 < self.expert_max_moves_fraction <= 1,
+            "expert_max_moves_fraction",
+            self.expert_max_moves_fraction,
+            "must be in (0, 1]",
+        )
         for name in ("expert_min_gain", "expert_replan_gain"):
             value = getattr(self, name)
             require(0 <= value <= 1, name, value, "must be in [0, 1]")
-        require(self.expert_min_window_tokens > 0, "expert_min_window_tokens", self.expert_min_window_tokens,
-                "must be positive")
+        require(
+            self.expert_min_window_tokens > 0,
+            "expert_min_window_tokens",
+            self.expert_min_window_tokens,
+            "must be positive",
+        )

@@ -85,8 +85,16 @@ def compute(job: PlanJob) -> eplb.Plan:
 
 
 class ExpertRebalancer:
-    def __init__(self, window_intervals: int, num_nodes: int, policy: str, max_moves_fraction: float,
-                 min_gain: float, replan_gain: float, min_window_tokens: int = 1) -> None:
+    def __init__(
+        self,
+        window_intervals: int,
+        num_nodes: int,
+        policy: str,
+        max_moves_fraction: float,
+        min_gain: float,
+        replan_gain: float,
+        min_window_tokens: int = 1,
+    ) -> None:
         self.window_intervals = window_intervals
         self.num_nodes = num_nodes
         self.policy = policy
@@ -108,8 +116,10 @@ class ExpertRebalancer:
         """Add a worker's counts to this interval. A model whose shape changed (redeployed) starts over."""
         shape = report.shape
         if report.counts.shape != (shape.num_layers, shape.num_experts):
-            raise ValueError(f"counts of shape {report.counts.shape} do not match {shape.num_layers} layers of "
-                             f"{shape.num_experts} experts")
+            raise ValueError(
+                f"counts of shape {report.counts.shape} do not match {shape.num_layers} layers of "
+                f"{shape.num_experts} experts"
+            )
         state = self._models.get(report.model)
         if state is None or state.shape != shape:
             if state is not None:
@@ -121,8 +131,12 @@ class ExpertRebalancer:
 
     def _new_state(self, shape: ModelShape) -> _ModelState:
         default = np.tile(eplb.default_placement(shape.num_experts, shape.num_slots), (shape.num_layers, 1))
-        return _ModelState(shape, default, deque(maxlen=self.window_intervals),
-                           np.zeros((shape.num_layers, shape.num_experts), dtype=np.int64))
+        return _ModelState(
+            shape,
+            default,
+            deque(maxlen=self.window_intervals),
+            np.zeros((shape.num_layers, shape.num_experts), dtype=np.int64),
+        )
 
     def begin_plans(self) -> tuple[list[PlanJob], list[ExpertPlanRecord]]:
         """Close the interval: (jobs to compute, current plans to send again to workers behind)."""
@@ -159,8 +173,16 @@ class ExpertRebalancer:
         if state.plan is not None and num_moved == 0:
             return None
         version = max(now_ms, state.plan.version + 1 if state.plan is not None else 1)
-        record = ExpertPlanRecord(job.model, version, job.shape, result.policy, result.phy2log,
-                                  result.balancedness, result.gpu_loads, num_moved)
+        record = ExpertPlanRecord(
+            job.model,
+            version,
+            job.shape,
+            result.policy,
+            result.phy2log,
+            result.balancedness,
+            result.gpu_loads,
+            num_moved,
+        )
         state.current = result.phy2log
         state.plan = record
         return record

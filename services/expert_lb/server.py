@@ -36,13 +36,21 @@ def load_from_pb(load: expert_lb_pb2.ExpertLoad) -> LoadReport:
     """ValueError for a report whose sizes do not add up."""
     if not load.model:
         raise ValueError("an expert load names no model")
-    shape = ModelShape(load.num_layers, load.first_layer, load.num_experts, max(load.num_groups, 1),
-                       load.num_physical_experts or load.num_experts, max(load.num_gpus, 1))
+    shape = ModelShape(
+        load.num_layers,
+        load.first_layer,
+        load.num_experts,
+        max(load.num_groups, 1),
+        load.num_physical_experts or load.num_experts,
+        max(load.num_gpus, 1),
+    )
     if shape.num_layers <= 0 or shape.num_experts <= 0 or len(load.counts) != shape.num_layers * shape.num_experts:
         raise ValueError(f"{len(load.counts)} counts for {shape.num_layers} layers of {shape.num_experts} experts")
     if shape.num_slots < shape.num_experts or shape.num_slots % shape.num_gpus or shape.num_experts % shape.num_groups:
-        raise ValueError(f"{shape.num_slots} slots on {shape.num_gpus} GPUs for {shape.num_experts} experts in "
-                         f"{shape.num_groups} groups do not fit together")
+        raise ValueError(
+            f"{shape.num_slots} slots on {shape.num_gpus} GPUs for {shape.num_experts} experts in "
+            f"{shape.num_groups} groups do not fit together"
+        )
     counts = np.asarray(load.counts, dtype=np.int64).reshape(shape.num_layers, shape.num_experts)
     if (counts < 0).any():
         raise ValueError("expert counts must not be negative")
@@ -52,11 +60,19 @@ def load_from_pb(load: expert_lb_pb2.ExpertLoad) -> LoadReport:
 def plan_to_pb(record: ExpertPlanRecord) -> expert_lb_pb2.ExpertPlan:
     shape = record.shape
     return expert_lb_pb2.ExpertPlan(
-        model=record.model, version=record.version, num_layers=shape.num_layers,
-        num_physical_experts=shape.num_slots, phy2log=record.phy2log.ravel().tolist(),
-        balancedness=record.balancedness.tolist(), num_moved=record.num_moved, num_gpus=shape.num_gpus,
-        first_layer=shape.first_layer, num_experts=shape.num_experts, policy=record.policy,
-        gpu_loads=record.gpu_loads.ravel().tolist())
+        model=record.model,
+        version=record.version,
+        num_layers=shape.num_layers,
+        num_physical_experts=shape.num_slots,
+        phy2log=record.phy2log.ravel().tolist(),
+        balancedness=record.balancedness.tolist(),
+        num_moved=record.num_moved,
+        num_gpus=shape.num_gpus,
+        first_layer=shape.first_layer,
+        num_experts=shape.num_experts,
+        policy=record.policy,
+        gpu_loads=record.gpu_loads.ravel().tolist(),
+    )
 
 
 def export_plan(record: ExpertPlanRecord) -> None:
@@ -80,8 +96,14 @@ async def plan_once(rebalancer: ExpertRebalancer, bus: Bus) -> list[ExpertPlanRe
         await bus.publish(subjects.expert_plan(record.model), plan_to_pb(record))
         export_plan(record)
         published.append(record)
-        log.info("expert plan published", model=record.model, version=record.version, policy=record.policy,
-                 num_moved=record.num_moved, balancedness=round(float(record.balancedness.mean()), 4))
+        log.info(
+            "expert plan published",
+            model=record.model,
+            version=record.version,
+            policy=record.policy,
+            num_moved=record.num_moved,
+            balancedness=round(float(record.balancedness.mean()), 4),
+        )
     return published
 
 
@@ -104,8 +126,9 @@ class ExpertBalancerServicer(expert_lb_pb2_grpc.ExpertBalancerServicer):
         self.rebalancer = rebalancer  # read only here
         self.lifecycle = lifecycle
 
-    async def GetPlan(self, request: expert_lb_pb2.GetPlanRequest,
-                      context: grpc.aio.ServicerContext) -> expert_lb_pb2.ExpertPlan:
+    async def GetPlan(
+        self, request: expert_lb_pb2.GetPlanRequest, context: grpc.aio.ServicerContext
+    ) -> expert_lb_pb2.ExpertPlan:
         try:
             with self.lifecycle.track(), status_codes():
                 record = self.rebalancer.plan(request.model)
@@ -129,9 +152,15 @@ def status_codes() -> Iterator[None]:
 async def serve(settings: ExpertLBSettings) -> None:
     runtime = ServiceRuntime(settings, common_pb2.ROLE_EXPERT_LB)
     bus = await runtime.connect_bus()
-    rebalancer = ExpertRebalancer(settings.expert_window_intervals, settings.expert_num_nodes, settings.expert_policy,
-                                  settings.expert_max_moves_fraction, settings.expert_min_gain,
-                                  settings.expert_replan_gain, settings.expert_min_window_tokens)
+    rebalancer = ExpertRebalancer(
+        settings.expert_window_intervals,
+        settings.expert_num_nodes,
+        settings.expert_policy,
+        settings.expert_max_moves_fraction,
+        settings.expert_min_gain,
+        settings.expert_replan_gain,
+        settings.expert_min_window_tokens,
+    )
 
     async def on_load(load: expert_lb_pb2.ExpertLoad, subject: str) -> None:
         try:
@@ -143,7 +172,8 @@ async def serve(settings: ExpertLBSettings) -> None:
     servicer = ExpertBalancerServicer(rebalancer, runtime.lifecycle)
     await runtime.start(
         register=lambda server: expert_lb_pb2_grpc.add_ExpertBalancerServicer_to_server(servicer, server),
-        load=common_pb2.WorkerLoad)
+        load=common_pb2.WorkerLoad,
+    )
     planner = asyncio.create_task(plan_forever(rebalancer, bus, settings.expert_plan_interval_s))
 
     async def stop_following() -> None:

@@ -18,7 +18,15 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.chat import (
-    ArgsEvent, CallEndEvent, CallStartEvent, ChatRun, ChatTurn, ChoiceResult, FinishEvent, TextEvent, collect,
+    ArgsEvent,
+    CallEndEvent,
+    CallStartEvent,
+    ChatRun,
+    ChatTurn,
+    ChoiceResult,
+    FinishEvent,
+    TextEvent,
+    collect,
 )
 from services.gateway.errors import GatewayError, invalid
 from services.gateway.http_app import admitted, dumps, json_body, served_headers, start_turn, stream_response
@@ -58,8 +66,11 @@ def _image(block: dict[str, Any], param: str) -> ImagePart:
         return ImagePart(param, f"data:{source['media_type']};base64,{source['data']}")
     if kind == "url" and isinstance(source.get("url"), str):
         return ImagePart(param, source["url"])
-    raise invalid(f"{param}.source", f"'{param}.source' must be {{\"type\": \"base64\", \"media_type\": "
-                                     "\"image/png\", \"data\": ...} or {\"type\": \"url\", \"url\": ...}")
+    raise invalid(
+        f"{param}.source",
+        f'\'{param}.source\' must be {{"type": "base64", "media_type": '
+        '"image/png", "data": ...} or {"type": "url", "url": ...}',
+    )
 
 
 def _message(message: Any, param: str, images: list[ImagePart]) -> list[dict[str, Any]]:
@@ -85,17 +96,32 @@ def _message(message: Any, param: str, images: list[ImagePart]) -> list[dict[str
         elif kind == "image" and role == "user":
             images.append(_image(block, block_param))
             texts.append(IMAGE_MARKER)
-        elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str) \
-                and isinstance(block.get("input", {}), dict):
-            calls.append(tool_call_message(str(block.get("id", "")), block["name"],
-                                           json.dumps(block.get("input", {}), ensure_ascii=False)))
+        elif (
+            kind == "tool_use"
+            and role == "assistant"
+            and isinstance(block.get("name"), str)
+            and isinstance(block.get("input", {}), dict)
+        ):
+            calls.append(
+                tool_call_message(
+                    str(block.get("id", "")), block["name"], json.dumps(block.get("input", {}), ensure_ascii=False)
+                )
+            )
         elif kind == "tool_result" and role == "user" and isinstance(block.get("tool_use_id"), str):
             output = _text_of(block.get("content", ""), f"{block_param}.content")
-            results.append({"role": "tool", "content": f"Error: {output}" if block.get("is_error") else output,
-                            "tool_call_id": block["tool_use_id"]})
+            results.append(
+                {
+                    "role": "tool",
+                    "content": f"Error: {output}" if block.get("is_error") else output,
+                    "tool_call_id": block["tool_use_id"],
+                }
+            )
         else:
-            raise invalid(block_param, f"'{block_param}' must be a text block, an image or tool_result block (user) "
-                                       "or a tool_use block (assistant)")
+            raise invalid(
+                block_param,
+                f"'{block_param}' must be a text block, an image or tool_result block (user) "
+                "or a tool_use block (assistant)",
+            )
     out: list[dict[str, Any]] = list(results)
     if role == "assistant":
         out.append({"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
@@ -116,8 +142,9 @@ def _tool_choice(raw: Any, tools: tuple[Tool, ...]) -> tuple[ToolChoice, bool]:
         return ToolChoice("required"), parallel
     if kind == "tool" and isinstance(raw.get("name"), str):
         return ToolChoice("named", raw["name"]), parallel
-    raise invalid("tool_choice", "'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or "
-                                 "{\"type\": \"tool\", \"name\": ...}")
+    raise invalid(
+        "tool_choice", '\'tool_choice\' must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}'
+    )
 
 
 def parse_messages_request(body: Any) -> tuple[ChatTurn, bool]:
@@ -143,19 +170,33 @@ def parse_messages_request(body: Any) -> tuple[ChatTurn, bool]:
             raise invalid(f"tools[{index}]", f"'tools[{index}]' must be an object")
         tools.append(parse_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), f"tools[{index}]"))
     choice, parallel = _tool_choice(body.get("tool_choice"), tuple(tools))
-    sampling = openai_to_wire(temperature=field_of(body, "temperature", "number", 1.0),
-                              top_p=field_of(body, "top_p", "number", 1.0), max_tokens=max_tokens,
-                              top_k=field_of(body, "top_k", "integer", 0))
-    turn = ChatTurn(model=model, messages=messages, sampling=sampling, max_tokens_param="max_tokens",
-                    stop=parse_stop(body, "stop_sequences"), tools=tuple(tools), tool_choice=choice,
-                    parallel_tool_calls=parallel, images=tuple(images))
+    sampling = openai_to_wire(
+        temperature=field_of(body, "temperature", "number", 1.0),
+        top_p=field_of(body, "top_p", "number", 1.0),
+        max_tokens=max_tokens,
+        top_k=field_of(body, "top_k", "integer", 0),
+    )
+    turn = ChatTurn(
+        model=model,
+        messages=messages,
+        sampling=sampling,
+        max_tokens_param="max_tokens",
+        stop=parse_stop(body, "stop_sequences"),
+        tools=tuple(tools),
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        images=tuple(images),
+    )
     return turn, bool(field_of(body, "stream", "boolean", False))
 
 
 def _usage(usage: Usage, num_output_tokens: int | None = None) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "cache_read_input_tokens": usage.cached_tokens,
-            "cache_creation_input_tokens": 0,
-            "output_tokens": usage.completion_tokens if num_output_tokens is None else num_output_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": usage.completion_tokens if num_output_tokens is None else num_output_tokens,
+    }
 
 
 def _stop(result: ChoiceResult | FinishEvent) -> tuple[str, str | None]:
@@ -164,10 +205,23 @@ def _stop(result: ChoiceResult | FinishEvent) -> tuple[str, str | None]:
     return STOP_REASONS[result.finish_reason], None
 
 
-def _message_body(message_id: str, model: str, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
-                  usage: dict[str, Any]) -> dict[str, Any]:
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+def _message_body(
+    message_id: str,
+    model: str,
+    content: list[dict[str, Any]],
+    stop: tuple[str | None, str | None],
+    usage: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop[0],
+        "stop_sequence": stop[1],
+        "usage": usage,
+    }
 
 
 def _tool_use(call: CallEndEvent) -> dict[str, Any]:
@@ -185,11 +239,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         message_id = "msg_" + secrets.token_hex(12)
         try:
             if stream:
-                return await stream_response(request, run, record, _frames(message_id, turn.model, run),
-                                             error_frame)
+                return await stream_response(request, run, record, _frames(message_id, turn.model, run), error_frame)
             [result] = await collect(run)
             content = ([{"type": "text", "text": result.text}] if result.text else []) + [
-                _tool_use(call) for call in result.calls]
+                _tool_use(call) for call in result.calls
+            ]
             body = _message_body(message_id, turn.model, content, _stop(result), _usage(run.usage))
             record.finish(200)
             return web.json_response(body, headers=served_headers(request, run), dumps=dumps)
@@ -206,8 +260,10 @@ def error_frame(error: GatewayError) -> bytes:
 
 
 async def _frames(message_id: str, model: str, run: ChatRun) -> AsyncIterator[bytes]:
-    yield _event("message_start", message=_message_body(message_id, model, [], (None, None),
-                                                        _usage(run.usage, num_output_tokens=0)))
+    yield _event(
+        "message_start",
+        message=_message_body(message_id, model, [], (None, None), _usage(run.usage, num_output_tokens=0)),
+    )
     yield _event("ping")
     block = -1
     is_text_open = is_tool_open = False
@@ -225,11 +281,15 @@ async def _frames(message_id: str, model: str, run: ChatRun) -> AsyncIterator[by
                 is_text_open = False
             block += 1
             is_tool_open = True
-            yield _event("content_block_start", index=block,
-                         content_block={"type": "tool_use", "id": event.call_id, "name": event.name, "input": {}})
+            yield _event(
+                "content_block_start",
+                index=block,
+                content_block={"type": "tool_use", "id": event.call_id, "name": event.name, "input": {}},
+            )
         elif isinstance(event, ArgsEvent):
-            yield _event("content_block_delta", index=block,
-                         delta={"type": "input_json_delta", "partial_json": event.delta})
+            yield _event(
+                "content_block_delta", index=block, delta={"type": "input_json_delta", "partial_json": event.delta}
+            )
         elif isinstance(event, CallEndEvent):
             is_tool_open = False
             yield _event("content_block_stop", index=block)
@@ -237,6 +297,9 @@ async def _frames(message_id: str, model: str, run: ChatRun) -> AsyncIterator[by
             stop = _stop(event)
     if is_text_open or is_tool_open:  # a call cut off by max_tokens is closed too
         yield _event("content_block_stop", index=block)
-    yield _event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]},
-                 usage={"output_tokens": run.usage.completion_tokens})
+    yield _event(
+        "message_delta",
+        delta={"stop_reason": stop[0], "stop_sequence": stop[1]},
+        usage={"output_tokens": run.usage.completion_tokens},
+    )
     yield _event("message_stop")

@@ -81,20 +81,25 @@ class ServedModel:
             if not 0 <= token_id < vocab_size:
                 raise invalid(param, f"token id {token_id} is outside the vocabulary (0..{vocab_size - 1})")
 
-    def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
-                      max_tokens_param: str) -> None:
+    def check_lengths(
+        self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str, max_tokens_param: str
+    ) -> None:
         """The prompt leaves room for at least one token, and for max_tokens when it is set."""
         if num_prompt_tokens == 0:
             raise invalid(prompt_param, "the prompt is empty")
         if num_prompt_tokens >= self.context_len:
-            raise GatewayError(ErrorKind.CONTEXT_LENGTH,
-                               f"this model's context is {self.context_len} tokens; the prompt has "
-                               f"{num_prompt_tokens}", prompt_param)
+            raise GatewayError(
+                ErrorKind.CONTEXT_LENGTH,
+                f"this model's context is {self.context_len} tokens; the prompt has {num_prompt_tokens}",
+                prompt_param,
+            )
         if max_tokens is not None and num_prompt_tokens + max_tokens > self.context_len:
-            raise GatewayError(ErrorKind.CONTEXT_LENGTH,
-                               f"this model's context is {self.context_len} tokens; the prompt has "
-                               f"{num_prompt_tokens} and {max_tokens_param} asks for {max_tokens} more",
-                               max_tokens_param)
+            raise GatewayError(
+                ErrorKind.CONTEXT_LENGTH,
+                f"this model's context is {self.context_len} tokens; the prompt has "
+                f"{num_prompt_tokens} and {max_tokens_param} asks for {max_tokens} more",
+                max_tokens_param,
+            )
 
 
 def load_model(name: str) -> ServedModel:
@@ -102,8 +107,9 @@ def load_model(name: str) -> ServedModel:
     checkpoint = open_checkpoint(model_store.resolve(name))
     if checkpoint.tokenizer is None:
         raise ConfigError(f"model {name!r} has no tokenizer: the gateway needs one to serve it")
-    return ServedModel(name, checkpoint.tokenizer, checkpoint.config.max_position_embeddings,
-                       image_token_id(checkpoint.config.raw))
+    return ServedModel(
+        name, checkpoint.tokenizer, checkpoint.config.max_position_embeddings, image_token_id(checkpoint.config.raw)
+    )
 
 
 class ModelCatalog:

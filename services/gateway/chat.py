@@ -29,7 +29,14 @@ from services.gateway.images import ImagePart, with_image_tokens
 from services.gateway.pipeline import NOT_FINISHED, Delta, GenerationStream, Placement, Usage
 from services.gateway.sampling import structured_to_wire
 from services.gateway.tool_calls import (
-    ParsedArgs, ParsedCallEnd, ParsedCallStart, ParsedText, Tool, ToolCallParser, ToolChoice, check_tools,
+    ParsedArgs,
+    ParsedCallEnd,
+    ParsedCallStart,
+    ParsedText,
+    Tool,
+    ToolCallParser,
+    ToolChoice,
+    check_tools,
     new_call_id,
 )
 
@@ -67,6 +74,7 @@ class TokenInfo:
 
 
 # ---- events (choice: which of the n) ---------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TextEvent:
@@ -173,8 +181,9 @@ class ChoiceRun:
                 yield ArgsEvent(self.index, item.call_index, self._calls[item.call_index][0], item.delta)
             elif isinstance(item, ParsedCallEnd):
                 call_id, name = self._calls[item.call_index]
-                yield CallEndEvent(self.index, item.call_index, call_id, name, item.arguments,
-                                   self._is_valid(name, item.arguments))
+                yield CallEndEvent(
+                    self.index, item.call_index, call_id, name, item.arguments, self._is_valid(name, item.arguments)
+                )
 
     def _is_valid(self, name: str, arguments: str) -> bool:
         tool = next((t for t in self.turn.tools if t.name == name), None)
@@ -213,8 +222,11 @@ class ChatRun:
     @property
     def usage(self) -> Usage:
         """The prompt once (it is shared), the completions of every choice."""
-        return Usage(self.num_prompt_tokens, sum(c.stream.num_completion_tokens for c in self.choices),
-                     self.choices[0].stream.num_cached_tokens)
+        return Usage(
+            self.num_prompt_tokens,
+            sum(c.stream.num_completion_tokens for c in self.choices),
+            self.choices[0].stream.num_cached_tokens,
+        )
 
     async def events(self) -> AsyncIterator[ChatEvent]:
         """Every choice's events; with n > 1 interleaved as they come (each choice's in order)."""
@@ -256,8 +268,9 @@ def turn_grammar(model: ServedModel, turn: ChatTurn) -> StructuredOutput | None:
     if turn.tools and turn.tool_choice.mode != "none":
         if turn.response_format is not None:
             raise invalid("response_format", "response_format with tools is supported only with tool_choice 'none'")
-        return model.tool_syntax.grammar(turn.tools, turn.tool_choice, turn.parallel_tool_calls,
-                                         model.tokenizer.backend.token_to_id)
+        return model.tool_syntax.grammar(
+            turn.tools, turn.tool_choice, turn.parallel_tool_calls, model.tokenizer.backend.token_to_id
+        )
     return turn.response_format
 
 
@@ -292,14 +305,18 @@ def traffic_class_of(turn: ChatTurn) -> str:
     days) and `chat` for the rest, as DeepSeek's store keeps them (3 and 7 days by default)."""
     if turn.traffic_class:
         if not TRAFFIC_CLASS.fullmatch(turn.traffic_class):
-            raise invalid("traffic_class", "the traffic class must be 1 to 32 characters of a-z, 0-9, '_' and '-', "
-                          f"got {turn.traffic_class[:40]!r}")
+            raise invalid(
+                "traffic_class",
+                "the traffic class must be 1 to 32 characters of a-z, 0-9, '_' and '-', "
+                f"got {turn.traffic_class[:40]!r}",
+            )
         return turn.traffic_class
     return "agent" if turn.tools else "chat"
 
 
-async def render_with_images(core: GatewayCore, model: ServedModel, turn: ChatTurn,
-                             request_id: str) -> tuple[list[int], tuple[encoder_pb2.PromptImage, ...]]:
+async def render_with_images(
+    core: GatewayCore, model: ServedModel, turn: ChatTurn, request_id: str
+) -> tuple[list[int], tuple[encoder_pb2.PromptImage, ...]]:
     """The prompt; with images, each one's placeholder widened to its embeddings' length (image_encoding)."""
     if not turn.images:
         return render_prompt(model, turn), ()
@@ -311,8 +328,9 @@ async def render_with_images(core: GatewayCore, model: ServedModel, turn: ChatTu
     return place_images(model, prompt, encoded, turn.prompt_param)
 
 
-async def start_chat(core: GatewayCore, turn: ChatTurn, request_id: str,
-                     on_tokens: Callable[[int], None] = lambda num_tokens: None) -> ChatRun:
+async def start_chat(
+    core: GatewayCore, turn: ChatTurn, request_id: str, on_tokens: Callable[[int], None] = lambda num_tokens: None
+) -> ChatRun:
     """Render, check and start every choice (routing and prefill done: the serving workers are known)."""
     if not 1 <= turn.n <= MAX_N:
         raise invalid("n", f"'n' must be between 1 and {MAX_N}, got {turn.n}")
@@ -321,9 +339,21 @@ async def start_chat(core: GatewayCore, turn: ChatTurn, request_id: str,
     traffic_class = traffic_class_of(turn)
     prompt, images = await render_with_images(core, model, turn, request_id)
     grammar = turn_grammar(model, turn)
-    generations = [core.generation(request_id if turn.n == 1 else f"{request_id}-{i}", model, prompt,
-                                   turn_sampling(turn, grammar, i), turn.stop, turn.cache_salt, traffic_class,
-                                   turn.prompt_param, turn.max_tokens_param, images) for i in range(turn.n)]
+    generations = [
+        core.generation(
+            request_id if turn.n == 1 else f"{request_id}-{i}",
+            model,
+            prompt,
+            turn_sampling(turn, grammar, i),
+            turn.stop,
+            turn.cache_salt,
+            traffic_class,
+            turn.prompt_param,
+            turn.max_tokens_param,
+            images,
+        )
+        for i in range(turn.n)
+    ]
     deadline = core.deadline()
     results = await asyncio.gather(*(core.pipeline.start(g, deadline) for g in generations), return_exceptions=True)
     streams = [r for r in results if isinstance(r, GenerationStream)]
@@ -333,8 +363,10 @@ async def start_chat(core: GatewayCore, turn: ChatTurn, request_id: str,
             stream.close()
         raise failures[0]
     can_call = bool(turn.tools) and turn.tool_choice.mode != "none"
-    choices = [ChoiceRun(i, stream, model, turn, ToolCallParser(model.tool_syntax) if can_call else None, on_tokens)
-               for i, stream in enumerate(streams)]
+    choices = [
+        ChoiceRun(i, stream, model, turn, ToolCallParser(model.tool_syntax) if can_call else None, on_tokens)
+        for i, stream in enumerate(streams)
+    ]
     return ChatRun(choices, len(prompt))
 
 

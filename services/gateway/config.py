@@ -30,19 +30,26 @@ class GatewaySettings(ServiceSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(bool(self.api_keys), "api_keys", "", "set at least one API key (comma-separated)")
-        require(all(key.strip() == key and key for key in self.api_keys), "api_keys", "<hidden>",
-                "keys must be non-empty and without surrounding spaces")
+        require(
+            all(key.strip() == key and key for key in self.api_keys),
+            "api_keys",
+            "<hidden>",
+            "keys must be non-empty and without surrounding spaces",
+        )
         require(bool(self.models), "models", self.models, "name at least one model")
         require(self.block_size > 0, "block_size", self.block_size, "must be positive")
         require(self.max_retries >= 0, "max_retries", self.max_retries, "must not be negative")
         require(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be positive")
         for name in ("max_image_bytes", "max_image_side", "max_image_pixels", "image_fetch_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
-        require(self.max_images_per_request >= 0, "max_images_per_request", self.max_images_per_request,
-                "must not be negative (0: no images)")
+        require(
+            self.max_images_per_request >= 0,
+            "max_images_per_request",
+            self.max_images_per_request,
+            "must not be negative (0: no images)",
+        )
 
     @property
     def image_settings(self) -> ImageSettings:
         limits = ImageLimits(self.max_image_bytes, self.max_image_side, self.max_image_pixels)
-        return ImageSettings(limits, self.max_images_per_request, self.allow_remote_images,
-                             self.image_fetch_timeout_s)
+        return ImageSettings(limits, self.max_images_per_request, self.allow_remote_images, self.image_fetch_timeout_s)

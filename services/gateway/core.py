@@ -85,6 +85,13 @@ class GatewayCore:
         model.check_lengths(len(prompt_token_ids), max_tokens, prompt_param, max_tokens_param)
         if not self.mesh.is_served(model.name):
             raise GatewayError(ErrorKind.UNAVAILABLE, f"no workers serve {model.name!r} right now; retry shortly")
-        return Generation(request_id=request_id, model=model, prompt_token_ids=prompt_token_ids,
-                          sampling=sampling, stop=tuple(stop), cache_salt=cache_salt, traffic_class=traffic_class,
-                          images=images)
+        return Generation(
+            request_id=request_id,
+            model=model,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            stop=tuple(stop),
+            cache_salt=cache_salt,
+            traffic_class=traffic_class,
+            images=images,
+        )

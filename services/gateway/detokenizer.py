@@ -36,14 +36,14 @@ class IncrementalDecoder:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """At the end: whatever is held back (bytes that never formed a character come out as U+FFFD)."""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset)
         self._prefix_offset = self._read_offset = len(self._token_ids)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
 
 class StopMatcher:

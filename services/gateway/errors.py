@@ -74,16 +74,22 @@ class GatewayError(Exception):
 
     def anthropic_body(self) -> dict[str, Any]:
         """`{"type": "error", "error": {"type", "message"}}`; a saturated mesh is `overloaded_error`."""
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.kind, "api_error"),
-                                           "message": self.message_naming_param}}
+        return {
+            "type": "error",
+            "error": {"type": _ANTHROPIC_TYPES.get(self.kind, "api_error"), "message": self.message_naming_param},
+        }
 
 
 OVERLOADED_STATUS = 529  # Anthropic's "overloaded": its SDK retries it
 _ANTHROPIC_TYPES = {
-    ErrorKind.INVALID_REQUEST: "invalid_request_error", ErrorKind.CONTEXT_LENGTH: "invalid_request_error",
-    ErrorKind.TOO_LARGE: "request_too_large", ErrorKind.METHOD_NOT_ALLOWED: "invalid_request_error",
-    ErrorKind.INVALID_API_KEY: "authentication_error", ErrorKind.MODEL_NOT_FOUND: "not_found_error",
-    ErrorKind.NOT_FOUND: "not_found_error", ErrorKind.RATE_LIMITED: "overloaded_error",
+    ErrorKind.INVALID_REQUEST: "invalid_request_error",
+    ErrorKind.CONTEXT_LENGTH: "invalid_request_error",
+    ErrorKind.TOO_LARGE: "request_too_large",
+    ErrorKind.METHOD_NOT_ALLOWED: "invalid_request_error",
+    ErrorKind.INVALID_API_KEY: "authentication_error",
+    ErrorKind.MODEL_NOT_FOUND: "not_found_error",
+    ErrorKind.NOT_FOUND: "not_found_error",
+    ErrorKind.RATE_LIMITED: "overloaded_error",
     ErrorKind.TIMEOUT: "timeout_error",
 }
 

@@ -14,12 +14,20 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from engine_core.structured_output import StructuredOutput
 from mesh.logging import REQUEST_ID_KEY, bind_request_id, get_logger
 from mesh.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.auth import bearer_key
-from engine_core.structured_output import StructuredOutput
 from services.gateway.chat import (
-    ArgsEvent, CallStartEvent, ChatEvent, ChatRun, ChatTurn, FinishEvent, TextEvent, TokensEvent, start_chat,
+    ArgsEvent,
+    CallStartEvent,
+    ChatEvent,
+    ChatRun,
+    ChatTurn,
+    FinishEvent,
+    TextEvent,
+    TokensEvent,
+    start_chat,
 )
 from services.gateway.core import GatewayCore, new_request_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
@@ -27,8 +35,8 @@ from services.gateway.images import ImagePart
 from services.gateway.openai_api import MAX_STOP_STRINGS, parse_message, tool_call_message
 from services.gateway.sampling import check_wire
 from services.gateway.schema_support import checked_grammar, json_schema_output
-from services.gateway.tool_calls import Tool, ToolChoice, parse_tool
 from services.gateway.telemetry import RequestRecord
+from services.gateway.tool_calls import Tool, ToolChoice, parse_tool
 
 GENERATE_API = "grpc.generate"
 log = get_logger(__name__)
@@ -47,8 +55,11 @@ def _messages(request: gateway_pb2.GenerateRequest, images: list[ImagePart]) -> 
         param = f"messages[{index}]"
         if message.parts and message.content:
             raise invalid(f"{param}.parts", f"'{param}': give content or parts, not both")
-        content: Any = [_part(part, f"{param}.parts[{n}]") for n, part in enumerate(message.parts)] \
-            if message.parts else message.content
+        content: Any = (
+            [_part(part, f"{param}.parts[{n}]") for n, part in enumerate(message.parts)]
+            if message.parts
+            else message.content
+        )
         raw: dict[str, Any] = {"role": message.role, "content": content}
         if message.tool_calls:
             raw["tool_calls"] = [tool_call_message(c.id, c.name, c.arguments) for c in message.tool_calls]
@@ -67,17 +78,27 @@ def _part(part: gateway_pb2.ContentPart, param: str) -> dict[str, Any]:
         image = part.image
         if image.data:  # checked as bytes downstream (PNG or JPEG); the type here only labels the URL
             mime = "image/png" if image.data.startswith(b"\x89PNG") else "image/jpeg"
-            return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,"
-                                                              + base64.b64encode(image.data).decode()}}
+            return {
+                "type": "image_url",
+                "image_url": {"url": f"data:{mime};base64," + base64.b64encode(image.data).decode()},
+            }
         return {"type": "image_url", "image_url": {"url": image.url}}
     raise invalid(param, f"'{param}' must have text or image")
 
 
-def _prompt(request: gateway_pb2.GenerateRequest,
-            images: list[ImagePart]) -> tuple[list[dict[str, Any]], str | list[int] | None, str]:
+def _prompt(
+    request: gateway_pb2.GenerateRequest, images: list[ImagePart]
+) -> tuple[list[dict[str, Any]], str | list[int] | None, str]:
     """(messages, raw prompt, the field it came from) from exactly one of messages, prompt, prompt_token_ids."""
-    given = [name for name, present in (("messages", bool(request.messages)), ("prompt", bool(request.prompt)),
-                                        ("prompt_token_ids", bool(request.prompt_token_ids))) if present]
+    given = [
+        name
+        for name, present in (
+            ("messages", bool(request.messages)),
+            ("prompt", bool(request.prompt)),
+            ("prompt_token_ids", bool(request.prompt_token_ids)),
+        )
+        if present
+    ]
     if len(given) != 1:
         raise invalid("messages", "give exactly one of messages, prompt and prompt_token_ids")
     if given[0] == "messages":
@@ -135,20 +156,35 @@ def to_turn(core: GatewayCore, request: gateway_pb2.GenerateRequest) -> ChatTurn
     wire.CopyFrom(sampling)
     wire.ClearField("logprobs")  # start_chat sets it from the turn
     wire.ClearField("structured_output")  # only response_format sets a grammar here: it is checked first
-    return ChatTurn(model=request.model, messages=messages, sampling=wire, max_tokens_param="sampling.max_tokens",
-                    stop=tuple(request.stop), tools=tools, tool_choice=_tool_choice(request.tool_choice, bool(tools)),
-                    parallel_tool_calls=request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True,
-                    response_format=_response_format(request), n=request.n or 1, logprobs=logprobs,
-                    top_logprobs=sampling.logprobs if logprobs else 0, cache_salt=request.cache_salt,
-                    traffic_class=request.traffic_class, prompt_param=prompt_param, prompt=prompt,
-                    images=tuple(images))
+    return ChatTurn(
+        model=request.model,
+        messages=messages,
+        sampling=wire,
+        max_tokens_param="sampling.max_tokens",
+        stop=tuple(request.stop),
+        tools=tools,
+        tool_choice=_tool_choice(request.tool_choice, bool(tools)),
+        parallel_tool_calls=request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True,
+        response_format=_response_format(request),
+        n=request.n or 1,
+        logprobs=logprobs,
+        top_logprobs=sampling.logprobs if logprobs else 0,
+        cache_salt=request.cache_salt,
+        traffic_class=request.traffic_class,
+        prompt_param=prompt_param,
+        prompt=prompt,
+        images=tuple(images),
+    )
 
 
 def _response(request_id: str, run: ChatRun, event: ChatEvent) -> gateway_pb2.GenerateResponse | None:
     placement = run.choices[event.choice].stream.placement
-    response = gateway_pb2.GenerateResponse(request_id=request_id, index=event.choice,
-                                            prefill_worker=placement.prefill_worker,
-                                            decode_worker=placement.decode_worker)
+    response = gateway_pb2.GenerateResponse(
+        request_id=request_id,
+        index=event.choice,
+        prefill_worker=placement.prefill_worker,
+        decode_worker=placement.decode_worker,
+    )
     if isinstance(event, TokensEvent):
         response.token_ids.extend(event.token_ids)
         response.logprobs.extend(event.raw_logprobs)
@@ -160,12 +196,17 @@ def _response(request_id: str, run: ChatRun, event: ChatEvent) -> gateway_pb2.Ge
         response.tool_calls.append(gateway_pb2.ToolCallDelta(index=event.call_index, arguments=event.delta))
     elif isinstance(event, FinishEvent):
         response.finish = event.finish_reason
-        response.finish_reason = (common_pb2.FINISH_REASON_LENGTH if event.finish_reason == "length"
-                                  else common_pb2.FINISH_REASON_STOP)
+        response.finish_reason = (
+            common_pb2.FINISH_REASON_LENGTH if event.finish_reason == "length" else common_pb2.FINISH_REASON_STOP
+        )
         usage = run.usage
-        response.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=usage.prompt_tokens,
-                                                  completion_tokens=usage.completion_tokens,
-                                                  cached_tokens=usage.cached_tokens))
+        response.usage.CopyFrom(
+            gateway_pb2.Usage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+            )
+        )
     else:
         return None
     return response
@@ -179,8 +220,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not self.core.keys.is_valid(bearer_key(_metadata(context, "authorization"))):
             raise GatewayError(ErrorKind.INVALID_API_KEY, "missing or incorrect API key in 'authorization' metadata")
 
-    async def Generate(self, request: gateway_pb2.GenerateRequest,  # type: ignore[override]
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def Generate(
+        self,
+        request: gateway_pb2.GenerateRequest,  # type: ignore[override]
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         request_id = new_request_id(_metadata(context, REQUEST_ID_KEY))
         record = RequestRecord(GENERATE_API, request_id)
         with bind_request_id(request_id):
@@ -212,12 +256,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 record.finish(grpc.StatusCode.INTERNAL.name)
                 await context.abort(grpc.StatusCode.INTERNAL, "internal error")
 
-    async def ListModels(self, request: gateway_pb2.ListModelsRequest,  # type: ignore[override]
-                         context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
+    async def ListModels(
+        self,
+        request: gateway_pb2.ListModelsRequest,  # type: ignore[override]
+        context: grpc.aio.ServicerContext,
+    ) -> gateway_pb2.ListModelsResponse:
         try:
             self._authenticate(context)
         except GatewayError as error:
             await context.abort(error.kind.grpc_code, error.message)
-        return gateway_pb2.ListModelsResponse(models=[
-            gateway_pb2.ModelCard(id=model.name, max_model_len=model.context_len)
-            for model in self.core.served_models()])
+        return gateway_pb2.ListModelsResponse(
+            models=[
+                gateway_pb2.ModelCard(id=model.name, max_model_len=model.context_len)
+                for model in self.core.served_models()
+            ]
+        )

@@ -44,8 +44,12 @@ MAX_BODY_BYTES = 8 * 2**20
 TRAFFIC_CLASS_HEADER = "x-kvmesh-traffic-class"  # agent | chat | ...: the TTL class of the request's KV in the store
 CLIENT_GONE = 499  # the metrics' code for a client that left before the end (nginx's convention)
 ANTHROPIC_PREFIX = "/v1/messages"
-API_NAMES = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
-             "/v1/responses": "responses", "/v1/messages": "messages"}
+API_NAMES = {
+    "/v1/chat/completions": "chat.completions",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HTTP_ERRORS = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED, 413: ErrorKind.TOO_LARGE}
 
@@ -67,11 +71,13 @@ def dumps(obj: Any) -> str:
 
 
 def served_headers(request: web.Request, run: ChatRun) -> dict[str, str]:
-    return {"x-request-id": request[ECHOED_ID],
-            "x-kvmesh-prefill-worker": run.placement.prefill_worker,
-            "x-kvmesh-decode-worker": run.placement.decode_worker,
-            # the engine's prefill time, so a client can tell the mesh's overhead from compute
-            "server-timing": f"prefill;dur={run.prefill_seconds * 1000:.3f}"}
+    return {
+        "x-request-id": request[ECHOED_ID],
+        "x-kvmesh-prefill-worker": run.placement.prefill_worker,
+        "x-kvmesh-decode-worker": run.placement.decode_worker,
+        # the engine's prefill time, so a client can tell the mesh's overhead from compute
+        "server-timing": f"prefill;dur={run.prefill_seconds * 1000:.3f}",
+    }
 
 
 def presented_key(request: web.Request) -> str | None:
@@ -87,8 +93,10 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
     request[ECHOED_ID] = echoed_request_id(client_id, request[REQUEST_ID])
     with bind_request_id(request[REQUEST_ID]):
         if request.path.startswith("/v1/") and not request.app[CORE_KEY].keys.is_valid(presented_key(request)):
-            error = GatewayError(ErrorKind.INVALID_API_KEY,
-                                 "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key'.")
+            error = GatewayError(
+                ErrorKind.INVALID_API_KEY,
+                "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key'.",
+            )
             if request.path in API_NAMES:  # a fixed set: metric labels stay bounded
                 RequestRecord(API_NAMES[request.path], request[REQUEST_ID]).finish(error.http_status)
             return error_response(request, error)
@@ -120,6 +128,7 @@ async def json_body(request: web.Request) -> Any:
 
 # ---- a generation endpoint's life ----------------------------------------------------------------------------
 
+
 @contextlib.asynccontextmanager
 async def admitted(request: web.Request, api: str) -> AsyncIterator[RequestRecord]:
     """Count the request as in flight (refused while draining) and record how it ended."""
@@ -148,13 +157,23 @@ async def start_turn(request: web.Request, turn: ChatTurn, record: RequestRecord
     return run
 
 
-async def stream_response(request: web.Request, run: ChatRun, record: RequestRecord, frames: AsyncIterator[bytes],
-                          error_frame: Callable[[GatewayError], bytes]) -> web.StreamResponse:
+async def stream_response(
+    request: web.Request,
+    run: ChatRun,
+    record: RequestRecord,
+    frames: AsyncIterator[bytes],
+    error_frame: Callable[[GatewayError], bytes],
+) -> web.StreamResponse:
     """Server-sent events. Once the status line is out, an error goes in the stream as the API's error
     frame (which the SDKs raise) and the stream ends: never a silently truncated stream."""
-    response = web.StreamResponse(headers={
-        **served_headers(request, run), "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no"})
+    response = web.StreamResponse(
+        headers={
+            **served_headers(request, run),
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
     await response.prepare(request)
     code: int = 200
     try:
@@ -187,11 +206,20 @@ async def _write_eof_quietly(response: web.StreamResponse) -> None:
 
 # ---- plain routes ------------------------------------------------------------------------------------------
 
+
 async def list_models(request: web.Request) -> web.Response:
     core = request.app[CORE_KEY]
     created = int(request.app[STARTED_AT_KEY])
-    data = [{"id": model.name, "object": "model", "created": created, "owned_by": "kvmesh",
-             "max_model_len": model.context_len} for model in core.served_models()]
+    data = [
+        {
+            "id": model.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvmesh",
+            "max_model_len": model.context_len,
+        }
+        for model in core.served_models()
+    ]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -201,8 +229,15 @@ async def get_model(request: web.Request) -> web.Response:
     if name not in {model.name for model in core.served_models()}:
         raise GatewayError(ErrorKind.MODEL_NOT_FOUND, f"the model {name!r} does not exist", "model")
     model = core.catalog.require(name)
-    return web.json_response({"id": model.name, "object": "model", "created": int(request.app[STARTED_AT_KEY]),
-                              "owned_by": "kvmesh", "max_model_len": model.context_len})
+    return web.json_response(
+        {
+            "id": model.name,
+            "object": "model",
+            "created": int(request.app[STARTED_AT_KEY]),
+            "owned_by": "kvmesh",
+            "max_model_len": model.context_len,
+        }
+    )
 
 
 async def openapi_json(_: web.Request) -> web.Response:

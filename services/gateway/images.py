@@ -42,7 +42,7 @@ def parse_image_part(part: dict[str, Any], param: str) -> ImagePart:
     raw = part.get("image_url")
     url = raw.get("url") if isinstance(raw, dict) else raw
     if not isinstance(url, str) or not url:
-        raise invalid(param, f"'{param}.image_url' must be {{\"url\": \"data:image/png;base64,...\"}}")
+        raise invalid(param, f'\'{param}.image_url\' must be {{"url": "data:image/png;base64,..."}}')
     return ImagePart(param, url)
 
 
@@ -53,19 +53,24 @@ def check_text(text: str, param: str) -> None:
 
 def check_count(parts: tuple[ImagePart, ...], settings: ImageSettings) -> None:
     if len(parts) > settings.max_images:
-        raise invalid(parts[settings.max_images].param,
-                      f"too many images: at most {settings.max_images} per request, got {len(parts)}")
+        raise invalid(
+            parts[settings.max_images].param,
+            f"too many images: at most {settings.max_images} per request, got {len(parts)}",
+        )
 
 
-def with_image_tokens(model: ServedModel, messages: list[dict[str, Any]],
-                      parts: tuple[ImagePart, ...]) -> list[dict[str, Any]]:
+def with_image_tokens(
+    model: ServedModel, messages: list[dict[str, Any]], parts: tuple[ImagePart, ...]
+) -> list[dict[str, Any]]:
     """The messages with each image's marker replaced by the model's placeholder token (400 for a model that takes
     no images)."""
     if model.image_token_id is None:
         raise invalid(parts[0].param, f"the model {model.name!r} does not accept images")
     token = model.tokenizer.backend.id_to_token(model.image_token_id)
-    return [{**m, "content": m["content"].replace(IMAGE_MARKER, token)} if isinstance(m.get("content"), str) else m
-            for m in messages]
+    return [
+        {**m, "content": m["content"].replace(IMAGE_MARKER, token)} if isinstance(m.get("content"), str) else m
+        for m in messages
+    ]
 
 
 async def read_image(part: ImagePart, settings: ImageSettings) -> bytes:
@@ -75,12 +80,18 @@ async def read_image(part: ImagePart, settings: ImageSettings) -> bytes:
         data = _decode_data_url(part)
     elif url.startswith(("http://", "https://")):
         if not settings.allow_remote:
-            raise invalid(part.param, "remote image URLs are not allowed on this server: send the image inline as "
-                                      "a data: URL (data:image/png;base64,...)")
+            raise invalid(
+                part.param,
+                "remote image URLs are not allowed on this server: send the image inline as "
+                "a data: URL (data:image/png;base64,...)",
+            )
         data = await _fetch(part, settings)
     else:
-        raise invalid(part.param, "an image URL must be a data: URL (data:image/png;base64,...)"
-                                  + (" or an http(s) URL" if settings.allow_remote else ""))
+        raise invalid(
+            part.param,
+            "an image URL must be a data: URL (data:image/png;base64,...)"
+            + (" or an http(s) URL" if settings.allow_remote else ""),
+        )
     try:
         inspect_image(data, settings.limits)
     except ImageError as exc:

@@ -31,8 +31,10 @@ class MeshView:
         return live[start:] + live[:start]
 
     def is_served(self, model: str) -> bool:
-        return bool(self._registry.workers(common_pb2.ROLE_PREFILL, model)
-                    and self._registry.workers(common_pb2.ROLE_DECODE, model))
+        return bool(
+            self._registry.workers(common_pb2.ROLE_PREFILL, model)
+            and self._registry.workers(common_pb2.ROLE_DECODE, model)
+        )
 
     def served_models(self, candidates: Iterable[str]) -> list[str]:
         return [model for model in candidates if self.is_served(model)]

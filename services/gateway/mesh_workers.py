@@ -34,21 +34,37 @@ log = get_logger(__name__)
 
 def worker_json(status: balancer_pb2.WorkerStatus) -> dict[str, Any]:
     info, load = status.worker, status.load
-    return {"id": info.worker_id, "address": info.address, "models": list(info.models),
-            "last_seen_ms": status.last_seen_ms,
-            "load": {"num_running": load.num_running, "num_waiting": load.num_waiting,
-                     "num_queued_prompt_tokens": load.num_queued_prompt_tokens, "num_kv_tokens": load.num_kv_tokens},
-            "kv": {"usage": round(load.kv_usage, 4), "num_blocks": info.num_kv_blocks,
-                   "num_free_blocks": load.num_free_kv_blocks, "block_size": info.block_size},
-            "cache": {"num_blocks": load.num_cached_blocks, "num_tokens": load.num_cached_blocks * info.block_size}}
+    return {
+        "id": info.worker_id,
+        "address": info.address,
+        "models": list(info.models),
+        "last_seen_ms": status.last_seen_ms,
+        "load": {
+            "num_running": load.num_running,
+            "num_waiting": load.num_waiting,
+            "num_queued_prompt_tokens": load.num_queued_prompt_tokens,
+            "num_kv_tokens": load.num_kv_tokens,
+        },
+        "kv": {
+            "usage": round(load.kv_usage, 4),
+            "num_blocks": info.num_kv_blocks,
+            "num_free_blocks": load.num_free_kv_blocks,
+            "block_size": info.block_size,
+        },
+        "cache": {"num_blocks": load.num_cached_blocks, "num_tokens": load.num_cached_blocks * info.block_size},
+    }
 
 
 def mesh_json(response: balancer_pb2.ListWorkersResponse, balancer_id: str) -> dict[str, Any]:
     pools: dict[str, dict[str, Any]] = {}
     for status in response.pools:
-        pools[status.pool] = {"num_workers": status.num_workers, "num_recommended": status.num_recommended,
-                              "utilization": round(status.utilization, 4),
-                              "target_utilization": status.target_utilization, "workers": []}
+        pools[status.pool] = {
+            "num_workers": status.num_workers,
+            "num_recommended": status.num_recommended,
+            "utilization": round(status.utilization, 4),
+            "target_utilization": status.target_utilization,
+            "workers": [],
+        }
     for worker in response.workers:
         name = ROLE_NAMES.get(worker.worker.role, "unknown")
         pools.setdefault(name, {"num_workers": 0, "workers": []})["workers"].append(worker_json(worker))

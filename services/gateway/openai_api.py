@@ -50,11 +50,22 @@ class ChatRequest:
     images: tuple[ImagePart, ...] = ()  # image_url parts in order (their markers are in the messages' content)
 
     def turn(self) -> ChatTurn:
-        return ChatTurn(model=self.model, messages=self.messages, sampling=self.sampling,
-                        max_tokens_param=self.max_tokens_param, stop=self.stop, tools=self.tools,
-                        tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls,
-                        response_format=self.response_format, n=self.n, logprobs=self.logprobs,
-                        top_logprobs=self.top_logprobs, cache_salt=self.cache_salt, images=self.images)
+        return ChatTurn(
+            model=self.model,
+            messages=self.messages,
+            sampling=self.sampling,
+            max_tokens_param=self.max_tokens_param,
+            stop=self.stop,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self.response_format,
+            n=self.n,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
+            cache_salt=self.cache_salt,
+            images=self.images,
+        )
 
 
 def _is_number(value: Any) -> bool:
@@ -65,9 +76,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_KINDS = {"number": _is_number, "integer": _is_int, "boolean": lambda v: isinstance(v, bool),
-          "string": lambda v: isinstance(v, str), "object": lambda v: isinstance(v, dict),
-          "array": lambda v: isinstance(v, list)}
+_KINDS = {
+    "number": _is_number,
+    "integer": _is_int,
+    "boolean": lambda v: isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
 
 
 def field_of(body: dict[str, Any], name: str, kind: str, default: Any = None, param: str | None = None) -> Any:
@@ -107,7 +123,7 @@ def content_text(content: Any, role: str, param: str, images: list[ImagePart] | 
             continue
         if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
             kinds = "a text or image_url part" if images is not None else "a text part"
-            raise invalid(part_param, f"'{part_param}' must be {kinds}: {{\"type\": \"text\", \"text\": ...}}")
+            raise invalid(part_param, f'\'{part_param}\' must be {kinds}: {{"type": "text", "text": ...}}')
         if not isinstance(part.get("text"), str):
             raise invalid(f"{part_param}.text", f"'{part_param}.text' must be a string")
         if images is not None:
@@ -129,8 +145,10 @@ def _parse_tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:
         call_param = f"{param}[{index}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid(call_param, f"'{call_param}' must be {{\"type\": \"function\", \"function\": "
-                                      "{\"name\": ..., \"arguments\": ...}}")
+            raise invalid(
+                call_param,
+                f'\'{call_param}\' must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}',
+            )
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
             raise invalid(f"{call_param}.function.arguments", "tool call arguments must be a JSON string")
@@ -139,14 +157,17 @@ def _parse_tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:
     return calls
 
 
-def parse_message(message: Any, param: str, images: list[ImagePart] | None = None,
-                  content_field: str = "content") -> dict[str, Any]:
+def parse_message(
+    message: Any, param: str, images: list[ImagePart] | None = None, content_field: str = "content"
+) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid(param, f"'{param}' must be an object")
     role = message.get("role")
     if role not in ROLES:
-        raise invalid(f"{param}.role", f"'{param}.role' must be one of system, developer, user, assistant, tool"
-                      f" (got {json.dumps(role)[:40]})")
+        raise invalid(
+            f"{param}.role",
+            f"'{param}.role' must be one of system, developer, user, assistant, tool (got {json.dumps(role)[:40]})",
+        )
     content = content_text(message.get("content"), role, f"{param}.{content_field}", images)
     parsed: dict[str, Any] = {"role": ROLES[role], "content": content}
     if role == "assistant" and message.get("tool_calls"):
@@ -209,12 +230,18 @@ def _parse_tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
     tools = []
     for index, tool in enumerate(raw):
         param = f"tools[{index}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(tool.get("function"), dict):
-            raise invalid(param, f"'{param}' must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
+            raise invalid(param, f'\'{param}\' must be {{"type": "function", "function": {{...}}}}')
         function = tool["function"]
-        tools.append(parse_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                                f"{param}.function"))
+        tools.append(
+            parse_tool(
+                function.get("name"), function.get("description"), function.get("parameters"), f"{param}.function"
+            )
+        )
     return tuple(tools), parse_tool_choice(body.get("tool_choice"), bool(tools))
 
 
@@ -227,8 +254,10 @@ def parse_tool_choice(raw: Any, has_tools: bool) -> ToolChoice:
         name = (raw.get("function") or {}).get("name") if isinstance(raw.get("function"), dict) else raw.get("name")
         if isinstance(name, str) and name:
             return ToolChoice("named", name)
-    raise invalid("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
-                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    raise invalid(
+        "tool_choice",
+        "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+    )
 
 
 def parse_response_format(raw: Any, param: str = "response_format") -> StructuredOutput | None:
@@ -242,7 +271,9 @@ def parse_response_format(raw: Any, param: str = "response_format") -> Structure
     if kind == "json_schema":
         spec = raw.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise invalid(f"{param}.json_schema", f"'{param}.json_schema' must be an object with a 'name' and a 'schema'")
+            raise invalid(
+                f"{param}.json_schema", f"'{param}.json_schema' must be an object with a 'name' and a 'schema'"
+            )
         return json_schema_output(spec.get("schema", {}), f"{param}.json_schema.schema")
     raise invalid(param, f"'{param}.type' must be 'text', 'json_object' or 'json_schema'")
 
@@ -292,16 +323,29 @@ def parse_chat_request(body: Any) -> ChatRequest:
         ignore_eos=_field(body, "ignore_eos", "boolean", False),
         param_names={"max_tokens": max_tokens_param},
     )
-    return ChatRequest(model=model, messages=messages, sampling=sampling, max_tokens=max_tokens,
-                       max_tokens_param=max_tokens_param, stop=_parse_stop(body), stream=stream,
-                       include_usage=include_usage, cache_salt=_field(body, "cache_salt", "string", ""),
-                       tools=tools, tool_choice=tool_choice,
-                       parallel_tool_calls=bool(_field(body, "parallel_tool_calls", "boolean", True)),
-                       response_format=parse_response_format(body.get("response_format")), n=n,
-                       logprobs=logprobs, top_logprobs=top_logprobs, images=tuple(images))
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        stop=_parse_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        cache_salt=_field(body, "cache_salt", "string", ""),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=bool(_field(body, "parallel_tool_calls", "boolean", True)),
+        response_format=parse_response_format(body.get("response_format")),
+        n=n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        images=tuple(images),
+    )
 
 
 # ---- responses -------------------------------------------------------------------------------------------
+
 
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {
@@ -316,30 +360,47 @@ def logprobs_body(tokens: list[TokenInfo]) -> dict[str, Any]:
     def entry(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(raw)}
 
-    return {"content": [{**entry(t.token, t.logprob, t.token_bytes),
-                         "top_logprobs": [entry(text, lp, raw) for text, lp, raw in t.top]} for t in tokens],
-            "refusal": None}
+    return {
+        "content": [
+            {
+                **entry(t.token, t.logprob, t.token_bytes),
+                "top_logprobs": [entry(text, lp, raw) for text, lp, raw in t.top],
+            }
+            for t in tokens
+        ],
+        "refusal": None,
+    }
 
 
 def message_body(result: ChoiceResult) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": result.text if result.text or not result.calls else None,
-                               "refusal": None}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": result.text if result.text or not result.calls else None,
+        "refusal": None,
+    }
     if result.calls:
         message["tool_calls"] = [tool_call_message(c.call_id, c.name, c.arguments) for c in result.calls]
     return message
 
 
-def completion_body(completion_id: str, created: int, model: str, results: list[ChoiceResult], usage: Usage,
-                    with_logprobs: bool = False) -> dict[str, Any]:
+def completion_body(
+    completion_id: str, created: int, model: str, results: list[ChoiceResult], usage: Usage, with_logprobs: bool = False
+) -> dict[str, Any]:
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": r.index, "message": message_body(r),
-                     "logprobs": logprobs_body(r.logprobs) if with_logprobs else None,
-                     "finish_reason": r.finish_reason} for r in results],
+        "choices": [
+            {
+                "index": r.index,
+                "message": message_body(r),
+                "logprobs": logprobs_body(r.logprobs) if with_logprobs else None,
+                "finish_reason": r.finish_reason,
+            }
+            for r in results
+        ],
         "usage": usage_body(usage),
     }
 
@@ -355,15 +416,21 @@ class ChunkShape:
     include_usage: bool
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {"id": self.completion_id, "object": "chat.completion.chunk",
-                                 "created": self.created, "model": self.model, "system_fingerprint": None,
-                                 "choices": choices}
+        chunk: dict[str, Any] = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
         if self.include_usage:
             chunk["usage"] = None
         return chunk
 
-    def _choice(self, delta: dict[str, Any], finish_reason: str | None, index: int = 0,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _choice(
+        self, delta: dict[str, Any], finish_reason: str | None, index: int = 0, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def role(self, index: int = 0) -> dict[str, Any]:

@@ -10,11 +10,27 @@ from aiohttp import web
 
 from services.gateway import openai_api
 from services.gateway.chat import (
-    ArgsEvent, CallStartEvent, ChatRun, ChatTurn, ChoiceResult, FinishEvent, TokensEvent, TextEvent, TokenInfo,
+    ArgsEvent,
+    CallStartEvent,
+    ChatRun,
+    ChatTurn,
+    ChoiceResult,
+    FinishEvent,
+    TextEvent,
+    TokenInfo,
+    TokensEvent,
     collect,
 )
 from services.gateway.errors import GatewayError, invalid
-from services.gateway.http_app import REQUEST_ID, admitted, dumps, json_body, served_headers, start_turn, stream_response
+from services.gateway.http_app import (
+    REQUEST_ID,
+    admitted,
+    dumps,
+    json_body,
+    served_headers,
+    start_turn,
+    stream_response,
+)
 from services.gateway.openai_api import ChatRequest, ChunkShape, field_of, sse
 from services.gateway.pipeline import Usage
 from services.gateway.sampling import openai_to_wire
@@ -39,8 +55,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 shape = ChunkShape(f"chatcmpl-{request[REQUEST_ID]}", int(time.time()), chat.model, chat.include_usage)
                 return await stream_response(request, run, record, _chat_chunks(chat, run, shape), openai_error_frame)
             results = await collect(run)
-            body = openai_api.completion_body(f"chatcmpl-{request[REQUEST_ID]}", int(time.time()), chat.model,
-                                              results, run.usage, chat.logprobs)
+            body = openai_api.completion_body(
+                f"chatcmpl-{request[REQUEST_ID]}", int(time.time()), chat.model, results, run.usage, chat.logprobs
+            )
             record.finish(200)
             return web.json_response(body, headers=served_headers(request, run), dumps=dumps)
         finally:
@@ -67,6 +84,7 @@ async def _chat_chunks(chat: ChatRequest, run: ChatRun, shape: ChunkShape) -> As
 
 
 # ---- legacy completions ---------------------------------------------------------------------------------
+
 
 def _parse_prompt(raw: Any) -> str | list[int]:
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
@@ -96,19 +114,32 @@ def parse_completion_request(body: Any) -> tuple[ChatTurn, bool, bool, bool, int
         raise invalid("logprobs", f"'logprobs' must be between 0 and {MAX_LEGACY_LOGPROBS}")
     stream, include_usage = openai_api.parse_stream(body)
     sampling = openai_to_wire(
-        temperature=field_of(body, "temperature", "number", 1.0), top_p=field_of(body, "top_p", "number", 1.0),
-        max_tokens=field_of(body, "max_tokens", "integer", 16), seed=field_of(body, "seed", "integer"),
+        temperature=field_of(body, "temperature", "number", 1.0),
+        top_p=field_of(body, "top_p", "number", 1.0),
+        max_tokens=field_of(body, "max_tokens", "integer", 16),
+        seed=field_of(body, "seed", "integer"),
         presence_penalty=field_of(body, "presence_penalty", "number", 0.0),
         frequency_penalty=field_of(body, "frequency_penalty", "number", 0.0),
-        top_k=field_of(body, "top_k", "integer", 0), min_p=field_of(body, "min_p", "number", 0.0),
+        top_k=field_of(body, "top_k", "integer", 0),
+        min_p=field_of(body, "min_p", "number", 0.0),
         repetition_penalty=field_of(body, "repetition_penalty", "number", 1.0),
         min_tokens=field_of(body, "min_tokens", "integer", 0),
-        ignore_eos=field_of(body, "ignore_eos", "boolean", False))
-    turn = ChatTurn(model=model, messages=[], sampling=sampling, max_tokens_param="max_tokens",
-                    stop=openai_api.parse_stop(body), n=field_of(body, "n", "integer", 1),
-                    logprobs=logprobs is not None, top_logprobs=logprobs or 0,
-                    cache_salt=field_of(body, "cache_salt", "string", ""), traffic_class="",
-                    prompt_param="prompt", prompt=prompt)
+        ignore_eos=field_of(body, "ignore_eos", "boolean", False),
+    )
+    turn = ChatTurn(
+        model=model,
+        messages=[],
+        sampling=sampling,
+        max_tokens_param="max_tokens",
+        stop=openai_api.parse_stop(body),
+        n=field_of(body, "n", "integer", 1),
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+        cache_salt=field_of(body, "cache_salt", "string", ""),
+        traffic_class="",
+        prompt_param="prompt",
+        prompt=prompt,
+    )
     return turn, stream, include_usage, bool(field_of(body, "echo", "boolean", False)), logprobs
 
 
@@ -117,18 +148,29 @@ def _legacy_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
     for token in tokens:
         offsets.append(offset)
         offset += len(token.token)
-    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{text: lp for text, lp, _ in t.top} for t in tokens], "text_offset": offsets}
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{text: lp for text, lp, _ in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
 
 
-def _completion_choice(index: int, text: str, finish_reason: str | None,
-                       logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def _completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def _completion(completion_id: str, model: str, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": completion_id, "object": "text_completion", "created": int(time.time()),
-                            "model": model, "system_fingerprint": None, "choices": choices}
+    body: dict[str, Any] = {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+    }
     if usage is not None:
         body["usage"] = openai_api.usage_body(usage)
     return body
@@ -142,21 +184,36 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prefix = turn.prompt if echo and isinstance(turn.prompt, str) else ""
         try:
             if stream:
-                return await stream_response(request, run, record, _completion_chunks(
-                    completion_id, turn.model, run, prefix, include_usage), openai_error_frame)
+                return await stream_response(
+                    request,
+                    run,
+                    record,
+                    _completion_chunks(completion_id, turn.model, run, prefix, include_usage),
+                    openai_error_frame,
+                )
             results: list[ChoiceResult] = await collect(run)
-            choices = [_completion_choice(r.index, prefix + r.text, r.finish_reason,
-                                          _legacy_logprobs(r.logprobs, len(prefix)) if logprobs is not None else None)
-                       for r in results]
+            choices = [
+                _completion_choice(
+                    r.index,
+                    prefix + r.text,
+                    r.finish_reason,
+                    _legacy_logprobs(r.logprobs, len(prefix)) if logprobs is not None else None,
+                )
+                for r in results
+            ]
             record.finish(200)
-            return web.json_response(_completion(completion_id, turn.model, choices, run.usage),
-                                     headers=served_headers(request, run), dumps=dumps)
+            return web.json_response(
+                _completion(completion_id, turn.model, choices, run.usage),
+                headers=served_headers(request, run),
+                dumps=dumps,
+            )
         finally:
             run.close()
 
 
-async def _completion_chunks(completion_id: str, model: str, run: ChatRun, prefix: str,
-                             include_usage: bool) -> AsyncIterator[bytes]:
+async def _completion_chunks(
+    completion_id: str, model: str, run: ChatRun, prefix: str, include_usage: bool
+) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
         body = _completion(completion_id, model, choices, None)
         if include_usage:

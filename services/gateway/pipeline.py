@@ -29,8 +29,16 @@ import grpc.aio
 from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
 from mesh import rpc
 from mesh.logging import get_logger
-from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2
-from mesh.pb import prefill_pb2, prefill_pb2_grpc
+from mesh.pb import (
+    balancer_pb2,
+    balancer_pb2_grpc,
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    encoder_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from services.gateway.catalog import ServedModel
 from services.gateway.detokenizer import Detokenizer
 from services.gateway.errors import ErrorKind, GatewayError, from_rpc_error
@@ -126,8 +134,9 @@ class Pipeline:
     async def attempt(self, generation: Generation, deadline: Deadline, excluded: Sequence[str] = ()) -> Attempt:
         """Route and prefill until the first token is known, re-routing around failed workers (and `excluded`)."""
         root = root_hash(generation.model.name, generation.cache_salt or None)
-        block_hashes = hash_token_blocks(root, generation.prompt_token_ids, self.block_size,
-                                         key_spans=key_spans(generation.images))
+        block_hashes = hash_token_blocks(
+            root, generation.prompt_token_ids, self.block_size, key_spans=key_spans(generation.images)
+        )
         excluded = list(excluded)
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(self.max_retries + 1):
@@ -145,8 +154,14 @@ class Pipeline:
                     raise GatewayError(ErrorKind.UNAVAILABLE, "the prefill worker answered nothing; retry shortly")
             except grpc.aio.AioRpcError as error:
                 failed = failed_worker(error, route.prefill.worker_id)
-                log.warning("prefill failed", prefill_worker=route.prefill.worker_id, failed_worker=failed,
-                            code=error.code().name, details=error.details(), attempt=attempt)
+                log.warning(
+                    "prefill failed",
+                    prefill_worker=route.prefill.worker_id,
+                    failed_worker=failed,
+                    code=error.code().name,
+                    details=error.details(),
+                    attempt=attempt,
+                )
                 if error.code() not in RETRYABLE or attempt == self.max_retries:
                     raise from_rpc_error(error, "prefill") from None
                 excluded.append(failed)
@@ -160,45 +175,68 @@ class Pipeline:
             return Attempt(placement, first, call)
         raise AssertionError("unreachable: the last attempt raises")
 
-    async def _route(self, generation: Generation, attempt_id: str, block_hashes: Sequence[bytes],
-                     excluded: Sequence[str], deadline: Deadline) -> balancer_pb2.RouteResponse:
+    async def _route(
+        self,
+        generation: Generation,
+        attempt_id: str,
+        block_hashes: Sequence[bytes],
+        excluded: Sequence[str],
+        deadline: Deadline,
+    ) -> balancer_pb2.RouteResponse:
         request = balancer_pb2.RouteRequest(
-            request_id=attempt_id, model=generation.model.name, block_hashes=block_hashes,
+            request_id=attempt_id,
+            model=generation.model.name,
+            block_hashes=block_hashes,
             num_prompt_tokens=len(generation.prompt_token_ids) + len(generation.output_token_ids),
             traffic_class=generation.traffic_class,
-            exclude_worker_ids=excluded)
+            exclude_worker_ids=excluded,
+        )
         for balancer in self.mesh.balancers():
             stub = balancer_pb2_grpc.BalancerStub(self.channels.get(balancer.info.address))
             try:
                 response: balancer_pb2.RouteResponse = await stub.Route(
-                    request, timeout=deadline.remaining(rpc.ROUTE_TIMEOUT_S), metadata=rpc.metadata(attempt_id))
+                    request, timeout=deadline.remaining(rpc.ROUTE_TIMEOUT_S), metadata=rpc.metadata(attempt_id)
+                )
                 return response
             except grpc.aio.AioRpcError as error:
-                log.warning("route failed", balancer=balancer.worker_id, code=error.code().name,
-                            details=error.details())
+                log.warning(
+                    "route failed", balancer=balancer.worker_id, code=error.code().name, details=error.details()
+                )
                 if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # any balancer would say the same
                     raise from_rpc_error(error, "balancer") from None
-        raise GatewayError(ErrorKind.UNAVAILABLE,
-                           f"no worker is available to serve {generation.model.name!r}; retry shortly")
+        raise GatewayError(
+            ErrorKind.UNAVAILABLE, f"no worker is available to serve {generation.model.name!r}; retry shortly"
+        )
 
-    def _prefill(self, generation: Generation, attempt_id: str, route: balancer_pb2.RouteResponse,
-                 deadline: Deadline) -> grpc.aio.UnaryStreamCall:
+    def _prefill(
+        self, generation: Generation, attempt_id: str, route: balancer_pb2.RouteResponse, deadline: Deadline
+    ) -> grpc.aio.UnaryStreamCall:
         request = prefill_pb2.PrefillRequest(
-            request_id=attempt_id, model=generation.model.name, prompt_token_ids=generation.prompt_token_ids,
-            sampling=generation.sampling, cache_salt=generation.cache_salt, traffic_class=generation.traffic_class,
-            decode_address=route.decode.address, decode_worker_id=route.decode.worker_id,
-            decode_data_address=route.decode.data_address, images=generation.images,
-            output_token_ids=generation.output_token_ids)
+            request_id=attempt_id,
+            model=generation.model.name,
+            prompt_token_ids=generation.prompt_token_ids,
+            sampling=generation.sampling,
+            cache_salt=generation.cache_salt,
+            traffic_class=generation.traffic_class,
+            decode_address=route.decode.address,
+            decode_worker_id=route.decode.worker_id,
+            decode_data_address=route.decode.data_address,
+            images=generation.images,
+            output_token_ids=generation.output_token_ids,
+        )
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(route.prefill.address))
         call: grpc.aio.UnaryStreamCall = stub.PrefillStream(
-            request, timeout=deadline.remaining(rpc.PREFILL_TIMEOUT_S), metadata=rpc.metadata(attempt_id))
+            request, timeout=deadline.remaining(rpc.PREFILL_TIMEOUT_S), metadata=rpc.metadata(attempt_id)
+        )
         return call
 
     def open_decode_stream(self, placement: Placement, deadline: Deadline) -> grpc.aio.UnaryStreamCall:
         stub = decode_pb2_grpc.DecodeStub(self.channels.get(placement.decode_address))
         call: grpc.aio.UnaryStreamCall = stub.Stream(
-            decode_pb2.StreamRequest(request_id=placement.request_id), timeout=deadline.remaining(),
-            metadata=rpc.metadata(placement.request_id))
+            decode_pb2.StreamRequest(request_id=placement.request_id),
+            timeout=deadline.remaining(),
+            metadata=rpc.metadata(placement.request_id),
+        )
         return call
 
     def abort_later(self, decode_address: str, request_id: str) -> None:
@@ -210,8 +248,11 @@ class Pipeline:
     async def _abort(self, decode_address: str, request_id: str) -> None:
         stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode_address))
         try:
-            await stub.Abort(decode_pb2.AbortRequest(request_id=request_id), timeout=rpc.ABORT_TIMEOUT_S,
-                             metadata=rpc.metadata(request_id))
+            await stub.Abort(
+                decode_pb2.AbortRequest(request_id=request_id),
+                timeout=rpc.ABORT_TIMEOUT_S,
+                metadata=rpc.metadata(request_id),
+            )
         except grpc.aio.AioRpcError as error:
             log.info("abort failed", request_id=request_id, code=error.code().name)
 
@@ -279,8 +320,13 @@ class GenerationStream:
                         return
             except grpc.aio.AioRpcError as error:
                 failed = failed_worker(error, attempt.placement.decode_worker)
-                log.warning("decode side failed", decode_worker=attempt.placement.decode_worker, failed_worker=failed,
-                            code=error.code().name, details=error.details())
+                log.warning(
+                    "decode side failed",
+                    decode_worker=attempt.placement.decode_worker,
+                    failed_worker=failed,
+                    code=error.code().name,
+                    details=error.details(),
+                )
                 if error.code() not in RETRYABLE:
                     raise from_rpc_error(error, "decode") from None
                 why = f"the {'decode' if failed == attempt.placement.decode_worker else 'prefill'} worker failed"
@@ -301,10 +347,18 @@ class GenerationStream:
         if self.num_migrations >= self._pipeline.max_retries:
             raise GatewayError(ErrorKind.UNAVAILABLE, f"{why}; retry shortly")
         self.num_migrations += 1
-        resumed = dataclasses.replace(generation, request_id=f"{generation.request_id}.m{self.num_migrations}",
-                                      output_token_ids=tuple(self._token_ids))
-        log.warning("migrating a generation", reason=why, failed_worker=failed,
-                    num_output_tokens=self.num_completion_tokens, migration=self.num_migrations)
+        resumed = dataclasses.replace(
+            generation,
+            request_id=f"{generation.request_id}.m{self.num_migrations}",
+            output_token_ids=tuple(self._token_ids),
+        )
+        log.warning(
+            "migrating a generation",
+            reason=why,
+            failed_worker=failed,
+            num_output_tokens=self.num_completion_tokens,
+            migration=self.num_migrations,
+        )
         self._attempt = await self._pipeline.attempt(resumed, self._deadline, excluded=[failed])
         self.placement = self._attempt.placement
         self._is_held_by_decode = self._attempt.first.finish_reason == NOT_FINISHED
@@ -314,8 +368,9 @@ class GenerationStream:
         """The stop string that ended the output, if one did."""
         return self._detokenizer.stop_string
 
-    def _accept(self, token_ids: Sequence[int], finish_reason: int,
-                logprobs: Sequence[common_pb2.TokenLogprob] = ()) -> Delta:
+    def _accept(
+        self, token_ids: Sequence[int], finish_reason: int, logprobs: Sequence[common_pb2.TokenLogprob] = ()
+    ) -> Delta:
         if finish_reason == common_pb2.FINISH_REASON_ABORT:
             raise GatewayError(ErrorKind.UNAVAILABLE, "the worker aborted the request; retry shortly")
         texts, accepted = [], []
@@ -331,7 +386,7 @@ class GenerationStream:
         self.num_completion_tokens += len(accepted)
         self._token_ids += accepted
         self.finish_reason = finish_reason
-        return Delta("".join(texts), accepted, finish_reason, list(logprobs[:len(accepted)]))
+        return Delta("".join(texts), accepted, finish_reason, list(logprobs[: len(accepted)]))
 
     def close(self) -> None:
         """Free what the workers hold for an unfinished generation. Safe to call twice. Cancelling the stream

@@ -45,8 +45,9 @@ class ResponseStore:
                 except BucketNotFoundError:
                     from nats.js.api import KeyValueConfig
 
-                    self._kv = await js.create_key_value(KeyValueConfig(bucket=self._bucket, history=1,
-                                                                        ttl=self._ttl_s))
+                    self._kv = await js.create_key_value(
+                        KeyValueConfig(bucket=self._bucket, history=1, ttl=self._ttl_s)
+                    )
         return self._kv
 
     async def put(self, response_id: str, record: dict[str, Any]) -> bool:
@@ -77,7 +78,9 @@ class ResponseStore:
             return None
         except Exception as exc:
             log.warning("reading a stored response failed", response_id=response_id, error=str(exc)[:200])
-            raise GatewayError(ErrorKind.UNAVAILABLE, "stored responses are unavailable right now; retry shortly") from None
+            raise GatewayError(
+                ErrorKind.UNAVAILABLE, "stored responses are unavailable right now; retry shortly"
+            ) from None
         return None if not entry.value else dict(json.loads(entry.value))
 
     async def delete(self, response_id: str) -> bool:

@@ -20,15 +20,32 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.chat import (
-    ArgsEvent, CallEndEvent, CallStartEvent, ChatRun, ChatTurn, FinishEvent, TextEvent, collect,
+    ArgsEvent,
+    CallEndEvent,
+    CallStartEvent,
+    ChatRun,
+    ChatTurn,
+    FinishEvent,
+    TextEvent,
+    collect,
 )
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.http_app import (
-    STORE_KEY, admitted, dumps, json_body, served_headers, start_turn, stream_response,
+    STORE_KEY,
+    admitted,
+    dumps,
+    json_body,
+    served_headers,
+    start_turn,
+    stream_response,
 )
 from services.gateway.images import ImagePart, check_text
 from services.gateway.openai_api import (
-    content_text, field_of, parse_response_format, parse_tool_choice, tool_call_message,
+    content_text,
+    field_of,
+    parse_response_format,
+    parse_tool_choice,
+    tool_call_message,
 )
 from services.gateway.pipeline import Usage
 from services.gateway.sampling import openai_to_wire
@@ -81,8 +98,12 @@ def _input_messages(raw: Any, images: list[ImagePart]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in INPUT_ROLES:
                 raise invalid(f"{param}.role", f"'{param}.role' must be one of user, system, developer, assistant")
-            messages.append({"role": INPUT_ROLES[role], "content": content_text(item.get("content"), role,
-                                                                                 f"{param}.content", images)})
+            messages.append(
+                {
+                    "role": INPUT_ROLES[role],
+                    "content": content_text(item.get("content"), role, f"{param}.content", images),
+                }
+            )
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
@@ -106,7 +127,7 @@ def _tools(body: dict[str, Any]) -> tuple[Tool, ...]:
     for index, tool in enumerate(field_of(body, "tools", "array", [])):
         param = f"tools[{index}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise invalid(param, f"'{param}' must be a function tool: {{\"type\": \"function\", \"name\": ...}}")
+            raise invalid(param, f'\'{param}\' must be a function tool: {{"type": "function", "name": ...}}')
         tools.append(parse_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), param))
     return tuple(tools)
 
@@ -138,53 +159,102 @@ def parse_response_request(body: Any, history: Conversation | None = None) -> Re
     tools = _tools(body)
     response_format, text = _text_format(body)
     max_tokens = field_of(body, "max_output_tokens", "integer")
-    sampling = openai_to_wire(temperature=field_of(body, "temperature", "number", 1.0),
-                              top_p=field_of(body, "top_p", "number", 1.0), max_tokens=max_tokens,
-                              seed=field_of(body, "seed", "integer"), top_k=field_of(body, "top_k", "integer", 0),
-                              param_names={"max_tokens": "max_output_tokens"})
+    sampling = openai_to_wire(
+        temperature=field_of(body, "temperature", "number", 1.0),
+        top_p=field_of(body, "top_p", "number", 1.0),
+        max_tokens=max_tokens,
+        seed=field_of(body, "seed", "integer"),
+        top_k=field_of(body, "top_k", "integer", 0),
+        param_names={"max_tokens": "max_output_tokens"},
+    )
     system = [{"role": "system", "content": instructions}] if instructions else []
     parallel = bool(field_of(body, "parallel_tool_calls", "boolean", True))
-    turn = ChatTurn(model=model, messages=system + history.messages + new_messages, sampling=sampling,
-                    max_tokens_param="max_output_tokens", tools=tools,
-                    tool_choice=parse_tool_choice(body.get("tool_choice"), bool(tools)), parallel_tool_calls=parallel,
-                    response_format=response_format, cache_salt=field_of(body, "cache_salt", "string", ""),
-                    prompt_param="input", images=tuple(images))
-    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "parallel_tool_calls": parallel,
-            "temperature": sampling.temperature, "top_p": sampling.top_p, "text": text,
-            "tool_choice": body.get("tool_choice", "auto" if tools else "none"), "tools": body.get("tools") or [],
-            "metadata": field_of(body, "metadata", "object", {}), "user": field_of(body, "user", "string")}
-    return ResponseRequest(turn, new_messages, history.messages, instructions,
-                           stream=bool(field_of(body, "stream", "boolean", False)),
-                           store=bool(field_of(body, "store", "boolean", True)),
-                           previous_response_id=field_of(body, "previous_response_id", "string"), echo=echo)
+    turn = ChatTurn(
+        model=model,
+        messages=system + history.messages + new_messages,
+        sampling=sampling,
+        max_tokens_param="max_output_tokens",
+        tools=tools,
+        tool_choice=parse_tool_choice(body.get("tool_choice"), bool(tools)),
+        parallel_tool_calls=parallel,
+        response_format=response_format,
+        cache_salt=field_of(body, "cache_salt", "string", ""),
+        prompt_param="input",
+        images=tuple(images),
+    )
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": max_tokens,
+        "parallel_tool_calls": parallel,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "text": text,
+        "tool_choice": body.get("tool_choice", "auto" if tools else "none"),
+        "tools": body.get("tools") or [],
+        "metadata": field_of(body, "metadata", "object", {}),
+        "user": field_of(body, "user", "string"),
+    }
+    return ResponseRequest(
+        turn,
+        new_messages,
+        history.messages,
+        instructions,
+        stream=bool(field_of(body, "stream", "boolean", False)),
+        store=bool(field_of(body, "store", "boolean", True)),
+        previous_response_id=field_of(body, "previous_response_id", "string"),
+        echo=echo,
+    )
 
 
 # ---- the response object -------------------------------------------------------------------------------
 
+
 def usage_body(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
 
 
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    content = (
+        [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    )
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
-
-
-def response_object(response_id: str, created: int, req: ResponseRequest, status: str, output: list[dict[str, Any]],
-                    usage: Usage | None) -> dict[str, Any]:
     return {
-        "id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def response_object(
+    response_id: str, created: int, req: ResponseRequest, status: str, output: list[dict[str, Any]], usage: Usage | None
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "model": req.turn.model, "output": output, "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": None, "summary": None}, "store": req.store, "truncation": "disabled",
-        "usage": usage_body(usage) if usage is not None else None, **req.echo,
+        "model": req.turn.model,
+        "output": output,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "store": req.store,
+        "truncation": "disabled",
+        "usage": usage_body(usage) if usage is not None else None,
+        **req.echo,
     }
 
 
@@ -196,11 +266,13 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
             message["content"] += "".join(part["text"] for part in item["content"])
         else:
             message.setdefault("tool_calls", []).append(
-                tool_call_message(item["call_id"], item["name"], item["arguments"]))
+                tool_call_message(item["call_id"], item["name"], item["arguments"])
+            )
     return [message]
 
 
 # ---- handlers --------------------------------------------------------------------------------------------
+
 
 async def _history(request: web.Request, body: Any) -> Conversation:
     previous = body.get("previous_response_id") if isinstance(body, dict) else None
@@ -226,7 +298,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 return await stream_response(request, run, record, events.frames(), events.error_frame)
             [result] = await collect(run)
             output = ([message_item(_new_id("msg_"), result.text, "completed")] if result.text else []) + [
-                call_item(_new_id("fc_"), c.call_id, c.name, c.arguments, "completed") for c in result.calls]
+                call_item(_new_id("fc_"), c.call_id, c.name, c.arguments, "completed") for c in result.calls
+            ]
             status = "incomplete" if result.finish_reason == "length" else "completed"
             obj = response_object(response_id, created, req, status, output, run.usage)
             await _store(request, req, obj)
@@ -261,8 +334,9 @@ async def delete_response(request: web.Request) -> web.Response:
 class ResponseEvents:
     """One streamed response: its output items as they form, and the event sequence. Only `frames` writes."""
 
-    def __init__(self, request: web.Request, req: ResponseRequest, run: ChatRun, response_id: str,
-                 created: int) -> None:
+    def __init__(
+        self, request: web.Request, req: ResponseRequest, run: ChatRun, response_id: str, created: int
+    ) -> None:
         self.request, self.req, self.run = request, req, run
         self.response_id, self.created = response_id, created
         self.output: list[dict[str, Any]] = []  # finished items
@@ -276,8 +350,13 @@ class ResponseEvents:
 
     def error_frame(self, error: GatewayError) -> bytes:
         _, _, error_type, code = error.kind.value
-        return self._event("error", code=code, message=error.message, param=error.param,
-                           error={"type": error_type, "code": code, "message": error.message, "param": error.param})
+        return self._event(
+            "error",
+            code=code,
+            message=error.message,
+            param=error.param,
+            error={"type": error_type, "code": code, "message": error.message, "param": error.param},
+        )
 
     def _obj(self, status: str, usage: Usage | None = None) -> dict[str, Any]:
         return response_object(self.response_id, self.created, self.req, status, list(self.output), usage)
@@ -291,11 +370,18 @@ class ResponseEvents:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         item = message_item(item_id, text, "completed")
         self.output.append(item)
-        return [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                            text=text, logprobs=[]),
-                self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                            part=part),
-                self._event("response.output_item.done", output_index=index, item=item)]
+        return [
+            self._event(
+                "response.output_text.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            ),
+            self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
 
     async def frames(self) -> AsyncIterator[bytes]:
         yield self._event("response.created", response=self._obj("in_progress"))
@@ -307,26 +393,52 @@ class ResponseEvents:
             if isinstance(event, TextEvent):
                 if self._message is None:
                     self._message = (_new_id("msg_"), [])
-                    yield self._event("response.output_item.added", output_index=index,
-                                      item=message_item(self._message[0], "", "in_progress"))
-                    yield self._event("response.content_part.added", item_id=self._message[0], output_index=index,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                    yield self._event(
+                        "response.output_item.added",
+                        output_index=index,
+                        item=message_item(self._message[0], "", "in_progress"),
+                    )
+                    yield self._event(
+                        "response.content_part.added",
+                        item_id=self._message[0],
+                        output_index=index,
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []},
+                    )
                 self._message[1].append(event.text)
-                yield self._event("response.output_text.delta", item_id=self._message[0], output_index=index,
-                                  content_index=0, delta=event.text, logprobs=[])
+                yield self._event(
+                    "response.output_text.delta",
+                    item_id=self._message[0],
+                    output_index=index,
+                    content_index=0,
+                    delta=event.text,
+                    logprobs=[],
+                )
             elif isinstance(event, CallStartEvent):
                 for frame in self._close_message():
                     yield frame
                 calls[event.call_index] = item_id = _new_id("fc_")
-                yield self._event("response.output_item.added", output_index=len(self.output),
-                                  item=call_item(item_id, event.call_id, event.name, "", "in_progress"))
+                yield self._event(
+                    "response.output_item.added",
+                    output_index=len(self.output),
+                    item=call_item(item_id, event.call_id, event.name, "", "in_progress"),
+                )
             elif isinstance(event, ArgsEvent):
-                yield self._event("response.function_call_arguments.delta", item_id=calls[event.call_index],
-                                  output_index=index, delta=event.delta)
+                yield self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=calls[event.call_index],
+                    output_index=index,
+                    delta=event.delta,
+                )
             elif isinstance(event, CallEndEvent):
                 item = call_item(calls[event.call_index], event.call_id, event.name, event.arguments, "completed")
-                yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=event.name, arguments=event.arguments)
+                yield self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=event.name,
+                    arguments=event.arguments,
+                )
                 self.output.append(item)
                 yield self._event("response.output_item.done", output_index=index, item=item)
             elif isinstance(event, FinishEvent):

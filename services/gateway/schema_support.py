@@ -25,27 +25,96 @@ MAX_ENUM = 1024
 MAX_PATTERN_CHARS = 1024
 MAX_GRAMMAR_CHARS = 256 * 1024  # the built grammar's text: the compiled size follows it
 
-ANNOTATIONS = frozenset({
-    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
-    "writeOnly", "nullable", "$defs", "definitions",  # the two last hold schemas: checked where referenced
-})
-ENFORCED = frozenset({
-    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
-    "minLength", "maxLength", "pattern", "format",
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-    "items", "prefixItems", "minItems", "maxItems", "uniqueItems",
-    "properties", "required", "additionalProperties", "minProperties", "maxProperties", "patternProperties",
-    "propertyNames", "unevaluatedProperties",
-})
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "nullable",
+        "$defs",
+        "definitions",  # the two last hold schemas: checked where referenced
+    }
+)
+ENFORCED = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "$ref",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+        "properties",
+        "required",
+        "additionalProperties",
+        "minProperties",
+        "maxProperties",
+        "patternProperties",
+        "propertyNames",
+        "unevaluatedProperties",
+    }
+)
 # JSON Schema keywords that constrain a value but that the grammar does not enforce.
-UNSUPPORTED = frozenset({
-    "not", "if", "then", "else", "dependencies", "dependentRequired", "dependentSchemas", "contains",
-    "minContains", "maxContains", "unevaluatedItems", "additionalItems", "contentEncoding", "contentMediaType",
-    "contentSchema", "$dynamicRef", "$recursiveRef", "$anchor", "$dynamicAnchor", "$recursiveAnchor",
-})
-FORMATS = frozenset({
-    "email", "date-time", "date", "time", "duration", "uri", "uri-reference", "uuid", "ipv4", "ipv6", "hostname",
-})
+UNSUPPORTED = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "contains",
+        "minContains",
+        "maxContains",
+        "unevaluatedItems",
+        "additionalItems",
+        "contentEncoding",
+        "contentMediaType",
+        "contentSchema",
+        "$dynamicRef",
+        "$recursiveRef",
+        "$anchor",
+        "$dynamicAnchor",
+        "$recursiveAnchor",
+    }
+)
+FORMATS = frozenset(
+    {
+        "email",
+        "date-time",
+        "date",
+        "time",
+        "duration",
+        "uri",
+        "uri-reference",
+        "uuid",
+        "ipv4",
+        "ipv6",
+        "hostname",
+    }
+)
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 TYPES = frozenset({"string", "number", "integer", "boolean", "null", "array", "object"})
@@ -102,8 +171,11 @@ def _check_node(where: str, node: dict[str, Any]) -> None:
     if node.get("uniqueItems") is True:
         raise Unsupported(where, "the JSON Schema keyword 'uniqueItems' is not supported by structured output")
     if "format" in node and node["format"] not in FORMATS:
-        raise Unsupported(where, f"the string format {json.dumps(node['format'])[:40]} is not supported "
-                                 f"(supported: {', '.join(sorted(FORMATS))})")
+        raise Unsupported(
+            where,
+            f"the string format {json.dumps(node['format'])[:40]} is not supported "
+            f"(supported: {', '.join(sorted(FORMATS))})",
+        )
     if "pattern" in node:
         _check_pattern(where, node["pattern"])
     for key in ("patternProperties",):
@@ -115,14 +187,20 @@ def _check_node(where: str, node: dict[str, Any]) -> None:
     combinators = [key for key in ("anyOf", "oneOf", "allOf") if key in node]
     beside = sorted(key for key in node if key in ENFORCED and key not in ("anyOf", "oneOf", "allOf"))
     if combinators and beside:  # the grammar would enforce one side and silently drop the other
-        raise Unsupported(where, f"'{combinators[0]}' beside other keywords of the same schema "
-                                 f"({', '.join(repr(k) for k in beside)}) is not supported by structured output; "
-                                 f"move them into each of its schemas")
+        raise Unsupported(
+            where,
+            f"'{combinators[0]}' beside other keywords of the same schema "
+            f"({', '.join(repr(k) for k in beside)}) is not supported by structured output; "
+            f"move them into each of its schemas",
+        )
     if "allOf" in node and len(node["allOf"]) > 1:
         raise Unsupported(where, "'allOf' with more than one schema is not supported by structured output")
     if "oneOf" in node and not _are_disjoint(node["oneOf"]):
-        raise Unsupported(where, "'oneOf' is supported only when its schemas have different types "
-                                 "(an output matching two of them would be invalid); use 'anyOf'")
+        raise Unsupported(
+            where,
+            "'oneOf' is supported only when its schemas have different types "
+            "(an output matching two of them would be invalid); use 'anyOf'",
+        )
     ref = node.get("$ref")
     if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
         raise Unsupported(where, f"only local '$ref's ('#/...') are supported, not {json.dumps(ref)[:60]}")

@@ -52,17 +52,24 @@ class GatewayServer:
         await self.registry.start()
         mesh = MeshView(self.registry)
         self.core = GatewayCore(
-            keys=KeyRing(settings.api_keys), catalog=catalog, mesh=mesh,
+            keys=KeyRing(settings.api_keys),
+            catalog=catalog,
+            mesh=mesh,
             pipeline=Pipeline(self.runtime.channels, mesh, settings.block_size, settings.max_retries),
-            lifecycle=self.runtime.lifecycle, request_timeout_s=settings.request_timeout_s,
-            images=ImageEncoding(settings.image_settings, self.registry, self.runtime.channels, settings.max_retries))
+            lifecycle=self.runtime.lifecycle,
+            request_timeout_s=settings.request_timeout_s,
+            images=ImageEncoding(settings.image_settings, self.registry, self.runtime.channels, settings.max_retries),
+        )
         app = create_app(self.core, ResponseStore(bus.client))
         self._http, self.http_port = await start_http(app, settings.host, settings.http_port)
         servicer = GatewayServicer(self.core)
         await self.runtime.start(
             register=lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
-            load=self._load, ready=self.core.is_ready, models=catalog.names,
-            serve_status=False)  # the REST app serves /healthz, /readyz and /metrics on http_port itself
+            load=self._load,
+            ready=self.core.is_ready,
+            models=catalog.names,
+            serve_status=False,
+        )  # the REST app serves /healthz, /readyz and /metrics on http_port itself
         log.info("gateway serving", http_port=self.http_port, grpc_port=self.grpc_port, models=catalog.names)
 
     def _load(self) -> common_pb2.WorkerLoad:

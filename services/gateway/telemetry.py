@@ -54,10 +54,16 @@ class RequestRecord:
         if self._last_token_at is not None and str(code) in ("200", "OK"):
             GATEWAY_E2E.labels(self.model).observe(self._last_token_at - self._arrival)
         stream = self.stream
-        log.info("request finished", request_id=self.request_id, api=self.api, model=self.model, code=str(code),
-                 latency_s=round(latency, 4),
-                 prefill_worker=stream.placement.prefill_worker if stream else None,
-                 decode_worker=stream.placement.decode_worker if stream else None,
-                 prompt_tokens=stream.num_prompt_tokens if stream else None,
-                 cached_tokens=stream.num_cached_tokens if stream else None,
-                 completion_tokens=stream.num_completion_tokens if stream else None)
+        log.info(
+            "request finished",
+            request_id=self.request_id,
+            api=self.api,
+            model=self.model,
+            code=str(code),
+            latency_s=round(latency, 4),
+            prefill_worker=stream.placement.prefill_worker if stream else None,
+            decode_worker=stream.placement.decode_worker if stream else None,
+            prompt_tokens=stream.num_prompt_tokens if stream else None,
+            cached_tokens=stream.num_cached_tokens if stream else None,
+            completion_tokens=stream.num_completion_tokens if stream else None,
+        )

@@ -118,12 +118,21 @@ class ToolSyntax:
         return self.calls_begin + self.separator.join(self.call_text(n, a) for n, a in calls) + self.calls_end
 
     def system_prompt(self, tools: Sequence[Tool]) -> str:
-        listing = "\n".join(json.dumps({"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": t.parameters}}) for t in tools)
+        listing = "\n".join(
+            json.dumps(
+                {
+                    "type": "function",
+                    "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+                }
+            )
+            for t in tools
+        )
         example = self.calls_text([("<function-name>", "<arguments-json-object>")])
-        return ("You may call one or more functions to assist with the user query. The functions are described "
-                f"within <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\nTo call functions, answer "
-                f"with the calls in exactly this format:\n{example}")
+        return (
+            "You may call one or more functions to assist with the user query. The functions are described "
+            f"within <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\nTo call functions, answer "
+            f"with the calls in exactly this format:\n{example}"
+        )
 
     def render_messages(self, messages: Sequence[dict[str, Any]], tools: Sequence[Tool]) -> list[dict[str, Any]]:
         """The messages as the chat template should see them: the tools described in the system message,
@@ -147,30 +156,58 @@ class ToolSyntax:
                 message.pop("tool_call_id", None)
         return out
 
-    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool,
-                token_id: Callable[[str], int | None]) -> StructuredOutput:
+    def grammar(
+        self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool, token_id: Callable[[str], int | None]
+    ) -> StructuredOutput:
         """The structural tag the output follows: tool_choice auto, required or named (not none).
         `token_id` gives a marker's token id in the model's vocabulary."""
         assert choice.mode != "none"
         chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
-        bodies = [{"type": "sequence", "elements": [
-            *self._literal(f"{self.call_prefix}{t.name}{self.name_suffix}", token_id),
-            {"type": "grammar", "grammar": _compact_json_grammar(t.parameters)},
-            *self._literal(self.args_suffix, token_id)]} for t in chosen]
-        call = {"type": "tag", "begin": self._marker(self.call_begin, token_id),
-                "content": bodies[0] if len(bodies) == 1 else {"type": "or", "elements": bodies},
-                "end": self._marker(self.call_end, token_id)}
-        calls: dict[str, Any] = {"type": "tags_with_separator", "tags": [call], "separator": self.separator,
-                                 "at_least_one": True, "stop_after_first": not parallel}
-        block = {"type": "tag", "begin": self._marker(self.calls_begin, token_id), "content": calls,
-                 "end": self._marker(self.calls_end, token_id)}
+        bodies = [
+            {
+                "type": "sequence",
+                "elements": [
+                    *self._literal(f"{self.call_prefix}{t.name}{self.name_suffix}", token_id),
+                    {"type": "grammar", "grammar": _compact_json_grammar(t.parameters)},
+                    *self._literal(self.args_suffix, token_id),
+                ],
+            }
+            for t in chosen
+        ]
+        call = {
+            "type": "tag",
+            "begin": self._marker(self.call_begin, token_id),
+            "content": bodies[0] if len(bodies) == 1 else {"type": "or", "elements": bodies},
+            "end": self._marker(self.call_end, token_id),
+        }
+        calls: dict[str, Any] = {
+            "type": "tags_with_separator",
+            "tags": [call],
+            "separator": self.separator,
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
+        block = {
+            "type": "tag",
+            "begin": self._marker(self.calls_begin, token_id),
+            "content": calls,
+            "end": self._marker(self.calls_end, token_id),
+        }
         fmt: dict[str, Any] = block if self.calls_begin else calls
         if choice.mode == "auto" and self.calls_begin in self.marker_tokens:
-            fmt = {"type": "token_triggered_tags", "trigger_tokens": [token_id(self.calls_begin)], "tags": [block],
-                   "stop_after_first": True}
+            fmt = {
+                "type": "token_triggered_tags",
+                "trigger_tokens": [token_id(self.calls_begin)],
+                "tags": [block],
+                "stop_after_first": True,
+            }
         elif choice.mode == "auto":
-            fmt = {"type": "triggered_tags", "triggers": [self.calls_begin or self.call_begin],
-                   "tags": [block] if self.calls_begin else [call], "stop_after_first": not parallel}
+            fmt = {
+                "type": "triggered_tags",
+                "triggers": [self.calls_begin or self.call_begin],
+                "tags": [block] if self.calls_begin else [call],
+                "stop_after_first": not parallel,
+            }
         spec = json.dumps({"type": "structural_tag", "format": fmt})
         return checked_grammar("structural_tag", spec, "tools")
 
@@ -185,8 +222,11 @@ class ToolSyntax:
         if not self.marker_tokens:
             return [{"type": "const_string", "value": text}] if text else []
         parts = re.split("(" + "|".join(map(re.escape, self.marker_tokens)) + ")", text)
-        return [self._marker(p, token_id) if p in self.marker_tokens else {"type": "const_string", "value": p}
-                for p in parts if p]
+        return [
+            self._marker(p, token_id) if p in self.marker_tokens else {"type": "const_string", "value": p}
+            for p in parts
+            if p
+        ]
 
 
 def _compact_json_grammar(schema: dict[str, Any]) -> str:
@@ -195,17 +235,38 @@ def _compact_json_grammar(schema: dict[str, Any]) -> str:
     return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
 
 
-_DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-                     "<｜tool▁sep｜>")
+_DEEPSEEK_MARKERS = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+)
 DEEPSEEK = ToolSyntax(
-    name="deepseek", calls_begin="<｜tool▁calls▁begin｜>", calls_end="<｜tool▁calls▁end｜>",
-    call_begin="<｜tool▁call▁begin｜>", call_prefix="function<｜tool▁sep｜>", name_suffix="\n```json\n",
-    args_suffix="\n```", call_end="<｜tool▁call▁end｜>", separator="\n", template_renders_calls=True,
-    marker_tokens=_DEEPSEEK_MARKERS)
+    name="deepseek",
+    calls_begin="<｜tool▁calls▁begin｜>",
+    calls_end="<｜tool▁calls▁end｜>",
+    call_begin="<｜tool▁call▁begin｜>",
+    call_prefix="function<｜tool▁sep｜>",
+    name_suffix="\n```json\n",
+    args_suffix="\n```",
+    call_end="<｜tool▁call▁end｜>",
+    separator="\n",
+    template_renders_calls=True,
+    marker_tokens=_DEEPSEEK_MARKERS,
+)
 HERMES = ToolSyntax(
-    name="hermes", calls_begin="", calls_end="", call_begin="<tool_call>", call_prefix='\n{"name": "',
-    name_suffix='", "arguments": ', args_suffix="}\n", call_end="</tool_call>", separator="\n",
-    template_renders_calls=False)
+    name="hermes",
+    calls_begin="",
+    calls_end="",
+    call_begin="<tool_call>",
+    call_prefix='\n{"name": "',
+    name_suffix='", "arguments": ',
+    args_suffix="}\n",
+    call_end="</tool_call>",
+    separator="\n",
+    template_renders_calls=False,
+)
 
 
 def syntax_for(vocab: dict[str, int]) -> ToolSyntax:
@@ -216,6 +277,7 @@ def syntax_for(vocab: dict[str, int]) -> ToolSyntax:
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ParsedText:
@@ -288,17 +350,20 @@ class ToolCallParser:
             if at < 0:
                 keep = _held(buffer, syntax.trigger)
                 self._text(buffer[: len(buffer) - keep], out)
-                self._buffer = buffer[len(buffer) - keep:]
+                self._buffer = buffer[len(buffer) - keep :]
                 return False
             self._text(buffer[:at], out)
-            self._buffer = buffer[at + len(syntax.trigger):]
+            self._buffer = buffer[at + len(syntax.trigger) :]
             self._state = "block" if syntax.calls_begin else "name"
             return True
         if self._state == "block":
-            for marker, state in ((syntax.call_opening, "name"), (syntax.separator, "block"),
-                                  (syntax.calls_end, "text")):
+            for marker, state in (
+                (syntax.call_opening, "name"),
+                (syntax.separator, "block"),
+                (syntax.calls_end, "text"),
+            ):
                 if buffer.startswith(marker):
-                    self._buffer, self._state = buffer[len(marker):], state
+                    self._buffer, self._state = buffer[len(marker) :], state
                     self._strip_leading = state == "text"
                     return True
             if any(m.startswith(buffer) for m in (syntax.call_opening, syntax.separator, syntax.calls_end)):
@@ -312,7 +377,7 @@ class ToolCallParser:
             out.append(ParsedCallStart(self.num_calls, buffer[:at]))
             self.num_calls += 1
             self._args = []
-            self._buffer, self._state = buffer[at + len(syntax.name_suffix):], "args"
+            self._buffer, self._state = buffer[at + len(syntax.name_suffix) :], "args"
             return True
         at = buffer.find(syntax.call_closing)  # args
         end = at if at >= 0 else len(buffer) - _held(buffer, syntax.call_closing)
@@ -323,7 +388,7 @@ class ToolCallParser:
             self._buffer = buffer[end:]
             return False
         out.append(ParsedCallEnd(self.num_calls - 1, "".join(self._args)))
-        self._buffer = buffer[at + len(syntax.call_closing):]
+        self._buffer = buffer[at + len(syntax.call_closing) :]
         self._state = "block" if syntax.calls_begin else "text"
         self._strip_leading = not syntax.calls_begin
         return True

@@ -99,8 +99,10 @@ def rejection(block: Block, capacity_bytes: int) -> str | None:
         return f"block {name} has an unknown dtype {block.layout.dtype!r}"
     fragment = block.fragment
     if not 0 <= fragment.index < fragment.num_total or not 1 <= fragment.num_data <= fragment.num_total:
-        return f"block {name} has a bad fragment {fragment.index} of {fragment.num_data}+" \
-               f"{fragment.num_total - fragment.num_data}"
+        return (
+            f"block {name} has a bad fragment {fragment.index} of {fragment.num_data}+"
+            f"{fragment.num_total - fragment.num_data}"
+        )
     expected = fragment.num_bytes(block.layout.num_block_bytes)
     if len(block.data) != expected:
         what = "its layout says" if fragment.is_whole else "a fragment of its layout has"
@@ -142,16 +144,31 @@ def append_stored(events: list[StoreEvent], block: Block, tier: str) -> None:
     """Extend the last event when `block` continues its chain, so a Put of one prefix is one event per tier."""
     last = events[-1] if events else None
     fragment = block.fragment
-    if (isinstance(last, BlocksStored) and last.block_hashes[-1] == block.parent_hash and last.tier == tier
-            and last.model == block.layout.model and last.block_size == block.layout.block_size
-            and (last.num_data_fragments, last.num_fragments) == (fragment.num_data, fragment.num_total)):
+    if (
+        isinstance(last, BlocksStored)
+        and last.block_hashes[-1] == block.parent_hash
+        and last.tier == tier
+        and last.model == block.layout.model
+        and last.block_size == block.layout.block_size
+        and (last.num_data_fragments, last.num_fragments) == (fragment.num_data, fragment.num_total)
+    ):
         last.block_hashes.append(block.block_hash)
         if not fragment.is_whole:
             last.fragment_indices.append(fragment.index)
         return
     indices = [] if fragment.is_whole else [fragment.index]
-    events.append(BlocksStored([block.block_hash], block.parent_hash, block.layout.block_size, block.layout.model,
-                               tier, indices, fragment.num_data, fragment.num_total))
+    events.append(
+        BlocksStored(
+            [block.block_hash],
+            block.parent_hash,
+            block.layout.block_size,
+            block.layout.model,
+            tier,
+            indices,
+            fragment.num_data,
+            fragment.num_total,
+        )
+    )
 
 
 def append_removed(events: list[StoreEvent], key: bytes, model: str, reason: str, tier: str) -> None:
@@ -162,8 +179,9 @@ def append_removed(events: list[StoreEvent], key: bytes, model: str, reason: str
     events.append(BlocksRemoved([key], model, reason, tier))
 
 
-def layer_major_slices(datas: Sequence[bytes], slice_bytes: int,
-                       chunk_bytes: int) -> Iterator[tuple[int, int, list[memoryview]]]:
+def layer_major_slices(
+    datas: Sequence[bytes], slice_bytes: int, chunk_bytes: int
+) -> Iterator[tuple[int, int, list[memoryview]]]:
     """Slice s (bytes [s * slice_bytes, (s + 1) * slice_bytes)) of every block in order, in chunks of about
     chunk_bytes: (offset, the chunk's first block, its pieces). See GetRequest.slice_bytes."""
     if slice_bytes <= 0 or not datas:

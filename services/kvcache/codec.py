@@ -7,14 +7,25 @@ from services.kvcache.blocks import WHOLE, Block, BlockError, Fragment, KVLayout
 
 
 def layout_from_pb(layout: common_pb2.KVLayout) -> KVLayout:
-    return KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
-                    num_layers=layout.num_layers, layer_shape=tuple(layout.layer_shape), block_axis=layout.block_axis)
+    return KVLayout(
+        model=layout.model,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        layer_shape=tuple(layout.layer_shape),
+        block_axis=layout.block_axis,
+    )
 
 
 def layout_to_pb(layout: KVLayout) -> common_pb2.KVLayout:
-    return common_pb2.KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
-                               num_layers=layout.num_layers, layer_shape=layout.layer_shape,
-                               block_axis=layout.block_axis)
+    return common_pb2.KVLayout(
+        model=layout.model,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        layer_shape=layout.layer_shape,
+        block_axis=layout.block_axis,
+    )
 
 
 def fragment_from_pb(block: kvcache_pb2.Block) -> Fragment:
@@ -27,16 +38,30 @@ def block_from_pb(block: kvcache_pb2.Block, data: bytes | None = None) -> Block:
     """`data`: the block's bytes when they did not travel inside the message (the bulk lane's payloads)."""
     if not block.HasField("layout"):
         raise BlockError(f"block {block.block_hash.hex()[:16]} has no layout")
-    return Block(block.block_hash, block.parent_hash, layout_from_pb(block.layout),
-                 block.data if data is None else data,
-                 checksum=block.checksum if block.HasField("checksum") else None, fragment=fragment_from_pb(block),
-                 block_checksum=block.block_checksum, traffic_class=block.traffic_class)
+    return Block(
+        block.block_hash,
+        block.parent_hash,
+        layout_from_pb(block.layout),
+        block.data if data is None else data,
+        checksum=block.checksum if block.HasField("checksum") else None,
+        fragment=fragment_from_pb(block),
+        block_checksum=block.block_checksum,
+        traffic_class=block.traffic_class,
+    )
 
 
 def block_to_pb(block: Block, tier: str = "") -> kvcache_pb2.Block:
     fragment = block.fragment
     return kvcache_pb2.Block(
-        block_hash=block.block_hash, parent_hash=block.parent_hash, layout=layout_to_pb(block.layout), data=block.data,
-        checksum=block.checksum, block_checksum=block.block_checksum, fragment_index=fragment.index,
+        block_hash=block.block_hash,
+        parent_hash=block.parent_hash,
+        layout=layout_to_pb(block.layout),
+        data=block.data,
+        checksum=block.checksum,
+        block_checksum=block.block_checksum,
+        fragment_index=fragment.index,
         num_data_fragments=0 if fragment.is_whole else fragment.num_data,
-        num_fragments=0 if fragment.is_whole else fragment.num_total, traffic_class=block.traffic_class, tier=tier)
+        num_fragments=0 if fragment.is_whole else fragment.num_total,
+        traffic_class=block.traffic_class,
+        tier=tier,
+    )

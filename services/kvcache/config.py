@@ -11,7 +11,7 @@ from services.kvcache.store import DAY_S, StoreConfig
 
 
 def parse_ttls(text: str) -> dict[str, float]:
-    """"agent=259200,chat=604800" -> {"agent": 259200.0, "chat": 604800.0} (seconds)."""
+    """ "agent=259200,chat=604800" -> {"agent": 259200.0, "chat": 604800.0} (seconds)."""
     ttls = {}
     for part in text.split(","):
         if part.strip():
@@ -37,16 +37,28 @@ class KVCacheSettings(ServiceSettings):
         super().__post_init__()
         require(self.capacity_bytes > 0, "capacity_bytes", self.capacity_bytes, "must be positive")
         require(self.ssd_capacity_bytes > 0, "ssd_capacity_bytes", self.ssd_capacity_bytes, "must be positive")
-        require(self.eviction_policy in POLICIES, "eviction_policy", self.eviction_policy,
-                f"must be one of {', '.join(POLICIES)}")
+        require(
+            self.eviction_policy in POLICIES,
+            "eviction_policy",
+            self.eviction_policy,
+            f"must be one of {', '.join(POLICIES)}",
+        )
         try:
             ttls = parse_ttls(self.ttls)
         except ValueError:
             ttls = {}
-        require(bool(ttls) and all(v > 0 for v in ttls.values()), "ttls", self.ttls,
-                "must be class=seconds pairs, comma separated, each positive")
-        require(self.default_traffic_class in ttls, "default_traffic_class", self.default_traffic_class,
-                "must be one of the classes in KVMESH_TTLS")
+        require(
+            bool(ttls) and all(v > 0 for v in ttls.values()),
+            "ttls",
+            self.ttls,
+            "must be class=seconds pairs, comma separated, each positive",
+        )
+        require(
+            self.default_traffic_class in ttls,
+            "default_traffic_class",
+            self.default_traffic_class,
+            "must be one of the classes in KVMESH_TTLS",
+        )
         for name in ("expire_interval_s", "repair_interval_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
         require_data_port(self.data_port)
@@ -54,6 +66,11 @@ class KVCacheSettings(ServiceSettings):
 
     def store_config(self, worker_id: str) -> StoreConfig:
         ssd_dir = Path(self.data_dir) / worker_id if self.data_dir else None
-        return StoreConfig(host_capacity_bytes=self.capacity_bytes, ssd_dir=ssd_dir,
-                           ssd_capacity_bytes=self.ssd_capacity_bytes, policy=self.eviction_policy,
-                           ttl_s=parse_ttls(self.ttls), default_class=self.default_traffic_class)
+        return StoreConfig(
+            host_capacity_bytes=self.capacity_bytes,
+            ssd_dir=ssd_dir,
+            ssd_capacity_bytes=self.ssd_capacity_bytes,
+            policy=self.eviction_policy,
+            ttl_s=parse_ttls(self.ttls),
+            default_class=self.default_traffic_class,
+        )

@@ -43,33 +43,40 @@ class LaneServer(LaneListener[kvcache_pb2.LaneFrame]):
                 response = await self._write(sock, frame, payload_bytes)
                 await send_frame(sock, kvcache_pb2.LaneFrame(put_response=response))
             else:
-                raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane exchange starts with a "
-                                       "request frame (no payload) or a block frame")
+                raise rpc.ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "a bulk lane exchange starts with a request frame (no payload) or a block frame",
+                )
 
     async def _read(self, sock: socket.socket, request: kvcache_pb2.GetRequest) -> None:
         """Layer-major (slice_bytes > 0): headers, then chunks of slices; whole (0): each header with its bytes."""
         blocks = await self.servicer.read(request)
         if request.slice_bytes == 0:
             for block, tier in blocks:
-                await send_frame(sock, kvcache_pb2.LaneFrame(block=block_to_pb(block.without_data(), tier)),
-                                 [block.data])
+                await send_frame(
+                    sock, kvcache_pb2.LaneFrame(block=block_to_pb(block.without_data(), tier)), [block.data]
+                )
             return
         for block, tier in blocks:
             await send_frame(sock, kvcache_pb2.LaneFrame(block=block_to_pb(block.without_data(), tier)))
-        for offset, first, pieces in layer_major_slices([b.data for b, _ in blocks], request.slice_bytes,
-                                                        LANE_CHUNK_BYTES):
+        for offset, first, pieces in layer_major_slices(
+            [b.data for b, _ in blocks], request.slice_bytes, LANE_CHUNK_BYTES
+        ):
             chunk = kvcache_pb2.Block(offset=offset, first_block=first)
             await send_frame(sock, kvcache_pb2.LaneFrame(block=chunk), pieces)
 
-    async def _write(self, sock: socket.socket, frame: kvcache_pb2.LaneFrame,
-                     payload_bytes: int) -> kvcache_pb2.PutResponse:
+    async def _write(
+        self, sock: socket.socket, frame: kvcache_pb2.LaneFrame, payload_bytes: int
+    ) -> kvcache_pb2.PutResponse:
         """Block frames (data as payloads) up to an end frame, then every good one stored, as Put does."""
         blocks: list[Block] = []
         rejections: list[str] = []
         while frame.WhichOneof("kind") == "block":
             if payload_bytes > rpc.MAX_MESSAGE_BYTES:  # what Put takes in one message
-                raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"a block of {payload_bytes} bytes: past "
-                                       f"the {rpc.MAX_MESSAGE_BYTES} a write takes")
+                raise rpc.ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a block of {payload_bytes} bytes: past the {rpc.MAX_MESSAGE_BYTES} a write takes",
+                )
             data = bytearray(payload_bytes)
             await recv_exactly_into(sock, memoryview(data))
             try:
@@ -78,6 +85,7 @@ class LaneServer(LaneListener[kvcache_pb2.LaneFrame]):
                 rejections.append(str(exc))
             frame, payload_bytes = await recv_frame(sock, kvcache_pb2.LaneFrame)
         if frame.WhichOneof("kind") != "end" or payload_bytes:
-            raise rpc.ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane write is block frames, then an "
-                                   "end frame")
+            raise rpc.ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT, "a bulk lane write is block frames, then an end frame"
+            )
         return await self.servicer.write(blocks, rejections)

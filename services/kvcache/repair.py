@@ -48,8 +48,16 @@ class RepairTask:
 
 
 class Repairer:
-    def __init__(self, worker_id: str, store: BlockStore, index: GlobalKVIndex, registry: WorkerRegistry,
-                 channels: rpc.Channels, delay_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        store: BlockStore,
+        index: GlobalKVIndex,
+        registry: WorkerRegistry,
+        channels: rpc.Channels,
+        delay_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.worker_id = worker_id
         self.store = store
         self.index = index  # read only here
@@ -133,10 +141,20 @@ class Repairer:
             return False
         fragments = erasure.encode(data, fragment.num_data, fragment.num_total)
         live = self.live_nodes()
-        results = await asyncio.gather(*(
-            self._put(live[node], replace(task.meta, data=fragments[index], checksum=checksum(fragments[index]),
-                                          fragment=Fragment(index, fragment.num_data, fragment.num_total)))
-            for index, node in task.targets.items()))
+        results = await asyncio.gather(
+            *(
+                self._put(
+                    live[node],
+                    replace(
+                        task.meta,
+                        data=fragments[index],
+                        checksum=checksum(fragments[index]),
+                        fragment=Fragment(index, fragment.num_data, fragment.num_total),
+                    ),
+                )
+                for index, node in task.targets.items()
+            )
+        )
         return all(results)
 
     async def _gather(self, task: RepairTask) -> dict[int, bytes]:

@@ -30,7 +30,7 @@ from services.kvcache.lane import LaneServer
 from services.kvcache.repair import Repairer
 from services.kvcache.store import Block, BlockError, BlockStore
 
-__all__ = ["block_from_pb", "block_to_pb", "layout_from_pb", "layout_to_pb", "serve", "KVCacheServicer"]
+__all__ = ["KVCacheServicer", "block_from_pb", "block_to_pb", "layout_from_pb", "layout_to_pb", "serve"]
 log = get_logger(__name__)
 
 
@@ -42,13 +42,20 @@ def required_model(model: str) -> str:
 
 def event_to_pb(event: StoreEvent) -> events_pb2.KVEvent:
     if isinstance(event, BlocksStored):
-        return events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(
-            block_hashes=event.block_hashes, parent_hash=event.parent_hash, block_size=event.block_size,
-            model=event.model, fragment_indices=event.fragment_indices,
-            num_data_fragments=event.num_data_fragments if event.fragment_indices else 0,
-            num_fragments=event.num_fragments if event.fragment_indices else 0))
-    return events_pb2.KVEvent(removed=events_pb2.KVBlocksRemoved(block_hashes=event.block_hashes, model=event.model,
-                                                                 reason=event.reason))
+        return events_pb2.KVEvent(
+            stored=events_pb2.KVBlocksStored(
+                block_hashes=event.block_hashes,
+                parent_hash=event.parent_hash,
+                block_size=event.block_size,
+                model=event.model,
+                fragment_indices=event.fragment_indices,
+                num_data_fragments=event.num_data_fragments if event.fragment_indices else 0,
+                num_fragments=event.num_fragments if event.fragment_indices else 0,
+            )
+        )
+    return events_pb2.KVEvent(
+        removed=events_pb2.KVBlocksRemoved(block_hashes=event.block_hashes, model=event.model, reason=event.reason)
+    )
 
 
 class EventPublisher:
@@ -134,8 +141,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         if events:
             await self.publisher.publish(events)
 
-    async def Put(self, request_iterator: AsyncIterator[kvcache_pb2.Block],
-                  context: grpc.aio.ServicerContext) -> kvcache_pb2.PutResponse:
+    async def Put(
+        self, request_iterator: AsyncIterator[kvcache_pb2.Block], context: grpc.aio.ServicerContext
+    ) -> kvcache_pb2.PutResponse:
         try:
             with self.lifecycle.track(), rpc.status_on_error():
                 return await self._put(request_iterator)
@@ -160,12 +168,15 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         await self.changed(result.events)
         rejections += result.rejections
         if rejections:
-            raise BlockError(f"rejected {len(rejections)} block(s), stored {result.num_stored}, "
-                             f"already present {result.num_present}: {'; '.join(rejections[:3])}")
+            raise BlockError(
+                f"rejected {len(rejections)} block(s), stored {result.num_stored}, "
+                f"already present {result.num_present}: {'; '.join(rejections[:3])}"
+            )
         return kvcache_pb2.PutResponse(num_stored=result.num_stored, num_present=result.num_present)
 
-    async def Get(self, request: kvcache_pb2.GetRequest,
-                  context: grpc.aio.ServicerContext) -> AsyncIterator[kvcache_pb2.Block]:
+    async def Get(
+        self, request: kvcache_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvcache_pb2.Block]:
         try:
             with self.lifecycle.track(), rpc.status_on_error():
                 blocks = await self.read(request)
@@ -188,8 +199,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             metrics.KV_TRANSFER_BYTES.labels(direction="store_out").inc(len(block.data))
         return result.blocks
 
-    async def Lookup(self, request: kvcache_pb2.LookupRequest,
-                     context: grpc.aio.ServicerContext) -> kvcache_pb2.LookupResponse:
+    async def Lookup(
+        self, request: kvcache_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> kvcache_pb2.LookupResponse:
         try:
             with self.lifecycle.track(), rpc.status_on_error():
                 model = required_model(request.model)
@@ -203,8 +215,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         except rpc.ServiceError as error:
             await abort(context, error)
 
-    async def Pin(self, request: kvcache_pb2.PinRequest,
-                  context: grpc.aio.ServicerContext) -> kvcache_pb2.PinResponse:
+    async def Pin(self, request: kvcache_pb2.PinRequest, context: grpc.aio.ServicerContext) -> kvcache_pb2.PinResponse:
         try:
             with self.lifecycle.track(), rpc.status_on_error():
                 if request.ttl_seconds < 0:
@@ -241,8 +252,11 @@ async def serve(settings: KVCacheSettings) -> None:
         log.warning("no KV event stream: repair is off on this node")
     lane = LaneServer(servicer)
     data_port = await lane.start(settings.host, settings.data_port) if settings.data_port >= 0 else 0
-    await runtime.start(register=lambda server: kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server),
-                        load=lambda: common_pb2.WorkerLoad(num_cached_blocks=store.num_blocks), data_port=data_port)
+    await runtime.start(
+        register=lambda server: kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server),
+        load=lambda: common_pb2.WorkerLoad(num_cached_blocks=store.num_blocks),
+        data_port=data_port,
+    )
     tasks = [asyncio.create_task(servicer.expire_forever(settings.expire_interval_s))]
     if publisher.jetstream:
         tasks.append(asyncio.create_task(repairer.run_forever(settings.repair_interval_s, follower)))

@@ -23,8 +23,17 @@ from pathlib import Path
 from types import MappingProxyType
 
 from services.kvcache.blocks import (
-    WHOLE, Block, BlockError, BlocksRemoved, BlocksStored, Fragment, KVLayout, StoreEvent, append_removed,
-    append_stored, rejection,
+    WHOLE,
+    Block,
+    BlockError,
+    BlocksRemoved,
+    BlocksStored,
+    Fragment,
+    KVLayout,
+    StoreEvent,
+    append_removed,
+    append_stored,
+    rejection,
 )
 from services.kvcache.policy import DEFAULT_POLICY, make_policy
 from services.kvcache.tiers import FileTier, MemoryTier
@@ -32,8 +41,18 @@ from services.kvcache.tiers import FileTier, MemoryTier
 DAY_S = 86_400.0
 DEFAULT_TTL_S = MappingProxyType({"agent": 3 * DAY_S, "chat": 7 * DAY_S})
 
-__all__ = ["BlockError", "BlocksRemoved", "BlocksStored", "Block", "BlockStore", "Fragment", "KVLayout",
-           "StoreConfig", "StoreEvent", "WHOLE"]
+__all__ = [
+    "WHOLE",
+    "Block",
+    "BlockError",
+    "BlockStore",
+    "BlocksRemoved",
+    "BlocksStored",
+    "Fragment",
+    "KVLayout",
+    "StoreConfig",
+    "StoreEvent",
+]
 
 Tier = MemoryTier | FileTier
 
@@ -86,8 +105,9 @@ class BlockStore:
         self.host = MemoryTier(config.host_capacity_bytes, make_policy(config.policy, config.host_capacity_bytes))
         self.ssd: FileTier | None = None
         if config.ssd_dir is not None:
-            self.ssd = FileTier(config.ssd_dir, config.ssd_capacity_bytes,
-                                make_policy(config.policy, config.ssd_capacity_bytes))
+            self.ssd = FileTier(
+                config.ssd_dir, config.ssd_capacity_bytes, make_policy(config.policy, config.ssd_capacity_bytes)
+            )
         self._deadlines: dict[bytes, float] = {}  # key -> when its TTL runs out
         self._deadline_heap: list[tuple[float, bytes]] = []  # lazy: an entry counts while it matches _deadlines
         self._pins: dict[bytes, float] = {}  # key -> when its pin runs out
@@ -101,8 +121,9 @@ class BlockStore:
         return len(self._deadlines)
 
     def stats(self) -> StoreStats:
-        return StoreStats({t.name: TierStats(len(t), t.num_bytes, t.capacity_bytes) for t in self.tiers},
-                          len(self._pins))
+        return StoreStats(
+            {t.name: TierStats(len(t), t.num_bytes, t.capacity_bytes) for t in self.tiers}, len(self._pins)
+        )
 
     def ttl_s(self, traffic_class: str) -> float:
         return self.config.ttl_s.get(traffic_class, self.config.ttl_s[self.config.default_class])

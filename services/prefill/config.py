@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mesh.compute.settings import WorkerSettings
 from mesh.config import require
 from mesh.erasure import Protection
-from services.compute.settings import WorkerSettings
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,12 @@ class PrefillSettings(WorkerSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.store_write_queue_bytes > 0, "store_write_queue_bytes", self.store_write_queue_bytes,
-                "must be positive")
+        require(
+            self.store_write_queue_bytes > 0,
+            "store_write_queue_bytes",
+            self.store_write_queue_bytes,
+            "must be positive",
+        )
         try:
             Protection.parse(self.kv_protection)
         except ValueError as exc:

@@ -13,9 +13,9 @@ import grpc.aio
 
 from engine_core.kv_transfer import KVChunk, KVExport
 from mesh import lane, rpc
+from mesh.compute.convert import image_to_proto, layout_to_proto, sampling_to_proto
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc
-from services.compute.convert import image_to_proto, layout_to_proto, sampling_to_proto
 from services.prefill.prefiller import PrefillJob, PushError
 
 PUSH_TIMEOUT_S = 120.0  # the whole push; a long prompt's KV is hundreds of MB on a slow network
@@ -24,16 +24,26 @@ log = get_logger(__name__)
 
 def header_to_proto(job: PrefillJob, export: KVExport) -> decode_pb2.KVPushHeader:
     return decode_pb2.KVPushHeader(
-        request_id=job.request_id, model=job.model, prompt_token_ids=export.prompt_token_ids,
-        output_token_ids=export.output_token_ids, sampling=sampling_to_proto(job.params),
-        cache_salt=job.cache_salt or "", layout=layout_to_proto(export.layout), num_tokens=export.num_tokens,
-        num_blocks=export.num_blocks, images=[image_to_proto(image) for image in job.images],
+        request_id=job.request_id,
+        model=job.model,
+        prompt_token_ids=export.prompt_token_ids,
+        output_token_ids=export.output_token_ids,
+        sampling=sampling_to_proto(job.params),
+        cache_salt=job.cache_salt or "",
+        layout=layout_to_proto(export.layout),
+        num_tokens=export.num_tokens,
+        num_blocks=export.num_blocks,
+        images=[image_to_proto(image) for image in job.images],
     )
 
 
 def chunk_to_proto(chunk: KVChunk, with_data: bool = True) -> decode_pb2.KVChunk:
-    return decode_pb2.KVChunk(layer=chunk.layer, first_block=chunk.first_block, num_blocks=chunk.num_blocks,
-                              data=bytes(chunk.data) if with_data else b"")  # bytes: no copy
+    return decode_pb2.KVChunk(
+        layer=chunk.layer,
+        first_block=chunk.first_block,
+        num_blocks=chunk.num_blocks,
+        data=bytes(chunk.data) if with_data else b"",
+    )  # bytes: no copy
 
 
 def push_error(job: PrefillJob, code: grpc.StatusCode, details: str | None) -> PushError:
@@ -59,15 +69,19 @@ class DecodePusher:
             try:
                 sock = await self.lanes.acquire(address)
             except (OSError, TimeoutError) as exc:  # nothing sent yet: gRPC may still reach the worker
-                log.warning("decode worker's bulk lane unreachable; pushing over gRPC", address=address,
-                            error=str(exc) or type(exc).__name__)
+                log.warning(
+                    "decode worker's bulk lane unreachable; pushing over gRPC",
+                    address=address,
+                    error=str(exc) or type(exc).__name__,
+                )
             else:
                 async with self.lanes.holding(address, sock):
                     return await self._push_lane(sock, job, export, chunks)
         return await self._push_grpc(job, export, chunks)
 
-    async def _push_lane(self, sock: socket.socket, job: PrefillJob, export: KVExport,
-                         chunks: AsyncIterator[KVChunk]) -> int:
+    async def _push_lane(
+        self, sock: socket.socket, job: PrefillJob, export: KVExport, chunks: AsyncIterator[KVChunk]
+    ) -> int:
         num_bytes = 0
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -76,14 +90,16 @@ class DecodePusher:
                 async for chunk in chunks:
                     if lane.has_pending(sock):  # decode gave up on the push: its end frame says why
                         await self._answer(sock, job, "end")
-                    await lane.send_frame(sock, decode_pb2.PushLaneFrame(chunk=chunk_to_proto(chunk, False)),
-                                          [chunk.data])
+                    await lane.send_frame(
+                        sock, decode_pb2.PushLaneFrame(chunk=chunk_to_proto(chunk, False)), [chunk.data]
+                    )
                     num_bytes += len(chunk.data)
                 await lane.send_frame(sock, decode_pb2.PushLaneFrame(end=common_pb2.LaneEnd()))
                 await self._answer(sock, job, "response")
         except TimeoutError as exc:
-            raise push_error(job, grpc.StatusCode.DEADLINE_EXCEEDED,
-                             f"the push took longer than {self.timeout_s:g} s") from exc
+            raise push_error(
+                job, grpc.StatusCode.DEADLINE_EXCEEDED, f"the push took longer than {self.timeout_s:g} s"
+            ) from exc
         except (lane.LaneError, OSError) as exc:
             raise push_error(job, grpc.StatusCode.UNAVAILABLE, f"the bulk lane broke: {exc}") from exc
         return num_bytes

@@ -29,9 +29,14 @@ log = get_logger(__name__)
 
 def event_to_proto(event: KVCacheEvent, model: str) -> events_pb2.KVEvent:
     if isinstance(event, BlockStored):
-        return events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(
-            block_hashes=event.block_hashes, parent_hash=event.parent_hash or b"", block_size=event.block_size,
-            model=model))
+        return events_pb2.KVEvent(
+            stored=events_pb2.KVBlocksStored(
+                block_hashes=event.block_hashes,
+                parent_hash=event.parent_hash or b"",
+                block_size=event.block_size,
+                model=model,
+            )
+        )
     if isinstance(event, BlockRemoved):
         return events_pb2.KVEvent(removed=events_pb2.KVBlocksRemoved(block_hashes=event.block_hashes, model=model))
     assert isinstance(event, AllBlocksCleared)
@@ -48,8 +53,9 @@ def read_stored_blocks(engine: LLMEngine, events: list[KVCacheEvent], skip: set[
         parents = [event.parent_hash or b"", *event.block_hashes[:-1]]
         keys = [(key, parent) for key, parent in zip(event.block_hashes, parents) if key not in skip]
         datas = engine.read_cached_blocks([key for key, _ in keys])
-        blocks += [StoreBlock(key, parent, layout, data)
-                   for (key, parent), data in zip(keys, datas) if data is not None]
+        blocks += [
+            StoreBlock(key, parent, layout, data) for (key, parent), data in zip(keys, datas) if data is not None
+        ]
     return blocks
 
 
@@ -107,8 +113,9 @@ class KVEventRelay:
 
     def _on_loop(self, model: str, events: list[KVCacheEvent], blocks: list[StoreBlock]) -> None:
         self.seq += 1  # numbered even if dropped below: a follower sees the gap and resynchronises
-        batch = events_pb2.KVEventBatch(worker_id=self.worker_id, seq=self.seq, tier=TIER,
-                                        events=[event_to_proto(e, model) for e in events])
+        batch = events_pb2.KVEventBatch(
+            worker_id=self.worker_id, seq=self.seq, tier=TIER, events=[event_to_proto(e, model) for e in events]
+        )
         try:
             self._outbox.put_nowait(batch)
         except asyncio.QueueFull:

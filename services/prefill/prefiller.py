@@ -27,8 +27,8 @@ from engine_core.kv_cache.block_hash import root_hash
 from engine_core.kv_load import LayerLoad
 from engine_core.kv_transfer import KVChunk, KVExport, KVLayout
 from engine_core.request import EmbeddingSpan, TokenLogprobs
+from mesh.compute.engines import ModelEngines
 from mesh.logging import get_logger
-from services.compute.engines import ModelEngines
 
 log = get_logger(__name__)
 
@@ -93,8 +93,9 @@ class StoreStream(Protocol):
 
     block_hashes: list[bytes]  # the blocks it will read, in order
 
-    async def run(self, layout: KVLayout, num_blocks: int,
-                  write_layer: Callable[[int, list[memoryview]], None]) -> bool:
+    async def run(
+        self, layout: KVLayout, num_blocks: int, write_layer: Callable[[int, list[memoryview]], None]
+    ) -> bool:
         """Read the first `num_blocks`, calling write_layer(layer, each block's bytes of it) in layer order as
         layers complete (the last one only once every block passed its checksum); True when all were written."""
         ...
@@ -132,10 +133,15 @@ InjectedHook = Callable[[str, list[bytes]], None]
 
 
 class Prefiller:
-    def __init__(self, engines: ModelEngines, pusher: KVPusher, store: BlockStore | None = None,
-                 on_injected: InjectedHook = lambda model, block_hashes: None,
-                 max_chunk_bytes: int | None = None,
-                 critical: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
+    def __init__(
+        self,
+        engines: ModelEngines,
+        pusher: KVPusher,
+        store: BlockStore | None = None,
+        on_injected: InjectedHook = lambda model, block_hashes: None,
+        max_chunk_bytes: int | None = None,
+        critical: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
         self.engines = engines
         self.critical = critical  # wraps each request's path to its first token (background work waits)
         self.pusher = pusher
@@ -144,8 +150,9 @@ class Prefiller:
         self.max_chunk_bytes = max_chunk_bytes
         self._active: set[str] = set()  # request ids in flight; written only here, on the event loop
 
-    async def prefill(self, job: PrefillJob,
-                      on_first: Callable[[PrefillResult], None] = lambda result: None) -> PrefillResult:
+    async def prefill(
+        self, job: PrefillJob, on_first: Callable[[PrefillResult], None] = lambda result: None
+    ) -> PrefillResult:
         """Raises UnknownModelError, ValueError (bad prompt or parameters), PushError, EngineFailure.
         `on_first` gets the result as soon as the first token is known, before the KV push (kv_bytes_sent 0)."""
         engine = self.engines.get(job.model)
@@ -159,8 +166,13 @@ class Prefiller:
         finally:
             self._active.discard(job.request_id)
 
-    async def _prefill(self, engine: AsyncEngine, job: PrefillJob, first_params: SamplingParams,
-                       on_first: Callable[[PrefillResult], None]) -> PrefillResult:
+    async def _prefill(
+        self,
+        engine: AsyncEngine,
+        job: PrefillJob,
+        first_params: SamplingParams,
+        on_first: Callable[[PrefillResult], None],
+    ) -> PrefillResult:
         arrived = time.monotonic()
         await engine.prepare_grammar(job.params)  # off the engine thread, bounded; GrammarError: a bad request
         hit = await self._fetch_from_store(engine, job)
@@ -179,42 +191,58 @@ class Prefiller:
             result = PrefillResult(
                 first_token_id=first.new_token_ids[0],
                 first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
-                finish_reason=finish_reason, num_prompt_tokens=first.num_prompt_tokens,
+                finish_reason=finish_reason,
+                num_prompt_tokens=first.num_prompt_tokens,
                 num_cached_tokens=first.num_cached_tokens,
                 num_store_tokens=_num_store_tokens(first.num_cached_tokens, hit, num_injected, block_size),
-                prefill_seconds=seconds, kv_bytes_sent=0,
+                prefill_seconds=seconds,
+                kv_bytes_sent=0,
             )
             on_first(result)
             if finish_reason is None:
                 export = await engine.call(lambda e: e.export_kv(request_id))
                 num_bytes = await self.pusher.push(job, export, self._read_chunks(export))
                 result = dataclasses.replace(result, kv_bytes_sent=num_bytes)
-            log.debug("prefill timing", store_ms=round((started - arrived) * 1000, 2),
-                      compute_ms=round(seconds * 1000, 2), push_ms=round((time.monotonic() - computed) * 1000, 2))
+            log.debug(
+                "prefill timing",
+                store_ms=round((started - arrived) * 1000, 2),
+                compute_ms=round(seconds * 1000, 2),
+                push_ms=round((time.monotonic() - computed) * 1000, 2),
+            )
         finally:
             engine.close_stream(request_id)
             engine.call_soon(lambda e: _discard(e, request_id))
             _settle(feeding)
         return result
 
-    def _admit(self, engine: LLMEngine, job: PrefillJob, params: SamplingParams,
-               hit: _StoreHit | None) -> tuple[int, LayerLoad | None]:
+    def _admit(
+        self, engine: LLMEngine, job: PrefillJob, params: SamplingParams, hit: _StoreHit | None
+    ) -> tuple[int, LayerLoad | None]:
         """On the engine thread: enter the store's blocks, then the request (so it finds them still cached)."""
         num_injected, load = 0, None
         if hit is not None and hit.stream is not None:  # cached now, their KV written layer by layer as it comes
             load = engine.loads.begin(hit.parent_hash, hit.block_hashes, hit.token_ids)
             num_injected = load.num_blocks
         elif hit is not None:
-            num_injected = engine.inject_cached_blocks(hit.parent_hash, hit.block_hashes, hit.token_ids,
-                                                       hit.blocks_data)
+            num_injected = engine.inject_cached_blocks(
+                hit.parent_hash, hit.block_hashes, hit.token_ids, hit.blocks_data
+            )
         if hit is not None:
             self.on_injected(job.model, hit.block_hashes[:num_injected])
-        engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt, keep_kv=True,
-                           embeddings=job.images, output_token_ids=job.output_token_ids)
+        engine.add_request(
+            job.request_id,
+            job.prompt_token_ids,
+            params,
+            cache_salt=job.cache_salt,
+            keep_kv=True,
+            embeddings=job.images,
+            output_token_ids=job.output_token_ids,
+        )
         return num_injected, load
 
-    def _feed(self, engine: AsyncEngine, job: PrefillJob, hit: _StoreHit | None,
-              load: LayerLoad | None) -> asyncio.Task[None] | None:
+    def _feed(
+        self, engine: AsyncEngine, job: PrefillJob, hit: _StoreHit | None, load: LayerLoad | None
+    ) -> asyncio.Task[None] | None:
         """Stream the store's blocks into the load while the request computes; the load fails (and the engine
         recomputes) unless every layer was written."""
         if hit is None or hit.stream is None or load is None or load.num_blocks == 0:
@@ -224,8 +252,9 @@ class Prefiller:
         async def feed() -> None:
             is_complete = False
             try:
-                is_complete = await stream.run(layout, load.num_blocks,
-                                               lambda layer, pieces: loads.write_layer(load, layer, pieces))
+                is_complete = await stream.run(
+                    layout, load.num_blocks, lambda layer, pieces: loads.write_layer(load, layer, pieces)
+                )
             except Exception:
                 log.warning("KV store stream failed; its blocks are recomputed", exc_info=True)
             finally:
@@ -239,8 +268,9 @@ class Prefiller:
         if first.finish_reason == "stop":
             return "stop"
         num_outputs = len(job.output_token_ids) + 1
-        if job.params.max_tokens == num_outputs or \
-                first.num_prompt_tokens + num_outputs >= self.engines.max_model_len(job.model):
+        if job.params.max_tokens == num_outputs or first.num_prompt_tokens + num_outputs >= self.engines.max_model_len(
+            job.model
+        ):
             return "length"
         return None
 
@@ -261,8 +291,9 @@ class Prefiller:
         block_size = self.engines.layout(job.model).block_size
         # prompt_block_hashes reads only immutable config (block size, served name): safe off the engine thread.
         # The last prompt token is always computed (its logits give the first token), so its block never helps.
-        hashes = engine.engine.prompt_block_hashes(job.prompt_token_ids, job.cache_salt,
-                                                   [image.key_span for image in job.images])
+        hashes = engine.engine.prompt_block_hashes(
+            job.prompt_token_ids, job.cache_salt, [image.key_span for image in job.images]
+        )
         self.store.note_traffic_class(hashes, job.traffic_class)
         hashes = hashes[: (len(job.prompt_token_ids) - 1) // block_size]
         num_local = await engine.call(lambda e: e.num_cached_blocks(hashes))
@@ -310,15 +341,19 @@ def _usable_prefix(blocks: list[StoreBlock], wanted: list[bytes], layout: KVLayo
     usable = []
     for block, block_hash in zip(blocks, wanted):
         if block.block_hash != block_hash or block.layout != layout:
-            log.warning("store block skipped", block_hash=block.block_hash.hex()[:16],
-                        reason="wrong key" if block.block_hash != block_hash else "layout mismatch")
+            log.warning(
+                "store block skipped",
+                block_hash=block.block_hash.hex()[:16],
+                reason="wrong key" if block.block_hash != block_hash else "layout mismatch",
+            )
             break
         usable.append(block)
     return usable
 
 
-async def _first_output(engine: AsyncEngine, request_id: str,
-                        outputs: asyncio.Queue[RequestOutput | BaseException]) -> RequestOutput:
+async def _first_output(
+    engine: AsyncEngine, request_id: str, outputs: asyncio.Queue[RequestOutput | BaseException]
+) -> RequestOutput:
     # aclosing: leaving early (cancelled) aborts the request at once, inside follow (an async generator)
     follow = cast(AsyncGenerator[RequestOutput, None], engine.follow(request_id, outputs))
     async with contextlib.aclosing(follow) as stream:

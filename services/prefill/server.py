@@ -10,21 +10,25 @@ import grpc
 import grpc.aio
 
 from mesh import metrics, rpc
+from mesh.compute.convert import (
+    finish_reason_to_proto,
+    image_from_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+    worker_load,
+)
+from mesh.compute.engines import ModelEngines
+from mesh.compute.errors import abort, status_on_error
 from mesh.discovery import WorkerRegistry
 from mesh.erasure import Protection
 from mesh.logging import bind_request_id, get_logger
 from mesh.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
-from services.compute.convert import (
-    finish_reason_to_proto, image_from_proto, logprob_to_proto, sampling_from_proto, worker_load,
-)
-from services.compute.engines import ModelEngines
-from services.compute.errors import abort, status_on_error
 from services.prefill.config import PrefillSettings
 from services.prefill.decode_client import DecodePusher
 from services.prefill.kv_events import KVEventRelay
-from services.prefill.prefiller import PrefillJob, Prefiller, PrefillResult, PushError
+from services.prefill.prefiller import Prefiller, PrefillJob, PrefillResult, PushError
 from services.prefill.store_client import StoreClient, StoreWriter
 
 log = get_logger(__name__)
@@ -36,20 +40,32 @@ def job_from_proto(r: prefill_pb2.PrefillRequest) -> PrefillJob:
         raise ValueError("request_id is required")
     if not r.decode_address:
         raise ValueError("decode_address is required")
-    return PrefillJob(request_id=r.request_id, model=r.model, prompt_token_ids=list(r.prompt_token_ids),
-                      params=sampling_from_proto(r.sampling), cache_salt=r.cache_salt or None,
-                      decode_address=r.decode_address, decode_worker_id=r.decode_worker_id,
-                      decode_data_address=r.decode_data_address,
-                      traffic_class=r.traffic_class, images=tuple(image_from_proto(i) for i in r.images),
-                      output_token_ids=tuple(r.output_token_ids))
+    return PrefillJob(
+        request_id=r.request_id,
+        model=r.model,
+        prompt_token_ids=list(r.prompt_token_ids),
+        params=sampling_from_proto(r.sampling),
+        cache_salt=r.cache_salt or None,
+        decode_address=r.decode_address,
+        decode_worker_id=r.decode_worker_id,
+        decode_data_address=r.decode_data_address,
+        traffic_class=r.traffic_class,
+        images=tuple(image_from_proto(i) for i in r.images),
+        output_token_ids=tuple(r.output_token_ids),
+    )
 
 
 def response_to_proto(result: PrefillResult, worker_id: str) -> prefill_pb2.PrefillResponse:
     response = prefill_pb2.PrefillResponse(
-        worker_id=worker_id, first_token_id=result.first_token_id,
-        finish_reason=finish_reason_to_proto(result.finish_reason), num_prompt_tokens=result.num_prompt_tokens,
-        num_cached_tokens=result.num_cached_tokens, num_store_tokens=result.num_store_tokens,
-        prefill_seconds=result.prefill_seconds, kv_bytes_sent=result.kv_bytes_sent)
+        worker_id=worker_id,
+        first_token_id=result.first_token_id,
+        finish_reason=finish_reason_to_proto(result.finish_reason),
+        num_prompt_tokens=result.num_prompt_tokens,
+        num_cached_tokens=result.num_cached_tokens,
+        num_store_tokens=result.num_store_tokens,
+        prefill_seconds=result.prefill_seconds,
+        kv_bytes_sent=result.kv_bytes_sent,
+    )
     if result.first_logprob is not None:
         response.first_logprob.CopyFrom(logprob_to_proto(result.first_logprob))
     return response
@@ -69,7 +85,8 @@ def prefill_status_on_error() -> Iterator[None]:
 def export_metrics(model: str, result: PrefillResult) -> None:
     metrics.PREFILL_PROMPT_TOKENS.labels(model=model).inc(result.num_prompt_tokens)
     metrics.PREFILL_CACHED_TOKENS.labels(model=model, tier="device").inc(
-        result.num_cached_tokens - result.num_store_tokens)
+        result.num_cached_tokens - result.num_store_tokens
+    )
     metrics.PREFILL_CACHED_TOKENS.labels(model=model, tier="store").inc(result.num_store_tokens)
     metrics.PREFILL_SECONDS.labels(model=model).observe(result.prefill_seconds)
     metrics.KV_TRANSFER_BYTES.labels(direction="prefill_to_decode").inc(result.kv_bytes_sent)
@@ -81,8 +98,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.lifecycle = lifecycle
         self.worker_id = worker_id
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest,
-                      context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
         with bind_request_id(request.request_id or rpc.request_id_of(context)):
             try:
                 with self.lifecycle.track(), prefill_status_on_error():
@@ -92,15 +110,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         export_metrics(request.model, result)
         return response_to_proto(result, self.worker_id)
 
-    async def PrefillStream(self, request: prefill_pb2.PrefillRequest,
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+    async def PrefillStream(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
         """Prefill, answered as soon as the first token is known, then again when decode holds the KV."""
         with bind_request_id(request.request_id or rpc.request_id_of(context)):
             try:
                 with self.lifecycle.track(), prefill_status_on_error():
                     first: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
-                    work = asyncio.ensure_future(self.prefiller.prefill(
-                        job_from_proto(request), on_first=first.set_result))
+                    work = asyncio.ensure_future(
+                        self.prefiller.prefill(job_from_proto(request), on_first=first.set_result)
+                    )
                     try:
                         await asyncio.wait((first, work), return_when=asyncio.FIRST_COMPLETED)
                         if first.done():
@@ -121,8 +141,14 @@ class PrefillService:
     """A running prefill worker: engines, the Prefiller with its decode and store clients, the KV event relay,
     the servicer and the runtime, started and stopped together."""
 
-    def __init__(self, settings: PrefillSettings, runtime: ServiceRuntime, registry: WorkerRegistry | None,
-                 writer: StoreWriter | None, relay: KVEventRelay) -> None:
+    def __init__(
+        self,
+        settings: PrefillSettings,
+        runtime: ServiceRuntime,
+        registry: WorkerRegistry | None,
+        writer: StoreWriter | None,
+        relay: KVEventRelay,
+    ) -> None:
         self.settings = settings
         self.runtime = runtime
         self.registry = registry
@@ -140,9 +166,14 @@ class PrefillService:
         if settings.kvcache_enabled:
             registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], settings.heartbeat_interval_s)
             await registry.start()
-            store = StoreClient(registry, runtime.channels, protection=Protection.parse(settings.kv_protection),
-                                use_index=settings.kv_index_enabled, stream_layers=settings.kv_stream_layers,
-                                use_lanes=settings.kv_store_lanes)
+            store = StoreClient(
+                registry,
+                runtime.channels,
+                protection=Protection.parse(settings.kv_protection),
+                use_index=settings.kv_index_enabled,
+                stream_layers=settings.kv_stream_layers,
+                use_lanes=settings.kv_store_lanes,
+            )
             await store.start(bus)
             writer = StoreWriter(store, settings.store_write_queue_bytes)
             writer.start()
@@ -153,15 +184,23 @@ class PrefillService:
         try:
             service.engines = engines = await ModelEngines.load(settings, relay.hook)
             service.pusher = DecodePusher(runtime.channels, use_lanes=settings.kv_push_lanes)
-            prefiller = Prefiller(engines, service.pusher, store, relay.note_injected,
-                                  max_chunk_bytes=rpc.KV_CHUNK_BYTES,
-                                  critical=writer.defer_while if writer is not None else contextlib.nullcontext)
+            prefiller = Prefiller(
+                engines,
+                service.pusher,
+                store,
+                relay.note_injected,
+                max_chunk_bytes=rpc.KV_CHUNK_BYTES,
+                critical=writer.defer_while if writer is not None else contextlib.nullcontext,
+            )
             servicer = PrefillServicer(prefiller, runtime.lifecycle, runtime.worker_id)
             await runtime.start(
                 register=lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server),
                 load=lambda: worker_load(engines.stats().values(), relay.num_cached_blocks),
-                models=engines.models, max_num_seqs=settings.max_num_seqs, num_kv_blocks=engines.num_kv_blocks,
-                block_size=settings.block_size)
+                models=engines.models,
+                max_num_seqs=settings.max_num_seqs,
+                num_kv_blocks=engines.num_kv_blocks,
+                block_size=settings.block_size,
+            )
             await engines.start_expert_sync(runtime.bus, runtime.worker_id, settings.expert_report_steps)
         except BaseException:
             await service.stop()

@@ -23,6 +23,7 @@ import grpc.aio
 
 from mesh import erasure, lane, metrics, rpc
 from mesh.bus import Bus
+from mesh.compute.convert import layout_from_proto, layout_to_proto
 from mesh.discovery import WorkerRegistry
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower
@@ -30,7 +31,6 @@ from mesh.lane import BufferPool, LanePool
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.placement import rank_nodes
-from services.compute.convert import layout_from_proto, layout_to_proto
 from services.kvcache.blocks import checksum
 from services.prefill.prefiller import StoreBlock
 
@@ -42,8 +42,12 @@ MAX_REMEMBERED_CLASSES = 1 << 16
 
 
 def block_to_proto(block: StoreBlock) -> kvcache_pb2.Block:
-    return kvcache_pb2.Block(block_hash=block.block_hash, parent_hash=block.parent_hash,
-                             layout=layout_to_proto(block.layout), data=block.data)
+    return kvcache_pb2.Block(
+        block_hash=block.block_hash,
+        parent_hash=block.parent_hash,
+        layout=layout_to_proto(block.layout),
+        data=block.data,
+    )
 
 
 def block_from_proto(block: kvcache_pb2.Block) -> StoreBlock:
@@ -59,11 +63,23 @@ def fragments_of(block: StoreBlock, protection: erasure.Protection, traffic_clas
     layout = layout_to_proto(block.layout)
     block_checksum = checksum(block.data)
     coded = n > 1
-    return [(kvcache_pb2.Block(block_hash=block.block_hash, parent_hash=block.parent_hash, layout=layout,
-                               checksum=checksum(data) if coded else block_checksum, block_checksum=block_checksum,
-                               fragment_index=index, num_data_fragments=k if coded else 0,
-                               num_fragments=n if coded else 0, traffic_class=traffic_class), data)
-            for index, data in enumerate(erasure.encode(block.data, k, n))]
+    return [
+        (
+            kvcache_pb2.Block(
+                block_hash=block.block_hash,
+                parent_hash=block.parent_hash,
+                layout=layout,
+                checksum=checksum(data) if coded else block_checksum,
+                block_checksum=block_checksum,
+                fragment_index=index,
+                num_data_fragments=k if coded else 0,
+                num_fragments=n if coded else 0,
+                traffic_class=traffic_class,
+            ),
+            data,
+        )
+        for index, data in enumerate(erasure.encode(block.data, k, n))
+    ]
 
 
 def with_data(header: kvcache_pb2.Block, data: bytes) -> kvcache_pb2.Block:
@@ -128,10 +144,17 @@ def plan_reads(sources: Sequence[Sequence[Source]], num_data: Sequence[int]) -> 
 
 
 class StoreClient:
-    def __init__(self, registry: WorkerRegistry, channels: rpc.Channels,
-                 timeout_s: float = rpc.KVCACHE_TIMEOUT_S, protection: erasure.Protection = erasure.Protection(),
-                 use_index: bool = True, stream_layers: bool = True, use_lanes: bool = True,
-                 read_buffer_bytes: int = 512 * 2**20) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        channels: rpc.Channels,
+        timeout_s: float = rpc.KVCACHE_TIMEOUT_S,
+        protection: erasure.Protection = erasure.Protection(),
+        use_index: bool = True,
+        stream_layers: bool = True,
+        use_lanes: bool = True,
+        read_buffer_bytes: int = 512 * 2**20,
+    ) -> None:
         self.registry = registry
         self.channels = channels
         self.timeout_s = timeout_s
@@ -169,8 +192,11 @@ class StoreClient:
         """Live store nodes with a bulk lane: worker id -> its address (empty when lanes are off)."""
         if not self.use_lanes:
             return {}
-        return {w.worker_id: w.info.data_address for w in self.registry.workers(common_pb2.ROLE_KVCACHE)
-                if w.info.data_address}
+        return {
+            w.worker_id: w.info.data_address
+            for w in self.registry.workers(common_pb2.ROLE_KVCACHE)
+            if w.info.data_address
+        }
 
     def is_available(self) -> bool:
         return bool(self.nodes())
@@ -219,8 +245,7 @@ class StoreClient:
             await self._get_planned(model, block_hashes, spare, nodes, fetched)  # one more round for the gaps
         return await asyncio.to_thread(self._assemble, block_hashes[: len(plan)], fetched)
 
-    def _sources_from_index(self, keys: Sequence[bytes],
-                            nodes: dict[str, str]) -> tuple[list[list[Source]], list[int]]:
+    def _sources_from_index(self, keys: Sequence[bytes], nodes: dict[str, str]) -> tuple[list[list[Source]], list[int]]:
         sources, num_data = [], []
         for key in keys:
             holders = self.index.holders(key)
@@ -231,16 +256,18 @@ class StoreClient:
             num_data.append(self.index.coding(key).num_data)
         return sources, num_data
 
-    async def _sources_from_lookup(self, model: str, keys: Sequence[bytes],
-                                   nodes: dict[str, str]) -> tuple[list[list[Source]], list[int]]:
+    async def _sources_from_lookup(
+        self, model: str, keys: Sequence[bytes], nodes: dict[str, str]
+    ) -> tuple[list[list[Source]], list[int]]:
         """Ask each key's first k+m rendezvous nodes which fragment they hold."""
         n = min(self.protection.num_total, len(nodes))
         asked: dict[str, list[int]] = {}
         for position, key in enumerate(keys):
             for node in rank_nodes(key, list(nodes))[:n]:
                 asked.setdefault(node, []).append(position)
-        answers = await asyncio.gather(*(self._lookup(nodes[node], model, [keys[p] for p in positions])
-                                         for node, positions in asked.items()))
+        answers = await asyncio.gather(
+            *(self._lookup(nodes[node], model, [keys[p] for p in positions]) for node, positions in asked.items())
+        )
         sources: list[list[Source]] = [[] for _ in keys]
         for (node, positions), indices in zip(asked.items(), answers):
             for position, index in zip(positions, indices):
@@ -260,17 +287,28 @@ class StoreClient:
         indices = list(response.fragment_indices)
         return indices + [-1] * (len(keys) - len(indices))
 
-    async def _get_planned(self, model: str, keys: Sequence[bytes], plan: Sequence[Sequence[Source]],
-                           nodes: dict[str, str], fetched: dict[bytes, _Fetched] | None = None) -> dict[bytes, _Fetched]:
+    async def _get_planned(
+        self,
+        model: str,
+        keys: Sequence[bytes],
+        plan: Sequence[Sequence[Source]],
+        nodes: dict[str, str],
+        fetched: dict[bytes, _Fetched] | None = None,
+    ) -> dict[bytes, _Fetched]:
         fetched = {} if fetched is None else fetched
         by_node: dict[str, list[bytes]] = {}
         for key, sources in zip(keys, plan):
             for source in sources:
                 by_node.setdefault(source.node, []).append(key)
         lanes = self.lane_addresses()
-        await asyncio.gather(*(self._get_lane(lanes[node], model, node_keys, fetched) if node in lanes
-                               else self._get(nodes[node], model, node_keys, fetched)
-                               for node, node_keys in by_node.items()))
+        await asyncio.gather(
+            *(
+                self._get_lane(lanes[node], model, node_keys, fetched)
+                if node in lanes
+                else self._get(nodes[node], model, node_keys, fetched)
+                for node, node_keys in by_node.items()
+            )
+        )
         return fetched
 
     async def _get(self, address: str, model: str, keys: list[bytes], fetched: dict[bytes, _Fetched]) -> None:
@@ -304,8 +342,9 @@ class StoreClient:
         coded = message.num_fragments > 1
         if coded and message.HasField("checksum") and checksum(data) != message.checksum:
             metrics.PREFILL_STORE_ERRORS.labels(op="checksum").inc()
-            log.warning("store fragment fails its checksum; skipped", node=address,
-                        block_hash=message.block_hash.hex()[:16])
+            log.warning(
+                "store fragment fails its checksum; skipped", node=address, block_hash=message.block_hash.hex()[:16]
+            )
             return
         entry = fetched.setdefault(message.block_hash, _Fetched())
         entry.pieces[message.fragment_index] = data
@@ -314,7 +353,9 @@ class StoreClient:
 
     @staticmethod
     def _is_complete(entry: _Fetched | None) -> bool:
-        return entry is not None and entry.meta is not None and len(entry.pieces) >= max(entry.meta.num_data_fragments, 1)
+        return (
+            entry is not None and entry.meta is not None and len(entry.pieces) >= max(entry.meta.num_data_fragments, 1)
+        )
 
     def _assemble(self, keys: Sequence[bytes], fetched: dict[bytes, _Fetched]) -> list[StoreBlock]:
         """Decode each block from its fragments, in order, up to the first one missing or failing its checksum."""
@@ -348,8 +389,12 @@ class StoreClient:
             return
         fragments = await asyncio.to_thread(self._encode, blocks, list(nodes))
         lanes = self.lane_addresses()
-        await asyncio.gather(*(self._put_lane(lanes[n], node_fragments) if n in lanes
-                               else self._put(nodes[n], node_fragments) for n, node_fragments in fragments.items()))
+        await asyncio.gather(
+            *(
+                self._put_lane(lanes[n], node_fragments) if n in lanes else self._put(nodes[n], node_fragments)
+                for n, node_fragments in fragments.items()
+            )
+        )
 
     def _encode(self, blocks: Sequence[StoreBlock], nodes: list[str]) -> dict[str, list[Fragment]]:
         by_node: dict[str, list[Fragment]] = {}
@@ -361,8 +406,9 @@ class StoreClient:
 
     async def _put(self, address: str, fragments: list[Fragment]) -> None:
         try:
-            await self._stub(address).Put((with_data(header, data) for header, data in fragments),
-                                          timeout=self.timeout_s)
+            await self._stub(address).Put(
+                (with_data(header, data) for header, data in fragments), timeout=self.timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             _store_failed("put", address, exc)
             return
@@ -400,16 +446,23 @@ class StoreClient:
 
 def _store_failed(op: str, address: str, exc: grpc.aio.AioRpcError) -> None:
     metrics.PREFILL_STORE_ERRORS.labels(op=op).inc()
-    log.warning("KV store call failed; treated as a miss", op=op, node=address, code=exc.code().name,
-                details=exc.details())
+    log.warning(
+        "KV store call failed; treated as a miss", op=op, node=address, code=exc.code().name, details=exc.details()
+    )
 
 
 class StoreWriter:
     """Blocks waiting to be put, bounded by bytes. Only the event loop touches the queue; `is_accepting` is
     written by the writer's task and read by engine threads (to skip copying blocks nobody would put)."""
 
-    def __init__(self, client: StoreClient, max_queued_bytes: int, max_batch_bytes: int = 16 * 2**20,
-                 refresh_s: float = 0.25, max_defer_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        client: StoreClient,
+        max_queued_bytes: int,
+        max_batch_bytes: int = 16 * 2**20,
+        refresh_s: float = 0.25,
+        max_defer_s: float = 0.5,
+    ) -> None:
         self.client = client
         self.max_defer_s = max_defer_s
         self.max_queued_bytes = max_queued_bytes

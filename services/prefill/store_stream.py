@@ -21,9 +21,9 @@ import grpc.aio
 
 from engine_core.kv_transfer import KVLayout
 from mesh import lane, metrics
+from mesh.compute.convert import layout_to_proto
 from mesh.logging import get_logger
 from mesh.pb import kvcache_pb2
-from services.compute.convert import layout_to_proto
 from services.kvcache.blocks import checksum
 from services.prefill.store_client import Source, StoreClient, _Fetched, _store_failed, plan_reads
 
@@ -107,8 +107,9 @@ class _Buffers:
 class LayerStream:
     """One planned read (StoreClient.plan_stream). `run` feeds a load of its first `num_blocks` blocks."""
 
-    def __init__(self, client: StoreClient, model: str, block_hashes: list[bytes], plan: list[list[Source]],
-                 num_data: list[int]) -> None:
+    def __init__(
+        self, client: StoreClient, model: str, block_hashes: list[bytes], plan: list[list[Source]], num_data: list[int]
+    ) -> None:
         self.client = client
         self.model = model
         self.block_hashes = block_hashes
@@ -140,25 +141,48 @@ class LayerStream:
                 by_node.setdefault(source.node, []).append((index, source.fragment_index))
         nodes, lanes = self.client.nodes(), self.client.lane_addresses()
         expected = layout_to_proto(layout)
-        await asyncio.gather(*(
-            (self._pull_lane(lanes[node], keys, items, slice_bytes, buffers, expected,
-                             lambda: advance(layout.num_layers - 1)) if node in lanes
-             else self._pull(nodes.get(node, ""), keys, items, slice_bytes, buffers, expected,
-                             lambda: advance(layout.num_layers - 1)))
-            for node, items in by_node.items()))
+        await asyncio.gather(
+            *(
+                (
+                    self._pull_lane(
+                        lanes[node], keys, items, slice_bytes, buffers, expected, lambda: advance(layout.num_layers - 1)
+                    )
+                    if node in lanes
+                    else self._pull(
+                        nodes.get(node, ""),
+                        keys,
+                        items,
+                        slice_bytes,
+                        buffers,
+                        expected,
+                        lambda: advance(layout.num_layers - 1),
+                    )
+                )
+                for node, items in by_node.items()
+            )
+        )
         missing = [i for i in range(num_blocks) if buffers.prefix(i) < buffers.block_bytes or not buffers.is_checked(i)]
         if missing and not await self._fill_whole(keys, missing, buffers):
             return False
         advance(layout.num_layers)  # every block checked: the last layer may go
         return written == layout.num_layers
 
-    async def _pull(self, address: str, keys: list[bytes], items: list[tuple[int, int]], slice_bytes: int,
-                    buffers: _Buffers, expected: object, on_data: Callable[[], None]) -> bool:
+    async def _pull(
+        self,
+        address: str,
+        keys: list[bytes],
+        items: list[tuple[int, int]],
+        slice_bytes: int,
+        buffers: _Buffers,
+        expected: object,
+        on_data: Callable[[], None],
+    ) -> bool:
         if not address:
             return False
         positions = {keys[index]: (index, fragment) for index, fragment in items}
-        request = kvcache_pb2.GetRequest(block_hashes=[keys[i] for i, _ in items], model=self.model,
-                                         skip_missing=True, slice_bytes=slice_bytes)
+        request = kvcache_pb2.GetRequest(
+            block_hashes=[keys[i] for i, _ in items], model=self.model, skip_missing=True, slice_bytes=slice_bytes
+        )
         headers: list[tuple[int, int]] = []  # (block index, fragment index), in the node's order
         call = self.client._stub(address).Get(request, timeout=self.client.timeout_s)
         try:
@@ -186,12 +210,21 @@ class LayerStream:
             return False
         return len(headers) == len(items)
 
-    async def _pull_lane(self, address: str, keys: list[bytes], items: list[tuple[int, int]], slice_bytes: int,
-                         buffers: _Buffers, expected: object, on_data: Callable[[], None]) -> bool:
+    async def _pull_lane(
+        self,
+        address: str,
+        keys: list[bytes],
+        items: list[tuple[int, int]],
+        slice_bytes: int,
+        buffers: _Buffers,
+        expected: object,
+        on_data: Callable[[], None],
+    ) -> bool:
         """`_pull` over the node's bulk lane: each chunk's slices are received straight into their blocks."""
         positions = {keys[index]: (index, fragment) for index, fragment in items}
-        request = kvcache_pb2.GetRequest(block_hashes=[keys[i] for i, _ in items], model=self.model,
-                                         skip_missing=True, slice_bytes=slice_bytes)
+        request = kvcache_pb2.GetRequest(
+            block_hashes=[keys[i] for i, _ in items], model=self.model, skip_missing=True, slice_bytes=slice_bytes
+        )
         headers: list[tuple[int, int]] = []  # (block index, fragment index), in the node's order
         try:
             async with asyncio.timeout(self.client.timeout_s), self.client.lanes.connection(address) as sock:
@@ -215,8 +248,9 @@ class LayerStream:
                         remaining -= size
                     if remaining:
                         raise lane.LaneError("a chunk holds more than its blocks' slices")
-                    await lane.recv_exactly_into(sock, *(buffers.region(i, f, block.offset, end - block.offset)
-                                                         for i, f, end in regions))
+                    await lane.recv_exactly_into(
+                        sock, *(buffers.region(i, f, block.offset, end - block.offset) for i, f, end in regions)
+                    )
                     for index, fragment, end in regions:
                         buffers.mark(index, fragment, end)
                     metrics.KV_TRANSFER_BYTES.labels(direction="store_get").inc(payload_bytes)

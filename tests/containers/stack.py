@@ -36,10 +36,12 @@ class Stack:
         self.project = f"{PROJECT_PREFIX}{os.getpid()}"
         self.workdir = workdir
         env_file = workdir / "stack.env"
-        env_file.write_text("".join(f"{k}={v}\n" for k, v in {"COMPOSE_PROJECT_NAME": self.project,
-                                                                **SETTINGS}.items()))
-        self.compose = DockerCompose(REPO_ROOT, compose_file_name="docker-compose.yml", env_file=str(env_file),
-                                     build=True, wait=False)
+        env_file.write_text(
+            "".join(f"{k}={v}\n" for k, v in {"COMPOSE_PROJECT_NAME": self.project, **SETTINGS}.items())
+        )
+        self.compose = DockerCompose(
+            REPO_ROOT, compose_file_name="docker-compose.yml", env_file=str(env_file), build=True, wait=False
+        )
         self.docker = docker.from_env()
         self.base_url = ""
 
@@ -50,8 +52,7 @@ class Stack:
             self.compose.start()
         except subprocess.CalledProcessError as exc:
             raise StackError(f"`{' '.join(exc.cmd)}` failed:\n{exc.stderr.decode(errors='replace')[-4000:]}")
-        self.wait_healthy({"nats": 1, "gateway": 1, "prefill": 1, "decode": 1, "kvcache": 1, "balancer": 1},
-                          timeout_s)
+        self.wait_healthy({"nats": 1, "gateway": 1, "prefill": 1, "decode": 1, "kvcache": 1, "balancer": 1}, timeout_s)
         host, port = self.compose.get_service_host_and_port("gateway", 8080)
         self.base_url = f"http://{host}:{port}"
 
@@ -65,15 +66,18 @@ class Stack:
         self.run("down", "--volumes", "--remove-orphans", "--timeout", "10")
 
     def run(self, *args: str) -> str:
-        result = subprocess.run([*self.compose.docker_compose_command(), *args], cwd=REPO_ROOT,
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [*self.compose.docker_compose_command(), *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+        )
         if result.returncode != 0:
             raise StackError(f"docker compose {' '.join(args)} failed:\n{result.stderr[-4000:]}")
         return result.stdout
 
     def running(self, service: str) -> list[ComposeContainer]:
-        return sorted((c for c in self.compose.get_containers() if c.Service == service and c.State == "running"),
-                      key=lambda c: c.Name or "")
+        return sorted(
+            (c for c in self.compose.get_containers() if c.Service == service and c.State == "running"),
+            key=lambda c: c.Name or "",
+        )
 
     def container(self, compose_container: ComposeContainer):
         return self.docker.containers.get(compose_container.ID)
@@ -84,8 +88,11 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while True:
             containers = self.compose.get_containers(include_all=True)
-            broken = [c for c in containers if c.State == "restarting"
-                      or (c.State == "exited" and (c.Service != "models" or c.ExitCode != 0))]
+            broken = [
+                c
+                for c in containers
+                if c.State == "restarting" or (c.State == "exited" and (c.Service != "models" or c.ExitCode != 0))
+            ]
             if broken:
                 names = ", ".join(f"{c.Name} ({c.State}, exit {c.ExitCode})" for c in broken)
                 raise StackError(f"containers failed: {names}\n{self.logs_tail()}")
@@ -93,8 +100,9 @@ class Stack:
             if all(healthy[service] == n for service, n in expected.items()):
                 return
             if time.monotonic() > deadline:
-                raise StackError(f"not healthy after {timeout_s:.0f}s: {dict(healthy)} of {expected}\n"
-                                 f"{self.logs_tail()}")
+                raise StackError(
+                    f"not healthy after {timeout_s:.0f}s: {dict(healthy)} of {expected}\n{self.logs_tail()}"
+                )
             time.sleep(1.0)
 
     def save_logs(self) -> Path | None:
@@ -115,10 +123,25 @@ class Stack:
 def remove_stale_stacks(compose: DockerCompose) -> None:
     """Take down test stacks whose pytest process is gone (a run that was killed leaves its containers)."""
     client = docker.from_env()
-    projects = {c.labels.get("com.docker.compose.project", "")
-                for c in client.containers.list(all=True, filters={"label": "com.docker.compose.project"})}
+    projects = {
+        c.labels.get("com.docker.compose.project", "")
+        for c in client.containers.list(all=True, filters={"label": "com.docker.compose.project"})
+    }
     for project in sorted(p for p in projects if p.startswith(PROJECT_PREFIX)):
         pid = project.removeprefix(PROJECT_PREFIX)
         if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            subprocess.run([*compose.docker_compose_command(), "-p", project, "down", "--volumes",
-                            "--remove-orphans", "--timeout", "0"], cwd=REPO_ROOT, capture_output=True, timeout=300)
+            subprocess.run(
+                [
+                    *compose.docker_compose_command(),
+                    "-p",
+                    project,
+                    "down",
+                    "--volumes",
+                    "--remove-orphans",
+                    "--timeout",
+                    "0",
+                ],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                timeout=300,
+            )

@@ -12,8 +12,10 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 # shared/ lies beside the repository (in CI too); KVMESH_COMPOSE_SCHEMA points elsewhere where it does not.
-SCHEMA_FILE = Path(os.environ.get("KVMESH_COMPOSE_SCHEMA")
-                   or REPO_ROOT.parent / "shared" / "data" / "compose-spec" / "compose-spec.json")
+SCHEMA_FILE = Path(
+    os.environ.get("KVMESH_COMPOSE_SCHEMA")
+    or REPO_ROOT.parent / "shared" / "data" / "compose-spec" / "compose-spec.json"
+)
 ROLES = ("gateway", "encoder", "prefill", "decode", "kvcache", "balancer", "expert_lb")
 WORKERS = ("encoder", "prefill", "decode", "kvcache", "balancer", "expert_lb")
 

@@ -68,8 +68,12 @@ def client(stack):
 def chat(client, content: str, max_tokens: int = 8):
     """Greedy, exactly max_tokens tokens (deepseek-tiny's random weights may say EOS at any point)."""
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0,
-        extra_body={"ignore_eos": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     return raw.parse(), raw.headers
 
 
@@ -96,11 +100,18 @@ def test_the_sdk_completes_a_chat_and_only_the_configured_model_is_served(stack,
 
 def test_the_sdk_streams_a_chat_with_exactly_one_usage_chunk(client):
     expected, _ = chat(client, "Name three colours.")
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=8, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
-        expected.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Name three colours."}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.choices[0].message.content
     usage = [c for c in chunks if c.usage is not None]
     assert len(usage) == 1 and usage[0] is chunks[-1] and usage[0].usage.completion_tokens == 8
 
@@ -110,8 +121,11 @@ def test_workers_announce_their_container_address(stack):
         for compose_container in stack.running(service):
             container = stack.container(compose_container)
             ip = next(iter(container.attrs["NetworkSettings"]["Networks"].values()))["IPAddress"]
-            serving = [json.loads(line) for line in container.logs().decode().splitlines()
-                       if line.startswith("{") and '"serving"' in line]
+            serving = [
+                json.loads(line)
+                for line in container.logs().decode().splitlines()
+                if line.startswith("{") and '"serving"' in line
+            ]
             assert serving and re.fullmatch(rf"{re.escape(ip)}:[1-9]\d*", serving[-1]["grpc"]), service
 
 
@@ -188,7 +202,9 @@ def test_a_killed_decode_container_leaves_its_pool_and_new_requests_still_succee
         killed_decode.update(container=victim, host=victim_host)
         run.wait_for(12, since=killed_at, timeout_s=180)
     # requests in flight on the victim when it died may fail; every one sent after the kill must succeed
-    after = [(round(started - killed_at, 2), host, error) for started, host, error in run.results if started > killed_at]
+    after = [
+        (round(started - killed_at, 2), host, error) for started, host, error in run.results if started > killed_at
+    ]
     assert [r for r in after if r[2]] == []
     assert {host for _, host, _ in after} == {survivor_host}, after
     assert stack.container(victim).status == "exited"  # a kill is a manual stop: no restart policy brought it back
@@ -197,13 +213,14 @@ def test_a_killed_decode_container_leaves_its_pool_and_new_requests_still_succee
 def test_the_killed_decode_container_rejoins_when_started_again(stack, client, killed_decode):
     assert killed_decode, "runs after the kill test"
     stack.container(killed_decode["container"]).start()
-    stack.wait_healthy({"nats": 1, "gateway": 1, "prefill": 2, "decode": 2, "kvcache": 1, "balancer": 1},
-                       timeout_s=300)
+    stack.wait_healthy({"nats": 1, "gateway": 1, "prefill": 2, "decode": 2, "kvcache": 1, "balancer": 1}, timeout_s=300)
     seen: set[str] = set()
     deadline = time.monotonic() + 120
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         while killed_decode["host"] not in seen and time.monotonic() < deadline:
             prompts = [f"Say a word that rhymes with {word}." for word in ("cat", "dog", "sun", "tree", "sky", "sea")]
-            seen |= {host_of(h["x-kvmesh-decode-worker"], "decode") for _, h in pool.map(lambda p: chat(client, p, 4),
-                                                                                        prompts)}
+            seen |= {
+                host_of(h["x-kvmesh-decode-worker"], "decode")
+                for _, h in pool.map(lambda p: chat(client, p, 4), prompts)
+            }
     assert killed_decode["host"] in seen

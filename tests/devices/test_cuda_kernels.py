@@ -12,11 +12,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from devices.base import DecodeBatch  # noqa: E402
-from devices.cpu import CpuOps  # noqa: E402
-from devices.cuda import CudaOps  # noqa: E402
-from devices.cuda import attention, moe  # noqa: E402
-from devices.cuda.configs import BLACKWELL, HOPPER, LaunchConfig, get_config  # noqa: E402
+from devices.base import DecodeBatch
+from devices.cpu import CpuOps
+from devices.cuda import (
+    CudaOps,
+    attention,
+    moe,
+)
+from devices.cuda.configs import BLACKWELL, HOPPER, LaunchConfig, get_config
 
 MoeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 

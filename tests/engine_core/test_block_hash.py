@@ -39,8 +39,13 @@ def test_hash_token_blocks_covers_full_blocks_and_extends_known_ones():
 def test_keys_are_equal_across_processes_with_different_hash_seeds():
     code = "from engine_core.kv_cache.block_hash import *; print(hash_block(root_hash('m', 's'), [5, 6]).hex())"
     outputs = {
-        subprocess.run([sys.executable, "-c", code], env={"PYTHONHASHSEED": seed, "PYTHONPATH": ":".join(sys.path)},
-                       capture_output=True, text=True, check=True).stdout
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={"PYTHONHASHSEED": seed, "PYTHONPATH": ":".join(sys.path)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         for seed in ("1", "2")
     }
     assert outputs == {hash_block(root_hash("m", "s"), [5, 6]).hex() + "\n"}

@@ -45,8 +45,10 @@ def run(engine: LLMEngine, request_id: str, spans: tuple[EmbeddingSpan, ...]) ->
 @pytest.fixture(scope="module")
 def engines(deepseek_reference):
     path = str(deepseek_reference[0])
-    return (LLM(path, device="cpu", num_kv_blocks=64).engine,
-            LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=8).engine)
+    return (
+        LLM(path, device="cpu", num_kv_blocks=64).engine,
+        LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=8).engine,
+    )
 
 
 def test_embeddings_replace_the_placeholder_tokens(engines):
@@ -89,8 +91,12 @@ def test_spans_that_do_not_fit_are_refused(engines):
     with pytest.raises(PromptError, match="run past the prompt"):
         whole.add_request("past", prompt(), PARAMS, embeddings=(EmbeddingSpan(50, torch.zeros(8, 64), b"k"),))
     with pytest.raises(PromptError, match="overlap"):
-        whole.add_request("overlap", prompt(), PARAMS, embeddings=(
-            EmbeddingSpan(0, torch.zeros(8, 64), b"a"), EmbeddingSpan(4, torch.zeros(8, 64), b"b")))
+        whole.add_request(
+            "overlap",
+            prompt(),
+            PARAMS,
+            embeddings=(EmbeddingSpan(0, torch.zeros(8, 64), b"a"), EmbeddingSpan(4, torch.zeros(8, 64), b"b")),
+        )
     assert not whole.has_unfinished_requests()
 
 

@@ -27,8 +27,9 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt: list
     first = run_to_completion(prefill)[request_id]
     export = prefill.export_kv(request_id)
     assert export.num_tokens == len(prompt) and export.output_token_ids == first
-    assert decode.begin_kv_import(request_id, export.prompt_token_ids, export.output_token_ids, params,
-                                  export.layout, export.num_tokens)
+    assert decode.begin_kv_import(
+        request_id, export.prompt_token_ids, export.output_token_ids, params, export.layout, export.num_tokens
+    )
     for chunk in export.chunks(max_bytes=export.layout.chunk_bytes(2)):  # a layer in several chunks
         decode.import_kv_chunk(request_id, chunk.layer, chunk.data, chunk.first_block)
     decode.finish_kv_import(request_id)
@@ -37,10 +38,14 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt: list
 
 
 @pytest.mark.parametrize("reference", ["deepseek_reference", "llama_reference"])
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-    SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=10, ignore_eos=True),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=10, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_imported_kv_decodes_exactly_as_in_place(reference, params, request):
     path, _ = request.getfixturevalue(reference)
     prompt = torch.randint(3, 400, (37,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -63,11 +68,13 @@ def test_kv_import_refuses_foreign_layouts_and_wrong_sizes(llama_reference, deep
     run_to_completion(llama)
     export = llama.export_kv("r")
     with pytest.raises(KVLayoutError, match="KV layout mismatch"):
-        deepseek.begin_kv_import("r", export.prompt_token_ids, export.output_token_ids, SamplingParams(),
-                                 export.layout, export.num_tokens)
+        deepseek.begin_kv_import(
+            "r", export.prompt_token_ids, export.output_token_ids, SamplingParams(), export.layout, export.num_tokens
+        )
     other = LLMEngine(EngineConfig(str(llama_reference[0]), device="cpu", num_kv_blocks=16))
-    assert other.begin_kv_import("r", export.prompt_token_ids, export.output_token_ids, SamplingParams(),
-                                 export.layout, export.num_tokens)
+    assert other.begin_kv_import(
+        "r", export.prompt_token_ids, export.output_token_ids, SamplingParams(), export.layout, export.num_tokens
+    )
     with pytest.raises(KVLayoutError, match="does not fit"):
         other.import_kv_chunk("r", 0, b"\0" * 10)
     with pytest.raises(KVLayoutError, match="does not fit"):
@@ -77,9 +84,13 @@ def test_kv_import_refuses_foreign_layouts_and_wrong_sizes(llama_reference, deep
 
 def test_preemption_by_recompute_gives_the_same_tokens(deepseek_reference):
     path, _ = deepseek_reference
-    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 25, 30, 35)]
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)] * 2
+    prompts = [
+        torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 25, 30, 35)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True),
+    ] * 2
     roomy = LLM(str(path), device="cpu", num_kv_blocks=64).generate(prompts, params)
     tight = LLM(str(path), device="cpu", num_kv_blocks=8, block_size=8)
     assert [o.token_ids for o in tight.generate(prompts, params)] == [o.token_ids for o in roomy]
@@ -173,8 +184,9 @@ def test_bad_models_are_refused_naming_the_problem(tmp_path, llama_reference):
 
 
 def test_real_weights_answer_sensibly(smollm2_llm):
-    out = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                           SamplingParams(temperature=0, max_tokens=16))
+    out = smollm2_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=16)
+    )
     assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
 
 
@@ -188,7 +200,9 @@ def test_blocks_read_from_one_engine_serve_as_prefix_hits_in_another(reference, 
     hashes = source.engine.prompt_block_hashes(prompt)
     assert len(hashes) == 2 and source.engine.num_cached_blocks(hashes) == 2
     data = source.engine.read_cached_blocks(hashes + [b"\0" * 32])
-    assert data[2] is None and len(data[0]) == source.engine.kv_layout.num_layers * source.engine.kv_layout.chunk_bytes(1)
+    assert data[2] is None and len(data[0]) == source.engine.kv_layout.num_layers * source.engine.kv_layout.chunk_bytes(
+        1
+    )
 
     target = LLM(str(path), device="cpu", num_kv_blocks=32, served_name="m")
     from engine_core.kv_cache.block_hash import root_hash

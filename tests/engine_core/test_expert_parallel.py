@@ -32,8 +32,9 @@ def single(tiny_path: str) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def parallel(tiny_path: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(tiny_path, device="cpu", num_kv_blocks=64, expert_parallel_size=4,
-                                  num_redundant_experts=4))
+    return LLMEngine(
+        EngineConfig(tiny_path, device="cpu", num_kv_blocks=64, expert_parallel_size=4, num_redundant_experts=4)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +78,10 @@ def test_dispatch_rotates_tokens_over_an_experts_replicas() -> None:
 def test_counts_are_the_gates_own_choices(single: LLMEngine) -> None:
     single.take_expert_report()  # start from zero
     chosen: list[list[torch.Tensor]] = [[] for _ in moe_layers(single)]
-    hooks = [layer.gate.register_forward_hook(lambda m, args, out, i=i: chosen[i].append(out[0].clone()))
-             for i, layer in enumerate(moe_layers(single))]
+    hooks = [
+        layer.gate.register_forward_hook(lambda m, args, out, i=i: chosen[i].append(out[0].clone()))
+        for i, layer in enumerate(moe_layers(single))
+    ]
     try:
         single.add_request("counted", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         while single.has_unfinished_requests():
@@ -110,8 +113,9 @@ def test_replicas_compute_what_their_expert_computes(single: LLMEngine) -> None:
 
 
 def test_expert_parallel_engine_generates_the_same_tokens(parallel: LLMEngine, reference: dict[int, list[int]]) -> None:
-    assert parallel.expert_layout == ExpertLayout(num_layers=3, first_layer=1, num_experts=16, num_groups=4,
-                                                  num_slots=20, num_ranks=4)
+    assert parallel.expert_layout == ExpertLayout(
+        num_layers=3, first_layer=1, num_experts=16, num_groups=4, num_slots=20, num_ranks=4
+    )
     parallel.take_expert_report()
     assert generate(parallel, "ep") == reference
     report = parallel.take_expert_report()
@@ -120,8 +124,9 @@ def test_expert_parallel_engine_generates_the_same_tokens(parallel: LLMEngine, r
     assert parallel.experts is not None and parallel.experts.phy2log() == [REPLICATED] * 3
 
 
-def test_rebalance_in_the_middle_of_generation_changes_no_token(parallel: LLMEngine,
-                                                                reference: dict[int, list[int]]) -> None:
+def test_rebalance_in_the_middle_of_generation_changes_no_token(
+    parallel: LLMEngine, reference: dict[int, list[int]]
+) -> None:
     layout = parallel.expert_layout
     assert layout is not None
     parallel.take_expert_report()
@@ -136,8 +141,9 @@ def test_rebalance_in_the_middle_of_generation_changes_no_token(parallel: LLMEng
         plan = eplb.rebalance(np.array(report.counts), topology, np.array(parallel.experts.phy2log()))
         assert plan.num_moved.sum() > 0
         # the weights are copied on another thread while nothing else waits; the swap is between two steps
-        worker = threading.Thread(target=lambda: prepared.append(
-            parallel.prepare_expert_placement(plan.phy2log.tolist(), version=1)))
+        worker = threading.Thread(
+            target=lambda: prepared.append(parallel.prepare_expert_placement(plan.phy2log.tolist(), version=1))
+        )
         worker.start()
         worker.join()
         assert parallel.apply_expert_placement(prepared[0])
@@ -150,8 +156,9 @@ def test_rebalance_in_the_middle_of_generation_changes_no_token(parallel: LLMEng
     assert report is not None and report.version == 1
 
 
-def test_placements_and_settings_that_do_not_fit_are_refused(single: LLMEngine, parallel: LLMEngine,
-                                                             tiny_path: str) -> None:
+def test_placements_and_settings_that_do_not_fit_are_refused(
+    single: LLMEngine, parallel: LLMEngine, tiny_path: str
+) -> None:
     with pytest.raises(ValueError, match="needs 20 slots, got 16"):
         parallel.prepare_expert_placement([list(range(16))] * 3, version=5)
     with pytest.raises(ValueError, match="every expert needs a slot"):

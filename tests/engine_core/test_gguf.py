@@ -35,9 +35,7 @@ def hf_tokenizer(smollm2_gguf_path: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def hf_state_dict(
-    smollm2_gguf_path: Path, checkpoint: GGUFCheckpoint
-) -> Iterator[dict[str, torch.Tensor]]:
+def hf_state_dict(smollm2_gguf_path: Path, checkpoint: GGUFCheckpoint) -> Iterator[dict[str, torch.Tensor]]:
     """transformers' GGUF weights. `from_pretrained(gguf_file=...)` needs `accelerate`, which the test
     extras lack, so this calls the function it delegates to. The weightless model only lists the HF
     names; the head counts that undo the rotary permutation come from transformers' own reading."""
@@ -78,9 +76,7 @@ def test_tokenizer_metadata(checkpoint: GGUFCheckpoint) -> None:
     assert "<|im_start|>assistant\n" in template
 
 
-def test_tensors_equal_transformers(
-    checkpoint: GGUFCheckpoint, hf_state_dict: dict[str, torch.Tensor]
-) -> None:
+def test_tensors_equal_transformers(checkpoint: GGUFCheckpoint, hf_state_dict: dict[str, torch.Tensor]) -> None:
     # Both dequantize with gguf.quants.dequantize in float32, so equality is exact; q/k being equal too
     # shows the rotary permutation is undone the way transformers undoes it.
     names = []

@@ -28,7 +28,9 @@ def test_random_weights_are_the_same_on_every_machine():
     assert first["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     assert first["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.bfloat16
     assert sorted(k for k in first if ".experts." in k)[:2] == [
-        "model.layers.1.mlp.experts.0.down_proj.weight", "model.layers.1.mlp.experts.0.gate_proj.weight"]
+        "model.layers.1.mlp.experts.0.down_proj.weight",
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+    ]
 
 
 def test_deepseek_tiny_loads_in_transformers_and_matches_our_engine(tiny_dir):
@@ -36,13 +38,14 @@ def test_deepseek_tiny_loads_in_transformers_and_matches_our_engine(tiny_dir):
 
     reference = DeepseekV3ForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
     llm = LLM(str(tiny_dir), device="cpu", num_kv_blocks=32)
-    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there!"}]),
-                                  add_special_tokens=False)
+    prompt = llm.tokenizer.encode(
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there!"}]), add_special_tokens=False
+    )
     assert prompt[:2] == [0, 128803]  # <｜begin▁of▁sentence｜><｜User｜>
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     with torch.no_grad():
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
-    assert out.token_ids == expected[0, len(prompt):].tolist()
+    assert out.token_ids == expected[0, len(prompt) :].tolist()
     assert llm.engine.model_config.moe.num_experts == 16 and llm.engine.model_config.mla.kv_lora_rank == 64
 
 

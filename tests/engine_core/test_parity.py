@@ -45,7 +45,7 @@ def check_against_reference(llm: LLM, model, prompts: list[list[int]]) -> None:
         with torch.no_grad():
             expected = model.generate(
                 torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False, min_new_tokens=NUM_NEW
-            )[0, len(prompt):].tolist()
+            )[0, len(prompt) :].tolist()
         assert out.token_ids == expected
         reference = reference_logits(model, prompt + out.token_ids).log_softmax(-1)  # (L + n, V)
         for step, entry in enumerate(out.logprobs):
@@ -102,7 +102,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_llm, smollm2_reference):
     tokenizer = smollm2_llm.tokenizer
     texts = [
         "The capital of France is",
-        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
         tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow, please."}]),
     ]
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]

@@ -14,8 +14,13 @@ from engine_core.engine import LLMEngine, PromptError
 from .test_structured_output import PERSON, PERSON_GRAMMAR, chat_prompt
 
 
-def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams,
-        output_token_ids: list[int] | None = None) -> list[int]:
+def run(
+    engine: LLMEngine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    output_token_ids: list[int] | None = None,
+) -> list[int]:
     """The request's whole output (what it was given, then what it generated)."""
     request = engine.add_request(request_id, prompt, params, output_token_ids=output_token_ids or ())
     while engine.has_unfinished_requests():
@@ -27,14 +32,21 @@ def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingP
 def test_a_resumed_sampled_request_continues_exactly(smollm2_llm, cut: int) -> None:
     engine = smollm2_llm.engine
     prompt = chat_prompt(smollm2_llm, "Tell me about the sea.")
-    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, presence_penalty=1.5, frequency_penalty=0.5,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, seed=7, max_tokens=12, presence_penalty=1.5, frequency_penalty=0.5, ignore_eos=True
+    )
     whole = run(engine, f"whole-{cut}", prompt, params)
     assert len(whole) == 12
     assert run(engine, f"resumed-{cut}", prompt, params, whole[:cut]) == whole
     # as prompt (how migration worked before): the draws and the penalties start over, so the output differs
-    tail = run(engine, f"as-prompt-{cut}", prompt + whole[:cut], SamplingParams(
-        temperature=1.0, seed=7, max_tokens=12 - cut, presence_penalty=1.5, frequency_penalty=0.5, ignore_eos=True))
+    tail = run(
+        engine,
+        f"as-prompt-{cut}",
+        prompt + whole[:cut],
+        SamplingParams(
+            temperature=1.0, seed=7, max_tokens=12 - cut, presence_penalty=1.5, frequency_penalty=0.5, ignore_eos=True
+        ),
+    )
     assert whole[:cut] + tail != whole
 
 

@@ -17,23 +17,30 @@ from engine_core import SamplingParams
 from engine_core.async_engine import AsyncEngine
 from engine_core.structured_output import GrammarError, StructuredOutput, grammar_mask
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+}
 PERSON_GRAMMAR = StructuredOutput("json_schema", json.dumps(PERSON))
 
 
 def chat_prompt(llm, text: str) -> list[int]:
     tokenizer = llm.tokenizer
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
-                            add_special_tokens=False)
+    return tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False
+    )
 
 
 def test_every_sampled_output_follows_the_schema(smollm2_llm) -> None:
     prompt = chat_prompt(smollm2_llm, "Describe a person as JSON.")
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_output=PERSON_GRAMMAR)
-              for seed in range(3)]
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_output=PERSON_GRAMMAR) for seed in range(3)
+    ]
     outputs = smollm2_llm.generate([prompt] * 3, params)
     assert len({out.text for out in outputs}) > 1  # real sampling, not one forced string
     for out in outputs:
@@ -43,9 +50,15 @@ def test_every_sampled_output_follows_the_schema(smollm2_llm) -> None:
 
 def test_regex_and_json_object(smollm2_llm) -> None:
     prompt = chat_prompt(smollm2_llm, "A phone number?")
-    regex, obj = smollm2_llm.generate([prompt, prompt], [
-        SamplingParams(temperature=0.9, seed=1, max_tokens=20, structured_output=StructuredOutput("regex", r"\d{3}-\d{4}")),
-        SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput("json_object", ""))])
+    regex, obj = smollm2_llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(
+                temperature=0.9, seed=1, max_tokens=20, structured_output=StructuredOutput("regex", r"\d{3}-\d{4}")
+            ),
+            SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput("json_object", "")),
+        ],
+    )
     assert re.fullmatch(r"\d{3}-\d{4}", regex.text)
     if obj.finish_reason == "stop":
         assert isinstance(json.loads(obj.text), dict)

@@ -12,11 +12,17 @@ from PIL import Image
 from engine_core.config import ConfigError
 from engine_core.images import ImageError, ImageLimits, decode_image, image_hash, inspect_image
 from engine_core.vision import (
-    VisionConfig, encode_images, image_token_id, load_encoder, random_weights, save_weights,
+    VisionConfig,
+    encode_images,
+    image_token_id,
+    load_encoder,
+    random_weights,
+    save_weights,
 )
 
-CONFIG = VisionConfig(text_hidden_size=48, image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4,
-                      intermediate_size=64)
+CONFIG = VisionConfig(
+    text_hidden_size=48, image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64
+)
 
 
 def png(width: int = 20, height: int = 12, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
@@ -49,8 +55,10 @@ def test_weights_are_the_same_from_the_same_seed_and_differ_from_another():
 def test_safetensors_round_trip_and_a_file_that_does_not_fit(tmp_path):
     path = tmp_path / "vision.safetensors"
     save_weights(random_weights(CONFIG, seed=7), path)
-    assert torch.equal(encode_images(load_encoder(CONFIG, path), [gradient()]),
-                       encode_images(load_encoder(CONFIG, seed=7), [gradient()]))
+    assert torch.equal(
+        encode_images(load_encoder(CONFIG, path), [gradient()]),
+        encode_images(load_encoder(CONFIG, seed=7), [gradient()]),
+    )
     wider = VisionConfig(**{**CONFIG.to_dict(), "hidden_size": 64}, text_hidden_size=48)
     with pytest.raises(ConfigError, match="do not fit the vision_config"):
         load_encoder(wider, path)

@@ -50,9 +50,18 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
 
 
 def start_mesh(log_path: Path, env_extra: dict[str, str] | None = None, **plan_args) -> Mesh:
-    plan = MeshPlan(http_port=free_port(), grpc_port=free_port(), api_keys=(API_KEY,),
-                    env={"KVMESH_HEARTBEAT_INTERVAL_S": "0.5", "KVMESH_LOG_FORMAT": "json",
-                         "KVMESH_KV_CACHE_MEMORY_BYTES": str(64 * 2**20), **(env_extra or {})}, **plan_args)
+    plan = MeshPlan(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        api_keys=(API_KEY,),
+        env={
+            "KVMESH_HEARTBEAT_INTERVAL_S": "0.5",
+            "KVMESH_LOG_FORMAT": "json",
+            "KVMESH_KV_CACHE_MEMORY_BYTES": str(64 * 2**20),
+            **(env_extra or {}),
+        },
+        **plan_args,
+    )
     mesh = Mesh(plan, out=log_path.open("w"))
     mesh.start()
     try:

@@ -13,16 +13,22 @@ import pytest
 from .conftest import API_KEY, scrape, start_mesh, wait_until
 
 MODEL = "smollm2-135m"
-DOCUMENT = " ".join(f"Note {i}: the lighthouse on island {i} is painted {('red', 'blue', 'green')[i % 3]}."
-                    for i in range(16))
+DOCUMENT = " ".join(
+    f"Note {i}: the lighthouse on island {i} is painted {('red', 'blue', 'green')[i % 3]}." for i in range(16)
+)
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("kvmesh")
-    mesh = start_mesh(base / "mesh.log", prefill=2, decode=1, kvcache=3, models=(MODEL,),
-                      env_extra={"KVMESH_KV_PROTECTION": "2+1", "KVMESH_DATA_DIR": str(base / "ssd"),
-                                 "KVMESH_REPAIR_DELAY_S": "1"})
+    mesh = start_mesh(
+        base / "mesh.log",
+        prefill=2,
+        decode=1,
+        kvcache=3,
+        models=(MODEL,),
+        env_extra={"KVMESH_KV_PROTECTION": "2+1", "KVMESH_DATA_DIR": str(base / "ssd"), "KVMESH_REPAIR_DELAY_S": "1"},
+    )
     yield mesh
     mesh.stop()
 
@@ -34,13 +40,17 @@ def client(mesh):
 
 def chat(client, content: str, max_tokens: int = 2):
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0)
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0
+    )
     return raw.parse(), raw.headers
 
 
 def fragments_held(mesh) -> float:
-    return sum(scrape(mesh.child(f"kvcache-{i}").http_port, "kvmesh_kvcache_blocks").get('{tier="host"}', 0)
-               for i in range(3) if mesh.child(f"kvcache-{i}").process.poll() is None)
+    return sum(
+        scrape(mesh.child(f"kvcache-{i}").http_port, "kvmesh_kvcache_blocks").get('{tier="host"}', 0)
+        for i in range(3)
+        if mesh.child(f"kvcache-{i}").process.poll() is None
+    )
 
 
 def ssd_blocks(mesh, name: str) -> float:
@@ -63,8 +73,9 @@ def test_a_killed_store_node_loses_no_block_and_fails_no_request(mesh, client):
     assert all(r.choices[0].message.content for r, _ in others)
     assert second.choices[0].message.content == first.choices[0].message.content
     assert second.usage.prompt_tokens_details.cached_tokens == 16 * num_blocks  # all of it, from the store
-    store_tokens = scrape(mesh.child(second_headers["x-kvmesh-prefill-worker"]).http_port,
-                          "kvmesh_prefill_cached_tokens_total")
+    store_tokens = scrape(
+        mesh.child(second_headers["x-kvmesh-prefill-worker"]).http_port, "kvmesh_prefill_cached_tokens_total"
+    )
     assert store_tokens.get(f'{{model="{MODEL}",tier="store"}}', 0) >= 16 * num_blocks
     # read layer-major while computing (the dead node's blocks detour through parity), or, once the dead node
     # has left the pools, fetched whole with parity decoded

@@ -26,7 +26,8 @@ def client(mesh):
 
 def chat(client, content: str, max_tokens: int = 12, **kwargs):
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0, **kwargs)
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0, **kwargs
+    )
     return raw.parse(), raw.headers
 
 
@@ -44,16 +45,23 @@ def test_the_sdk_completes_a_chat(client):
 
 
 def test_the_sdk_streams_a_chat_with_exactly_one_usage_chunk(client):
-    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "The capital of France is Paris."
     usage_chunks = [c for c in chunks if c.usage is not None]
     assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and usage_chunks[0].choices == []
     assert usage_chunks[0].usage.completion_tokens == 8
-    plain = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4,
-                                                stream=True))
+    plain = list(
+        client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4, stream=True)
+    )
     assert all(c.usage is None for c in plain)
 
 
@@ -76,8 +84,12 @@ def test_decode_never_computes_a_prompt_it_was_sent(mesh, client):
 
 def test_bad_input_gets_an_openai_error_never_a_500(mesh, client):
     def post(body: bytes, key: str = API_KEY) -> tuple[int, dict]:
-        request = urllib.request.Request(f"{mesh.base_url}/v1/chat/completions", data=body, method="POST",
-                                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{mesh.base_url}/v1/chat/completions",
+            data=body,
+            method="POST",
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
                 return response.status, json.loads(response.read())
@@ -105,8 +117,9 @@ def test_bad_input_gets_an_openai_error_never_a_500(mesh, client):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_kv(mesh, client):
-    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2000, stream=True,
-                                            extra_body={"ignore_eos": True}, temperature=1.0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=2000, stream=True, extra_body={"ignore_eos": True}, temperature=1.0
+    )
     next(iter(stream))
     next(iter(stream))
     stream.close()
@@ -126,16 +139,27 @@ def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_the_other_through_
     second, headers = chat(client, document + " Which planet is made of cheese?", max_tokens=2)
     assert headers["x-kvmesh-prefill-worker"] == other
     assert second.usage.prompt_tokens_details.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
-    assert scrape(mesh.child(other).http_port, "kvmesh_prefill_cached_tokens_total").get(
-        f'{{model="{MODEL}",tier="store"}}', 0) > 0
+    assert (
+        scrape(mesh.child(other).http_port, "kvmesh_prefill_cached_tokens_total").get(
+            f'{{model="{MODEL}",tier="store"}}', 0
+        )
+        > 0
+    )
     mesh.spawn("prefill", int(served_by[-1]))  # back to two workers
 
 
 def test_a_decode_worker_killed_mid_stream_is_migrated_around_and_the_output_is_unchanged(mesh, client):
     # sampled, seeded, with penalties: the new pair's engine continues the generation itself (same draws by
     # output position, penalties counting the output sent), so the text is the uninterrupted run's
-    request = dict(model=MODEL, messages=[{"role": "user", "content": "Count from one to fifty, in words."}],
-                   max_tokens=40, temperature=0.8, seed=11, presence_penalty=0.5, extra_body={"ignore_eos": True})
+    request = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count from one to fifty, in words."}],
+        max_tokens=40,
+        temperature=0.8,
+        seed=11,
+        presence_penalty=0.5,
+        extra_body={"ignore_eos": True},
+    )
     expected = client.chat.completions.create(**request).choices[0].message.content
     pieces = []
     with client.chat.completions.with_streaming_response.create(stream=True, **request) as response:

@@ -53,13 +53,21 @@ def test_results_are_consistent(report: dict[str, Any], concurrency: int) -> Non
     assert result["num_requests"] == concurrency
     assert result["num_prompt_tokens"] == workload.num_prompt_tokens
     assert result["num_output_tokens"] == workload.num_output_tokens
-    for rate in (ours["prefill_tok_s"], ours["decode_tok_s"], ours["throughput_tok_s"],
-                 batched["prefill_tok_s"], batched["throughput_tok_s"], sequential["throughput_tok_s"]):
+    for rate in (
+        ours["prefill_tok_s"],
+        ours["decode_tok_s"],
+        ours["throughput_tok_s"],
+        batched["prefill_tok_s"],
+        batched["throughput_tok_s"],
+        sequential["throughput_tok_s"],
+    ):
         assert rate is not None and rate > 0
     assert ours["num_preemptions"] == 0 and ours["num_prefix_hit_tokens"] == 0
     assert batched["counted_tokens"] == sequential["counted_tokens"] == result["num_output_tokens"]
     assert batched["generated_tokens"] == concurrency * max(workload.output_lens)
-    assert result["ours_vs_hf_batched"] == pytest.approx(ours["throughput_tok_s"] / batched["throughput_tok_s"], rel=1e-2)
+    assert result["ours_vs_hf_batched"] == pytest.approx(
+        ours["throughput_tok_s"] / batched["throughput_tok_s"], rel=1e-2
+    )
     assert result["ours_vs_hf_sequential"] == pytest.approx(
         ours["throughput_tok_s"] / sequential["throughput_tok_s"], rel=1e-2
     )
@@ -86,8 +94,10 @@ def test_decode_is_timed_inside_the_run_even_when_the_prefill_run_was_slower() -
     machine) left nothing for decode when decode time was one run's seconds minus the other's."""
     from kvmesh.bench.engine import Run, _decode_rate
 
-    runs = [Run(seconds=0.50, decode_seconds=0.20, decode_tokens=10), Run(seconds=0.40, decode_seconds=0.25,
-                                                                            decode_tokens=10)]
+    runs = [
+        Run(seconds=0.50, decode_seconds=0.20, decode_tokens=10),
+        Run(seconds=0.40, decode_seconds=0.25, decode_tokens=10),
+    ]
     assert _decode_rate(runs) == 45.0  # the median of 50 and 40 tok/s, whatever a prefill run took
     assert _decode_rate([Run(seconds=0.1, decode_seconds=0.001, decode_tokens=0)]) is None
 

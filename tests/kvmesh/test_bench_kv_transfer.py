@@ -12,9 +12,26 @@ import pytest
 
 
 def test_the_transfer_bench_moves_every_byte_on_every_path_and_reports_the_ratio() -> None:
-    output = subprocess.run([sys.executable, "-m", "kvmesh", "bench", "kv-transfer", "--megabytes", "8",
-                             "--block-kib", "256", "--repeats", "1", "--json"],
-                            capture_output=True, text=True, timeout=120, check=True).stdout
+    output = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh",
+            "bench",
+            "kv-transfer",
+            "--megabytes",
+            "8",
+            "--block-kib",
+            "256",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     report = json.loads(output.strip().splitlines()[-1])
     assert report["megabytes"] == 8.0 and report["block_bytes"] == 256 * 1024 and report["repeats"] == 1
     for name in ("store_gbps", "raw_tcp_gbps", "store_grpc_stream_gbps", "store_fetch_gbps", "store_put_gbps"):

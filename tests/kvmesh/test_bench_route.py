@@ -17,15 +17,30 @@ from mesh.routing import POLICIES, CostModel
 
 CONVERSATION = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
 # a token costs 1 ms; KV moves for free
-COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1e12,
-                 decode_step_base_s=0.01, decode_s_per_kv_token=0.0, kv_bytes_per_token=0)
+COST = CostModel(
+    prefill_tokens_per_s=1000.0,
+    prefill_overhead_s=0.0,
+    attention_knee_tokens=1e12,
+    decode_step_base_s=0.01,
+    decode_s_per_kv_token=0.0,
+    kv_bytes_per_token=0,
+)
 
 
 def write_trace(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> Path:
     with open(path, "w") as file:
         for timestamp_ms, num_input, num_output, hash_ids in rows:
-            file.write(json.dumps({"timestamp": timestamp_ms, "input_length": num_input, "output_length": num_output,
-                                   "hash_ids": hash_ids}) + "\n")
+            file.write(
+                json.dumps(
+                    {
+                        "timestamp": timestamp_ms,
+                        "input_length": num_input,
+                        "output_length": num_output,
+                        "hash_ids": hash_ids,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -34,8 +49,10 @@ def request(arrival_s: float, *hash_ids: int, num_output: int = 3) -> TraceReque
 
 
 def test_traces_read_spread_and_ideal_hit_rate(tmp_path: Path) -> None:
-    trace = write_trace(tmp_path / "t.jsonl", [(1000, 1024, 5, [1, 2]), (1000, 1500, 5, [1, 3, 4]),
-                                               (1000, 1024, 5, [1, 2]), (4000, 600, 1, [5, 6])])
+    trace = write_trace(
+        tmp_path / "t.jsonl",
+        [(1000, 1024, 5, [1, 2]), (1000, 1500, 5, [1, 3, 4]), (1000, 1024, 5, [1, 2]), (4000, 600, 1, [5, 6])],
+    )
     requests = load_trace(trace)
     # three requests share the first timestamp: spread over the 3 s to the next one; the last one has no next
     assert [r.arrival_s for r in requests] == [0.0, 1.0, 2.0, 3.0]
@@ -44,8 +61,10 @@ def test_traces_read_spread_and_ideal_hit_rate(tmp_path: Path) -> None:
     assert ideal_hit_rate(requests) == 3 / 9  # block 1 twice, block 2 once, of 9 blocks
     assert len(load_trace(trace, limit=2)) == 2
     csv = tmp_path / "azure.csv"
-    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,1000,10\n"
-                   "2023-11-16 18:15:47.6805900,513,20\n")
+    csv.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,1000,10\n"
+        "2023-11-16 18:15:47.6805900,513,20\n"
+    )
     azure = load_trace(csv)
     assert [(r.arrival_s, r.num_prompt_tokens, len(r.block_hashes)) for r in azure] == [(0.0, 1000, 2), (1.0, 513, 2)]
     assert ideal_hit_rate(azure) == 0.0
@@ -83,8 +102,7 @@ def test_round_robin_spreads_exactly_and_cache_aware_policies_hit() -> None:
 
 def test_replicas_that_share_assignments_do_not_herd() -> None:
     requests = [request(0.0, 1, 2, 3, 4), request(0.1, 5, 6, 7, 8)]  # requests go to replica 0, then replica 1
-    config = SimConfig(num_prefill=2, num_decode=1, cost=COST, heartbeat_s=100.0, num_replicas=2,
-                       share_delay_s=0.01)
+    config = SimConfig(num_prefill=2, num_decode=1, cost=COST, heartbeat_s=100.0, num_replicas=2, share_delay_s=0.01)
     shared = simulate(requests, "least_load", config)
     alone = simulate(requests, "least_load", SimConfig(**{**config.__dict__, "share": False}))
     assert shared.prefill_busy_s == [pytest.approx(2.048)] * 2
@@ -93,8 +111,11 @@ def test_replicas_that_share_assignments_do_not_herd() -> None:
 
 def test_every_policy_side_by_side(tmp_path: Path) -> None:
     rows = [(n * 200, 2048, 20, [0, 1000 + n % 5, 2000 + n, 3000 + n]) for n in range(40)]
-    config = BenchConfig(trace=str(write_trace(tmp_path / "t.jsonl", rows)), num_bisections=1,
-                         sim=SimConfig(num_prefill=2, num_decode=2, cache_tokens=8 * 512))
+    config = BenchConfig(
+        trace=str(write_trace(tmp_path / "t.jsonl", rows)),
+        num_bisections=1,
+        sim=SimConfig(num_prefill=2, num_decode=2, cache_tokens=8 * 512),
+    )
     result = run_route_bench("all", config, plot_dir=str(tmp_path / "plots"))
     assert list(result) == list(POLICIES)
     for fields in result.values():
@@ -107,13 +128,13 @@ def test_every_policy_side_by_side(tmp_path: Path) -> None:
         assert fields["ttft_p99_floor_s"] == round(low + 0.61 * (high - low), 4)
         assert fields["ttft_p99_s"] >= fields["ttft_p99_floor_s"]  # no policy beats compute alone
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
-        ["route_ttft_cdf.png"] + [f"route_load_{name}.png" for name in POLICIES])
+        ["route_ttft_cdf.png"] + [f"route_load_{name}.png" for name in POLICIES]
+    )
 
 
 @pytest.mark.skipif(not CONVERSATION.exists(), reason="the Mooncake traces are not on this machine")
 def test_command_line_on_the_conversation_trace(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "route", "--trace", str(CONVERSATION), "--limit", "300", "--policy", "kvmesh",
-                 "--json"]) == 0
+    assert main(["bench", "route", "--trace", str(CONVERSATION), "--limit", "300", "--policy", "kvmesh", "--json"]) == 0
     fields = json.loads(capsys.readouterr().out)
     assert tuple(fields) == FIELDS
     assert fields["hit_rate"] > 0.5 * fields["ideal_hit_rate"] and fields["prefill_imbalance"] >= 1.0
@@ -121,13 +142,18 @@ def test_command_line_on_the_conversation_trace(capsys: pytest.CaptureFixture[st
     assert "unknown routing policy 'fastest'" in capsys.readouterr().err
 
 
-def test_the_cost_model_calibrates_from_an_engine_bench_report(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cost_model_calibrates_from_an_engine_bench_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kvmesh.bench.route_cli import calibration
 
-    report = {"results": {"1": {"ours": {"prefill_tok_s": 900.0, "decode_tok_s": 20.0}},
-                          "8": {"ours": {"prefill_tok_s": 1500.0, "decode_tok_s": 100.0}},
-                          "32": {"ours": {"prefill_tok_s": 1400.0, "decode_tok_s": 160.0}}}}
+    report = {
+        "results": {
+            "1": {"ours": {"prefill_tok_s": 900.0, "decode_tok_s": 20.0}},
+            "8": {"ours": {"prefill_tok_s": 1500.0, "decode_tok_s": 100.0}},
+            "32": {"ours": {"prefill_tok_s": 1400.0, "decode_tok_s": 160.0}},
+        }
+    }
     path = tmp_path / "engine.json"
     path.write_text(json.dumps(report))
     # the best batched prefill rate; a step at the largest batch makes 32 tokens: 32 / 160 tok/s

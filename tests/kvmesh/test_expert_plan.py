@@ -32,7 +32,8 @@ def test_readme_example_plans_no_heavier_than_eplb(capsys: pytest.CaptureFixture
 
 
 def test_a_current_placement_in_the_input_limits_and_counts_moves(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     inputs = json.loads(EXAMPLE.read_text())["inputs"]
     readme_placement = json.loads(EXAMPLE.read_text())["expected_output_from_readme"]["phy2log"]
     path = tmp_path / "plan.json"
@@ -55,11 +56,20 @@ def test_expert_bench_meets_its_goals_quickly() -> None:
     result = run_expert_bench(quick=True)
     assert set(result["results"]) == {"zipf(s=1.0)", "lognormal(sigma=1.0)"}
     for rows in result["results"].values():
-        assert set(rows) == {"ours-global", "ours-global-incremental", "eplb-global (baseline)", "ours-hierarchical",
-                             "ours-hierarchical-incremental", "eplb-hierarchical (baseline)"}
+        assert set(rows) == {
+            "ours-global",
+            "ours-global-incremental",
+            "eplb-global (baseline)",
+            "ours-hierarchical",
+            "ours-hierarchical-incremental",
+            "eplb-hierarchical (baseline)",
+        }
         assert rows["ours-global-incremental"]["moved_max"] <= round(14 / 288, 4)  # 5% of 288 slots per layer
-    assert result["goals"] == {"global_balancedness_at_least_0.95": True, "at_least_eplb_with_either_policy": True,
-                               "incremental_moves_under_10pct_per_plan": True}
+    assert result["goals"] == {
+        "global_balancedness_at_least_0.95": True,
+        "at_least_eplb_with_either_policy": True,
+        "incremental_moves_under_10pct_per_plan": True,
+    }
 
 
 def test_expert_lb_is_a_role_and_up_starts_it_only_for_reporting_workers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,8 +60,9 @@ async def beating(tmp_path: Path) -> AsyncIterator[tuple[Announcer, WorkerRegist
     with EmbeddedNats(store_dir=tmp_path / "nats") as nats:
         bus = await Bus.connect(nats.url, "test-discovery")
         left: list[str] = []
-        registry = WorkerRegistry(bus, [common_pb2.ROLE_PREFILL], INTERVAL_S,
-                                  on_leave=lambda w: left.append(w.worker_id))
+        registry = WorkerRegistry(
+            bus, [common_pb2.ROLE_PREFILL], INTERVAL_S, on_leave=lambda w: left.append(w.worker_id)
+        )
         await registry.start()
         info = common_pb2.WorkerInfo(worker_id="prefill-a", role=common_pb2.ROLE_PREFILL, address="127.0.0.1:1")
         announcer = Announcer(bus, info, common_pb2.WorkerLoad, INTERVAL_S)

@@ -79,8 +79,9 @@ def test_readme_example_is_no_worse_than_eplb(example: dict) -> None:
 def test_the_eplb_baseline_reproduces_the_readme(example: dict) -> None:
     inputs, expected = example["inputs"], example["expected_output_from_readme"]["phy2log"]
     weight = np.array(inputs["weight"])
-    phy2log = eplb_reference.rebalance_experts(weight, inputs["num_replicas"], inputs["num_groups"],
-                                               inputs["num_nodes"], inputs["num_gpus"])
+    phy2log = eplb_reference.rebalance_experts(
+        weight, inputs["num_replicas"], inputs["num_groups"], inputs["num_nodes"], inputs["num_gpus"]
+    )
     assert phy2log[0].tolist() == expected[0]
     assert phy2log[1].tolist() == example["caveats"]["alt_output_layer1_issue8"]  # a tie EPLB breaks either way
     assert gpu_loads(weight, phy2log, 8).max(axis=1).tolist() == EPLB_MAX_LOADS

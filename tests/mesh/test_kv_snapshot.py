@@ -9,10 +9,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-
-from kvmesh.nats_server import EmbeddedNats
 from nats.js.errors import NotFoundError
 
+from kvmesh.nats_server import EmbeddedNats
 from mesh import kv_snapshot, subjects
 from mesh.bus import Bus
 from mesh.kv_index import STORE_TIERS, GlobalKVIndex
@@ -29,8 +28,11 @@ def key(n: int) -> bytes:
 def stored(keys: list[int], fragments: list[int] | None = None) -> events_pb2.KVEvent:
     if fragments is None:
         return events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(block_hashes=[key(n) for n in keys]))
-    return events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(
-        block_hashes=[key(n) for n in keys], fragment_indices=fragments, num_data_fragments=2, num_fragments=3))
+    return events_pb2.KVEvent(
+        stored=events_pb2.KVBlocksStored(
+            block_hashes=[key(n) for n in keys], fragment_indices=fragments, num_data_fragments=2, num_fragments=3
+        )
+    )
 
 
 def removed(keys: list[int]) -> events_pb2.KVEvent:
@@ -66,8 +68,11 @@ def history(rounds: int) -> Iterator[events_pb2.KVEventBatch]:
 def holdings(index: GlobalKVIndex) -> dict[str, dict[bytes, tuple[int, int]]]:
     """Worker -> key -> (fragment, tier mask): everything a read can see, without the batch numbering."""
     snapshot = index.to_snapshot(0)
-    return {w.worker_id: dict(zip(w.block_hashes, zip(w.fragment_indices, w.tier_masks)))
-            for w in snapshot.workers if w.block_hashes}
+    return {
+        w.worker_id: dict(zip(w.block_hashes, zip(w.fragment_indices, w.tier_masks)))
+        for w in snapshot.workers
+        if w.block_hashes
+    }
 
 
 def replayed(batches: list[events_pb2.KVEventBatch], tiers: frozenset[str] | None = None) -> GlobalKVIndex:

@@ -16,7 +16,15 @@ KEYS = [hashlib.sha256(str(i).encode()).digest() for i in range(3000)]
 def test_owners_are_fixed_values_so_every_process_agrees():
     # literal expectations: a per-process salted hash would not reproduce them
     assert [rendezvous_owner(bytes([i]), NODES) for i in range(8)] == [
-        "kvcache-b", "kvcache-b", "kvcache-c", "kvcache-c", "kvcache-a", "kvcache-a", "kvcache-a", "kvcache-a"]
+        "kvcache-b",
+        "kvcache-b",
+        "kvcache-c",
+        "kvcache-c",
+        "kvcache-a",
+        "kvcache-a",
+        "kvcache-a",
+        "kvcache-a",
+    ]
 
 
 def test_the_owner_ignores_node_order_and_heads_the_ranking():

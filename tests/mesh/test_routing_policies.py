@@ -9,14 +9,22 @@ import math
 import pytest
 
 from mesh.kv_index import GlobalKVIndex
-from mesh.routing import Assignment, CostModel, NoWorkerError, RouteRequest, Router, WorkerState
+from mesh.routing import Assignment, CostModel, NoWorkerError, Router, RouteRequest, WorkerState
 from mesh.routing.kvmesh import KvmeshDecode
 from mesh.routing.view import LoadView
 
 # prefill_s(cached, new) = new / 1000 * (1 + (cached + new / 2) / 1000); fetching or pushing a token: 1 ms
-COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1000.0,
-                 kv_bytes_per_token=1000, host_bytes_per_s=1e6, ssd_bytes_per_s=1e6, network_bytes_per_s=1e6,
-                 decode_step_base_s=0.01, decode_s_per_kv_token=0.0)
+COST = CostModel(
+    prefill_tokens_per_s=1000.0,
+    prefill_overhead_s=0.0,
+    attention_knee_tokens=1000.0,
+    kv_bytes_per_token=1000,
+    host_bytes_per_s=1e6,
+    ssd_bytes_per_s=1e6,
+    network_bytes_per_s=1e6,
+    decode_step_base_s=0.01,
+    decode_s_per_kv_token=0.0,
+)
 
 
 def key(i: int) -> bytes:
@@ -28,8 +36,9 @@ def worker(worker_id: str, reported_s: float = 0.0, **load: int) -> WorkerState:
     return WorkerState(worker_id, reported_s, block_size=16, max_num_seqs=8, num_kv_blocks=100, **load)
 
 
-def request(num_prompt_tokens: int, *block_ids: int, request_id: str = "",
-            exclude: tuple[str, ...] = ()) -> RouteRequest:
+def request(
+    num_prompt_tokens: int, *block_ids: int, request_id: str = "", exclude: tuple[str, ...] = ()
+) -> RouteRequest:
     return RouteRequest("m", tuple(key(i) for i in block_ids), num_prompt_tokens, request_id, frozenset(exclude))
 
 
@@ -37,13 +46,19 @@ PREFILL = [worker("p-a"), worker("p-b"), worker("p-c")]
 DECODE = [worker("d-a"), worker("d-b")]
 
 
-def picks(router: Router, requests: list[RouteRequest], prefill: list[WorkerState] = PREFILL,
-          decode: list[WorkerState] = DECODE, now_s: float = 0.0) -> list[tuple[str, str]]:
+def picks(
+    router: Router,
+    requests: list[RouteRequest],
+    prefill: list[WorkerState] = PREFILL,
+    decode: list[WorkerState] = DECODE,
+    now_s: float = 0.0,
+) -> list[tuple[str, str]]:
     routes = [router.route(r, prefill, decode, now_s)[0] for r in requests]
     return [(route.prefill_worker_id, route.decode_worker_id) for route in routes]
 
 
 # -- baselines ------------------------------------------------------------------------------------------------------
+
 
 def test_round_robin_takes_turns_in_both_pools() -> None:
     router = Router("round_robin", GlobalKVIndex(), COST)
@@ -57,7 +72,11 @@ def test_least_load_counts_queued_tokens_assigned_since_the_report() -> None:
     # prefill queues (a, b, c) before each pick: (100, 0, 50), (100, 48, 50), (100, 96, 50), (100, 96, 98)
     # decode requests before each pick: (2, 0), (2, 1), (2, 2): a tie on requests goes to fewer KV tokens
     assert picks(router, [request(48)] * 4, prefill, decode) == [
-        ("p-b", "d-b"), ("p-b", "d-b"), ("p-c", "d-a"), ("p-b", "d-b")]
+        ("p-b", "d-b"),
+        ("p-b", "d-b"),
+        ("p-c", "d-a"),
+        ("p-b", "d-b"),
+    ]
     assert router.view.num_queued_tokens(prefill[1]) == 144
     router.update(worker("p-b", reported_s=1.0, num_queued_prompt_tokens=20))  # the report includes all three
     assert router.view.num_queued_tokens(router.view.report("p-b")) == 20  # type: ignore[arg-type]
@@ -69,8 +88,11 @@ def test_cache_aware_follows_its_tree_above_the_threshold_and_the_shortest_queue
     # no trees: the smallest (all empty), then fewest requests, then id; 3 of 4 blocks match p-a's tree (> 50%);
     # no match: the smallest tree, p-b (p-c ties on size but p-b comes first)
     assert [p for p, _ in first] == ["p-a", "p-a", "p-b"]
-    busy = [worker("p-a", reported_s=1.0, num_waiting=100), worker("p-b", reported_s=1.0),
-            worker("p-c", reported_s=1.0)]
+    busy = [
+        worker("p-a", reported_s=1.0, num_waiting=100),
+        worker("p-b", reported_s=1.0),
+        worker("p-c", reported_s=1.0),
+    ]
     # 100 > 64 and > 1.5 x 0: the fewest requests (the reports include every earlier pick), p-b before p-c
     assert picks(router, [request(64, 1, 2, 3, 4)], busy, now_s=1.0)[0][0] == "p-b"
 
@@ -92,16 +114,23 @@ def test_kv_aware_credits_device_and_host_tiers() -> None:
 def test_deepseek_spreads_each_context_length_bucket_and_weighs_requests_and_kv_for_decode() -> None:
     router = Router("deepseek", GlobalKVIndex(), COST)
     prefill = [worker("p-a"), worker("p-b")]
-    decode = [WorkerState(w, 0.0, 16, 8, 1000, num_running=n, num_kv_tokens=kv)  # 16,000 KV tokens each
-              for w, n, kv in (("d-a", 4, 0), ("d-b", 1, 1200), ("d-c", 2, 320))]
+    decode = [
+        WorkerState(w, 0.0, 16, 8, 1000, num_running=n, num_kv_tokens=kv)  # 16,000 KV tokens each
+        for w, n, kv in (("d-a", 4, 0), ("d-b", 1, 1200), ("d-c", 2, 320))
+    ]
     long, short = request(5000), request(100)  # buckets 1 and 0
     # prefill: the least spent in the bucket, then overall; decode: requests / 8 + KV / 16,000, before each pick
     # (0.5, 0.2, 0.27), (0.5, 0.6375, 0.27), (0.5, 0.6375, 0.40125), (0.5, 0.6375, 0.83875)
     assert picks(router, [long, short, long, short], prefill, decode) == [
-        ("p-a", "d-b"), ("p-b", "d-c"), ("p-b", "d-c"), ("p-a", "d-a")]
+        ("p-a", "d-b"),
+        ("p-b", "d-c"),
+        ("p-b", "d-c"),
+        ("p-a", "d-a"),
+    ]
 
 
 # -- kvmesh ---------------------------------------------------------------------------------------------------------
+
 
 def test_kvmesh_prefill_predicts_time_to_first_token_from_the_cached_prefix() -> None:
     index = GlobalKVIndex()
@@ -131,8 +160,12 @@ def test_an_idle_pool_starts_at_once_a_busy_one_waits_for_the_cache() -> None:
     hot = request(136, *range(1, 10))
     # p-a's queue: 0.2 s. The recompute weight (30) counts by the share of busy workers: with p-b idle (1 of 2),
     # p-b's 0.136 s of extra compute weighs 15 x 0.136192 = 2.04 s against p-a's 0.2 s of queue
-    assert Router("kvmesh", index, COST).route(hot, [worker("p-a", num_queued_prompt_tokens=200), worker("p-b")],
-                                               DECODE, 0.0)[0].prefill_worker_id == "p-a"
+    assert (
+        Router("kvmesh", index, COST)
+        .route(hot, [worker("p-a", num_queued_prompt_tokens=200), worker("p-b")], DECODE, 0.0)[0]
+        .prefill_worker_id
+        == "p-a"
+    )
     # a single worker idle among 21 busy ones: weight 30 / 21; p-b: 0.145 + 0.195 = 0.340 s, p-a 0.2 + 0.009 s
     idle = [worker(f"p-{n:02}", num_queued_prompt_tokens=5000) for n in range(20)]
     pool = [worker("p-a", num_queued_prompt_tokens=200), worker("p-b"), *idle]
@@ -144,8 +177,9 @@ def test_a_hot_prefix_spills_to_a_second_worker_instead_of_piling_up() -> None:
     index.add("p-a", [key(n) for n in range(1, 9)])
     router = Router("kvmesh", index, COST)
     pool = [worker("p-a"), worker("p-b"), worker("p-c")]
-    chosen = [router.route(request(136, *range(1, 9), 100 + n, request_id=f"r{n}"), pool, DECODE, 0.0)[0]
-              for n in range(200)]
+    chosen = [
+        router.route(request(136, *range(1, 9), 100 + n, request_id=f"r{n}"), pool, DECODE, 0.0)[0] for n in range(200)
+    ]
     counts = {w.worker_id: sum(r.prefill_worker_id == w.worker_id for r in chosen) for w in pool}
     first_elsewhere = next(n for n, r in enumerate(chosen) if r.prefill_worker_id != "p-a")
     # p-a takes requests (0.009056 s each) until its predicted TTFT passes the bound, 2 x 0.145248 + 4 x 0.145248
@@ -210,6 +244,7 @@ def test_finished_requests_heard_from_decode_free_their_kv_before_the_next_repor
 
 
 # -- the Router -----------------------------------------------------------------------------------------------------
+
 
 def test_excluded_workers_are_skipped_and_an_empty_pool_names_the_model() -> None:
     router = Router("kvmesh", GlobalKVIndex(), COST)

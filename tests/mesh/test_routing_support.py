@@ -14,17 +14,27 @@ from mesh.routing.capacity import CapacityPlanner
 from mesh.routing.encoder import EncoderBalancer, pick_encoder, rendezvous_rank
 from mesh.routing.view import LoadView
 
-COST = CostModel(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.0, attention_knee_tokens=1000.0,
-                 kv_bytes_per_token=1000, host_bytes_per_s=1e6, ssd_bytes_per_s=5e5, network_bytes_per_s=1e6,
-                 decode_step_base_s=0.01, decode_s_per_kv_token=1e-5, scale=2.0)
+COST = CostModel(
+    prefill_tokens_per_s=1000.0,
+    prefill_overhead_s=0.0,
+    attention_knee_tokens=1000.0,
+    kv_bytes_per_token=1000,
+    host_bytes_per_s=1e6,
+    ssd_bytes_per_s=5e5,
+    network_bytes_per_s=1e6,
+    decode_step_base_s=0.01,
+    decode_s_per_kv_token=1e-5,
+    scale=2.0,
+)
 
 
 def k(i: int) -> bytes:
     return bytes([i]) * 32
 
 
-def assignment(prefill: str, decode: str, tokens: int, prefill_s: float, at_s: float = 0.0,
-               arrival_s: float = 1.0) -> Assignment:
+def assignment(
+    prefill: str, decode: str, tokens: int, prefill_s: float, at_s: float = 0.0, arrival_s: float = 1.0
+) -> Assignment:
     return Assignment("b", "r", at_s, prefill, decode, tokens, tokens, prefill_s, arrival_s)
 
 
@@ -80,15 +90,16 @@ def test_index_walks_every_workers_prefix_and_the_stores_tiers() -> None:
     assert index.holds("p-b", k(3)) and not index.holds("p-b", k(2))
     index.add("kv-0", [k(4), k(5)], tier="host")
     index.add("kv-1", [k(6)], tier="ssd")
-    coded = events_pb2.KVBlocksStored(block_hashes=[k(7)], fragment_indices=[0], num_data_fragments=2,
-                                      num_fragments=3)
-    index.apply(events_pb2.KVEventBatch(worker_id="kv-0", seq=9, tier="host",
-                                        events=[events_pb2.KVEvent(stored=coded)]))
+    coded = events_pb2.KVBlocksStored(block_hashes=[k(7)], fragment_indices=[0], num_data_fragments=2, num_fragments=3)
+    index.apply(
+        events_pb2.KVEventBatch(worker_id="kv-0", seq=9, tier="host", events=[events_pb2.KVEvent(stored=coded)])
+    )
     blocks = [k(1), k(2), k(3), k(4), k(5), k(6), k(7)]
     assert index.num_leading_stored(blocks, 3) == (2, 1)  # k(7): 1 of the 2 fragments it needs
     coded.fragment_indices[:] = [1]
-    index.apply(events_pb2.KVEventBatch(worker_id="kv-1", seq=10, tier="ssd",
-                                        events=[events_pb2.KVEvent(stored=coded)]))
+    index.apply(
+        events_pb2.KVEventBatch(worker_id="kv-1", seq=10, tier="ssd", events=[events_pb2.KVEvent(stored=coded)])
+    )
     assert index.num_leading_stored(blocks, 3) == (2, 2)  # k(7) readable from host + SSD fragments: SSD speed
     assert index.num_leading_stored(blocks, 0) == (0, 0)
 
@@ -122,15 +133,21 @@ def test_encoder_balancer_counts_its_images_until_the_next_report() -> None:
 def test_capacity_planner_recommends_the_pool_size_for_the_target_utilization() -> None:
     planner = CapacityPlanner(target_utilization=0.8, half_life_s=60.0)
     assert planner.recommend("prefill", 4).num_recommended == 1  # nothing observed yet
-    prefill = [WorkerState("p-a", 0.0, num_running=1), WorkerState("p-b", 0.0, num_queued_prompt_tokens=5),
-               WorkerState("p-c", 0.0), WorkerState("p-d", 0.0)]
+    prefill = [
+        WorkerState("p-a", 0.0, num_running=1),
+        WorkerState("p-b", 0.0, num_queued_prompt_tokens=5),
+        WorkerState("p-c", 0.0),
+        WorkerState("p-d", 0.0),
+    ]
     planner.observe("prefill", prefill, 0.0)
     assert planner.recommend("prefill", 4).num_recommended == 3  # 4 x 0.5 / 0.8 = 2.5
     planner.observe("prefill", [WorkerState(w.worker_id, 60.0, num_running=1) for w in prefill], 60.0)
     recommendation = planner.recommend("prefill", 4)
     assert (recommendation.utilization, recommendation.num_recommended) == (0.75, 4)  # half-way to 1.0
-    decode = [WorkerState("d-a", 0.0, block_size=16, max_num_seqs=8, num_kv_blocks=100, num_running=2,
-                          num_kv_tokens=800), WorkerState("d-b", 0.0, max_num_seqs=8, num_running=6)]
+    decode = [
+        WorkerState("d-a", 0.0, block_size=16, max_num_seqs=8, num_kv_blocks=100, num_running=2, num_kv_tokens=800),
+        WorkerState("d-b", 0.0, max_num_seqs=8, num_running=6),
+    ]
     planner.observe("decode", decode, 0.0)  # max(0.5 KV, 0.25 seqs) and 0.75 seqs
     assert planner.recommend("decode", 2).num_recommended == 2  # 2 x 0.625 / 0.8 = 1.5625
     with pytest.raises(ValueError, match="target_utilization"):
@@ -141,7 +158,7 @@ def test_time_scale_fits_real_to_predicted_seconds_only_from_intervals_all_work(
     scale = TimeScale()
     for n in range(3):  # 0.2 model seconds done in every 1 s: 5x slower; far off, 2x per sample at most
         scale.observe(10.0 * n, 1.0, [(10.0 * n + 0.1, 1.0)], 10.0 * n + 1, 1.8, True)
-    fitted = 4 * 1.25 ** 0.2  # 2, 4, then within 2x of the sample: a fifth of the way, in log space
+    fitted = 4 * 1.25**0.2  # 2, 4, then within 2x of the sample: a fifth of the way, in log space
     assert (scale.value, scale.num_samples) == (pytest.approx(fitted), 3)
     scale.observe(40.0, 1.0, [(40.5, 1.0)], 41.0, 1.75, True)  # 0.25 done in 1 s: 4x
     assert scale.value == pytest.approx(fitted * (4 / fitted) ** 0.2)

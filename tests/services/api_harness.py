@@ -56,10 +56,20 @@ async def api_mesh(models: tuple[str, ...] = MODELS) -> AsyncIterator[ApiMesh]:
         balancer = load_settings(BalancerSettings, env={}, grpc_port=free_port(), worker_id="balancer-t", **common)
         async with serving(serve_balancer, balancer):
             decode = await DecodeService.start(load_settings(DecodeSettings, env={}, worker_id="decode-t", **workers))
-            prefill = await PrefillService.start(load_settings(PrefillSettings, env={}, worker_id="prefill-t",
-                                                               kvcache_enabled=False, **workers))
-            gateway = GatewayServer(GatewaySettings(nats_url=nats.url, http_port=0, grpc_port=0, api_keys=(KEY,),
-                                                    models=models, heartbeat_interval_s=1.0, log_level="warning"))
+            prefill = await PrefillService.start(
+                load_settings(PrefillSettings, env={}, worker_id="prefill-t", kvcache_enabled=False, **workers)
+            )
+            gateway = GatewayServer(
+                GatewaySettings(
+                    nats_url=nats.url,
+                    http_port=0,
+                    grpc_port=0,
+                    api_keys=(KEY,),
+                    models=models,
+                    heartbeat_interval_s=1.0,
+                    log_level="warning",
+                )
+            )
             await gateway.start()
             base_url = f"http://127.0.0.1:{gateway.http_port}"
             async with aiohttp.ClientSession() as session:

@@ -24,8 +24,9 @@ class DictKVCache(kvcache_pb2_grpc.KVCacheServicer):
         self.blocks: dict[bytes, kvcache_pb2.Block] = {}
         self.num_puts: Counter[bytes] = Counter()  # how often each key was put
 
-    async def Put(self, request_iterator: AsyncIterator[kvcache_pb2.Block],
-                  context: grpc.aio.ServicerContext) -> kvcache_pb2.PutResponse:
+    async def Put(
+        self, request_iterator: AsyncIterator[kvcache_pb2.Block], context: grpc.aio.ServicerContext
+    ) -> kvcache_pb2.PutResponse:
         num_stored = num_present = 0
         async for block in request_iterator:
             self.num_puts[block.block_hash] += 1
@@ -49,8 +50,9 @@ class DictKVCache(kvcache_pb2_grpc.KVCacheServicer):
         block = self.blocks.get(key)
         return block if block is not None and block.layout.model == model else None
 
-    async def Get(self, request: kvcache_pb2.GetRequest,
-                  context: grpc.aio.ServicerContext) -> AsyncIterator[kvcache_pb2.Block]:
+    async def Get(
+        self, request: kvcache_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvcache_pb2.Block]:
         if request.skip_missing:
             for key in request.block_hashes:
                 block = self._held(key, request.model)
@@ -60,20 +62,27 @@ class DictKVCache(kvcache_pb2_grpc.KVCacheServicer):
         for block in self._prefix(list(request.block_hashes), request.model):
             yield block
 
-    async def Lookup(self, request: kvcache_pb2.LookupRequest,
-                     context: grpc.aio.ServicerContext) -> kvcache_pb2.LookupResponse:
+    async def Lookup(
+        self, request: kvcache_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> kvcache_pb2.LookupResponse:
         indices = [-1 if self._held(key, request.model) is None else 0 for key in request.block_hashes]
-        return kvcache_pb2.LookupResponse(num_hits=len(self._prefix(list(request.block_hashes), request.model)),
-                                          fragment_indices=indices if request.per_block else [])
+        return kvcache_pb2.LookupResponse(
+            num_hits=len(self._prefix(list(request.block_hashes), request.model)),
+            fragment_indices=indices if request.per_block else [],
+        )
 
 
 async def start_store_node(nats_url: str, worker_id: str) -> tuple[ServiceRuntime, DictKVCache]:
     """A store node as the mesh sees one: a KVCache server announced on NATS with ROLE_KVCACHE heartbeats."""
-    runtime = ServiceRuntime(ServiceSettings(nats_url=nats_url, heartbeat_interval_s=0.2, worker_id=worker_id,
-                                             log_level="warning"), common_pb2.ROLE_KVCACHE)
+    runtime = ServiceRuntime(
+        ServiceSettings(nats_url=nats_url, heartbeat_interval_s=0.2, worker_id=worker_id, log_level="warning"),
+        common_pb2.ROLE_KVCACHE,
+    )
     store = DictKVCache()
-    await runtime.start(register=lambda server: kvcache_pb2_grpc.add_KVCacheServicer_to_server(store, server),
-                        load=common_pb2.WorkerLoad)
+    await runtime.start(
+        register=lambda server: kvcache_pb2_grpc.add_KVCacheServicer_to_server(store, server),
+        load=common_pb2.WorkerLoad,
+    )
     return runtime, store
 
 

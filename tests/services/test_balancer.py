@@ -38,6 +38,7 @@ def key(i: int) -> bytes:
 
 # -- settings and conversions ---------------------------------------------------------------------------------------
 
+
 def test_a_bad_policy_fails_at_start_naming_the_setting() -> None:
     assert load_settings(BalancerSettings, env={}).balancer_policy == "kvmesh"
     assert load_settings(BalancerSettings, env={"KVMESH_BALANCER_POLICY": "kv_aware"}).balancer_policy == "kv_aware"
@@ -50,13 +51,19 @@ def test_a_bad_policy_fails_at_start_naming_the_setting() -> None:
 
 
 def test_conversions() -> None:
-    info = common_pb2.WorkerInfo(worker_id="p-1", role=common_pb2.ROLE_PREFILL, block_size=16, max_num_seqs=8,
-                                 num_kv_blocks=100)
-    load = common_pb2.WorkerLoad(num_running=1, num_waiting=2, num_queued_prompt_tokens=300, num_kv_tokens=40,
-                                 num_cached_blocks=7)
+    info = common_pb2.WorkerInfo(
+        worker_id="p-1", role=common_pb2.ROLE_PREFILL, block_size=16, max_num_seqs=8, num_kv_blocks=100
+    )
+    load = common_pb2.WorkerLoad(
+        num_running=1, num_waiting=2, num_queued_prompt_tokens=300, num_kv_tokens=40, num_cached_blocks=7
+    )
     state = worker_state(KnownWorker(info, load, last_seen_ms=1500))
     assert (state.reported_s, state.num_kv_capacity_tokens, state.num_waiting, state.num_cached_blocks) == (
-        1.5, 1600, 2, 7)
+        1.5,
+        1600,
+        2,
+        7,
+    )
     assignment = Assignment("b-1", "r-1", 10.5, "p-1", "d-1", 48, 16, 0.25, 11.0, (key(1), key(2), key(3)))
     message = assignment_to_pb(assignment, num_cached_blocks=2)  # peers need only the blocks it will newly hold
     assert list(message.block_hashes) == [key(3)]
@@ -65,6 +72,7 @@ def test_conversions() -> None:
 
 # -- the service ----------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with EmbeddedNats(store_dir=tmp_path_factory.mktemp("nats")) as nats:
@@ -72,17 +80,31 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def settings(nats_url: str, worker_id: str, policy: str = "kvmesh", interval_s: float = INTERVAL_S) -> BalancerSettings:
-    return BalancerSettings(nats_url=nats_url, grpc_port=free_port(), http_port=free_port(), worker_id=worker_id,
-                            heartbeat_interval_s=interval_s, balancer_policy=policy)
+    return BalancerSettings(
+        nats_url=nats_url,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        worker_id=worker_id,
+        heartbeat_interval_s=interval_s,
+        balancer_policy=policy,
+    )
 
 
-async def start_worker(nats_url: str, worker_id: str, role: int, interval_s: float = INTERVAL_S,
-                       **load: int) -> Announcer:
+async def start_worker(
+    nats_url: str, worker_id: str, role: int, interval_s: float = INTERVAL_S, **load: int
+) -> Announcer:
     """A worker's presence: its own NATS connection beating every interval, exactly as a worker's runtime does."""
     bus = await Bus.connect(nats_url, name=worker_id)
     address = f"127.0.0.1:{7000 + int(worker_id[-1])}"
-    info = common_pb2.WorkerInfo(worker_id=worker_id, role=role, address=address,  # type: ignore[arg-type]
-                                 models=["m"], max_num_seqs=8, num_kv_blocks=100, block_size=BLOCK_SIZE)
+    info = common_pb2.WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        address=address,  # type: ignore[arg-type]
+        models=["m"],
+        max_num_seqs=8,
+        num_kv_blocks=100,
+        block_size=BLOCK_SIZE,
+    )
     announcer = Announcer(bus, info, lambda: common_pb2.WorkerLoad(**load), interval_s)
     await announcer.start()
     return announcer
@@ -94,10 +116,16 @@ async def stop_workers(workers: dict[str, Announcer]) -> None:
         await announcer.bus.close()
 
 
-def route_request(*block_ids: int, num_prompt_tokens: int = 48, model: str = "m", request_id: str = "r",
-                  exclude: tuple[str, ...] = ()) -> balancer_pb2.RouteRequest:
-    return balancer_pb2.RouteRequest(request_id=request_id, model=model, block_hashes=[key(i) for i in block_ids],
-                                     num_prompt_tokens=num_prompt_tokens, exclude_worker_ids=exclude)
+def route_request(
+    *block_ids: int, num_prompt_tokens: int = 48, model: str = "m", request_id: str = "r", exclude: tuple[str, ...] = ()
+) -> balancer_pb2.RouteRequest:
+    return balancer_pb2.RouteRequest(
+        request_id=request_id,
+        model=model,
+        block_hashes=[key(i) for i in block_ids],
+        num_prompt_tokens=num_prompt_tokens,
+        exclude_worker_ids=exclude,
+    )
 
 
 def picked(response: balancer_pb2.RouteResponse) -> tuple[str, str, int]:
@@ -113,10 +141,15 @@ async def listed_ids(stub: balancer_pb2_grpc.BalancerStub) -> set[str]:
 
 
 async def stored_batch(bus: Bus, worker_id: str, seq: int, *block_ids: int) -> None:
-    event = events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(
-        block_hashes=[key(i) for i in block_ids], parent_hash=b"\0" * 32, block_size=BLOCK_SIZE, model="m"))
-    await bus.publish(subjects.kv_events(worker_id), events_pb2.KVEventBatch(
-        worker_id=worker_id, seq=seq, tier="device", events=[event]))
+    event = events_pb2.KVEvent(
+        stored=events_pb2.KVBlocksStored(
+            block_hashes=[key(i) for i in block_ids], parent_hash=b"\0" * 32, block_size=BLOCK_SIZE, model="m"
+        )
+    )
+    await bus.publish(
+        subjects.kv_events(worker_id),
+        events_pb2.KVEventBatch(worker_id=worker_id, seq=seq, tier="device", events=[event]),
+    )
 
 
 async def index_size(num_blocks: int) -> bool:
@@ -132,8 +165,10 @@ async def expect_unavailable(stub: balancer_pb2_grpc.BalancerStub, request: bala
 
 async def test_the_balancer_compacts_the_kv_stream_and_a_restarted_one_restores_the_snapshot(tmp_path) -> None:
     with EmbeddedNats(store_dir=tmp_path / "nats") as nats:  # its own stream: this test purges it
-        workers = {"p-1": await start_worker(nats.url, "p-1", common_pb2.ROLE_PREFILL),
-                   "d-1": await start_worker(nats.url, "d-1", common_pb2.ROLE_DECODE)}
+        workers = {
+            "p-1": await start_worker(nats.url, "p-1", common_pb2.ROLE_PREFILL),
+            "d-1": await start_worker(nats.url, "d-1", common_pb2.ROLE_DECODE),
+        }
         worker = workers["p-1"]
         assert await ensure_kv_stream(worker.bus)
         js = worker.bus.client.jetstream()
@@ -163,8 +198,10 @@ async def test_the_balancer_compacts_the_kv_stream_and_a_restarted_one_restores_
 
 async def test_service_routes_by_the_policy_over_heartbeats_and_the_kv_event_stream(nats_url: str) -> None:
     routes_before = REGISTRY.get_sample_value("kvmesh_balancer_routes_total", {"pool": "prefill", "worker": "p-2"})
-    workers = {"p-1": await start_worker(nats_url, "p-1", common_pb2.ROLE_PREFILL),
-               "p-2": await start_worker(nats_url, "p-2", common_pb2.ROLE_PREFILL)}
+    workers = {
+        "p-1": await start_worker(nats_url, "p-1", common_pb2.ROLE_PREFILL),
+        "p-2": await start_worker(nats_url, "p-2", common_pb2.ROLE_PREFILL),
+    }
     assert await ensure_kv_stream(workers["p-2"].bus)  # as every role that publishes KV events does
     await stored_batch(workers["p-2"].bus, "p-2", 1, 1, 2)  # before the balancer starts: it replays the stream
     metrics.KV_INDEX_BLOCKS.set(-1)  # the index's follower sets it to the index's size at every batch
@@ -176,6 +213,7 @@ async def test_service_routes_by_the_policy_over_heartbeats_and_the_kv_event_str
 
         async def all_listed() -> bool:
             return await listed_ids(stub) == set(workers)
+
         await wait_until(all_listed)
         status = next(s for s in (await listed(stub)).workers if s.worker.worker_id == "d-1")
         assert (status.load.num_running, status.worker.address, status.last_seen_ms > 0) == (3, "127.0.0.1:7001", True)
@@ -198,15 +236,19 @@ async def test_service_routes_by_the_policy_over_heartbeats_and_the_kv_event_str
 
         async def p1_gone() -> bool:
             return "p-1" not in await listed_ids(stub)
+
         await wait_until(p1_gone, timeout_s=2)
-        assert (await expect_unavailable(stub, route_request(exclude=("p-2",)))
-                == "no prefill worker serves model 'm' (1 excluded)")
+        assert (
+            await expect_unavailable(stub, route_request(exclude=("p-2",)))
+            == "no prefill worker serves model 'm' (1 excluded)"
+        )
 
         await workers["d-2"].bus.client.close()  # a crash: its heartbeats stop, no `leaving`
         crashed = time.monotonic()
 
         async def d2_gone() -> bool:
             return "d-2" not in await listed_ids(stub)
+
         await wait_until(d2_gone, timeout_s=3)
         assert 1.5 * INTERVAL_S <= time.monotonic() - crashed <= 3 * INTERVAL_S + 1.0  # three missed intervals
         assert picked(await stub.Route(route_request(1, 2, 3)))[:2] == ("p-2", "d-1")
@@ -217,24 +259,39 @@ async def test_service_routes_by_the_policy_over_heartbeats_and_the_kv_event_str
 async def test_a_request_heard_leaving_decode_frees_its_kv_before_the_next_heartbeat(nats_url: str) -> None:
     interval_s = 3.0  # no second heartbeat during the test: what changes the pick is the feed alone
     heard_before = REGISTRY.get_sample_value("kvmesh_balancer_finished_requests_total") or 0.0
-    workers = {"p-1": await start_worker(nats_url, "p-1", common_pb2.ROLE_PREFILL, interval_s),
-               "d-1": await start_worker(nats_url, "d-1", common_pb2.ROLE_DECODE, interval_s,
-                                         num_running=2, num_kv_tokens=1000),
-               "d-2": await start_worker(nats_url, "d-2", common_pb2.ROLE_DECODE, interval_s,
-                                         num_running=1, num_kv_tokens=600)}
+    workers = {
+        "p-1": await start_worker(nats_url, "p-1", common_pb2.ROLE_PREFILL, interval_s),
+        "d-1": await start_worker(
+            nats_url, "d-1", common_pb2.ROLE_DECODE, interval_s, num_running=2, num_kv_tokens=1000
+        ),
+        "d-2": await start_worker(
+            nats_url, "d-2", common_pb2.ROLE_DECODE, interval_s, num_running=1, num_kv_tokens=600
+        ),
+    }
     async with serving(serve, settings(nats_url, "balancer-f", interval_s=interval_s)) as channel:
         stub = balancer_pb2_grpc.BalancerStub(channel)
 
         async def all_listed() -> bool:
             return await listed_ids(stub) == set(workers)
+
         await wait_until(all_listed)
         assert picked(await stub.Route(route_request(1, request_id="r-1")))[1] == "d-2"  # 600 tokens against 1,000
-        await workers["d-1"].bus.publish(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished(
-            request_id="gone", worker_id="d-1", model="m", num_kv_tokens=700, num_output_tokens=120,
-            finish_reason="stop", timestamp_ms=int(time.time() * 1000)))
+        await workers["d-1"].bus.publish(
+            subjects.REQUESTS_FINISHED,
+            events_pb2.RequestFinished(
+                request_id="gone",
+                worker_id="d-1",
+                model="m",
+                num_kv_tokens=700,
+                num_output_tokens=120,
+                finish_reason="stop",
+                timestamp_ms=int(time.time() * 1000),
+            ),
+        )
 
         async def heard() -> bool:
             return REGISTRY.get_sample_value("kvmesh_balancer_finished_requests_total") == heard_before + 1
+
         await wait_until(heard)
         # d-1 now holds 300 (one request left), d-2 600 + r-1's 48 on their way
         assert picked(await stub.Route(route_request(1, request_id="r-2")))[1] == "d-1"
@@ -243,19 +300,28 @@ async def test_a_request_heard_leaving_decode_frees_its_kv_before_the_next_heart
 
 async def test_replicas_share_decisions_and_recommend_pool_sizes(nats_url: str) -> None:
     interval_s = 2.0  # reports slower than the test: only shared decisions can tell the second replica
-    workers = {name: await start_worker(nats_url, name, role, interval_s, **load) for name, role, load in (
-        ("p-5", common_pb2.ROLE_PREFILL, {"num_running": 1}), ("p-6", common_pb2.ROLE_PREFILL, {}),
-        ("d-5", common_pb2.ROLE_DECODE, {}))}
+    workers = {
+        name: await start_worker(nats_url, name, role, interval_s, **load)
+        for name, role, load in (
+            ("p-5", common_pb2.ROLE_PREFILL, {"num_running": 1}),
+            ("p-6", common_pb2.ROLE_PREFILL, {}),
+            ("d-5", common_pb2.ROLE_DECODE, {}),
+        )
+    }
     replicas = await Bus.connect(nats_url, name="listener")
     recommendations: asyncio.Queue[balancer_pb2.ReplicaRecommendation] = asyncio.Queue()
 
     async def on_recommendation(message: balancer_pb2.ReplicaRecommendation, subject: str) -> None:
         if message.balancer_id == "balancer-c":
             await recommendations.put(message)
-    subscription = await replicas.subscribe(subjects.BALANCER_REPLICAS, balancer_pb2.ReplicaRecommendation,
-                                            on_recommendation)
-    one, two = settings(nats_url, "balancer-b", "least_load", interval_s), settings(
-        nats_url, "balancer-c", "least_load", interval_s)
+
+    subscription = await replicas.subscribe(
+        subjects.BALANCER_REPLICAS, balancer_pb2.ReplicaRecommendation, on_recommendation
+    )
+    one, two = (
+        settings(nats_url, "balancer-b", "least_load", interval_s),
+        settings(nats_url, "balancer-c", "least_load", interval_s),
+    )
     async with serving(serve, one) as first_channel, serving(serve, two) as second_channel:
         first, second = balancer_pb2_grpc.BalancerStub(first_channel), balancer_pb2_grpc.BalancerStub(second_channel)
         for stub in (first, second):
@@ -267,6 +333,7 @@ async def test_replicas_share_decisions_and_recommend_pool_sizes(nats_url: str) 
 
         async def heard() -> bool:
             return (REGISTRY.get_sample_value("kvmesh_balancer_peer_assignments_total") or 0) > peers_before
+
         await wait_until(heard, timeout_s=5)
         assert picked(await second.Route(route_request(num_prompt_tokens=10, request_id="small")))[0] == "p-6"
 
@@ -274,7 +341,10 @@ async def test_replicas_share_decisions_and_recommend_pool_sizes(nats_url: str) 
         pools = {p.pool: p for p in recommendation.pools}
         # p-5 reports a running request, p-6 nothing: half the prefill pool busy -> ceil(2 x 0.5 / 0.8) = 2
         assert (pools["prefill"].num_workers, pools["prefill"].utilization, pools["prefill"].num_recommended) == (
-            2, 0.5, 2)
+            2,
+            0.5,
+            2,
+        )
         assert (pools["decode"].num_workers, pools["decode"].num_recommended) == (1, 1)
         listed_pools = {p.pool: p.num_recommended for p in (await listed(second)).pools}
         assert listed_pools == {"prefill": 2, "decode": 1}
@@ -287,7 +357,6 @@ async def _lists(stub: balancer_pb2_grpc.BalancerStub, names: set[str]) -> bool:
     return await listed_ids(stub) == names
 
 
-
 async def test_route_encoder_sends_an_image_home_and_around_excluded_workers(nats_url: str) -> None:
     workers = {f"e-{i}": await start_worker(nats_url, f"e-{i}", common_pb2.ROLE_ENCODER) for i in (1, 2, 3)}
     image_hash = bytes(range(32))
@@ -297,12 +366,17 @@ async def test_route_encoder_sends_an_image_home_and_around_excluded_workers(nat
 
         async def all_listed() -> bool:
             return await listed_ids(stub) == set(workers)
+
         await wait_until(all_listed)
 
         async def route(*excluded: str, model: str = "m") -> str:
-            response = await stub.RouteEncoder(balancer_pb2.RouteEncoderRequest(
-                request_id="r", model=model, image_hash=image_hash, exclude_worker_ids=excluded))
+            response = await stub.RouteEncoder(
+                balancer_pb2.RouteEncoderRequest(
+                    request_id="r", model=model, image_hash=image_hash, exclude_worker_ids=excluded
+                )
+            )
             return str(response.encoder.worker_id)
+
         assert [await route() for _ in range(2)] == [home, home]  # the same image: where its embeddings are cached
         assert await route(home) != home
         with pytest.raises(grpc.aio.AioRpcError) as error:

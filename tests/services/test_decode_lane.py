@@ -17,9 +17,9 @@ from engine_core import SamplingParams
 from engine_core.kv_cache.manager import cdiv
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import lane, rpc
+from mesh.compute.convert import layout_to_proto, sampling_to_proto
 from mesh.config import SettingError, load_settings
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from services.compute.convert import layout_to_proto, sampling_to_proto
 from services.decode.config import DecodeSettings
 from services.decode.lane import PushLane
 from services.decode.server import DecodeService
@@ -48,10 +48,15 @@ class Pair:
     model: str
 
     def request(self, request_id: str, prompt: list[int], **fields: object) -> prefill_pb2.PrefillRequest:
-        values: dict = dict(request_id=request_id, model=self.model, prompt_token_ids=prompt,
-                            sampling=sampling_to_proto(GREEDY), decode_address=self.decode.runtime.address,
-                            decode_worker_id=self.decode.runtime.worker_id,
-                            decode_data_address=self.decode.runtime.data_address)
+        values: dict = dict(
+            request_id=request_id,
+            model=self.model,
+            prompt_token_ids=prompt,
+            sampling=sampling_to_proto(GREEDY),
+            decode_address=self.decode.runtime.address,
+            decode_worker_id=self.decode.runtime.worker_id,
+            decode_data_address=self.decode.runtime.data_address,
+        )
         return prefill_pb2.PrefillRequest(**{**values, **fields})
 
     def num_free_blocks(self) -> int:
@@ -63,10 +68,15 @@ class Pair:
 
     def header(self, request_id: str, num_tokens: int, **fields: object) -> decode_pb2.KVPushHeader:
         values: dict = dict(
-            request_id=request_id, model=self.model, prompt_token_ids=prompt_of(num_tokens, seed=num_tokens),
-            output_token_ids=[7], sampling=sampling_to_proto(GREEDY),
-            layout=layout_to_proto(self.decode.engines.layout(self.model)), num_tokens=num_tokens,
-            num_blocks=cdiv(num_tokens, 16))
+            request_id=request_id,
+            model=self.model,
+            prompt_token_ids=prompt_of(num_tokens, seed=num_tokens),
+            output_token_ids=[7],
+            sampling=sampling_to_proto(GREEDY),
+            layout=layout_to_proto(self.decode.engines.layout(self.model)),
+            num_tokens=num_tokens,
+            num_blocks=cdiv(num_tokens, 16),
+        )
         return decode_pb2.KVPushHeader(**{**values, **fields})
 
 
@@ -79,24 +89,42 @@ def nats_url() -> Iterator[str]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pair(nats_url, llama_reference) -> AsyncIterator[Pair]:
     model = str(llama_reference[0])
-    common = dict(nats_url=nats_url, heartbeat_interval_s=0.2, log_level="warning", drain_timeout_s=5.0,
-                  models=(model,), kv_cache_memory_bytes=16 * LLAMA_BLOCK_BYTES)
+    common = dict(
+        nats_url=nats_url,
+        heartbeat_interval_s=0.2,
+        log_level="warning",
+        drain_timeout_s=5.0,
+        models=(model,),
+        kv_cache_memory_bytes=16 * LLAMA_BLOCK_BYTES,
+    )
     decode = await DecodeService.start(load_settings(DecodeSettings, env={}, worker_id="decode-lane", **common))
-    prefill = await PrefillService.start(load_settings(
-        PrefillSettings, env={}, worker_id="prefill-lane", kvcache_enabled=False,
-        **{**common, "kv_cache_memory_bytes": 64 * LLAMA_BLOCK_BYTES}))  # room for what decode refuses
+    prefill = await PrefillService.start(
+        load_settings(
+            PrefillSettings,
+            env={},
+            worker_id="prefill-lane",
+            kvcache_enabled=False,
+            **{**common, "kv_cache_memory_bytes": 64 * LLAMA_BLOCK_BYTES},
+        )
+    )  # room for what decode refuses
     channels = rpc.Channels()
     assert decode.runtime.data_address and decode.runtime.data_address != decode.runtime.address
-    yield Pair(prefill, decode, prefill_pb2_grpc.PrefillStub(channels.get(prefill.runtime.address)),
-               decode_pb2_grpc.DecodeStub(channels.get(decode.runtime.address)), model)
+    yield Pair(
+        prefill,
+        decode,
+        prefill_pb2_grpc.PrefillStub(channels.get(prefill.runtime.address)),
+        decode_pb2_grpc.DecodeStub(channels.get(decode.runtime.address)),
+        model,
+    )
     await channels.close()
     for service in (prefill, decode):
         await service.stop()
 
 
 async def follow(pair: Pair, request_id: str) -> list[int]:
-    return [t async for b in pair.decode_stub.Stream(decode_pb2.StreamRequest(request_id=request_id))
-            for t in b.token_ids]
+    return [
+        t async for b in pair.decode_stub.Stream(decode_pb2.StreamRequest(request_id=request_id)) for t in b.token_ids
+    ]
 
 
 async def test_a_push_over_the_lane_gives_exactly_the_tokens_of_one_engine_and_reuses_the_connection(pair: Pair):
@@ -115,8 +143,9 @@ async def test_a_push_over_the_lane_gives_exactly_the_tokens_of_one_engine_and_r
 async def test_an_unreachable_lane_falls_back_to_pushkv(pair: Pair):
     prompt = prompt_of(40, seed=5)
     expected, _ = reference_outputs(pair.model, prompt, GREEDY)
-    response = await pair.prefill_stub.Prefill(pair.request("fallback", prompt,
-                                                            decode_data_address=f"127.0.0.1:{free_port()}"))
+    response = await pair.prefill_stub.Prefill(
+        pair.request("fallback", prompt, decode_data_address=f"127.0.0.1:{free_port()}")
+    )
     assert [response.first_token_id] + await follow(pair, "fallback") == expected
     await pair.wait_for_free_blocks()
 
@@ -149,26 +178,42 @@ async def test_bad_pushes_on_the_lane_get_the_codes_pushkv_gives_and_free_their_
     end = (decode_pb2.PushLaneFrame(end=common_pb2.LaneEnd()), b"")
     cases = [
         ([chunk(0, 2, 2 * LAYER_BLOCK_BYTES)], grpc.StatusCode.INVALID_ARGUMENT, "must start with its header"),
-        ([(decode_pb2.PushLaneFrame(header=pair.header("bad", 20, model="nope")), b"")], grpc.StatusCode.NOT_FOUND,
-         "model 'nope'"),
-        ([header, chunk(0, 2, 2 * LAYER_BLOCK_BYTES + 1)], grpc.StatusCode.INVALID_ARGUMENT,
-         f"KV chunk of {2 * LAYER_BLOCK_BYTES + 1} bytes does not hold 2 blocks"),
+        (
+            [(decode_pb2.PushLaneFrame(header=pair.header("bad", 20, model="nope")), b"")],
+            grpc.StatusCode.NOT_FOUND,
+            "model 'nope'",
+        ),
+        (
+            [header, chunk(0, 2, 2 * LAYER_BLOCK_BYTES + 1)],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"KV chunk of {2 * LAYER_BLOCK_BYTES + 1} bytes does not hold 2 blocks",
+        ),
         ([header, chunk(0, 3, 3 * LAYER_BLOCK_BYTES)], grpc.StatusCode.INVALID_ARGUMENT, "does not hold 3 blocks"),
-        ([header, chunk(0, 2, 2 * LAYER_BLOCK_BYTES), end], grpc.StatusCode.INVALID_ARGUMENT,
-         "incomplete KV push"),  # one layer of three
+        (
+            [header, chunk(0, 2, 2 * LAYER_BLOCK_BYTES), end],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "incomplete KV push",
+        ),  # one layer of three
         ([header, header], grpc.StatusCode.INVALID_ARGUMENT, "exactly one header"),
-        ([header] + [chunk(layer % 3, 2, 2 * LAYER_BLOCK_BYTES) for layer in range(4)],
-         grpc.StatusCode.INVALID_ARGUMENT, "holds more than its header's 2 blocks per layer"),
+        (
+            [header] + [chunk(layer % 3, 2, 2 * LAYER_BLOCK_BYTES) for layer in range(4)],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "holds more than its header's 2 blocks per layer",
+        ),
     ]
     for frames, code, message in cases:
         answer = await exchange(pair.decode.runtime.data_address, frames)
         assert (answer.WhichOneof("kind"), answer.end.code, message in answer.end.error) == (
-            "end", code.value[0], True), answer
+            "end",
+            code.value[0],
+            True,
+        ), answer
     await pair.wait_for_free_blocks()
 
     async with holding_blocks(pair, 100):  # 7 of the 16 blocks
-        answer = await exchange(pair.decode.runtime.data_address,
-                                [(decode_pb2.PushLaneFrame(header=pair.header("no-room", 150)), b"")])  # 10 blocks
+        answer = await exchange(
+            pair.decode.runtime.data_address, [(decode_pb2.PushLaneFrame(header=pair.header("no-room", 150)), b"")]
+        )  # 10 blocks
         assert (answer.end.code, answer.end.error) == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "no free KV blocks")
     await pair.wait_for_free_blocks()
 
@@ -210,8 +255,10 @@ async def test_a_pusher_that_goes_away_or_stalls_frees_the_blocks(pair: Pair):
         await lane.send_frame(sock, decode_pb2.PushLaneFrame(header=pair.header("stalled", 100)))
         frames = [(await lane.recv_frame(sock, decode_pb2.PushLaneFrame))[0] for _ in range(2)]  # then nothing sent
         assert [f.WhichOneof("kind") for f in frames] == ["reserved", "end"]
-        assert (frames[1].end.code, frames[1].end.error) == (grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                                                             "the KV push took longer than 1 s")
+        assert (frames[1].end.code, frames[1].end.error) == (
+            grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+            "the KV push took longer than 1 s",
+        )
         sock.close()
         await pair.wait_for_free_blocks()
     finally:

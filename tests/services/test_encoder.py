@@ -33,11 +33,23 @@ def png(color: tuple[int, int, int], size: tuple[int, int] = (48, 32)) -> bytes:
 def encoder() -> Iterator[encoder_pb2_grpc.EncoderStub]:
     port = free_port()
     with EmbeddedNats() as nats:
-        env = {**os.environ, "KVMESH_NATS_URL": nats.url, "KVMESH_GRPC_PORT": str(port), "KVMESH_HTTP_PORT": "0",
-               "KVMESH_MODELS": f"smollm2-135m,{DEEPSEEK}", "KVMESH_LOG_LEVEL": "warning",
-               "KVMESH_MAX_IMAGE_SIDE": "1024", "KVMESH_WORKER_ID": "encoder-t"}
-        process = subprocess.Popen([sys.executable, "-m", "kvmesh", "serve", "encoder"], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = {
+            **os.environ,
+            "KVMESH_NATS_URL": nats.url,
+            "KVMESH_GRPC_PORT": str(port),
+            "KVMESH_HTTP_PORT": "0",
+            "KVMESH_MODELS": f"smollm2-135m,{DEEPSEEK}",
+            "KVMESH_LOG_LEVEL": "warning",
+            "KVMESH_MAX_IMAGE_SIDE": "1024",
+            "KVMESH_WORKER_ID": "encoder-t",
+        }
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh", "serve", "encoder"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 grpc.channel_ready_future(channel).result(timeout=60)
@@ -49,8 +61,9 @@ def encoder() -> Iterator[encoder_pb2_grpc.EncoderStub]:
 
 
 def encode(stub: encoder_pb2_grpc.EncoderStub, image: bytes, model: str = DEEPSEEK) -> encoder_pb2.EncodeResponse:
-    response: encoder_pb2.EncodeResponse = stub.Encode(encoder_pb2.EncodeRequest(request_id="t", model=model,
-                                                                                  image=image), timeout=30)
+    response: encoder_pb2.EncodeResponse = stub.Encode(
+        encoder_pb2.EncodeRequest(request_id="t", model=model, image=image), timeout=30
+    )
     return response
 
 
@@ -67,8 +80,10 @@ def test_encode_then_the_same_image_from_the_cache(encoder):
     assert again.cached and again.image_hash == first.image_hash and again.embeddings == first.embeddings
     other = encode(encoder, png((20, 20, 220)))
     assert not other.cached and other.image_hash != first.image_hash
-    assert not torch.equal(embeddings_from_bytes(other.embeddings, "float32", 64, 256),
-                           embeddings_from_bytes(first.embeddings, "float32", 64, 256))
+    assert not torch.equal(
+        embeddings_from_bytes(other.embeddings, "float32", 64, 256),
+        embeddings_from_bytes(first.embeddings, "float32", 64, 256),
+    )
 
 
 def test_bad_images_and_models_without_images_are_refused(encoder):

@@ -18,8 +18,8 @@ from engine_core.async_engine import AsyncEngine
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import subjects
 from mesh.bus import Bus
+from mesh.compute.experts import ExpertSync
 from mesh.pb import expert_lb_pb2, expert_lb_pb2_grpc
-from services.compute.experts import ExpertSync
 from services.expert_lb.config import ExpertLBSettings
 from services.expert_lb.rebalancer import ExpertRebalancer, LoadReport, ModelShape, compute
 from services.expert_lb.server import serve
@@ -34,9 +34,11 @@ def report(worker_id: str, counts: list[int], plan_version: int = 0) -> LoadRepo
 
 # --- ExpertRebalancer ------------------------------------------------------------------------------------------
 
+
 def test_plans_follow_the_window_of_every_workers_counts() -> None:
-    rebalancer = ExpertRebalancer(window_intervals=2, num_nodes=1, policy="auto", max_moves_fraction=1.0,
-                                  min_gain=0.0, replan_gain=0.05)
+    rebalancer = ExpertRebalancer(
+        window_intervals=2, num_nodes=1, policy="auto", max_moves_fraction=1.0, min_gain=0.0, replan_gain=0.05
+    )
     rebalancer.record(report("w1", [6, 3, 1, 2]))
     rebalancer.record(report("w2", [2, 1, 1, 0]))
     jobs, resend = rebalancer.begin_plans()
@@ -81,8 +83,14 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def settings(nats_url: str, name: str) -> ExpertLBSettings:
-    return ExpertLBSettings(nats_url=nats_url, grpc_port=free_port(), http_port=free_port(), worker_id=name,
-                            expert_plan_interval_s=INTERVAL_S, expert_max_moves_fraction=1.0)
+    return ExpertLBSettings(
+        nats_url=nats_url,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        worker_id=name,
+        expert_plan_interval_s=INTERVAL_S,
+        expert_max_moves_fraction=1.0,
+    )
 
 
 async def get_plan(stub: expert_lb_pb2_grpc.ExpertBalancerStub, model: str) -> expert_lb_pb2.ExpertPlan | None:
@@ -103,18 +111,36 @@ async def test_service_plans_from_reports_and_publishes(nats_url: str) -> None:
 
         async def on_plan(plan: expert_lb_pb2.ExpertPlan, subject: str) -> None:
             plans.put_nowait(plan)
+
         await worker.subscribe(subjects.expert_plan("fake-moe"), expert_lb_pb2.ExpertPlan, on_plan)
-        await worker.publish(subjects.expert_load("fake-moe"), expert_lb_pb2.ExpertLoad(
-            worker_id="fake-worker", model="fake-moe", num_layers=1, num_experts=4, counts=[8, 4, 2, 2], step=1,
-            first_layer=3, num_groups=1, num_physical_experts=6, num_gpus=3))
-        await worker.publish(subjects.expert_load("fake-moe"), expert_lb_pb2.ExpertLoad(
-            worker_id="fake-worker", model="fake-moe", num_layers=1, num_experts=4, counts=[1, 2, 3], step=2))
+        await worker.publish(
+            subjects.expert_load("fake-moe"),
+            expert_lb_pb2.ExpertLoad(
+                worker_id="fake-worker",
+                model="fake-moe",
+                num_layers=1,
+                num_experts=4,
+                counts=[8, 4, 2, 2],
+                step=1,
+                first_layer=3,
+                num_groups=1,
+                num_physical_experts=6,
+                num_gpus=3,
+            ),
+        )
+        await worker.publish(
+            subjects.expert_load("fake-moe"),
+            expert_lb_pb2.ExpertLoad(
+                worker_id="fake-worker", model="fake-moe", num_layers=1, num_experts=4, counts=[1, 2, 3], step=2
+            ),
+        )
         plan = await asyncio.wait_for(plans.get(), timeout=5)  # the malformed second report was dropped
         assert (list(plan.phy2log), plan.num_moved, plan.num_gpus, plan.policy) == ([0, 1, 2, 1, 0, 3], 2, 3, "global")
         assert list(plan.gpu_loads) == [6.0, 4.0, 6.0] and plan.balancedness[0] == pytest.approx(16 / 18)
         assert await get_plan(stub, "fake-moe") == plan
-        assert REGISTRY.get_sample_value("kvmesh_expert_balancedness",
-                                         {"model": "fake-moe", "layer": "3"}) == pytest.approx(16 / 18)
+        assert REGISTRY.get_sample_value(
+            "kvmesh_expert_balancedness", {"model": "fake-moe", "layer": "3"}
+        ) == pytest.approx(16 / 18)
         moves = REGISTRY.get_sample_value("kvmesh_expert_moves_total", {"model": "fake-moe"})
         assert moves is not None and moves - moves_before == 2
         await worker.close()
@@ -122,8 +148,11 @@ async def test_service_plans_from_reports_and_publishes(nats_url: str) -> None:
 
 async def test_a_worker_reports_and_applies_plans_while_it_generates(nats_url: str) -> None:
     path = str(model_store.ensure("deepseek-tiny"))
-    engine = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=64, expert_parallel_size=2,
-                                    num_redundant_experts=2, served_name="tiny-ep"))
+    engine = LLMEngine(
+        EngineConfig(
+            path, device="cpu", num_kv_blocks=64, expert_parallel_size=2, num_redundant_experts=2, served_name="tiny-ep"
+        )
+    )
     async_engine = AsyncEngine(engine, name="engine-tiny-ep")
     await async_engine.start()
     async with serving(serve, settings(nats_url, "expert-lb-engine")) as channel:
@@ -142,10 +171,13 @@ async def test_a_worker_reports_and_applies_plans_while_it_generates(nats_url: s
 
             async def converged() -> bool:  # the engine runs the plan expert_lb serves
                 plan = await get_plan(stub, "tiny-ep")
-                version, phy2log = await async_engine.call(
-                    lambda e: (e.experts.version, e.experts.phy2log()))  # type: ignore[union-attr]
-                return (plan is not None and version == plan.version
-                        and [x for row in phy2log for x in row] == list(plan.phy2log))
+                version, phy2log = await async_engine.call(lambda e: (e.experts.version, e.experts.phy2log()))  # type: ignore[union-attr]
+                return (
+                    plan is not None
+                    and version == plan.version
+                    and [x for row in phy2log for x in row] == list(plan.phy2log)
+                )
+
             await wait_until(converged, timeout_s=10)
             plan = await get_plan(stub, "tiny-ep")
             assert plan is not None and (plan.num_physical_experts, plan.num_gpus, plan.first_layer) == (18, 2, 1)

@@ -23,8 +23,17 @@ from kvmesh.nats_server import EmbeddedNats
 from mesh import rpc
 from mesh.bus import Bus
 from mesh.discovery import Announcer
-from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc
-from mesh.pb import gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from mesh.pb import (
+    balancer_pb2,
+    balancer_pb2_grpc,
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from services.gateway.catalog import ModelCatalog, ServedModel, load_model
 from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
@@ -65,15 +74,19 @@ class Script:
         return [request_id for request_id in self.aborts if request_id in ids]
 
 
-class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer,
-            decode_pb2_grpc.DecodeServicer):
+class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServicer):
     def __init__(self) -> None:
         self.script = Script()
         self.address = ""
 
     def info(self, worker_id: str, role: int) -> common_pb2.WorkerInfo:
-        return common_pb2.WorkerInfo(worker_id=worker_id, role=role, address=self.address,  # type: ignore[arg-type]
-                                     models=[MODEL], block_size=16)
+        return common_pb2.WorkerInfo(
+            worker_id=worker_id,
+            role=role,
+            address=self.address,  # type: ignore[arg-type]
+            models=[MODEL],
+            block_size=16,
+        )
 
     async def Route(self, request: balancer_pb2.RouteRequest, context: Any) -> balancer_pb2.RouteResponse:
         self.script.routes.append(request)
@@ -82,8 +95,9 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
         if prefill is None or decode is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "every worker is excluded")
         assert prefill is not None and decode is not None
-        return balancer_pb2.RouteResponse(prefill=self.info(prefill, common_pb2.ROLE_PREFILL),
-                                          decode=self.info(decode, common_pb2.ROLE_DECODE))
+        return balancer_pb2.RouteResponse(
+            prefill=self.info(prefill, common_pb2.ROLE_PREFILL), decode=self.info(decode, common_pb2.ROLE_DECODE)
+        )
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         self.script.prefills.append(request)
@@ -104,11 +118,16 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
         ids = self.script.token_ids[offset:]
         finish_reason: Any = self.script.finish_reason if len(ids) == 1 else 0
         return prefill_pb2.PrefillResponse(
-            worker_id="prefill", first_token_id=ids[0], num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=NUM_CACHED, finish_reason=finish_reason)
+            worker_id="prefill",
+            first_token_id=ids[0],
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=NUM_CACHED,
+            finish_reason=finish_reason,
+        )
 
-    async def PrefillStream(self, request: prefill_pb2.PrefillRequest,
-                            context: Any) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+    async def PrefillStream(
+        self, request: prefill_pb2.PrefillRequest, context: Any
+    ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
         first = await self.Prefill(request, context)
         first.kv_pending = True
         yield first
@@ -118,17 +137,18 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
         script = self.script
         script.streams.append(request.request_id)
         offset = script.offsets.get(request.request_id, 0)
-        rest = script.token_ids[offset + 1:]
+        rest = script.token_ids[offset + 1 :]
         try:
             for number, start in enumerate(range(0, len(rest), script.batch_size)):
                 if script.decode_error_after == number and script.decode_errors > 0:
                     script.decode_errors -= 1
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted decode failure")
                 await asyncio.sleep(script.batch_delay_s)
-                batch = rest[start:start + script.batch_size]
+                batch = rest[start : start + script.batch_size]
                 finish_reason: Any = script.finish_reason if start + script.batch_size >= len(rest) else 0
-                yield decode_pb2.TokenBatch(token_ids=batch, finish_reason=finish_reason,
-                                            num_output_tokens=offset + 1 + start + len(batch))
+                yield decode_pb2.TokenBatch(
+                    token_ids=batch, finish_reason=finish_reason, num_output_tokens=offset + 1 + start + len(batch)
+                )
             script.stream_ends.append("finished")
         except asyncio.CancelledError:
             script.stream_ends.append("cancelled")
@@ -169,11 +189,21 @@ async def mesh() -> AsyncIterator[Mesh]:
         fakes.address = f"127.0.0.1:{rpc.bind(server, '127.0.0.1', 0)}"
         await server.start()
         bus = await Bus.connect(nats.url, name="fake-workers")
-        workers = [("balancer-0", common_pb2.ROLE_BALANCER)] + [(w, common_pb2.ROLE_PREFILL) for w in PREFILLS] \
+        workers = (
+            [("balancer-0", common_pb2.ROLE_BALANCER)]
+            + [(w, common_pb2.ROLE_PREFILL) for w in PREFILLS]
             + [(w, common_pb2.ROLE_DECODE) for w in DECODES]
+        )
         announcers = [Announcer(bus, fakes.info(w, role), common_pb2.WorkerLoad, 0.5) for w, role in workers]
-        settings = GatewaySettings(nats_url=nats.url, http_port=0, grpc_port=0, api_keys=(KEY, "sk-other"),
-                                   models=(MODEL, IDLE_MODEL), heartbeat_interval_s=0.5, log_level="warning")
+        settings = GatewaySettings(
+            nats_url=nats.url,
+            http_port=0,
+            grpc_port=0,
+            api_keys=(KEY, "sk-other"),
+            models=(MODEL, IDLE_MODEL),
+            heartbeat_interval_s=0.5,
+            log_level="warning",
+        )
         gateway = GatewayServer(settings, catalog=catalog)
         await gateway.start()
         for announcer in announcers:
@@ -205,8 +235,9 @@ def prompt_ids(mesh: Mesh, content: str = "Hi") -> list[int]:
     return mesh.model.render_chat([{"role": "user", "content": content}])
 
 
-async def post(mesh: Mesh, body: Any, key: str | None = KEY,
-               headers: dict[str, str] | None = None) -> tuple[int, Mapping[str, str], bytes]:
+async def post(
+    mesh: Mesh, body: Any, key: str | None = KEY, headers: dict[str, str] | None = None
+) -> tuple[int, Mapping[str, str], bytes]:
     all_headers = {"Authorization": f"Bearer {key}"} if key else {}
     all_headers.update(headers or {})
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -219,24 +250,30 @@ def sse_events(raw: bytes) -> list[Any]:
     frames = raw.decode().split("\n\n")
     assert frames[-1] == ""
     assert all(frame.startswith("data: ") for frame in frames[:-1])
-    return [frame[len("data: "):] if frame == "data: [DONE]" else json.loads(frame[len("data: "):])
-            for frame in frames[:-1]]
+    return [
+        frame[len("data: ") :] if frame == "data: [DONE]" else json.loads(frame[len("data: ") :])
+        for frame in frames[:-1]
+    ]
 
 
 # ---- OpenAI SDK -----------------------------------------------------------------------------------------
 
+
 async def test_sdk_completion(mesh: Mesh, script: Script) -> None:
     raw = await mesh.client().chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=50, temperature=0.5, top_p=0.9,
-        seed=7)
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=50, temperature=0.5, top_p=0.9, seed=7
+    )
     completion = raw.parse()
     assert completion.choices[0].message.content == COMPLETION
     assert completion.choices[0].message.role == "assistant"
     assert completion.choices[0].finish_reason == "length"
     num_prompt = len(prompt_ids(mesh))
     assert completion.usage is not None
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == \
-        (num_prompt, len(script.token_ids), num_prompt + len(script.token_ids))
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (
+        num_prompt,
+        len(script.token_ids),
+        num_prompt + len(script.token_ids),
+    )
     assert completion.usage.prompt_tokens_details is not None
     assert completion.usage.prompt_tokens_details.cached_tokens == NUM_CACHED
     assert raw.headers["x-kvmesh-prefill-worker"] == "prefill-a"
@@ -250,8 +287,9 @@ async def test_sdk_completion(mesh: Mesh, script: Script) -> None:
     assert list(route.block_hashes) == hash_token_blocks(root_hash(MODEL), prompt_ids(mesh), 16)
     (prefill,) = script.prefills
     assert list(prefill.prompt_token_ids) == prompt_ids(mesh)
-    assert prefill.sampling == common_pb2.SamplingParams(temperature=0.5, top_p=0.9, max_tokens=50, seed=7,
-                                                         repetition_penalty=1.0)
+    assert prefill.sampling == common_pb2.SamplingParams(
+        temperature=0.5, top_p=0.9, max_tokens=50, seed=7, repetition_penalty=1.0
+    )
     assert (prefill.decode_worker_id, prefill.decode_address) == ("decode-a", mesh.fakes.address)
     await wait_for(lambda: script.stream_ends)  # the fake's generator ends just after its last message is read
     assert script.streams == [request_id] and script.stream_ends == ["finished"]
@@ -260,8 +298,8 @@ async def test_sdk_completion(mesh: Mesh, script: Script) -> None:
 async def test_sdk_stream_with_usage(mesh: Mesh, script: Script) -> None:
     script.finish_reason = common_pb2.FINISH_REASON_STOP
     stream = await mesh.client().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
-        stream_options={"include_usage": True})
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True, stream_options={"include_usage": True}
+    )
     chunks = [chunk async for chunk in stream]
     usage_chunks = [c for c in chunks if c.usage is not None]
     assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1]
@@ -287,7 +325,8 @@ async def test_sdk_unknown_model(mesh: Mesh, script: Script) -> None:
 async def test_sdk_bad_key(mesh: Mesh, script: Script) -> None:
     with pytest.raises(openai.AuthenticationError) as caught:
         await mesh.client(key="sk-wrong").chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}])
+            model=MODEL, messages=[{"role": "user", "content": "x"}]
+        )
     assert caught.value.code == "invalid_api_key"
     assert "sk-wrong" not in str(caught.value.body)
     models = await mesh.client(key="sk-other").models.list()  # every configured key works
@@ -296,9 +335,11 @@ async def test_sdk_bad_key(mesh: Mesh, script: Script) -> None:
 
 # ---- raw HTTP ------------------------------------------------------------------------------------------
 
+
 async def test_stream_without_usage_option(mesh: Mesh, script: Script) -> None:
-    status, headers, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                             "stream": True, "max_tokens": 50})
+    status, headers, raw = await post(
+        mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 50}
+    )
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     assert headers["x-kvmesh-prefill-worker"] == "prefill-a" and headers["x-kvmesh-decode-worker"] == "decode-a"
     events = sse_events(raw)
@@ -311,25 +352,46 @@ async def test_stream_without_usage_option(mesh: Mesh, script: Script) -> None:
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == COMPLETION
 
 
-@pytest.mark.parametrize(("body", "status", "param", "code"), [
-    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": "hot"}, 400, "temperature", None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 9}, 400, "n", None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, 400, "max_tokens", None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16384}, 400, "max_tokens",
-     "context_length_exceeded"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 10**6}, 400,
-     "max_completion_tokens", "context_length_exceeded"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 17000}]}, 400, "messages",
-     "context_length_exceeded"),
-    ({"model": MODEL, "messages": [{"role": "robot", "content": "Hi"}]}, 400, "messages[0].role", None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stop": ["a"] * 5}, 400, "stop", None),
-    ({"model": "gpt-17", "messages": [{"role": "user", "content": "Hi"}]}, 404, "model", "model_not_found"),
-    ({"model": IDLE_MODEL, "messages": [{"role": "user", "content": "Hi"}]}, 503, None, "service_unavailable"),
-    (b"{not json", 400, None, None),
-    (b"[1, 2]", 400, None, None),
-])
-async def test_bad_requests(mesh: Mesh, script: Script, body: Any, status: int, param: str | None,
-                            code: str | None) -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": "hot"},
+            400,
+            "temperature",
+            None,
+        ),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 9}, 400, "n", None),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, 400, "max_tokens", None),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16384},
+            400,
+            "max_tokens",
+            "context_length_exceeded",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 10**6},
+            400,
+            "max_completion_tokens",
+            "context_length_exceeded",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "word " * 17000}]},
+            400,
+            "messages",
+            "context_length_exceeded",
+        ),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "Hi"}]}, 400, "messages[0].role", None),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stop": ["a"] * 5}, 400, "stop", None),
+        ({"model": "gpt-17", "messages": [{"role": "user", "content": "Hi"}]}, 404, "model", "model_not_found"),
+        ({"model": IDLE_MODEL, "messages": [{"role": "user", "content": "Hi"}]}, 503, None, "service_unavailable"),
+        (b"{not json", 400, None, None),
+        (b"[1, 2]", 400, None, None),
+    ],
+)
+async def test_bad_requests(
+    mesh: Mesh, script: Script, body: Any, status: int, param: str | None, code: str | None
+) -> None:
     got_status, headers, raw = await post(mesh, body)
     error = json.loads(raw)["error"]
     assert (got_status, error["param"], error["code"]) == (status, param, code)
@@ -342,14 +404,22 @@ async def test_bad_requests(mesh: Mesh, script: Script, body: Any, status: int, 
 async def test_missing_key(mesh: Mesh, script: Script) -> None:
     status, _, raw = await post(mesh, {"model": MODEL, "messages": []}, key=None)
     assert status == 401
-    assert json.loads(raw) == {"error": {
-        "message": "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key'.",
-        "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    assert json.loads(raw) == {
+        "error": {
+            "message": "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key'.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
 
 
 async def test_client_request_id_is_echoed(mesh: Mesh, script: Script) -> None:
-    status, headers, _ = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
-                                    headers={"x-request-id": "client-req-42"})
+    status, headers, _ = await post(
+        mesh,
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+        headers={"x-request-id": "client-req-42"},
+    )
     assert status == 200 and headers["x-request-id"] == "client-req-42"
     assert script.prefills[0].request_id.startswith("client-req-42-")  # unique in the mesh
 
@@ -357,8 +427,16 @@ async def test_client_request_id_is_echoed(mesh: Mesh, script: Script) -> None:
 async def test_stop_string_ends_the_stream_and_cancels_decode(mesh: Mesh, script: Script) -> None:
     script.batch_size = 1
     script.batch_delay_s = 0.05
-    status, _, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                       "stop": ["Bye"], "stream": True, "stream_options": {"include_usage": True}})
+    status, _, raw = await post(
+        mesh,
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stop": ["Bye"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     events = sse_events(raw)
     assert status == 200 and events[-1] == "[DONE]"
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1] if c["choices"])
@@ -370,8 +448,9 @@ async def test_stop_string_ends_the_stream_and_cancels_decode(mesh: Mesh, script
 
 
 async def test_stop_string_in_the_first_token_aborts_decode(mesh: Mesh, script: Script) -> None:
-    status, _, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                       "stop": "Hello"})
+    status, _, raw = await post(
+        mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stop": "Hello"}
+    )
     body = json.loads(raw)
     assert status == 200 and body["choices"][0]["message"]["content"] == ""
     assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 1
@@ -420,8 +499,7 @@ async def test_worker_rejection_is_a_400(mesh: Mesh, script: Script) -> None:
 
 async def test_error_after_the_stream_started_is_an_sse_frame(mesh: Mesh, script: Script) -> None:
     script.decode_error_after = 0  # every decode stream fails: the first attempt, then both migrations
-    status, _, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                       "stream": True})
+    status, _, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True})
     events = sse_events(raw)
     assert status == 200 and events[-1] != "[DONE]"
     assert events[-1]["error"]["code"] == "service_unavailable"
@@ -431,8 +509,9 @@ async def test_error_after_the_stream_started_is_an_sse_frame(mesh: Mesh, script
 
 async def test_a_decode_failure_mid_stream_migrates_and_the_output_goes_on(mesh: Mesh, script: Script) -> None:
     script.decode_error_after, script.decode_errors = 1, 1
-    status, headers, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                             "stream": True})
+    status, headers, raw = await post(
+        mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    )
     events = sse_events(raw)
     assert status == 200 and events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
@@ -456,13 +535,17 @@ async def wait_for(condition: Any, timeout_s: float = 3.0) -> None:
 async def test_client_leaving_cancels_the_decode_stream(mesh: Mesh, script: Script) -> None:
     script.batch_size = 1
     script.batch_delay_s = 0.3
-    async with aiohttp.ClientSession() as session:
-        async with session.post(f"{mesh.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                                json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                      "stream": True}) as response:
-            for _ in range(3):  # role, "Hello" (prefill's token), " world" (decode's first batch)
-                await response.content.readuntil(b"\n\n")
-            response.close()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{mesh.base_url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True},
+        ) as response,
+    ):
+        for _ in range(3):  # role, "Hello" (prefill's token), " world" (decode's first batch)
+            await response.content.readuntil(b"\n\n")
+        response.close()
     await wait_for(lambda: script.stream_ends and script.own_aborts())
     assert script.stream_ends == ["cancelled"]
     assert script.own_aborts() == [script.prefills[0].request_id]  # in case the cancel raced the call's start
@@ -472,9 +555,12 @@ async def test_client_leaving_during_prefill_cancels_it(mesh: Mesh, script: Scri
     script.prefill_delay_s = 5.0
     async with aiohttp.ClientSession() as session:
         with pytest.raises(asyncio.TimeoutError):
-            await session.post(f"{mesh.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                               json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
-                               timeout=aiohttp.ClientTimeout(total=0.5))
+            await session.post(
+                f"{mesh.base_url}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {KEY}"},
+                json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+                timeout=aiohttp.ClientTimeout(total=0.5),
+            )
     await wait_for(lambda: script.prefill_ends and script.own_aborts())
     assert script.prefill_ends == ["cancelled"]
     assert script.own_aborts() == [script.prefills[0].request_id]  # the KV may have reached decode already
@@ -486,8 +572,9 @@ async def test_models_health_ready_metrics(mesh: Mesh, script: Script) -> None:
         async with session.get(f"{mesh.base_url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}) as response:
             body = await response.json()
         assert body["object"] == "list"
-        assert [(m["id"], m["object"], m["owned_by"], m["max_model_len"]) for m in body["data"]] == \
-            [(MODEL, "model", "kvmesh", mesh.model.context_len)]
+        assert [(m["id"], m["object"], m["owned_by"], m["max_model_len"]) for m in body["data"]] == [
+            (MODEL, "model", "kvmesh", mesh.model.context_len)
+        ]
         async with session.get(f"{mesh.base_url}/v1/models") as response:
             assert response.status == 401
         for path in ("/healthz", "/readyz"):
@@ -506,9 +593,8 @@ async def test_draining_refuses_new_requests(mesh: Mesh, script: Script) -> None
     lifecycle.draining = True
     try:
         status, _, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"{mesh.base_url}/readyz") as response:
-                ready_status = response.status
+        async with aiohttp.ClientSession() as session, session.get(f"{mesh.base_url}/readyz") as response:
+            ready_status = response.status
     finally:
         lifecycle.draining = False
     assert (status, json.loads(raw)["error"]["code"], ready_status) == (503, "service_unavailable", 503)
@@ -524,14 +610,21 @@ async def test_grpc_generate(mesh: Mesh, script: Script) -> None:
     async with grpc.aio.insecure_channel(mesh.grpc_address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = gateway_pb2.GenerateRequest(
-            model=MODEL, messages=[gateway_pb2.ChatMessage(role="user", content="Hi")], stop=["now"],
-            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=30), cache_salt="tenant-1")
+            model=MODEL,
+            messages=[gateway_pb2.ChatMessage(role="user", content="Hi")],
+            stop=["now"],
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=30),
+            cache_salt="tenant-1",
+        )
         responses = [r async for r in stub.Generate(request, metadata=AUTH)]
     assert "".join(r.text for r in responses) == "Hello world. Bye "
     last = responses[-1]
     assert last.finish_reason == common_pb2.FINISH_REASON_STOP
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) == \
-        (len(prompt_ids(mesh)), len(script.token_ids), NUM_CACHED)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) == (
+        len(prompt_ids(mesh)),
+        len(script.token_ids),
+        NUM_CACHED,
+    )
     assert {(r.prefill_worker, r.decode_worker) for r in responses} == {("prefill-a", "decode-a")}
     assert [t for r in responses for t in r.token_ids] == script.token_ids
     (route,) = script.routes
@@ -548,19 +641,30 @@ async def test_grpc_token_ids_prompt(mesh: Mesh, script: Script) -> None:
     assert list(script.prefills[0].prompt_token_ids) == [5, 6, 7]
 
 
-@pytest.mark.parametrize(("request_fields", "metadata", "code"), [
-    ({"model": MODEL, "prompt": "Hi"}, (("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED),
-    ({"model": MODEL, "prompt": "Hi"}, (), grpc.StatusCode.UNAUTHENTICATED),
-    ({"model": "gpt-17", "prompt": "Hi"}, AUTH, grpc.StatusCode.NOT_FOUND),
-    ({"model": MODEL}, AUTH, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"model": MODEL, "prompt": "Hi", "prompt_token_ids": [1]}, AUTH, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"model": MODEL, "prompt_token_ids": [10**7]}, AUTH, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"model": MODEL, "prompt": "Hi", "sampling": common_pb2.SamplingParams(top_p=2.0)}, AUTH,
-     grpc.StatusCode.INVALID_ARGUMENT),
-    ({"model": IDLE_MODEL, "prompt": "Hi"}, AUTH, grpc.StatusCode.UNAVAILABLE),
-])
-async def test_grpc_errors(mesh: Mesh, script: Script, request_fields: dict[str, Any],
-                           metadata: tuple[tuple[str, str], ...], code: grpc.StatusCode) -> None:
+@pytest.mark.parametrize(
+    ("request_fields", "metadata", "code"),
+    [
+        ({"model": MODEL, "prompt": "Hi"}, (("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED),
+        ({"model": MODEL, "prompt": "Hi"}, (), grpc.StatusCode.UNAUTHENTICATED),
+        ({"model": "gpt-17", "prompt": "Hi"}, AUTH, grpc.StatusCode.NOT_FOUND),
+        ({"model": MODEL}, AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"model": MODEL, "prompt": "Hi", "prompt_token_ids": [1]}, AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"model": MODEL, "prompt_token_ids": [10**7]}, AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            {"model": MODEL, "prompt": "Hi", "sampling": common_pb2.SamplingParams(top_p=2.0)},
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        ({"model": IDLE_MODEL, "prompt": "Hi"}, AUTH, grpc.StatusCode.UNAVAILABLE),
+    ],
+)
+async def test_grpc_errors(
+    mesh: Mesh,
+    script: Script,
+    request_fields: dict[str, Any],
+    metadata: tuple[tuple[str, str], ...],
+    code: grpc.StatusCode,
+) -> None:
     async with grpc.aio.insecure_channel(mesh.grpc_address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as caught:

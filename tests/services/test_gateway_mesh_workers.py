@@ -26,18 +26,34 @@ async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size() -> N
     with EmbeddedNats() as nats:
         common = dict(nats_url=nats.url, heartbeat_interval_s=0.2, log_level="warning")
         bus = await Bus.connect(nats.url, name="fake-workers")
-        loads = {"prefill-1": common_pb2.WorkerLoad(num_running=1, num_queued_prompt_tokens=300, kv_usage=0.25,
-                                                    num_free_kv_blocks=75, num_cached_blocks=12),
-                 "decode-1": common_pb2.WorkerLoad(num_running=5, num_kv_tokens=640, kv_usage=0.4,
-                                                   num_free_kv_blocks=60)}
-        announcers = [Announcer(bus, common_pb2.WorkerInfo(
-            worker_id=name, role=common_pb2.ROLE_PREFILL if name.startswith("p") else common_pb2.ROLE_DECODE,
-            address=f"127.0.0.1:{port}", models=[MODEL], max_num_seqs=8, num_kv_blocks=100, block_size=16),
-            lambda load=load: load, 0.2) for (name, load), port in zip(loads.items(), (7101, 7102))]
+        loads = {
+            "prefill-1": common_pb2.WorkerLoad(
+                num_running=1, num_queued_prompt_tokens=300, kv_usage=0.25, num_free_kv_blocks=75, num_cached_blocks=12
+            ),
+            "decode-1": common_pb2.WorkerLoad(num_running=5, num_kv_tokens=640, kv_usage=0.4, num_free_kv_blocks=60),
+        }
+        announcers = [
+            Announcer(
+                bus,
+                common_pb2.WorkerInfo(
+                    worker_id=name,
+                    role=common_pb2.ROLE_PREFILL if name.startswith("p") else common_pb2.ROLE_DECODE,
+                    address=f"127.0.0.1:{port}",
+                    models=[MODEL],
+                    max_num_seqs=8,
+                    num_kv_blocks=100,
+                    block_size=16,
+                ),
+                lambda load=load: load,
+                0.2,
+            )
+            for (name, load), port in zip(loads.items(), (7101, 7102))
+        ]
         balancer = BalancerSettings(grpc_port=free_port(), worker_id="balancer-v", **common)
         async with serving(serve_balancer, balancer):
-            gateway = GatewayServer(GatewaySettings(http_port=0, grpc_port=0, api_keys=(KEY,), models=(MODEL,),
-                                                    **common), catalog=catalog)
+            gateway = GatewayServer(
+                GatewaySettings(http_port=0, grpc_port=0, api_keys=(KEY,), models=(MODEL,), **common), catalog=catalog
+            )
             await gateway.start()
             for announcer in announcers:
                 await announcer.start()
@@ -50,8 +66,12 @@ async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size() -> N
                     async def both_listed() -> bool:
                         async with session.get(url, headers={"Authorization": f"Bearer {KEY}"}) as response:
                             body = await response.json()
-                            return response.status == 200 and body["pools"]["prefill"]["utilization"] == 1.0 and all(
-                                body["pools"][pool]["num_workers"] == 1 for pool in ("prefill", "decode"))
+                            return (
+                                response.status == 200
+                                and body["pools"]["prefill"]["utilization"] == 1.0
+                                and all(body["pools"][pool]["num_workers"] == 1 for pool in ("prefill", "decode"))
+                            )
+
                     await wait_until(both_listed)
                     async with session.get(url, headers={"Authorization": f"Bearer {KEY}"}) as response:
                         body = await response.json()

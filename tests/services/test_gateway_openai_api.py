@@ -29,28 +29,59 @@ def test_minimal_request_takes_openai_defaults() -> None:
     chat = parse_chat_request(body())
     assert chat.model == "deepseek-tiny"
     assert chat.messages == [{"role": "user", "content": "Hi"}]
-    assert (chat.stream, chat.include_usage, chat.stop, chat.max_tokens, chat.cache_salt) == \
-        (False, False, (), None, "")
+    assert (chat.stream, chat.include_usage, chat.stop, chat.max_tokens, chat.cache_salt) == (
+        False,
+        False,
+        (),
+        None,
+        "",
+    )
     # temperature and top_p are on the wire even when defaulted: an unset proto float would read as greedy
     assert chat.sampling.temperature == 1.0 and chat.sampling.top_p == 1.0
     assert not chat.sampling.HasField("max_tokens") and not chat.sampling.HasField("seed")
 
 
 def test_sampling_fields_reach_the_wire() -> None:
-    chat = parse_chat_request(body(temperature=0, top_p=0.5, max_tokens=7, seed=42, stop="END",
-                                   presence_penalty=0.25, frequency_penalty=-0.5, user="u1", n=1))
-    assert chat.sampling == common_pb2.SamplingParams(temperature=0.0, top_p=0.5, max_tokens=7, seed=42,
-                                                      presence_penalty=0.25, frequency_penalty=-0.5,
-                                                      repetition_penalty=1.0)
+    chat = parse_chat_request(
+        body(
+            temperature=0,
+            top_p=0.5,
+            max_tokens=7,
+            seed=42,
+            stop="END",
+            presence_penalty=0.25,
+            frequency_penalty=-0.5,
+            user="u1",
+            n=1,
+        )
+    )
+    assert chat.sampling == common_pb2.SamplingParams(
+        temperature=0.0,
+        top_p=0.5,
+        max_tokens=7,
+        seed=42,
+        presence_penalty=0.25,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.0,
+    )
     assert chat.stop == ("END",)
     assert (chat.max_tokens, chat.max_tokens_param) == (7, "max_tokens")
 
 
 def test_vllm_extensions_reach_the_wire() -> None:
-    chat = parse_chat_request(body(top_k=-1, min_p=0.1, repetition_penalty=1.2, min_tokens=3, ignore_eos=True,
-                                   max_tokens=9))
-    assert chat.sampling == common_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=9, top_k=0, min_p=0.1,
-                                                      repetition_penalty=1.2, min_tokens=3, ignore_eos=True)
+    chat = parse_chat_request(
+        body(top_k=-1, min_p=0.1, repetition_penalty=1.2, min_tokens=3, ignore_eos=True, max_tokens=9)
+    )
+    assert chat.sampling == common_pb2.SamplingParams(
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=9,
+        top_k=0,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        min_tokens=3,
+        ignore_eos=True,
+    )
 
 
 def test_max_completion_tokens_wins_and_is_named_in_errors() -> None:
@@ -63,13 +94,24 @@ def test_max_completion_tokens_wins_and_is_named_in_errors() -> None:
 
 
 def test_messages_are_normalized() -> None:
-    chat = parse_chat_request(body(messages=[
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
-        {"role": "assistant", "content": None},
-    ]))
-    assert chat.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"},
-                             {"role": "assistant", "content": ""}]
+    chat = parse_chat_request(
+        body(
+            messages=[
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    "name": "x",
+                },
+                {"role": "assistant", "content": None},
+            ]
+        )
+    )
+    assert chat.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""},
+    ]
 
 
 def test_stream_options() -> None:
@@ -78,59 +120,74 @@ def test_stream_options() -> None:
     assert parse_chat_request(body(stream=True)).include_usage is False
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"model": 3}, "model"),
-    ({"model": ""}, "model"),
-    ({"messages": "Hi"}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": ["Hi"]}, "messages[0]"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"temperature": True}, "temperature"),
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-    ({"max_tokens": "10"}, "max_tokens"),
-    ({"max_completion_tokens": -3}, "max_completion_tokens"),
-    ({"seed": "7"}, "seed"),
-    ({"stop": 5}, "stop"),
-    ({"stop": ["a", 1]}, "stop"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"stream": "yes"}, "stream"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ({"stream": True, "stream_options": []}, "stream_options"),
-    ({"n": 9}, "n"),
-    ({"n": 0}, "n"),
-    ({"n": "1"}, "n"),
-    ({"presence_penalty": 3}, "presence_penalty"),
-    ({"frequency_penalty": "x"}, "frequency_penalty"),
-    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"if": {}}}}]},
-     "tools[0].function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "maybe"}, "tool_choice"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
-      "contains": {}}}}}, "response_format.json_schema.schema"),
-    ({"logprobs": "yes"}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"logit_bias": {"5": 1}}, "logit_bias"),
-    ({"cache_salt": 1}, "cache_salt"),
-    ({"top_k": 1.5}, "top_k"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 2}, "min_p"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"ignore_eos": "yes"}, "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"model": 3}, "model"),
+        ({"model": ""}, "model"),
+        ({"messages": "Hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": ["Hi"]}, "messages[0]"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"max_completion_tokens": -3}, "max_completion_tokens"),
+        ({"seed": "7"}, "seed"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["a", 1]}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ({"stream": True, "stream_options": []}, "stream_options"),
+        ({"n": 9}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": "1"}, "n"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": "x"}, "frequency_penalty"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"if": {}}}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "maybe"}, "tool_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "contains": {}}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"cache_salt": 1}, "cache_salt"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
 def test_bad_field_is_a_400_naming_it(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(GatewayError) as caught:
         parse_chat_request(body(**fields))
@@ -162,31 +219,60 @@ def test_grpc_sampling_checked_as_the_engine_reads_it() -> None:
 
 
 USAGE = Usage(prompt_tokens=12, completion_tokens=5, cached_tokens=8)
-USAGE_BODY = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17,
-              "prompt_tokens_details": {"cached_tokens": 8}}
+USAGE_BODY = {
+    "prompt_tokens": 12,
+    "completion_tokens": 5,
+    "total_tokens": 17,
+    "prompt_tokens_details": {"cached_tokens": 8},
+}
 
 
 def test_completion_body() -> None:
     result = ChoiceResult(0, text="Hello", finish_reason="length")
     assert openai_api.completion_body("chatcmpl-r1", 1700000000, "deepseek-tiny", [result], USAGE) == {
-        "id": "chatcmpl-r1", "object": "chat.completion", "created": 1700000000, "model": "deepseek-tiny",
+        "id": "chatcmpl-r1",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "deepseek-tiny",
         "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello", "refusal": None},
-                     "logprobs": None, "finish_reason": "length"}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello", "refusal": None},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        ],
         "usage": USAGE_BODY,
     }
 
 
 def test_chunks_with_include_usage() -> None:
     shape = ChunkShape("chatcmpl-r1", 1700000000, "m", include_usage=True)
-    head = {"id": "chatcmpl-r1", "object": "chat.completion.chunk", "created": 1700000000, "model": "m",
-            "system_fingerprint": None}
-    assert shape.role() == {**head, "usage": None, "choices": [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-    assert shape.content("Hi") == {**head, "usage": None, "choices": [
-        {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}]}
-    assert shape.finish("stop") == {**head, "usage": None, "choices": [
-        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]}
+    head = {
+        "id": "chatcmpl-r1",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "m",
+        "system_fingerprint": None,
+    }
+    assert shape.role() == {
+        **head,
+        "usage": None,
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ],
+    }
+    assert shape.content("Hi") == {
+        **head,
+        "usage": None,
+        "choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}],
+    }
+    assert shape.finish("stop") == {
+        **head,
+        "usage": None,
+        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}],
+    }
     assert shape.usage(USAGE) == {**head, "choices": [], "usage": USAGE_BODY}
 
 
@@ -207,14 +293,17 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-@pytest.mark.parametrize(("code", "status", "error_code"), [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400, None),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_exceeded"),
-    (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
-    (grpc.StatusCode.NOT_FOUND, 503, "service_unavailable"),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout"),
-    (grpc.StatusCode.INTERNAL, 502, "upstream_error"),
-])
+@pytest.mark.parametrize(
+    ("code", "status", "error_code"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, None),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_exceeded"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
+        (grpc.StatusCode.NOT_FOUND, 503, "service_unavailable"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout"),
+        (grpc.StatusCode.INTERNAL, 502, "upstream_error"),
+    ],
+)
 def test_worker_status_mapping(code: grpc.StatusCode, status: int, error_code: str | None) -> None:
     error = from_rpc_error(rpc_error(code, "ipv4:10.0.0.7:5000 refused"), "prefill")
     assert error.http_status == status
@@ -232,28 +321,58 @@ def test_error_kinds_map_to_grpc_codes() -> None:
 
 
 def test_tools_tool_choice_and_response_format_are_parsed() -> None:
-    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
     chat = parse_chat_request(body(tools=[weather], n=2, logprobs=True, top_logprobs=3, parallel_tool_calls=False))
     assert [t.name for t in chat.tools] == ["get_weather"]
-    assert (chat.tool_choice.mode, chat.parallel_tool_calls, chat.n, chat.logprobs, chat.top_logprobs) == \
-        ("auto", False, 2, True, 3)
-    named = parse_chat_request(body(tools=[weather], tool_choice={"type": "function",
-                                                                   "function": {"name": "get_weather"}}))
+    assert (chat.tool_choice.mode, chat.parallel_tool_calls, chat.n, chat.logprobs, chat.top_logprobs) == (
+        "auto",
+        False,
+        2,
+        True,
+        3,
+    )
+    named = parse_chat_request(
+        body(tools=[weather], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    )
     assert (named.tool_choice.mode, named.tool_choice.name) == ("named", "get_weather")
     assert parse_chat_request(body()).tool_choice.mode == "none"
-    fmt = parse_chat_request(body(response_format={"type": "json_schema", "json_schema": {
-        "name": "p", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}})).response_format
-    assert fmt is not None and fmt.kind == "json_schema" and json.loads(fmt.spec)["properties"]["a"]["type"] == "integer"
+    fmt = parse_chat_request(
+        body(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+            }
+        )
+    ).response_format
+    assert (
+        fmt is not None and fmt.kind == "json_schema" and json.loads(fmt.spec)["properties"]["a"]["type"] == "integer"
+    )
     assert parse_chat_request(body(response_format={"type": "json_object"})).response_format.kind == "json_object"  # type: ignore[union-attr]
 
 
 def test_tool_messages_are_kept_for_the_template() -> None:
-    chat = parse_chat_request(body(messages=[
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]))
-    assert chat.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]}
+    chat = parse_chat_request(
+        body(
+            messages=[
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ]
+        )
+    )
+    assert chat.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}],
+    }
     assert chat.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}

@@ -65,12 +65,26 @@ class Gateway:
                 fakes.address = f"127.0.0.1:{rpc.bind(server, '127.0.0.1', 0)}"
                 await server.start()
                 bus = await Bus.connect(nats.url, name="fuzz-workers")
-                announcers = [Announcer(bus, fakes.info(worker, role), common_pb2.WorkerLoad, 0.5) for worker, role in
-                              (("balancer-0", common_pb2.ROLE_BALANCER), ("prefill-a", common_pb2.ROLE_PREFILL),
-                               ("decode-a", common_pb2.ROLE_DECODE))]
-                gateway = GatewayServer(GatewaySettings(nats_url=nats.url, http_port=0, grpc_port=0, api_keys=(KEY,),
-                                                        models=(MODEL,), heartbeat_interval_s=0.5,
-                                                        log_level="error"), catalog=catalog)
+                announcers = [
+                    Announcer(bus, fakes.info(worker, role), common_pb2.WorkerLoad, 0.5)
+                    for worker, role in (
+                        ("balancer-0", common_pb2.ROLE_BALANCER),
+                        ("prefill-a", common_pb2.ROLE_PREFILL),
+                        ("decode-a", common_pb2.ROLE_DECODE),
+                    )
+                ]
+                gateway = GatewayServer(
+                    GatewaySettings(
+                        nats_url=nats.url,
+                        http_port=0,
+                        grpc_port=0,
+                        api_keys=(KEY,),
+                        models=(MODEL,),
+                        heartbeat_interval_s=0.5,
+                        log_level="error",
+                    ),
+                    catalog=catalog,
+                )
                 await gateway.start()
                 for announcer in announcers:
                     await announcer.start()
@@ -99,12 +113,17 @@ class Gateway:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
         try:
-            connection.request(method, path, body=body, headers={"Authorization": f"Bearer {KEY}",
-                                                                "Content-Type": "application/json", **(headers or {})})
+            connection.request(
+                method,
+                path,
+                body=body,
+                headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})},
+            )
             response = connection.getresponse()
             return response.status, response.read()
         finally:
@@ -128,8 +147,14 @@ def document(gateway: Gateway) -> dict[str, Any]:
 def test_openapi_document_lists_every_route(gateway: Gateway) -> None:
     doc = document(gateway)
     assert doc["openapi"].startswith("3.1")
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models",
-            "/v1/responses/{response_id}"} <= set(doc["paths"])
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/models",
+        "/v1/responses/{response_id}",
+    } <= set(doc["paths"])
     for path, item in doc["paths"].items():
         for method, operation in item.items():
             if method == "parameters":
@@ -144,10 +169,14 @@ def test_openapi_document_lists_every_route(gateway: Gateway) -> None:
 # ---- generated bad input ----------------------------------------------------------------------------------
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=30),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 VALID = {
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
     "/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 4},
@@ -201,27 +230,44 @@ def test_generated_bodies_never_get_a_5xx(gateway: Gateway, data: st.DataObject)
 @given(schema=JSON, path=st.sampled_from(["chat", "tools", "responses", "anthropic"]))
 def test_generated_schemas_never_get_a_5xx(gateway: Gateway, schema: Any, path: str) -> None:
     if path == "chat":
-        body: dict[str, Any] = {**VALID["/v1/chat/completions"], "response_format": {
-            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+        body: dict[str, Any] = {
+            **VALID["/v1/chat/completions"],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        }
         route = "/v1/chat/completions"
     elif path == "tools":
-        body = {**VALID["/v1/chat/completions"], "tool_choice": "required",
-                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+        body = {
+            **VALID["/v1/chat/completions"],
+            "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+        }
         route = "/v1/chat/completions"
     elif path == "responses":
         body = {**VALID["/v1/responses"], "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}}
         route = "/v1/responses"
     else:
-        body = {**VALID["/v1/messages"], "tools": [{"name": "f", "input_schema": schema}], "tool_choice": {"type": "any"}}
+        body = {
+            **VALID["/v1/messages"],
+            "tools": [{"name": "f", "input_schema": schema}],
+            "tool_choice": {"type": "any"},
+        }
         route = "/v1/messages"
     status, raw = gateway.request("POST", route, json.dumps(body).encode())
     check(status, raw, f"{route} {json.dumps(body)[:300]}")
 
 
-@pytest.mark.parametrize("raw", [
-    b"", b"{", b"\xff\xfe", b"[" * 100000 + b"]" * 100000, b'{"model": "' + b"x" * 100 + b'"}',
-    b"NaN", b'{"model": 1e999}',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"{",
+        b"\xff\xfe",
+        b"[" * 100000 + b"]" * 100000,
+        b'{"model": "' + b"x" * 100 + b'"}',
+        b"NaN",
+        b'{"model": 1e999}',
+    ],
+)
 @pytest.mark.parametrize("path", PATHS)
 def test_broken_bytes_are_a_400(gateway: Gateway, path: str, raw: bytes) -> None:
     status, body = gateway.request("POST", path, raw)
@@ -242,16 +288,26 @@ HOSTILE_SCHEMAS = [
 
 @pytest.mark.parametrize("schema", HOSTILE_SCHEMAS)
 def test_hostile_schemas_are_refused_or_served_in_time(gateway: Gateway, schema: dict[str, Any]) -> None:
-    body = {**VALID["/v1/chat/completions"], "response_format": {"type": "json_schema",
-                                                                  "json_schema": {"name": "s", "schema": schema}}}
+    body = {
+        **VALID["/v1/chat/completions"],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    }
     status, raw = gateway.request("POST", "/v1/chat/completions", json.dumps(body).encode())
     check(status, raw, json.dumps(schema)[:200])
 
 
-@pytest.mark.parametrize(("method", "path"), [
-    ("GET", "/v1/responses/resp_missing"), ("DELETE", "/v1/responses/resp_missing"), ("GET", "/v1/responses/%00"),
-    ("GET", "/v1/models/none"), ("PUT", "/v1/chat/completions"), ("GET", "/v1/nothing"), ("POST", "/v1/models"),
-])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/responses/resp_missing"),
+        ("DELETE", "/v1/responses/resp_missing"),
+        ("GET", "/v1/responses/%00"),
+        ("GET", "/v1/models/none"),
+        ("PUT", "/v1/chat/completions"),
+        ("GET", "/v1/nothing"),
+        ("POST", "/v1/models"),
+    ],
+)
 def test_other_routes_and_methods(gateway: Gateway, method: str, path: str) -> None:
     status, raw = gateway.request(method, path)
     check(status, raw, f"{method} {path}")
@@ -275,8 +331,12 @@ def test_a_saturated_mesh_is_429_for_openai_and_529_overloaded_for_anthropic(gat
     assert (status, json.loads(raw)["error"]["type"]) == (529, "overloaded_error")
     gateway.fakes.script.prefill_failures = list(saturated)
     connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=TIMEOUT_S)
-    connection.request("POST", "/v1/chat/completions", body=json.dumps(VALID["/v1/chat/completions"]),
-                       headers={"Authorization": f"Bearer {KEY}"})
+    connection.request(
+        "POST",
+        "/v1/chat/completions",
+        body=json.dumps(VALID["/v1/chat/completions"]),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     response = connection.getresponse()
     assert response.status == 429 and response.getheader("retry-after") == "1"
     assert json.loads(response.read())["error"]["code"] == "rate_limit_exceeded"
@@ -286,8 +346,16 @@ def test_a_saturated_mesh_is_429_for_openai_and_529_overloaded_for_anthropic(gat
 
 def test_many_large_tools_are_refused_or_served_in_time(gateway: Gateway) -> None:
     properties = {f"p{i}": {"type": "string", "enum": [f"v{j}" for j in range(20)]} for i in range(30)}
-    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
-        "type": "object", "properties": properties, "required": list(properties)}}} for i in range(128)]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "parameters": {"type": "object", "properties": properties, "required": list(properties)},
+            },
+        }
+        for i in range(128)
+    ]
     body = {**VALID["/v1/chat/completions"], "tools": tools, "tool_choice": "required"}
     status, raw = gateway.request("POST", "/v1/chat/completions", json.dumps(body).encode())
     check(status, raw, "128 large tools")
@@ -306,8 +374,7 @@ def test_a_failure_mid_stream_raises_in_every_sdk(gateway: Gateway) -> None:
     try:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
         with pytest.raises(openai.APIError, match="retry shortly"):
-            list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                stream=True))
+            list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True))
         with pytest.raises(openai.APIError, match="retry shortly"):
             list(client.responses.create(model=MODEL, input="Hi", stream=True))
         messages = anthropic.Anthropic(base_url=base_url, api_key=KEY, max_retries=0, timeout=TIMEOUT_S).messages

@@ -14,12 +14,25 @@ from services.gateway.chat import ChatTurn, traffic_class_of
 from services.gateway.errors import GatewayError
 from services.gateway.schema_support import Unsupported, check_schema, json_schema_output
 from services.gateway.tool_calls import (
-    DEEPSEEK, HERMES, ParsedArgs, ParsedCallEnd, ParsedCallStart, ParsedText, Tool, ToolCallParser, ToolChoice,
-    ToolSyntax, parse_tool, syntax_for,
+    DEEPSEEK,
+    HERMES,
+    ParsedArgs,
+    ParsedCallEnd,
+    ParsedCallStart,
+    ParsedText,
+    Tool,
+    ToolCallParser,
+    ToolChoice,
+    ToolSyntax,
+    parse_tool,
+    syntax_for,
 )
 
-CALLS = [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", "{}"),
-         ("nest", '{"a": {"b": [1, {"c": "}\\n</tool_call>"}]}}')]
+CALLS = [
+    ("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+    ("get_time", "{}"),
+    ("nest", '{"a": {"b": [1, {"c": "}\\n</tool_call>"}]}}'),
+]
 
 
 def parse(syntax: ToolSyntax, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[list[str]]]:
@@ -33,7 +46,7 @@ def parse(syntax: ToolSyntax, pieces: list[str]) -> tuple[str, list[tuple[str, s
         if isinstance(event, ParsedArgs):
             deltas[event.call_index].append(event.delta)
     ends = [e.arguments for e in events if isinstance(e, ParsedCallEnd)]
-    assert ends == ["".join(d) for d in deltas][:len(ends)]  # the end repeats exactly what was streamed
+    assert ends == ["".join(d) for d in deltas][: len(ends)]  # the end repeats exactly what was streamed
     return text, list(zip(names, ["".join(d) for d in deltas])), deltas
 
 
@@ -77,13 +90,21 @@ def test_tools_and_past_calls_enter_the_prompt() -> None:
     tool = parse_tool("get_weather", "The weather", {"type": "object", "properties": {"city": {"type": "string"}}}, "t")
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "content": "cold", "tool_call_id": "c1"}]
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+            ],
+        },
+        {"role": "tool", "content": "cold", "tool_call_id": "c1"},
+    ]
     hermes = HERMES.render_messages(messages, [tool])
     assert hermes[0]["role"] == "system" and '"name": "get_weather"' in hermes[0]["content"]
-    assert hermes[2] == {"role": "assistant",
-                         "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'}
+    assert hermes[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    }
     assert hermes[3] == {"role": "tool", "content": "<tool_response>\ncold\n</tool_response>"}
     deepseek = DEEPSEEK.render_messages(messages, [tool])
     assert deepseek[1:] == messages  # DeepSeek's template writes calls and results itself
@@ -96,8 +117,12 @@ def test_grammars_name_the_tools_and_use_marker_tokens(syntax: ToolSyntax, mode:
 
     from engine_core.structured_output import build_grammar
 
-    tools = [parse_tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}},
-                                            "required": ["city"]}, "t"), parse_tool("get_time", "", None, "t")]
+    tools = [
+        parse_tool(
+            "get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "t"
+        ),
+        parse_tool("get_time", "", None, "t"),
+    ]
     ids = {marker: 1000 + i for i, marker in enumerate(syntax.marker_tokens)}
     grammar = syntax.grammar(tools, ToolChoice(mode, "get_time" if mode == "named" else ""), True, ids.get)
     assert grammar.kind == "structural_tag"
@@ -108,25 +133,33 @@ def test_grammars_name_the_tools_and_use_marker_tokens(syntax: ToolSyntax, mode:
     assert isinstance(xgr.Grammar, type)
 
 
-@pytest.mark.parametrize(("schema", "feature"), [
-    ({"not": {"type": "string"}}, "'not'"),
-    ({"type": "object", "properties": {"a": {"if": {}, "then": {}}}}, "'if' is not supported by structured output (at /properties/a)"),
-    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired'"),
-    ({"type": "array", "contains": {"type": "string"}}, "'contains'"),
-    ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
-    ({"type": "string", "format": "phone"}, "string format \"phone\""),
-    ({"type": "string", "pattern": "(?!x)y"}, "lookaround"),
-    ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "'allOf' with more than one"),
-    ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "'oneOf'"),
-    ({"$ref": "other.json#/x"}, "local '$ref'"),
-    ({"type": "string", "maxLength": 10**6}, "'maxLength' must be an integer in [0, 4096]"),
-    ({"type": "number", "multipleOf": 0.5}, "'multipleOf'"),
-    ({"type": "array", "items": [{"type": "string"}]}, "prefixItems"),
-    ({"type": "widget"}, "unknown type"),
-    # jsonschemabench's calculate_area: xgrammar enforced the properties and dropped the anyOf of 'required's
-    ({"type": "object", "properties": {"r": {"type": "number"}}, "anyOf": [{"required": ["r"]}]},
-     "'anyOf' beside other keywords of the same schema ('properties', 'type')"),
-])
+@pytest.mark.parametrize(
+    ("schema", "feature"),
+    [
+        ({"not": {"type": "string"}}, "'not'"),
+        (
+            {"type": "object", "properties": {"a": {"if": {}, "then": {}}}},
+            "'if' is not supported by structured output (at /properties/a)",
+        ),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired'"),
+        ({"type": "array", "contains": {"type": "string"}}, "'contains'"),
+        ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
+        ({"type": "string", "format": "phone"}, 'string format "phone"'),
+        ({"type": "string", "pattern": "(?!x)y"}, "lookaround"),
+        ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "'allOf' with more than one"),
+        ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "'oneOf'"),
+        ({"$ref": "other.json#/x"}, "local '$ref'"),
+        ({"type": "string", "maxLength": 10**6}, "'maxLength' must be an integer in [0, 4096]"),
+        ({"type": "number", "multipleOf": 0.5}, "'multipleOf'"),
+        ({"type": "array", "items": [{"type": "string"}]}, "prefixItems"),
+        ({"type": "widget"}, "unknown type"),
+        # jsonschemabench's calculate_area: xgrammar enforced the properties and dropped the anyOf of 'required's
+        (
+            {"type": "object", "properties": {"r": {"type": "number"}}, "anyOf": [{"required": ["r"]}]},
+            "'anyOf' beside other keywords of the same schema ('properties', 'type')",
+        ),
+    ],
+)
 def test_unsupported_schemas_are_named(schema: dict[str, Any], feature: str) -> None:
     with pytest.raises(Unsupported) as caught:
         check_schema(schema)
@@ -136,15 +169,26 @@ def test_unsupported_schemas_are_named(schema: dict[str, Any], feature: str) -> 
     assert refused.value.http_status == 400 and refused.value.param == "response_format.json_schema.schema"
 
 
-@pytest.mark.parametrize("schema", [
-    {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 20},
-                                      "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
-     "required": ["name"], "additionalProperties": False, "title": "T", "x-vendor": 1},
-    {"oneOf": [{"type": "string"}, {"type": "integer"}]},
-    {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}], "$defs": {"a": {"type": "string", "format": "email"}}},
-    {"type": "integer", "minimum": 0, "exclusiveMaximum": 100, "multipleOf": 5},
-    {"type": "string", "pattern": "^[a-z]+$", "enum": ["ab", "cd"]},
-])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 20},
+                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            },
+            "required": ["name"],
+            "additionalProperties": False,
+            "title": "T",
+            "x-vendor": 1,
+        },
+        {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+        {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}], "$defs": {"a": {"type": "string", "format": "email"}}},
+        {"type": "integer", "minimum": 0, "exclusiveMaximum": 100, "multipleOf": 5},
+        {"type": "string", "pattern": "^[a-z]+$", "enum": ["ab", "cd"]},
+    ],
+)
 def test_supported_schemas_pass(schema: dict[str, Any]) -> None:
     check_schema(schema)
     assert json.loads(json_schema_output(schema, "s").spec) == schema

@@ -18,9 +18,9 @@ from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
 from services.kvcache.blocks import Fragment, checksum
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.policy import LFUDAPolicy, LRUPolicy, S3FIFOPolicy
-from services.kvcache.store import DAY_S
 from services.kvcache.server import block_to_pb, layout_to_pb, serve
 from services.kvcache.store import (
+    DAY_S,
     Block,
     BlocksRemoved,
     BlocksStored,
@@ -59,6 +59,7 @@ def held(store: BlockStore, *ids: int) -> list[bool]:
 
 # --- BlockStore, host memory ------------------------------------------------------------------------------------
 
+
 def test_the_checksum_is_crc32c() -> None:
     # The check value of CRC-32C (Castagnoli) over "123456789", and a block checked in two pieces
     assert checksum(b"123456789") == 0xE3069283
@@ -80,8 +81,10 @@ def test_put_of_a_held_block_is_present_and_refreshes_its_recency() -> None:
     again = store.put([block(1)])
     assert (again.num_stored, again.num_present, again.events) == (0, 1, [])
     result = store.put([block(4, 3)])
-    assert result.events == [BlocksRemoved([key(2)], "m", "capacity", "host"),
-                             BlocksStored([key(4)], key(3), 4, "m", "host")]
+    assert result.events == [
+        BlocksRemoved([key(2)], "m", "capacity", "host"),
+        BlocksStored([key(4)], key(3), 4, "m", "host"),
+    ]
     assert store.lookup([key(1)], "m") == 1
 
 
@@ -114,8 +117,10 @@ def test_a_larger_block_evicts_least_recently_used_blocks_until_it_fits() -> Non
     store.put(chain(1, 2, 3))
     wide = KVLayout(model="m", dtype="float32", block_size=4, num_layers=4, layer_shape=(1, 2, 4), block_axis=0)
     result = store.put([block(7, 3, wide)])
-    assert result.events == [BlocksRemoved([key(1), key(2)], "m", "capacity", "host"),
-                             BlocksStored([key(7)], key(3), 4, "m", "host")]
+    assert result.events == [
+        BlocksRemoved([key(1), key(2)], "m", "capacity", "host"),
+        BlocksStored([key(7)], key(3), 4, "m", "host"),
+    ]
     assert store.stats().tiers["host"].num_bytes == 3 * BLOCK_BYTES
 
 
@@ -132,8 +137,9 @@ def test_bad_blocks_are_rejected_with_a_reason_and_the_others_kept() -> None:
         Block(key(10), ROOT, LAYOUT, bytes(BLOCK_BYTES), fragment=Fragment(3, 2, 3)),
         Block(key(11), ROOT, LAYOUT, bytes(BLOCK_BYTES), fragment=Fragment(1, 2, 3)),
     ]
-    result = store.put([bad[0], bad[1], block(1), *bad[2:], Block(key(12), ROOT, LAYOUT, bytes(32),
-                                                                   fragment=Fragment(2, 2, 3))])
+    result = store.put(
+        [bad[0], bad[1], block(1), *bad[2:], Block(key(12), ROOT, LAYOUT, bytes(32), fragment=Fragment(2, 2, 3))]
+    )
     assert result.rejections == [
         "a block has an empty block_hash",
         f"block {key(5).hex()[:16]} has no data",
@@ -149,6 +155,7 @@ def test_bad_blocks_are_rejected_with_a_reason_and_the_others_kept() -> None:
 
 
 # --- eviction policies: exact orders ----------------------------------------------------------------------------
+
 
 def k(i: int) -> bytes:
     return bytes([i])
@@ -196,6 +203,7 @@ def test_lfuda_evicts_by_hits_with_aging_oldest_first_among_equals() -> None:
 
 
 # --- TTL by traffic class, pins ---------------------------------------------------------------------------------
+
 
 class Clock:
     def __init__(self) -> None:
@@ -249,6 +257,7 @@ def test_pins_survive_eviction_and_ttl_until_they_expire() -> None:
 
 # --- the service on a real NATS ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with EmbeddedNats(store_dir=tmp_path_factory.mktemp("nats")) as nats:
@@ -270,8 +279,14 @@ async def collect(bus: Bus, subject: str, message_type: type) -> asyncio.Queue:
 
 
 async def test_service_puts_gets_looks_up_publishes_events_and_heartbeats(nats_url: str) -> None:
-    settings = KVCacheSettings(nats_url=nats_url, grpc_port=free_port(), http_port=free_port(), worker_id="kv-test",
-                               heartbeat_interval_s=0.2, capacity_bytes=3 * BLOCK_BYTES)
+    settings = KVCacheSettings(
+        nats_url=nats_url,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        worker_id="kv-test",
+        heartbeat_interval_s=0.2,
+        capacity_bytes=3 * BLOCK_BYTES,
+    )
     bus = await Bus.connect(nats_url, name="test")
     batches = await collect(bus, subjects.kv_events("kv-test"), events_pb2.KVEventBatch)
     beats = await collect(bus, subjects.heartbeat("kvcache"), events_pb2.WorkerHeartbeat)
@@ -286,21 +301,30 @@ async def test_service_puts_gets_looks_up_publishes_events_and_heartbeats(nats_u
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await stub.Put(iter([stream[0], no_layout, stream[1], empty, stream[2]]))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert error.value.details() == (f"rejected 2 block(s), stored 3, already present 0: block "
-                                         f"{key(8).hex()[:16]} has no layout; block {key(9).hex()[:16]} has no data")
+        assert error.value.details() == (
+            f"rejected 2 block(s), stored 3, already present 0: block "
+            f"{key(8).hex()[:16]} has no layout; block {key(9).hex()[:16]} has no data"
+        )
         cleared = await asyncio.wait_for(batches.get(), 5)  # a node starts by saying it holds nothing yet
         assert (cleared.seq, list(cleared.events)) == (1, [events_pb2.KVEvent(all_cleared=True)])
         first = await asyncio.wait_for(batches.get(), 5)
         assert (first.worker_id, first.seq, first.tier) == ("kv-test", 2, "host")
-        assert list(first.events) == [events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(
-            block_hashes=[key(1), key(2), key(3)], parent_hash=ROOT, block_size=4, model="m"))]
+        assert list(first.events) == [
+            events_pb2.KVEvent(
+                stored=events_pb2.KVBlocksStored(
+                    block_hashes=[key(1), key(2), key(3)], parent_hash=ROOT, block_size=4, model="m"
+                )
+            )
+        ]
 
         lookup = await stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=[key(1), key(2), key(3), key(4)], model="m"))
         assert lookup.num_hits == 3
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=[key(1)]))
         assert (error.value.code(), error.value.details()) == (
-            grpc.StatusCode.INVALID_ARGUMENT, "model is required (a block of another model never matches)")
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "model is required (a block of another model never matches)",
+        )
         got = [b async for b in stub.Get(kvcache_pb2.GetRequest(block_hashes=[key(2), key(1), key(4)], model="m"))]
         # with the CRC-32C the node computed, and the tier it came from
         assert got == [block_to_pb(block(2, 1).with_checksum(), "host"), block_to_pb(block(1).with_checksum(), "host")]
@@ -318,6 +342,7 @@ async def test_service_puts_gets_looks_up_publishes_events_and_heartbeats(nats_u
                 beat = await beats.get()
                 if beat.worker.worker_id == "kv-test" and beat.load.num_cached_blocks == 3:
                     return beat
+
         beat = await asyncio.wait_for(cached_three(), 5)
         assert beat.worker.role == common_pb2.ROLE_KVCACHE
         assert beat.worker.address == f"127.0.0.1:{settings.grpc_port}"

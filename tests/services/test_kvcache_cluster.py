@@ -5,7 +5,6 @@ rebuilds the global index by replaying the stream."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
@@ -18,12 +17,12 @@ from engine_core.kv_transfer import KVLayout
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import lane, rpc
 from mesh.bus import Bus
+from mesh.compute.convert import layout_to_proto
 from mesh.discovery import WorkerRegistry
 from mesh.erasure import Protection
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower
 from mesh.pb import common_pb2, kvcache_pb2
-from services.compute.convert import layout_to_proto
 from services.kvcache.blocks import checksum
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.server import serve
@@ -44,10 +43,18 @@ def chain_blocks(count: int, seed: int) -> list[StoreBlock]:
 
 class Node:
     def __init__(self, nats_url: str, worker_id: str, data_dir: Path | None) -> None:
-        self.settings = KVCacheSettings(nats_url=nats_url, grpc_port=free_port(), http_port=free_port(),
-                                        worker_id=worker_id, heartbeat_interval_s=0.2, log_level="warning",
-                                        data_dir=str(data_dir) if data_dir else "", repair_interval_s=0.2,
-                                        repair_delay_s=0.3, drain_timeout_s=2.0)
+        self.settings = KVCacheSettings(
+            nats_url=nats_url,
+            grpc_port=free_port(),
+            http_port=free_port(),
+            worker_id=worker_id,
+            heartbeat_interval_s=0.2,
+            log_level="warning",
+            data_dir=str(data_dir) if data_dir else "",
+            repair_interval_s=0.2,
+            repair_delay_s=0.3,
+            drain_timeout_s=2.0,
+        )
         self._stack: contextlib.AsyncExitStack | None = None
 
     async def start(self) -> Node:
@@ -86,6 +93,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, Node], S
 def _async(condition):
     async def check() -> bool:
         return condition()
+
     return check
 
 
@@ -114,8 +122,9 @@ async def test_a_stopped_node_loses_no_block_and_a_replacement_is_repaired(clust
     await nodes.pop("kv-1").stop()
     nodes["kv-3"] = await Node(nats_url, "kv-3", None).start()
     live = {"kv-0", "kv-2", "kv-3"}
-    await wait_until(_async(lambda: all(sorted(fragments_on(client, k, live).values()) == [0, 1, 2] for k in keys)),
-                     timeout_s=15)
+    await wait_until(
+        _async(lambda: all(sorted(fragments_on(client, k, live).values()) == [0, 1, 2] for k in keys)), timeout_s=15
+    )
     await nodes.pop("kv-0").stop()  # and now any other node can go
     assert await client.fetch("m", keys) == blocks
 
@@ -140,7 +149,8 @@ async def test_a_new_follower_rebuilds_the_index_by_replay(cluster) -> None:
 
 @pytest.mark.parametrize("over_lanes", [True, False], ids=["bulk-lane", "grpc"])
 async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after_the_checksums(
-        cluster, over_lanes: bool) -> None:
+    cluster, over_lanes: bool
+) -> None:
     nats_url, nodes, client, _ = cluster
     client.use_lanes = over_lanes
     lanes = {w.worker_id: w.info.data_address for w in client.registry.workers(common_pb2.ROLE_KVCACHE)}
@@ -153,7 +163,9 @@ async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after
     stream = client.plan_stream("m", [*keys, bytes(32)])
     assert stream is not None and stream.block_hashes == keys  # ends where the index says the prefix ends
     written: list[tuple[int, list[bytes]]] = []
-    assert await stream.run(LAYOUT, len(keys), lambda layer, pieces: written.append((layer, [bytes(p) for p in pieces])))
+    assert await stream.run(
+        LAYOUT, len(keys), lambda layer, pieces: written.append((layer, [bytes(p) for p in pieces]))
+    )
     size = LAYOUT.chunk_bytes(1)
     assert [layer for layer, _ in written] == list(range(LAYOUT.num_layers))
     assert all(pieces == [b.data[layer * size : (layer + 1) * size] for b in blocks] for layer, pieces in written)
@@ -165,7 +177,9 @@ async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after
     assert stream is not None
     await nodes.pop("kv-1").stop()
     written.clear()
-    assert await stream.run(LAYOUT, len(keys), lambda layer, pieces: written.append((layer, [bytes(p) for p in pieces])))
+    assert await stream.run(
+        LAYOUT, len(keys), lambda layer, pieces: written.append((layer, [bytes(p) for p in pieces]))
+    )
     assert all(pieces == [b.data[layer * size : (layer + 1) * size] for b in blocks] for layer, pieces in written)
     await wait_until(_async(lambda: "kv-1" not in client.nodes()))
     assert client.plan_stream("m", keys) is None  # now some blocks need parity: fetch decodes them instead
@@ -176,11 +190,18 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
     nats_url, nodes, client, _ = cluster
     blocks = chain_blocks(2, seed=5)
     await client.put(blocks)
-    address = next(w.info.data_address for w in client.registry.workers(common_pb2.ROLE_KVCACHE)
-                   if w.worker_id == "kv-0")
+    address = next(
+        w.info.data_address for w in client.registry.workers(common_pb2.ROLE_KVCACHE) if w.worker_id == "kv-0"
+    )
     sock = await lane.connect(address, timeout_s=2.0)
-    await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
-        block_hashes=[blocks[0].block_hash], model="m", skip_missing=True, slice_bytes=-1)))
+    await lane.send_frame(
+        sock,
+        kvcache_pb2.LaneFrame(
+            request=kvcache_pb2.GetRequest(
+                block_hashes=[blocks[0].block_hash], model="m", skip_missing=True, slice_bytes=-1
+            )
+        ),
+    )
     frame, payload_bytes = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
     assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and payload_bytes == 0
     assert "slice_bytes must not be negative" in frame.end.error
@@ -189,15 +210,20 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
     sock.close()
 
     sock = await lane.connect(address, timeout_s=2.0)  # a new one is served; and the model is required
-    await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
-        block_hashes=[blocks[0].block_hash], slice_bytes=64)))
+    await lane.send_frame(
+        sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(block_hashes=[blocks[0].block_hash], slice_bytes=64))
+    )
     frame, _ = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
     assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "model is required" in frame.end.error
     sock.close()
 
     sock = await lane.connect(address, timeout_s=2.0)  # whole (slice_bytes 0): each header with its bytes
-    await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
-        block_hashes=[b.block_hash for b in blocks], model="m", skip_missing=True)))
+    await lane.send_frame(
+        sock,
+        kvcache_pb2.LaneFrame(
+            request=kvcache_pb2.GetRequest(block_hashes=[b.block_hash for b in blocks], model="m", skip_missing=True)
+        ),
+    )
     for block in blocks:  # 2+1 over three nodes: this one holds a fragment of each
         frame, payload_bytes = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
         assert frame.block.block_hash == block.block_hash and not frame.block.data
@@ -211,8 +237,12 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
 
     sock = await lane.connect(address, timeout_s=2.0)  # a key nobody holds: no headers, a clean end
     for _ in range(2):  # twice on one connection
-        await lane.send_frame(sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(
-            block_hashes=[bytes(32)], model="m", skip_missing=True, slice_bytes=64)))
+        await lane.send_frame(
+            sock,
+            kvcache_pb2.LaneFrame(
+                request=kvcache_pb2.GetRequest(block_hashes=[bytes(32)], model="m", skip_missing=True, slice_bytes=64)
+            ),
+        )
         frame, _ = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
         assert frame.WhichOneof("kind") == "end" and frame.end.error == "" and frame.end.code == 0
     sock.close()
@@ -223,8 +253,10 @@ async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad
     info = next(w.info for w in client.registry.workers(common_pb2.ROLE_KVCACHE) if w.worker_id == "kv-2")
     address = info.data_address
     good = chain_blocks(2, seed=7)
-    headers = [kvcache_pb2.Block(block_hash=b.block_hash, parent_hash=b.parent_hash,
-                                 layout=layout_to_proto(b.layout)) for b in good]
+    headers = [
+        kvcache_pb2.Block(block_hash=b.block_hash, parent_hash=b.parent_hash, layout=layout_to_proto(b.layout))
+        for b in good
+    ]
     sock = await lane.connect(address, timeout_s=2.0)
     for _ in range(2):  # twice on one connection: the second time both are already there
         for header, block in zip(headers, good):
@@ -236,11 +268,17 @@ async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad
     # a block without a layout and one whose bytes do not match its checksum: rejected, named; the good one kept
     other = chain_blocks(1, seed=8)[0]
     await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=kvcache_pb2.Block(block_hash=bytes(32))), [b"x"])
-    bad_sum = kvcache_pb2.Block(block_hash=bytes([9]) * 32, parent_hash=ROOT, layout=layout_to_proto(LAYOUT),
-                                checksum=1)
+    bad_sum = kvcache_pb2.Block(
+        block_hash=bytes([9]) * 32, parent_hash=ROOT, layout=layout_to_proto(LAYOUT), checksum=1
+    )
     await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=bad_sum), [other.data])
-    await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=kvcache_pb2.Block(
-        block_hash=other.block_hash, parent_hash=ROOT, layout=layout_to_proto(LAYOUT))), [other.data])
+    await lane.send_frame(
+        sock,
+        kvcache_pb2.LaneFrame(
+            block=kvcache_pb2.Block(block_hash=other.block_hash, parent_hash=ROOT, layout=layout_to_proto(LAYOUT))
+        ),
+        [other.data],
+    )
     await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd()))
     frame, _ = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
     assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]

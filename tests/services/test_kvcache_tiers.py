@@ -16,25 +16,40 @@ from .test_kvcache import BLOCK_BYTES, LAYOUT, ROOT, Clock, block, chain, key
 
 
 def ssd_store(path: Path, clock: Clock, host_blocks: int = 2, ssd_blocks: int = 4) -> BlockStore:
-    return BlockStore(StoreConfig(host_capacity_bytes=host_blocks * BLOCK_BYTES, ssd_dir=path,
-                                  ssd_capacity_bytes=ssd_blocks * BLOCK_BYTES, policy="lru",
-                                  ttl_s={"chat": 1000.0, "agent": 10.0}), clock)
+    return BlockStore(
+        StoreConfig(
+            host_capacity_bytes=host_blocks * BLOCK_BYTES,
+            ssd_dir=path,
+            ssd_capacity_bytes=ssd_blocks * BLOCK_BYTES,
+            policy="lru",
+            ttl_s={"chat": 1000.0, "agent": 10.0},
+        ),
+        clock,
+    )
 
 
 def test_blocks_go_through_to_ssd_and_an_ssd_hit_is_promoted(tmp_path: Path) -> None:
     store = ssd_store(tmp_path, Clock())
     result = store.put(chain(1, 2, 3))
     assert result.events == [
-        BlocksStored([key(1)], ROOT, 4, "m", "host"), BlocksStored([key(1)], ROOT, 4, "m", "ssd"),
-        BlocksStored([key(2)], key(1), 4, "m", "host"), BlocksStored([key(2)], key(1), 4, "m", "ssd"),
+        BlocksStored([key(1)], ROOT, 4, "m", "host"),
+        BlocksStored([key(1)], ROOT, 4, "m", "ssd"),
+        BlocksStored([key(2)], key(1), 4, "m", "host"),
+        BlocksStored([key(2)], key(1), 4, "m", "ssd"),
         BlocksRemoved([key(1)], "m", "capacity", "host"),
-        BlocksStored([key(3)], key(2), 4, "m", "host"), BlocksStored([key(3)], key(2), 4, "m", "ssd")]
+        BlocksStored([key(3)], key(2), 4, "m", "host"),
+        BlocksStored([key(3)], key(2), 4, "m", "ssd"),
+    ]
     assert (len(store.host), len(store.ssd)) == (2, 3)  # type: ignore[arg-type]
     found = store.get([key(1), key(2)], "m")  # 1 from SSD evicts 2 from host memory, so 2 comes from SSD too
     assert [(b.block_hash, tier) for b, tier in found.blocks] == [(key(1), "ssd"), (key(2), "ssd")]
     assert found.blocks[0][0].data == block(1).data
-    assert found.events == [BlocksRemoved([key(2)], "m", "capacity", "host"), BlocksStored([key(1)], ROOT, 4, "m", "host"),
-                            BlocksRemoved([key(3)], "m", "capacity", "host"), BlocksStored([key(2)], key(1), 4, "m", "host")]
+    assert found.events == [
+        BlocksRemoved([key(2)], "m", "capacity", "host"),
+        BlocksStored([key(1)], ROOT, 4, "m", "host"),
+        BlocksRemoved([key(3)], "m", "capacity", "host"),
+        BlocksStored([key(2)], key(1), 4, "m", "host"),
+    ]
     assert [tier for _, tier in store.get([key(1), key(2)], "m").blocks] == ["host", "host"]
 
 
@@ -49,8 +64,11 @@ def test_a_restarted_node_takes_back_its_files_oldest_first_and_drops_corrupt_on
     clock.now += 6  # the agent block (TTL 10 s) was written 4 s before: it has 4 s left... not yet
     restarted = ssd_store(tmp_path, clock)
     events = restarted.recover()
-    assert events == [BlocksStored([key(2)], key(1), 4, "m", "ssd"), BlocksStored([key(1)], ROOT, 4, "m", "ssd"),
-                      BlocksStored([key(3)], ROOT, 4, "m", "ssd")]
+    assert events == [
+        BlocksStored([key(2)], key(1), 4, "m", "ssd"),
+        BlocksStored([key(1)], ROOT, 4, "m", "ssd"),
+        BlocksStored([key(3)], ROOT, 4, "m", "ssd"),
+    ]
     assert not (tmp_path / "zz" / "junk.blk").exists()
     clock.now += 4
     assert restarted.expire() == [BlocksRemoved([key(3)], "m", "ttl", "ssd")]
@@ -67,8 +85,9 @@ def test_a_restarted_node_takes_back_its_files_oldest_first_and_drops_corrupt_on
 
 def test_fragments_keep_their_coding_on_disk(tmp_path: Path) -> None:
     tier_store = ssd_store(tmp_path, Clock())
-    fragment = Block(key(5), ROOT, LAYOUT, bytes(32), fragment=Fragment(2, 2, 3), block_checksum=77,
-                     traffic_class="chat")
+    fragment = Block(
+        key(5), ROOT, LAYOUT, bytes(32), fragment=Fragment(2, 2, 3), block_checksum=77, traffic_class="chat"
+    )
     tier_store.put([fragment])
     scanned = FileTier(tmp_path, 10**6, tier_store.ssd.policy).scan()  # type: ignore[union-attr]
     assert scanned == [fragment.with_checksum().without_data()]
@@ -76,6 +95,7 @@ def test_fragments_keep_their_coding_on_disk(tmp_path: Path) -> None:
 
 
 # --- repair plans ------------------------------------------------------------------------------------------------
+
 
 class Registry:
     def __init__(self, nodes: list[str]) -> None:
@@ -86,12 +106,16 @@ class Registry:
             def __init__(self, worker_id: str) -> None:
                 self.worker_id = worker_id
                 self.info = common_pb2.WorkerInfo(worker_id=worker_id, address=f"{worker_id}:1")
+
         return [W(n) for n in self.nodes]
 
 
 def stored(worker: str, seq: int, keys: list[bytes], index: int) -> events_pb2.KVEventBatch:
-    event = events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(
-        block_hashes=keys, fragment_indices=[index] * len(keys), num_data_fragments=2, num_fragments=3))
+    event = events_pb2.KVEvent(
+        stored=events_pb2.KVBlocksStored(
+            block_hashes=keys, fragment_indices=[index] * len(keys), num_data_fragments=2, num_fragments=3
+        )
+    )
     return events_pb2.KVEventBatch(worker_id=worker, seq=seq, tier="host", events=[event])
 
 

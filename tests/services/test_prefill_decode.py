@@ -29,13 +29,19 @@ from engine_core.kv_transfer import KVLayout
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import rpc, subjects
 from mesh.bus import Bus
+from mesh.compute.convert import layout_to_proto, sampling_to_proto
 from mesh.config import SettingError, load_settings
 from mesh.discovery import Announcer
 from mesh.pb import (
-    common_pb2, decode_pb2, decode_pb2_grpc, events_pb2, kvcache_pb2, prefill_pb2, prefill_pb2_grpc,
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    events_pb2,
+    kvcache_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
 )
 from mesh.placement import rendezvous_owner
-from services.compute.convert import layout_to_proto, sampling_to_proto
 from services.decode.config import DecodeSettings
 from services.decode.server import DecodeService
 from services.prefill.config import PrefillSettings
@@ -70,13 +76,25 @@ class Mesh:
     deepseek: str
     nats_url: str
 
-    def request(self, request_id: str, model: str, prompt: list[int], params: SamplingParams,
-                decode: DecodeService | None = None, **fields: object) -> prefill_pb2.PrefillRequest:
+    def request(
+        self,
+        request_id: str,
+        model: str,
+        prompt: list[int],
+        params: SamplingParams,
+        decode: DecodeService | None = None,
+        **fields: object,
+    ) -> prefill_pb2.PrefillRequest:
         decode = decode or self.decode
-        values: dict = dict(request_id=request_id, model=model, prompt_token_ids=prompt,
-                            sampling=sampling_to_proto(params), decode_address=decode.runtime.address,
-                            decode_worker_id=decode.runtime.worker_id,
-                            decode_data_address=decode.runtime.data_address)  # pushes go over the bulk lane
+        values: dict = dict(
+            request_id=request_id,
+            model=model,
+            prompt_token_ids=prompt,
+            sampling=sampling_to_proto(params),
+            decode_address=decode.runtime.address,
+            decode_worker_id=decode.runtime.worker_id,
+            decode_data_address=decode.runtime.data_address,
+        )  # pushes go over the bulk lane
         return prefill_pb2.PrefillRequest(**{**values, **fields})
 
 
@@ -89,26 +107,46 @@ def nats_url() -> Iterator[str]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(nats_url, llama_reference, deepseek_reference) -> AsyncIterator[Mesh]:
     llama, deepseek = str(llama_reference[0]), str(deepseek_reference[0])
-    common = dict(nats_url=nats_url, heartbeat_interval_s=HEARTBEAT_S, log_level="warning", drain_timeout_s=5.0,
-                  models=(llama, deepseek), kv_cache_memory_bytes=2 * 2**20)
+    common = dict(
+        nats_url=nats_url,
+        heartbeat_interval_s=HEARTBEAT_S,
+        log_level="warning",
+        drain_timeout_s=5.0,
+        models=(llama, deepseek),
+        kv_cache_memory_bytes=2 * 2**20,
+    )
     store_nodes = [await start_store_node(nats_url, f"kvcache-{i}") for i in range(2)]
     decode = await DecodeService.start(load_settings(DecodeSettings, env={}, worker_id="decode-t", **common))
-    small_decode = await DecodeService.start(load_settings(
-        DecodeSettings, env={}, **{**common, "models": (llama,), "kv_cache_memory_bytes": 8 * LLAMA_BLOCK_BYTES},
-        worker_id="decode-small"))
+    small_decode = await DecodeService.start(
+        load_settings(
+            DecodeSettings,
+            env={},
+            **{**common, "models": (llama,), "kv_cache_memory_bytes": 8 * LLAMA_BLOCK_BYTES},
+            worker_id="decode-small",
+        )
+    )
     # the store double publishes no KV events, so prefill probes it (Lookup) instead of reading the global index
-    prefill = await PrefillService.start(load_settings(PrefillSettings, env={}, worker_id="prefill-t",
-                                                       kv_index_enabled=False, **common))
+    prefill = await PrefillService.start(
+        load_settings(PrefillSettings, env={}, worker_id="prefill-t", kv_index_enabled=False, **common)
+    )
     assert prefill.registry is not None
     await wait_until(lambda: len(prefill.registry.workers()) == 2, what="prefill to hear both store nodes")
     assert prefill.writer is not None
     await wait_until(lambda: prefill.writer.is_accepting, what="prefill to start writing to the store")
     channels = rpc.Channels()
-    yield Mesh(prefill, decode, small_decode, {r.worker_id: s for r, s in store_nodes},
-               prefill_pb2_grpc.PrefillStub(channels.get(prefill.runtime.address)),
-               decode_pb2_grpc.DecodeStub(channels.get(decode.runtime.address)),
-               decode_pb2_grpc.DecodeStub(channels.get(small_decode.runtime.address)),
-               channels, llama, deepseek, nats_url)
+    yield Mesh(
+        prefill,
+        decode,
+        small_decode,
+        {r.worker_id: s for r, s in store_nodes},
+        prefill_pb2_grpc.PrefillStub(channels.get(prefill.runtime.address)),
+        decode_pb2_grpc.DecodeStub(channels.get(decode.runtime.address)),
+        decode_pb2_grpc.DecodeStub(channels.get(small_decode.runtime.address)),
+        channels,
+        llama,
+        deepseek,
+        nats_url,
+    )
     await channels.close()
     for service in (prefill, decode, small_decode):
         await service.stop()
@@ -139,8 +177,9 @@ def trailing(error: grpc.aio.AioRpcError) -> dict[str, str]:
     return {key: value for key, value in error.trailing_metadata() or ()}
 
 
-async def next_heartbeat(nats_url: str, role: str, worker_id: str,
-                         condition: Callable[[events_pb2.WorkerHeartbeat], bool]) -> events_pb2.WorkerHeartbeat:
+async def next_heartbeat(
+    nats_url: str, role: str, worker_id: str, condition: Callable[[events_pb2.WorkerHeartbeat], bool]
+) -> events_pb2.WorkerHeartbeat:
     """The first heartbeat of the worker that meets the condition."""
     found: asyncio.Future[events_pb2.WorkerHeartbeat] = asyncio.get_running_loop().create_future()
 
@@ -199,7 +238,8 @@ async def test_a_handoff_streams_exactly_the_tokens_of_one_engine(mesh: Mesh, wh
     assert [b.finish_reason for b in batches] == [0] * 8 + [common_pb2.FINISH_REASON_LENGTH]
     logprobs = [response.first_logprob] + [lp for b in batches for lp in b.logprobs]
     assert [(lp.token_id, lp.rank, len(lp.top_token_ids)) for lp in logprobs] == [
-        (lp.token_id, lp.rank, 2) for lp in expected_logprobs]
+        (lp.token_id, lp.rank, 2) for lp in expected_logprobs
+    ]
     assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in expected_logprobs], abs=1e-4)
 
     stats = await engine_stats(mesh.decode, model)
@@ -215,17 +255,33 @@ async def test_a_handoff_streams_exactly_the_tokens_of_one_engine(mesh: Mesh, wh
 async def test_a_first_token_that_ends_the_request_pushes_nothing(mesh: Mesh):
     prompt = prompt_of(30, seed=2)
     expected, _ = reference_outputs(mesh.llama, prompt, GREEDY)
-    nowhere = dict(decode_address=f"127.0.0.1:{free_port()}", decode_worker_id="decode-nowhere",
-                   decode_data_address=f"127.0.0.1:{free_port()}")
+    nowhere = dict(
+        decode_address=f"127.0.0.1:{free_port()}",
+        decode_worker_id="decode-nowhere",
+        decode_data_address=f"127.0.0.1:{free_port()}",
+    )
     one = await mesh.prefill_stub.Prefill(
-        mesh.request("one-token", mesh.llama, prompt, dataclasses.replace(GREEDY, max_tokens=1), **nowhere))
+        mesh.request("one-token", mesh.llama, prompt, dataclasses.replace(GREEDY, max_tokens=1), **nowhere)
+    )
     assert (one.first_token_id, one.finish_reason, one.kv_bytes_sent) == (
-        expected[0], common_pb2.FINISH_REASON_LENGTH, 0)
-    stop = await mesh.prefill_stub.Prefill(mesh.request(
-        "stop-token", mesh.llama, prompt, dataclasses.replace(GREEDY, ignore_eos=False, stop_token_ids=[expected[0]]),
-        **nowhere))
+        expected[0],
+        common_pb2.FINISH_REASON_LENGTH,
+        0,
+    )
+    stop = await mesh.prefill_stub.Prefill(
+        mesh.request(
+            "stop-token",
+            mesh.llama,
+            prompt,
+            dataclasses.replace(GREEDY, ignore_eos=False, stop_token_ids=[expected[0]]),
+            **nowhere,
+        )
+    )
     assert (stop.first_token_id, stop.finish_reason, stop.kv_bytes_sent) == (
-        expected[0], common_pb2.FINISH_REASON_STOP, 0)
+        expected[0],
+        common_pb2.FINISH_REASON_STOP,
+        0,
+    )
     assert stop.num_cached_tokens == 16  # the first request left its full block in the device cache
     await wait_for_free_blocks(mesh.prefill, mesh.llama)
 
@@ -311,7 +367,12 @@ async def test_every_request_leaving_decode_is_announced_with_its_kv_and_length(
         await bus.close()
     done = heard["left-done"]
     assert (done.worker_id, done.model, done.num_kv_tokens, done.num_output_tokens, done.finish_reason) == (
-        "decode-t", mesh.llama, 25 + 9, 10, "length")
+        "decode-t",
+        mesh.llama,
+        25 + 9,
+        10,
+        "length",
+    )
     aborted = heard["left-abort"]
     assert aborted.finish_reason == "abort" and aborted.num_output_tokens >= 2
     assert aborted.num_kv_tokens == 20 + aborted.num_output_tokens - 1
@@ -321,10 +382,18 @@ async def test_every_request_leaving_decode_is_announced_with_its_kv_and_length(
 
 
 def push_header(request_id: str, model: str, num_tokens: int, layout: common_pb2.KVLayout) -> decode_pb2.KVPushMessage:
-    return decode_pb2.KVPushMessage(header=decode_pb2.KVPushHeader(
-        request_id=request_id, model=model, prompt_token_ids=prompt_of(num_tokens, seed=num_tokens),
-        output_token_ids=[7], sampling=sampling_to_proto(GREEDY), layout=layout, num_tokens=num_tokens,
-        num_blocks=cdiv(num_tokens, 16)))
+    return decode_pb2.KVPushMessage(
+        header=decode_pb2.KVPushHeader(
+            request_id=request_id,
+            model=model,
+            prompt_token_ids=prompt_of(num_tokens, seed=num_tokens),
+            output_token_ids=[7],
+            sampling=sampling_to_proto(GREEDY),
+            layout=layout,
+            num_tokens=num_tokens,
+            num_blocks=cdiv(num_tokens, 16),
+        )
+    )
 
 
 async def test_a_full_or_missing_decode_worker_fails_the_prefill_naming_it(mesh: Mesh):
@@ -335,7 +404,8 @@ async def test_a_full_or_missing_decode_worker_fails_the_prefill_naming_it(mesh:
     await wait_until(lambda: small.engines.stats()[mesh.llama].num_free_kv_blocks == 1, what="blocks reserved")
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await mesh.prefill_stub.Prefill(
-            mesh.request("no-room", mesh.llama, prompt_of(40, seed=6), GREEDY, decode=small))
+            mesh.request("no-room", mesh.llama, prompt_of(40, seed=6), GREEDY, decode=small)
+        )
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "no free KV blocks" in error.value.details()
     assert trailing(error.value)[rpc.FAILED_WORKER_KEY] == "decode-small"
     await wait_for_free_blocks(mesh.prefill, mesh.llama)  # released after the failed push
@@ -343,9 +413,17 @@ async def test_a_full_or_missing_decode_worker_fails_the_prefill_naming_it(mesh:
     await wait_for_free_blocks(small, mesh.llama)
 
     with pytest.raises(grpc.aio.AioRpcError) as error:
-        await mesh.prefill_stub.Prefill(mesh.request(
-            "unreachable", mesh.llama, prompt_of(40, seed=6), GREEDY, decode_address=f"127.0.0.1:{free_port()}",
-            decode_worker_id="decode-gone", decode_data_address=f"127.0.0.1:{free_port()}"))
+        await mesh.prefill_stub.Prefill(
+            mesh.request(
+                "unreachable",
+                mesh.llama,
+                prompt_of(40, seed=6),
+                GREEDY,
+                decode_address=f"127.0.0.1:{free_port()}",
+                decode_worker_id="decode-gone",
+                decode_data_address=f"127.0.0.1:{free_port()}",
+            )
+        )
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     assert trailing(error.value)[rpc.FAILED_WORKER_KEY] == "decode-gone"
 
@@ -357,8 +435,16 @@ async def test_a_cancelled_prefill_frees_its_kv_and_breaks_the_push(mesh: Mesh):
     port = rpc.bind(server, "127.0.0.1", 0)
     await server.start()
     try:
-        call = mesh.prefill_stub.Prefill(mesh.request("abandoned", mesh.llama, prompt_of(37, seed=10), GREEDY,
-                                                      decode_address=f"127.0.0.1:{port}", decode_data_address=""))
+        call = mesh.prefill_stub.Prefill(
+            mesh.request(
+                "abandoned",
+                mesh.llama,
+                prompt_of(37, seed=10),
+                GREEDY,
+                decode_address=f"127.0.0.1:{port}",
+                decode_data_address="",
+            )
+        )
         await wait_until(lambda: stalled.num_messages == 1 + 3, what="the header and one chunk per layer")
         stats = await engine_stats(mesh.prefill, mesh.llama)
         assert stats.num_free_kv_blocks == stats.num_kv_blocks - 3  # the kept request, waiting on decode
@@ -370,15 +456,19 @@ async def test_a_cancelled_prefill_frees_its_kv_and_breaks_the_push(mesh: Mesh):
 
 
 # -- bad input -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("change, code, message", [
-    (dict(model="no-such-model"), grpc.StatusCode.NOT_FOUND, "model 'no-such-model' is not served here"),
-    (dict(sampling=common_pb2.SamplingParams(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "top_p: must be in"),
-    (dict(sampling=common_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    (dict(prompt_token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty"),
-    (dict(prompt_token_ids=[5, 500]), grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids must be integers"),
-    (dict(prompt_token_ids=[-1] * 40), grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids must be integers"),
-    (dict(decode_address=""), grpc.StatusCode.INVALID_ARGUMENT, "decode_address is required"),
-], ids=["unknown-model", "top-p", "max-tokens", "empty", "out-of-vocabulary", "negative", "no-decode"])
+@pytest.mark.parametrize(
+    "change, code, message",
+    [
+        (dict(model="no-such-model"), grpc.StatusCode.NOT_FOUND, "model 'no-such-model' is not served here"),
+        (dict(sampling=common_pb2.SamplingParams(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "top_p: must be in"),
+        (dict(sampling=common_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (dict(prompt_token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty"),
+        (dict(prompt_token_ids=[5, 500]), grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids must be integers"),
+        (dict(prompt_token_ids=[-1] * 40), grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids must be integers"),
+        (dict(decode_address=""), grpc.StatusCode.INVALID_ARGUMENT, "decode_address is required"),
+    ],
+    ids=["unknown-model", "top-p", "max-tokens", "empty", "out-of-vocabulary", "negative", "no-decode"],
+)
 async def test_bad_prefill_requests_get_the_right_codes(mesh: Mesh, change, code, message):
     request = mesh.request("bad", mesh.llama, [5, 6, 7], GREEDY)
     for field, value in change.items():
@@ -400,23 +490,43 @@ async def push(stub: decode_pb2_grpc.DecodeStub, *messages: decode_pb2.KVPushMes
 
 async def test_bad_pushes_get_the_right_codes_and_free_their_blocks(mesh: Mesh):
     layout = layout_to_proto(mesh.decode.engines.layout(mesh.llama))
-    header = decode_pb2.KVPushHeader(request_id="pushed", model=mesh.llama, prompt_token_ids=list(range(3, 23)),
-                                     output_token_ids=[7], sampling=sampling_to_proto(GREEDY), layout=layout,
-                                     num_tokens=20, num_blocks=2)
-    chunk = decode_pb2.KVPushMessage(chunk=decode_pb2.KVChunk(layer=0, first_block=0, num_blocks=2,
-                                                              data=bytes(2 * LLAMA_BLOCK_BYTES // 3)))
+    header = decode_pb2.KVPushHeader(
+        request_id="pushed",
+        model=mesh.llama,
+        prompt_token_ids=list(range(3, 23)),
+        output_token_ids=[7],
+        sampling=sampling_to_proto(GREEDY),
+        layout=layout,
+        num_tokens=20,
+        num_blocks=2,
+    )
+    chunk = decode_pb2.KVPushMessage(
+        chunk=decode_pb2.KVChunk(layer=0, first_block=0, num_blocks=2, data=bytes(2 * LLAMA_BLOCK_BYTES // 3))
+    )
     foreign = layout_to_proto(mesh.decode.engines.layout(mesh.deepseek))
     cases = [
         ((chunk,), grpc.StatusCode.INVALID_ARGUMENT, "must start with its header"),
         ((), grpc.StatusCode.INVALID_ARGUMENT, "must start with its header"),
-        ((decode_pb2.KVPushMessage(header=decode_pb2.KVPushHeader(model="nope", layout=layout, request_id="x")),),
-         grpc.StatusCode.NOT_FOUND, "model 'nope'"),
-        ((decode_pb2.KVPushMessage(header=_with(header, layout=foreign, num_blocks=cdiv(20, 16))),),
-         grpc.StatusCode.INVALID_ARGUMENT, "KV layout mismatch"),
-        ((decode_pb2.KVPushMessage(header=header), chunk), grpc.StatusCode.INVALID_ARGUMENT,
-         "incomplete KV push"),  # one layer of three
-        ((decode_pb2.KVPushMessage(header=header), decode_pb2.KVPushMessage(header=header)),
-         grpc.StatusCode.INVALID_ARGUMENT, "exactly one header"),
+        (
+            (decode_pb2.KVPushMessage(header=decode_pb2.KVPushHeader(model="nope", layout=layout, request_id="x")),),
+            grpc.StatusCode.NOT_FOUND,
+            "model 'nope'",
+        ),
+        (
+            (decode_pb2.KVPushMessage(header=_with(header, layout=foreign, num_blocks=cdiv(20, 16))),),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "KV layout mismatch",
+        ),
+        (
+            (decode_pb2.KVPushMessage(header=header), chunk),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "incomplete KV push",
+        ),  # one layer of three
+        (
+            (decode_pb2.KVPushMessage(header=header), decode_pb2.KVPushMessage(header=header)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "exactly one header",
+        ),
     ]
     for messages, code, message in cases:
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -536,15 +646,17 @@ async def test_blocks_go_to_the_store_and_come_back_to_an_empty_device_cache(mes
     assert {b.tier for b in batches} == {"device"} and {b.worker_id for b in batches} == {"prefill-t"}
     ours = [e.stored for b in batches for e in b.events if e.HasField("stored") and e.stored.block_hashes[0] == keys[0]]
     assert [(list(e.block_hashes), e.parent_hash, e.model, e.block_size) for e in ours] == [
-        (keys, root_hash(model), model, 16)] * 2  # computed, then injected from the store
+        (keys, root_hash(model), model, 16)
+    ] * 2  # computed, then injected from the store
 
 
 async def test_a_failing_or_foreign_store_block_is_a_miss_never_a_failure(mesh: Mesh):
     model = mesh.llama
     engine = mesh.prefill.engines.get(model)
     bus = await Bus.connect(mesh.nats_url, "test-dead-store")
-    dead = common_pb2.WorkerInfo(worker_id="kvcache-dead", role=common_pb2.ROLE_KVCACHE,
-                                 address=f"127.0.0.1:{free_port()}")
+    dead = common_pb2.WorkerInfo(
+        worker_id="kvcache-dead", role=common_pb2.ROLE_KVCACHE, address=f"127.0.0.1:{free_port()}"
+    )
     announcer = Announcer(bus, dead, common_pb2.WorkerLoad, HEARTBEAT_S)
     await announcer.start()
     try:
@@ -585,8 +697,10 @@ async def test_one_tenant_never_gets_another_tenants_kv_through_the_store(mesh: 
     keys_b = engine.engine.prompt_block_hashes(prompt, "tenant-b")
     assert len(keys_a) == 3 and not set(keys_a) & set(keys_b)  # the salt enters every key: same tokens, other keys
     await mesh.prefill_stub.Prefill(mesh.request("tenant-a", model, prompt, one_token, cache_salt="tenant-a"))
-    await wait_until(lambda: all(any(k in s.blocks for s in mesh.stores.values()) for k in keys_a),
-                     what="tenant a's blocks in the store")
+    await wait_until(
+        lambda: all(any(k in s.blocks for s in mesh.stores.values()) for k in keys_a),
+        what="tenant a's blocks in the store",
+    )
     assert await engine.call(lambda e: e.kv.pool.reset_prefix_cache())
     other = await mesh.prefill_stub.Prefill(mesh.request("tenant-b", model, prompt, one_token, cache_salt="tenant-b"))
     assert (other.num_cached_tokens, other.num_store_tokens) == (0, 0)  # the same prompt, none of a's KV
@@ -609,16 +723,26 @@ async def test_the_decode_process_announces_itself_and_stops_gracefully_on_sigte
 
     bus = await Bus.connect(mesh.nats_url, "test-process")
     await bus.subscribe(subjects.heartbeat("decode"), events_pb2.WorkerHeartbeat, on_beat)
-    env = {**os.environ, "KVMESH_NATS_URL": mesh.nats_url, "KVMESH_MODELS": mesh.llama,
-           "KVMESH_WORKER_ID": "decode-process", "KVMESH_HEARTBEAT_INTERVAL_S": "0.2",
-           "KVMESH_KV_CACHE_MEMORY_BYTES": str(16 * LLAMA_BLOCK_BYTES), "KVMESH_LOG_LEVEL": "warning"}
+    env = {
+        **os.environ,
+        "KVMESH_NATS_URL": mesh.nats_url,
+        "KVMESH_MODELS": mesh.llama,
+        "KVMESH_WORKER_ID": "decode-process",
+        "KVMESH_HEARTBEAT_INTERVAL_S": "0.2",
+        "KVMESH_KV_CACHE_MEMORY_BYTES": str(16 * LLAMA_BLOCK_BYTES),
+        "KVMESH_LOG_LEVEL": "warning",
+    }
     process = subprocess.Popen([sys.executable, "-m", "services.decode"], env=env, stderr=subprocess.PIPE)
     try:
         await wait_until(lambda: bool(heard) or process.poll() is not None, timeout_s=60, what="its heartbeat")
         assert heard, process.stderr.read().decode() if process.stderr else ""
         info = heard[0].worker
         assert (info.role, list(info.models), info.num_kv_blocks, info.block_size) == (
-            common_pb2.ROLE_DECODE, [mesh.llama], 16, 16)
+            common_pb2.ROLE_DECODE,
+            [mesh.llama],
+            16,
+            16,
+        )
         process.send_signal(signal.SIGTERM)
         await wait_until(lambda: process.poll() is not None, timeout_s=30, what="the process to exit")
         assert process.returncode == 0

@@ -22,9 +22,9 @@ def test_jsonschemabench_sample_outputs_validate(smollm2_llm) -> None:
 
 
 def test_bfcl_types_and_matching() -> None:
-    assert bfcl_schema({"type": "dict", "properties": {"a": {"type": "float"}, "b": {"type": "tuple", "items": {
-        "type": "any"}}}}) == {"type": "object", "properties": {"a": {"type": "number"}, "b": {
-            "type": "array", "items": {}}}}
+    assert bfcl_schema(
+        {"type": "dict", "properties": {"a": {"type": "float"}, "b": {"type": "tuple", "items": {"type": "any"}}}}
+    ) == {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "array", "items": {}}}}
     truth = [{"f": {"x": [1], "unit": ["cm", ""]}}, {"g": {"name": ["New York"]}}]
     assert bfcl_matches([("g", {"name": "new york"}), ("f", {"x": 1.0})], truth)
     assert not bfcl_matches([("f", {"x": 2}), ("g", {"name": "New York"})], truth)

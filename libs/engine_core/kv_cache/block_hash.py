@@ -66,7 +66,10 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence
 
 
 def hash_token_blocks(
-    root: BlockHash, token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = (),
+    root: BlockHash,
+    token_ids: Sequence[int],
+    block_size: int,
+    known: Sequence[BlockHash] = (),
     key_spans: Sequence[KeySpan] = (),
 ) -> list[BlockHash]:
     """Keys of every full block of `token_ids`, reusing the `known` keys of its first blocks."""

@@ -91,7 +91,9 @@ class KVCacheManager:
         blocks = self._req_blocks[request.request_id]
         parent = request.block_hashes[start - 1] if start > 0 else request.cache_root
         tokens = request.all_token_ids[start * self.block_size : num_full * self.block_size]
-        self.pool.cache_blocks(blocks[start:num_full], request.block_hashes[start:num_full], parent, tokens, self.block_size)
+        self.pool.cache_blocks(
+            blocks[start:num_full], request.block_hashes[start:num_full], parent, tokens, self.block_size
+        )
         self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

@@ -67,9 +67,7 @@ def check_tensor_type(name: str, tensor_type: GGMLQuantizationType) -> None:
     """Raise ValueError unless `tensor_type` is one this loader dequantizes."""
     if tensor_type not in SUPPORTED_TYPES:
         supported = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise ValueError(
-            f"tensor {name} has quantization type {tensor_type.name}; supported: {supported}"
-        )
+        raise ValueError(f"tensor {name} has quantization type {tensor_type.name}; supported: {supported}")
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -126,9 +124,7 @@ def _smollm_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     # SmolLM's own tokenizer.json (and llama.cpp's "smollm" pre-tokenizer) cut every digit apart
     # before the GPT-2 split: no token joins a digit to anything, and whitespace before a digit stays
     # one piece ("a  1" -> "a", "ĠĠ", "1") instead of lending the digit a space.
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), _gpt2_pre_tokenizer()]
-    )
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre_tokenizer()])
 
 
 # `tokenizer.ggml.pre` -> the pre-tokenizer the vocabulary's merges were learned with.
@@ -146,9 +142,7 @@ class GGUFCheckpoint:
         self._reader = GGUFReader(path, "r")
         architecture = self._value("general.architecture")
         if architecture != "llama":
-            raise ValueError(
-                f"GGUF architecture {architecture!r} is not supported: only llama is supported from GGUF"
-            )
+            raise ValueError(f"GGUF architecture {architecture!r} is not supported: only llama is supported from GGUF")
         # Fail at open rather than halfway through loading the weights.
         for tensor in self._reader.tensors:
             check_tensor_type(tensor.name, tensor.tensor_type)
@@ -245,7 +239,7 @@ class GGUFCheckpoint:
         for key in self._reader.fields:
             if key.startswith(prefix):
                 value = self._value(key)
-                name = key[len(prefix):]
+                name = key[len(prefix) :]
                 scaling[_ROPE_SCALING_NAMES.get(name, name)] = (
                     _float32_value(value) if isinstance(value, float) else value
                 )
@@ -272,14 +266,10 @@ class GGUFCheckpoint:
         if model != "gpt2":
             # SentencePiece ("llama") vocabularies would need their merges rebuilt from scores; that is
             # not checked against a real file yet, so it is refused rather than guessed.
-            raise ValueError(
-                f"GGUF tokenizer model {model!r} is not supported; supported: gpt2 (byte-level BPE)"
-            )
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported; supported: gpt2 (byte-level BPE)")
         pre = self._value("tokenizer.ggml.pre", "default")
         if pre not in _PRE_TOKENIZERS:
-            raise ValueError(
-                f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(_PRE_TOKENIZERS)}"
-            )
+            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(_PRE_TOKENIZERS)}")
         tokens: list[str] = self._required("tokenizer.ggml.tokens")
         merges = [tuple(merge.split(" ", 1)) for merge in self._required("tokenizer.ggml.merges")]
         bpe = models.BPE(
@@ -298,19 +288,12 @@ class GGUFCheckpoint:
         # Control tokens (and the named bos/eos/unk/pad) are special: skipped by decode(skip_special_tokens).
         # User-defined ones (e.g. "<think>") must also stay whole, but are text the model reads and writes.
         token_types: list[int] = self._value("tokenizer.ggml.token_type", [])
-        named_ids = {
-            self._value(f"tokenizer.ggml.{name}_token_id")
-            for name in ("bos", "eos", "unknown", "padding")
-        }
+        named_ids = {self._value(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
         special = [i for i, kind in enumerate(token_types) if kind == _TOKEN_CONTROL]
         special += sorted(i for i in named_ids if i is not None and i not in special)
         user_defined = [i for i, kind in enumerate(token_types) if kind == _TOKEN_USER_DEFINED]
-        tokenizer.add_special_tokens(
-            [AddedToken(tokens[i], special=True, normalized=False) for i in special]
-        )
-        tokenizer.add_tokens(
-            [AddedToken(tokens[i], special=False, normalized=False) for i in user_defined]
-        )
+        tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+        tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined])
 
     def _post_processor(self) -> processors.PostProcessor:
         byte_level = processors.ByteLevel(trim_offsets=True)

@@ -53,7 +53,9 @@ class MLAttention(nn.Module):
             self.q_b_proj = nn.Linear(mla.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6, ops)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=bias)
         self.scale = softmax_scale(config)
         self.ops = ops
@@ -66,8 +68,12 @@ class MLAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, -1)  # (T, H, dn + dr)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: CosSin, rope: RotaryEmbedding,
-        cache: torch.Tensor, batch: ForwardBatch,
+        self,
+        x: torch.Tensor,
+        cos_sin: CosSin,
+        rope: RotaryEmbedding,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         mla = self.mla
         q_nope, q_rope = self._queries(x).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
@@ -91,7 +97,9 @@ class MLAttention(nn.Module):
             )
         return self.o_proj(out.flatten(1))
 
-    def _prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, num_cached: int) -> torch.Tensor:
+    def _prefill(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, num_cached: int
+    ) -> torch.Tensor:
         """Expanded attention for one segment: entries (L, R + P) -> (Lq, H, dv)."""
         mla = self.mla
         latent, k_rope = entries.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
@@ -101,7 +109,9 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)  # (Lq, H, dn + dr)
         return self.ops.prefill_attention(q, k, v, num_cached, self.scale)
 
-    def _decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _decode(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         """Absorbed attention for single-token requests: (B, H, dn), (B, H, dr) -> (B, H, dv)."""
         assert batch.decode is not None
         mla = self.mla
@@ -133,7 +143,9 @@ class MoEGate(nn.Module):
         groups = group_scores.topk(moe.topk_groups, dim=-1, sorted=False).indices  # (T, g)
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
         expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(-1, moe.num_experts)  # (T, E)
-        topk_ids = biased.masked_fill(~expert_mask, float("-inf")).topk(moe.num_experts_per_tok, dim=-1, sorted=False).indices
+        topk_ids = (
+            biased.masked_fill(~expert_mask, float("-inf")).topk(moe.num_experts_per_tok, dim=-1, sorted=False).indices
+        )
         topk_weights = scores.gather(1, topk_ids)
         if moe.norm_topk_prob:
             topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -183,12 +195,24 @@ class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
         assert config.mla is not None and config.moe is not None
         first_moe = config.moe.first_k_dense_replace
-        layers = (DecoderLayer(config, ops, MLAttention(config, ops),
-                               DeepseekMoE(config, ops) if i >= first_moe
-                               else GatedMLP(config.hidden_size, config.intermediate_size, ops))
-                  for i in range(config.num_layers))
-        rope = RotaryEmbedding(config.mla.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
-                               config.max_position_embeddings, interleaved=config.mla.rope_interleave)
+        layers = (
+            DecoderLayer(
+                config,
+                ops,
+                MLAttention(config, ops),
+                DeepseekMoE(config, ops)
+                if i >= first_moe
+                else GatedMLP(config.hidden_size, config.intermediate_size, ops),
+            )
+            for i in range(config.num_layers)
+        )
+        rope = RotaryEmbedding(
+            config.mla.qk_rope_head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+            interleaved=config.mla.rope_interleave,
+        )
         super().__init__(config, ops, layers, rope)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -31,8 +31,9 @@ class PhysicalExperts:
     w_down: torch.Tensor  # (S, Hd, I)
 
     @classmethod
-    def build(cls, phy2log: Sequence[int], w_gate_up: torch.Tensor, w_down: torch.Tensor, num_ranks: int,
-              version: int) -> PhysicalExperts:
+    def build(
+        cls, phy2log: Sequence[int], w_gate_up: torch.Tensor, w_down: torch.Tensor, num_ranks: int, version: int
+    ) -> PhysicalExperts:
         """Copy the logical weights (E, ...) into slot order. The identity placement shares them instead."""
         num_experts, device = w_gate_up.shape[0], w_gate_up.device
         slots = torch.tensor(list(phy2log), dtype=torch.long)

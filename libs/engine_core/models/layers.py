@@ -50,8 +50,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, x: torch.Tensor, cos_sin: CosSin, rope: RotaryEmbedding, cache: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos_sin: CosSin, rope: RotaryEmbedding, cache: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, rope, cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -107,4 +108,3 @@ class CausalLM(nn.Module):
     def _skips(self, name: str) -> bool:
         """Checkpoint tensors no serving model uses."""
         return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings)
-

@@ -30,8 +30,12 @@ class LlamaAttention(nn.Module):
         self.ops = ops
 
     def forward(
-        self, x: torch.Tensor, cos_sin: CosSin, rope: RotaryEmbedding,
-        cache: torch.Tensor, batch: ForwardBatch,
+        self,
+        x: torch.Tensor,
+        cos_sin: CosSin,
+        rope: RotaryEmbedding,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
@@ -45,7 +49,9 @@ class LlamaAttention(nn.Module):
         num_decode = batch.num_decode_tokens
         if num_decode:
             assert batch.decode is not None
-            out[:num_decode] = self.ops.paged_decode_attention(q[:num_decode], k_cache, v_cache, batch.decode, self.scale)
+            out[:num_decode] = self.ops.paged_decode_attention(
+                q[:num_decode], k_cache, v_cache, batch.decode, self.scale
+            )
         for seg in batch.prefills:
             if seg.num_cached == 0:  # the whole context is this segment: use the fresh k, v
                 seg_k, seg_v = k[seg.start : seg.end], v[seg.start : seg.end]
@@ -63,11 +69,15 @@ class LlamaForCausalLM(CausalLM):
     kv_block_axis = 1
 
     def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
-        layers = (DecoderLayer(config, ops, LlamaAttention(config, ops),
-                               GatedMLP(config.hidden_size, config.intermediate_size, ops))
-                  for _ in range(config.num_layers))
-        rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
-                               config.max_position_embeddings, interleaved=False)
+        layers = (
+            DecoderLayer(
+                config, ops, LlamaAttention(config, ops), GatedMLP(config.hidden_size, config.intermediate_size, ops)
+            )
+            for _ in range(config.num_layers)
+        )
+        rope = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, interleaved=False
+        )
         super().__init__(config, ops, layers, rope)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -86,7 +96,9 @@ class LlamaForCausalLM(CausalLM):
             "gate_proj": ("gate_up_proj", slice(0, inter)),
             "up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
         }
-        match = re.fullmatch(r"(model\.layers\.\d+\.\w+)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)", name)
+        match = re.fullmatch(
+            r"(model\.layers\.\d+\.\w+)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)", name
+        )
         if match:
             fused_name, rows = fused[match.group(2)]
             return f"{match.group(1)}.{fused_name}.{match.group(3)}", rows

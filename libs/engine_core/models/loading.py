@@ -34,7 +34,9 @@ def load_weights(
             raise WeightError(f"checkpoint tensor {name!r} has no place in the model (looked for {param_name!r})")
         dest = params[param_name].data if index is None else params[param_name].data[index]
         if dest.shape != tensor.shape:
-            raise WeightError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            raise WeightError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
         dest.copy_(tensor)
         filled[param_name] += dest.numel()
     missing = [name for name, count in filled.items() if count != params[name].numel()]

@@ -73,10 +73,12 @@ class BenchConfig:
 # Outputs up to 64 (not 128), and transformers one request at a time run once above C=1 (it is the costliest
 # measurement, not part of the goal, and one run already spans C separate generate calls), keep the default
 # run near 10 minutes on 2 idle CPU cores. The rule depends on the workload, not on a (noisy) first run.
-DEFAULT = BenchConfig(concurrencies=(1, 8, 32), prompt_lens=(32, 256), output_lens=(16, 64), repeats=3,
-                      max_repeated_sequential=1)
-QUICK = BenchConfig(concurrencies=(1, 4), prompt_lens=(8, 32), output_lens=(4, 12), repeats=1,
-                    max_repeated_sequential=1)
+DEFAULT = BenchConfig(
+    concurrencies=(1, 8, 32), prompt_lens=(32, 256), output_lens=(16, 64), repeats=3, max_repeated_sequential=1
+)
+QUICK = BenchConfig(
+    concurrencies=(1, 4), prompt_lens=(8, 32), output_lens=(4, 12), repeats=1, max_repeated_sequential=1
+)
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,9 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workload(num_requests: int, config: BenchConfig, source_ids: list[int] | None, vocab_size: int,
-                  rng: random.Random) -> Workload:
+def make_workload(
+    num_requests: int, config: BenchConfig, source_ids: list[int] | None, vocab_size: int, rng: random.Random
+) -> Workload:
     """Prompts are slices of `source_ids` at random offsets, or uniform random ids when it is None."""
     prompts, output_lens = [], []
     for _ in range(num_requests):
@@ -128,8 +131,14 @@ class OurSystem:
         # A KV cache that holds the largest workload whole: a preemption would measure the cache size instead.
         max_blocks_per_request = -(-(config.prompt_lens[1] + config.output_lens[1]) // BLOCK_SIZE)
         num_requests = max(config.concurrencies)
-        self.llm = LLM(model, device=device, enable_prefix_caching=False, block_size=BLOCK_SIZE,
-                       num_kv_blocks=num_requests * max_blocks_per_request, max_num_seqs=max(64, num_requests))
+        self.llm = LLM(
+            model,
+            device=device,
+            enable_prefix_caching=False,
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=num_requests * max_blocks_per_request,
+            max_num_seqs=max(64, num_requests),
+        )
         self.ops = self.llm.engine.ops
         self.ids = itertools.count()
 
@@ -185,8 +194,13 @@ class HFSystem:
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        config = GenerationConfig(do_sample=False, max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
-                                  pad_token_id=self.pad_id, eos_token_id=self.model.config.eos_token_id)
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=num_new_tokens,
+            min_new_tokens=num_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.model.config.eos_token_id,
+        )
         clock = _FirstTokenClock()
         start = time.perf_counter()
         output = self.model.generate(input_ids, attention_mask=mask, generation_config=config, streamer=clock)
@@ -226,8 +240,9 @@ class _FirstTokenClock:
         pass
 
 
-def _timed_runs(measurements: dict[str, Callable[[], float | Run]],
-                repeats: dict[str, int]) -> dict[str, list[float | Run]]:
+def _timed_runs(
+    measurements: dict[str, Callable[[], float | Run]], repeats: dict[str, int]
+) -> dict[str, list[float | Run]]:
     """Every measurement's runs, one of each per round, interleaved so load bursts hit all alike."""
     runs: dict[str, list[float | Run]] = {name: [] for name in measurements}
     for round_index in range(max(repeats.values())):
@@ -297,8 +312,11 @@ def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config:
         "ours_vs_hf_batched": _speedup(med["ours_e2e"], med["hf_batched_e2e"]),
         "ours_vs_hf_sequential": _speedup(med["ours_e2e"], med["hf_sequential"]),
         "seconds": {name: [round(_seconds(run), 4) for run in values] for name, values in runs.items()},
-        "decode_seconds": {name: [round(run.decode_seconds, 4) for run in values if isinstance(run, Run)]
-                           for name, values in runs.items() if name.endswith("e2e")},
+        "decode_seconds": {
+            name: [round(run.decode_seconds, 4) for run in values if isinstance(run, Run)]
+            for name, values in runs.items()
+            if name.endswith("e2e")
+        },
     }
 
 
@@ -315,8 +333,13 @@ def _warm_up(ours: OurSystem, hf: HFSystem, workload: Workload) -> None:
     hf.sequential(workload)
 
 
-def bench_config(concurrencies: Sequence[int] | None, quick: bool, max_prompt_tokens: int | None,
-                 max_output_tokens: int | None, repeats: int | None) -> BenchConfig:
+def bench_config(
+    concurrencies: Sequence[int] | None,
+    quick: bool,
+    max_prompt_tokens: int | None,
+    max_output_tokens: int | None,
+    repeats: int | None,
+) -> BenchConfig:
     base = QUICK if quick else DEFAULT
     prompt_max = max_prompt_tokens or base.prompt_lens[1]
     output_max = max_output_tokens or base.output_lens[1]
@@ -329,9 +352,17 @@ def bench_config(concurrencies: Sequence[int] | None, quick: bool, max_prompt_to
     )
 
 
-def run_engine_bench(model: str, concurrencies: Sequence[int] | None, device: str, seed: int, *,
-                     quick: bool = False, max_prompt_tokens: int | None = None,
-                     max_output_tokens: int | None = None, repeats: int | None = None) -> dict[str, Any]:
+def run_engine_bench(
+    model: str,
+    concurrencies: Sequence[int] | None,
+    device: str,
+    seed: int,
+    *,
+    quick: bool = False,
+    max_prompt_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+    repeats: int | None = None,
+) -> dict[str, Any]:
     """The whole benchmark as a JSON-ready dict (see the module docstring for what is measured)."""
     config = bench_config(concurrencies, quick, max_prompt_tokens, max_output_tokens, repeats)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
@@ -339,8 +370,9 @@ def run_engine_bench(model: str, concurrencies: Sequence[int] | None, device: st
     ours = OurSystem(model, device, config)
     hf = HFSystem(path, ours.ops.torch_device, ours.llm.engine.dtype)
     source_ids, vocab_size = _prompt_source(ours.llm), ours.llm.engine.model_config.vocab_size
-    workloads = {c: make_workload(c, config, source_ids, vocab_size, random.Random(f"{seed}:{c}"))
-                 for c in config.concurrencies}
+    workloads = {
+        c: make_workload(c, config, source_ids, vocab_size, random.Random(f"{seed}:{c}")) for c in config.concurrencies
+    }
     shortest = replace(config, prompt_lens=(config.prompt_lens[0],) * 2, output_lens=(config.output_lens[0],) * 2)
     warmup = make_workload(2, shortest, source_ids, vocab_size, random.Random(f"{seed}:warmup"))
     _warm_up(ours, hf, warmup)
@@ -362,8 +394,11 @@ def run_engine_bench(model: str, concurrencies: Sequence[int] | None, device: st
 
 
 def _describe(config: BenchConfig, seed: int, is_text: bool) -> dict[str, Any]:
-    prompts = ("slices of a fixed English paragraph, tokenized by the model's tokenizer" if is_text
-               else "random token ids, uniform over the vocabulary (the model has no tokenizer)")
+    prompts = (
+        "slices of a fixed English paragraph, tokenized by the model's tokenizer"
+        if is_text
+        else "random token ids, uniform over the vocabulary (the model has no tokenizer)"
+    )
     return {
         "prompts": prompts,
         "prompt_tokens": list(config.prompt_lens),
@@ -371,8 +406,10 @@ def _describe(config: BenchConfig, seed: int, is_text: bool) -> dict[str, Any]:
         "seed": seed,
         "sampling": "greedy, ignore_eos (ours) / min_new_tokens = max_new_tokens (transformers): exact lengths",
         "repeats": config.repeats,
-        "statistic": ("median of `repeats` runs, interleaved across systems, after one warm-up run per system; "
-                      f"hf_sequential runs once above C={config.max_repeated_sequential}; "
-                      "every run's seconds under `seconds`"),
+        "statistic": (
+            "median of `repeats` runs, interleaved across systems, after one warm-up run per system; "
+            f"hf_sequential runs once above C={config.max_repeated_sequential}; "
+            "every run's seconds under `seconds`"
+        ),
         "concurrencies": list(config.concurrencies),
     }

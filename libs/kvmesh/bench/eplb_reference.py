@@ -42,8 +42,9 @@ def replicate_experts(weight: np.ndarray, num_slots: int) -> np.ndarray:
     return counts
 
 
-def rebalance_layer(weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
-                    num_gpus: int) -> np.ndarray:
+def rebalance_layer(
+    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> np.ndarray:
     """One layer: (E,) -> phy2log (num_replicas,), slot s on GPU s // (num_replicas // num_gpus)."""
     if num_groups % num_nodes:
         num_groups, num_nodes = 1, 1  # EPLB's global policy
@@ -62,8 +63,9 @@ def rebalance_layer(weight: np.ndarray, num_replicas: int, num_groups: int, num_
     return np.concatenate(phy2log)
 
 
-def rebalance_experts(weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
-                      num_gpus: int) -> np.ndarray:
+def rebalance_experts(
+    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> np.ndarray:
     """(L, E) -> phy2log (L, num_replicas): EPLB's policy choice and steps."""
     weight = np.asarray(weight, dtype=np.float64)
     return np.stack([rebalance_layer(row, num_replicas, num_groups, num_nodes, num_gpus) for row in weight])

@@ -48,20 +48,23 @@ def zipf(exponent: float) -> Callable[[np.random.Generator, int], np.ndarray]:
     def initial(rng: np.random.Generator, num_layers: int) -> np.ndarray:
         ranks = np.stack([rng.permutation(NUM_EXPERTS) + 1 for _ in range(num_layers)])
         return -exponent * np.log(ranks)
+
     return initial
 
 
 def lognormal(sigma: float) -> Callable[[np.random.Generator, int], np.ndarray]:
     def initial(rng: np.random.Generator, num_layers: int) -> np.ndarray:
         return rng.normal(0.0, sigma, (num_layers, NUM_EXPERTS))
+
     return initial
 
 
 SCENARIOS = (Scenario("zipf(s=1.0)", zipf(1.0), 0.1), Scenario("lognormal(sigma=1.0)", lognormal(1.0), 0.1))
 
 
-def intervals(scenario: Scenario, rng: np.random.Generator, num_layers: int, num_intervals: int,
-              tokens: int) -> list[np.ndarray]:
+def intervals(
+    scenario: Scenario, rng: np.random.Generator, num_layers: int, num_intervals: int, tokens: int
+) -> list[np.ndarray]:
     """Counts (L, E) per interval: tokens x TOP_K pairs per layer drawn from the drifting popularity."""
     log_pop = scenario.initial(rng, num_layers)
     out = []
@@ -89,6 +92,7 @@ def ours(policy: str, max_moves: int | None) -> Planner:
 
     def plan(weight: np.ndarray, previous: np.ndarray | None) -> np.ndarray:
         return eplb.rebalance(weight, topology, previous, options).phy2log
+
     return plan
 
 
@@ -97,6 +101,7 @@ def baseline(policy: str) -> Planner:
 
     def plan(weight: np.ndarray, previous: np.ndarray | None) -> np.ndarray:
         return eplb_reference.rebalance_experts(weight, NUM_SLOTS, groups, nodes, NUM_GPUS)
+
     return plan
 
 
@@ -142,16 +147,29 @@ def score(counts: list[np.ndarray], planner: Planner, window: int) -> dict[str, 
 
 def goals(rows: dict[str, dict[str, dict[str, Any]]]) -> dict[str, bool]:
     ok_global = all(r["ours-global"]["balancedness"] >= GOAL_GLOBAL for r in rows.values())
-    ok_eplb = all(r[f"ours-{p}"]["balancedness"] >= r[f"eplb-{p} (baseline)"]["balancedness"]
-                  for r in rows.values() for p in ("global", "hierarchical"))
-    ok_moved = all(r[f"ours-{p}-incremental"]["moved_max"] < GOAL_MOVED
-                   for r in rows.values() for p in ("global", "hierarchical"))
-    return {"global_balancedness_at_least_0.95": ok_global, "at_least_eplb_with_either_policy": ok_eplb,
-            "incremental_moves_under_10pct_per_plan": ok_moved}
+    ok_eplb = all(
+        r[f"ours-{p}"]["balancedness"] >= r[f"eplb-{p} (baseline)"]["balancedness"]
+        for r in rows.values()
+        for p in ("global", "hierarchical")
+    )
+    ok_moved = all(
+        r[f"ours-{p}-incremental"]["moved_max"] < GOAL_MOVED for r in rows.values() for p in ("global", "hierarchical")
+    )
+    return {
+        "global_balancedness_at_least_0.95": ok_global,
+        "at_least_eplb_with_either_policy": ok_eplb,
+        "incremental_moves_under_10pct_per_plan": ok_moved,
+    }
 
 
-def run_expert_bench(quick: bool = False, seed: int = 0, num_layers: int | None = None,
-                     num_intervals: int | None = None, tokens: int = 16384, window: int = 4) -> dict[str, Any]:
+def run_expert_bench(
+    quick: bool = False,
+    seed: int = 0,
+    num_layers: int | None = None,
+    num_intervals: int | None = None,
+    tokens: int = 16384,
+    window: int = 4,
+) -> dict[str, Any]:
     num_layers = num_layers or (2 if quick else 8)
     num_intervals = num_intervals or (6 if quick else 16)
     rows: dict[str, dict[str, dict[str, Any]]] = {}
@@ -159,10 +177,20 @@ def run_expert_bench(quick: bool = False, seed: int = 0, num_layers: int | None 
         counts = intervals(scenario, np.random.default_rng(seed + i), num_layers, num_intervals, tokens)
         rows[scenario.name] = {name: score(counts, planner, window) for name, planner in planners().items()}
     return {
-        "setup": {"experts": NUM_EXPERTS, "groups": NUM_GROUPS, "top_k": TOP_K, "gpus": NUM_GPUS,
-                  "nodes": NUM_NODES, "slots": NUM_SLOTS, "layers": num_layers, "intervals": num_intervals,
-                  "tokens_per_interval": tokens, "window_intervals": window,
-                  "drift": {s.name: s.drift for s in SCENARIOS}, "seed": seed},
+        "setup": {
+            "experts": NUM_EXPERTS,
+            "groups": NUM_GROUPS,
+            "top_k": TOP_K,
+            "gpus": NUM_GPUS,
+            "nodes": NUM_NODES,
+            "slots": NUM_SLOTS,
+            "layers": num_layers,
+            "intervals": num_intervals,
+            "tokens_per_interval": tokens,
+            "window_intervals": window,
+            "drift": {s.name: s.drift for s in SCENARIOS},
+            "seed": seed,
+        },
         "results": rows,
         "goals": goals(rows),
     }

@@ -57,12 +57,17 @@ def _handlers() -> grpc.GenericRpcHandler:
     def protobuf(request: bytes, context: Any):
         yield from _messages(request, "protobuf")
 
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Identity": grpc.unary_stream_rpc_method_handler(identity, request_deserializer=_identity,
-                                                         response_serializer=_identity),
-        "Protobuf": grpc.unary_stream_rpc_method_handler(
-            protobuf, request_deserializer=_identity, response_serializer=kvcache_pb2.Block.SerializeToString),
-    })
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Identity": grpc.unary_stream_rpc_method_handler(
+                identity, request_deserializer=_identity, response_serializer=_identity
+            ),
+            "Protobuf": grpc.unary_stream_rpc_method_handler(
+                protobuf, request_deserializer=_identity, response_serializer=kvcache_pb2.Block.SerializeToString
+            ),
+        },
+    )
 
 
 def _aio_handlers() -> grpc.GenericRpcHandler:
@@ -74,12 +79,17 @@ def _aio_handlers() -> grpc.GenericRpcHandler:
         for message in _messages(request, "protobuf"):
             yield message
 
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Identity": grpc.unary_stream_rpc_method_handler(identity, request_deserializer=_identity,
-                                                         response_serializer=_identity),
-        "Protobuf": grpc.unary_stream_rpc_method_handler(
-            protobuf, request_deserializer=_identity, response_serializer=kvcache_pb2.Block.SerializeToString),
-    })
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Identity": grpc.unary_stream_rpc_method_handler(
+                identity, request_deserializer=_identity, response_serializer=_identity
+            ),
+            "Protobuf": grpc.unary_stream_rpc_method_handler(
+                protobuf, request_deserializer=_identity, response_serializer=kvcache_pb2.Block.SerializeToString
+            ),
+        },
+    )
 
 
 def _serve(aio_port: int, sync_port: int) -> None:
@@ -153,10 +163,21 @@ def explore(megabytes: int = 128, repeats: int = 3) -> list[dict[str, Any]]:
                     for streams in (1, 2, 4):
                         port = aio_port if api == "aio" else sync_port
                         size = size_mib << 20
-                        best = min(asyncio.run(_aio_round(port, codec, total, size, streams)) if api == "aio"
-                                   else _sync_round(port, codec, total, size, streams) for _ in range(repeats))
-                        rows.append({"api": api, "codec": codec, "message_mib": size_mib, "streams": streams,
-                                     "gbps": round(total / best / 1e9, 3)})
+                        best = min(
+                            asyncio.run(_aio_round(port, codec, total, size, streams))
+                            if api == "aio"
+                            else _sync_round(port, codec, total, size, streams)
+                            for _ in range(repeats)
+                        )
+                        rows.append(
+                            {
+                                "api": api,
+                                "codec": codec,
+                                "message_mib": size_mib,
+                                "streams": streams,
+                                "gbps": round(total / best / 1e9, 3),
+                            }
+                        )
     finally:
         server.terminate()
     return rows

@@ -12,20 +12,30 @@ COMMANDS = ("kvcache", "kv-transfer", "kv-push", "kv-ttft", "kv-index")
 
 
 def add_parsers(bench_commands: Any) -> None:
-    kvcache = bench_commands.add_parser("kvcache", help="replay a Mooncake trace through the KV store: hit rate vs ideal")
+    kvcache = bench_commands.add_parser(
+        "kvcache", help="replay a Mooncake trace through the KV store: hit rate vs ideal"
+    )
     kvcache.add_argument("--trace", required=True, help="a Mooncake trace (JSON lines with hash_ids)")
     kvcache.add_argument("--capacity-blocks", type=int, default=None, help="default: 25%% of the trace's unique blocks")
     kvcache.add_argument("--policy", default="lfuda", help="lru | s3fifo | lfuda")
-    kvcache.add_argument("--sweep", nargs="*", default=None, metavar="TRACE",
-                         help="also sweep capacities x policies over these traces (and --trace)")
+    kvcache.add_argument(
+        "--sweep",
+        nargs="*",
+        default=None,
+        metavar="TRACE",
+        help="also sweep capacities x policies over these traces (and --trace)",
+    )
     kvcache.add_argument("--plot", default=None, metavar="PNG", help="with --sweep: draw hit rate vs capacity")
     kvcache.add_argument("--json", action="store_true", help="one line of JSON")
 
     transfer = bench_commands.add_parser("kv-transfer", help="GB/s through the KV store vs a raw TCP socket")
     transfer.add_argument("--megabytes", type=int, default=256, help="bytes moved per measurement")
     transfer.add_argument("--block-kib", type=int, default=2048, help="size of one KV block")
-    transfer.add_argument("--explore", action="store_true",
-                          help="also time grpc-python variants: aio/sync, protobuf/identity, message sizes, streams")
+    transfer.add_argument(
+        "--explore",
+        action="store_true",
+        help="also time grpc-python variants: aio/sync, protobuf/identity, message sizes, streams",
+    )
     transfer.add_argument("--repeats", type=int, default=3, help="runs per measurement, best reported")
     transfer.add_argument("--json", action="store_true", help="one line of JSON")
 
@@ -38,8 +48,12 @@ def add_parsers(bench_commands: Any) -> None:
     index = bench_commands.add_parser("kv-index", help="rebuild the global KV index by replaying JetStream")
     index.add_argument("--batches", type=int, default=20_000)
     index.add_argument("--blocks-per-batch", type=int, default=16)
-    index.add_argument("--live-batches", type=int, default=None,
-                       help="caches churn: each batch also removes its worker's blocks from this many batches ago")
+    index.add_argument(
+        "--live-batches",
+        type=int,
+        default=None,
+        help="caches churn: each batch also removes its worker's blocks from this many batches ago",
+    )
     index.add_argument("--json", action="store_true", help="one line of JSON")
 
     ttft = bench_commands.add_parser("kv-ttft", help="time to first token on a long shared prefix, through the store")
@@ -55,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_kvcache_bench(args.trace, args.capacity_blocks, args.policy)
         if args.sweep is not None:
-            rows = sweep([args.trace, *args.sweep], (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75),
-                         ("lru", "s3fifo", "lfuda"))
+            rows = sweep(
+                [args.trace, *args.sweep], (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75), ("lru", "s3fifo", "lfuda")
+            )
             if args.plot:
                 plot(rows, args.plot)
             result = {"result": result, "sweep": rows}

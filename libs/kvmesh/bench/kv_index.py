@@ -24,20 +24,29 @@ from mesh.kv_stream import STREAM, KVEventFollower, KVIndexCompactor, ensure_kv_
 from mesh.pb import events_pb2
 
 
-def _batches(num_batches: int, blocks_per_batch: int, num_workers: int,
-             live_batches: int | None) -> list[events_pb2.KVEventBatch]:
+def _batches(
+    num_batches: int, blocks_per_batch: int, num_workers: int, live_batches: int | None
+) -> list[events_pb2.KVEventBatch]:
     stored: list[list[bytes]] = []
     batches = []
     for n in range(num_batches):
         keys = [os.urandom(32) for _ in range(blocks_per_batch)]
         stored.append(keys)
-        events = [events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(
-            block_hashes=keys, fragment_indices=[n % 3] * len(keys), num_data_fragments=2, num_fragments=3))]
+        events = [
+            events_pb2.KVEvent(
+                stored=events_pb2.KVBlocksStored(
+                    block_hashes=keys, fragment_indices=[n % 3] * len(keys), num_data_fragments=2, num_fragments=3
+                )
+            )
+        ]
         old = n - live_batches * num_workers if live_batches is not None else -1
         if old >= 0:  # the same worker's batch `live_batches` of its own batches ago
             events.append(events_pb2.KVEvent(removed=events_pb2.KVBlocksRemoved(block_hashes=stored[old])))
-        batches.append(events_pb2.KVEventBatch(worker_id=f"kv-{n % num_workers}", seq=n // num_workers + 1,
-                                               tier="host", events=events))
+        batches.append(
+            events_pb2.KVEventBatch(
+                worker_id=f"kv-{n % num_workers}", seq=n // num_workers + 1, tier="host", events=events
+            )
+        )
     return batches
 
 
@@ -83,16 +92,25 @@ async def _run(num_batches: int, blocks_per_batch: int, num_workers: int, live_b
         await bus.close()
     replay_s, restore_s = replayed.replay_seconds or 0.0, restored.replay_seconds or 0.0
     blocks = replayed.index.num_blocks()
-    return {"batches": int(info.state.messages), "blocks": blocks, "stream_bytes": int(info.state.bytes),
-            "live_batches": live_batches, "replay_seconds": round(replay_s, 2),
-            "batches_per_second": round(num_batches / max(replay_s, 1e-9)),
-            "blocks_per_second": round(blocks / max(replay_s, 1e-9)),
-            "snapshot_seconds": round(snapshot_s, 2), "snapshot_bytes": snapshot_bytes,
-            "restore_seconds": round(restore_s, 2), "replay_over_restore": round(replay_s / max(restore_s, 1e-9), 1),
-            "restored_index_equal": same, "publish_seconds": round(publish_s, 2),
-            "load_average_1m": round(os.getloadavg()[0], 2)}
+    return {
+        "batches": int(info.state.messages),
+        "blocks": blocks,
+        "stream_bytes": int(info.state.bytes),
+        "live_batches": live_batches,
+        "replay_seconds": round(replay_s, 2),
+        "batches_per_second": round(num_batches / max(replay_s, 1e-9)),
+        "blocks_per_second": round(blocks / max(replay_s, 1e-9)),
+        "snapshot_seconds": round(snapshot_s, 2),
+        "snapshot_bytes": snapshot_bytes,
+        "restore_seconds": round(restore_s, 2),
+        "replay_over_restore": round(replay_s / max(restore_s, 1e-9), 1),
+        "restored_index_equal": same,
+        "publish_seconds": round(publish_s, 2),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
 
 
-def run_index_bench(num_batches: int = 20_000, blocks_per_batch: int = 16, num_workers: int = 3,
-                    live_batches: int | None = None) -> dict[str, Any]:
+def run_index_bench(
+    num_batches: int = 20_000, blocks_per_batch: int = 16, num_workers: int = 3, live_batches: int | None = None
+) -> dict[str, Any]:
     return asyncio.run(_run(num_batches, blocks_per_batch, num_workers, live_batches))

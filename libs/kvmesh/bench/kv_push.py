@@ -27,10 +27,10 @@ from engine_core.kv_transfer import KVChunk, KVExport, KVLayout
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import rpc
 from mesh.bus import Bus
+from mesh.compute.settings import WorkerSettings
 from mesh.config import load_settings
 from mesh.discovery import WorkerRegistry
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc
-from services.compute.settings import WorkerSettings
 from services.prefill.decode_client import DecodePusher
 from services.prefill.prefiller import PrefillJob
 
@@ -46,8 +46,15 @@ def model_layout(model: str) -> KVLayout:
 
 def zero_export(layout: KVLayout, num_tokens: int) -> tuple[KVExport, list[KVChunk]]:
     num_blocks = cdiv(num_tokens, layout.block_size)
-    export = KVExport(layout, "", list(range(10, 10 + num_tokens)), [11], num_tokens, num_blocks,
-                      lambda layer, first, count: bytes(layout.chunk_bytes(count)))
+    export = KVExport(
+        layout,
+        "",
+        list(range(10, 10 + num_tokens)),
+        [11],
+        num_tokens,
+        num_blocks,
+        lambda layer, first, count: bytes(layout.chunk_bytes(count)),
+    )
     return export, list(export.chunks(max_bytes=rpc.KV_CHUNK_BYTES))
 
 
@@ -72,8 +79,9 @@ async def _decode_worker(nats_url: str) -> common_pb2.WorkerInfo:
         await bus.close()
 
 
-async def _measure(worker: common_pb2.WorkerInfo, model: str, layout: KVLayout, sizes: list[int],
-                   repeats: int) -> dict[str, Any]:
+async def _measure(
+    worker: common_pb2.WorkerInfo, model: str, layout: KVLayout, sizes: list[int], repeats: int
+) -> dict[str, Any]:
     channels = rpc.Channels()
     pusher = DecodePusher(channels)
     abort = decode_pb2_grpc.DecodeStub(channels.get(worker.address)).Abort
@@ -86,9 +94,16 @@ async def _measure(worker: common_pb2.WorkerInfo, model: str, layout: KVLayout, 
             for i in range(repeats + 1):  # the first round warms both paths (connections, allocator) and is dropped
                 for transport in TRANSPORTS:
                     request_id = f"push-{num_tokens}-{transport}-{i}"
-                    job = PrefillJob(request_id, model, export.prompt_token_ids, SamplingParams(max_tokens=2), None,
-                                     worker.address, worker.worker_id,
-                                     decode_data_address=worker.data_address if transport == "lane" else "")
+                    job = PrefillJob(
+                        request_id,
+                        model,
+                        export.prompt_token_ids,
+                        SamplingParams(max_tokens=2),
+                        None,
+                        worker.address,
+                        worker.worker_id,
+                        decode_data_address=worker.data_address if transport == "lane" else "",
+                    )
                     started = time.perf_counter()
                     sent = await pusher.push(job, export, _replay(chunks))
                     elapsed = time.perf_counter() - started
@@ -110,17 +125,30 @@ async def _measure(worker: common_pb2.WorkerInfo, model: str, layout: KVLayout, 
     return results
 
 
-def run_push_bench(model: str = "smollm2-135m", sizes: tuple[int, ...] = (2000, 8000),
-                   repeats: int = 5) -> dict[str, Any]:
+def run_push_bench(
+    model: str = "smollm2-135m", sizes: tuple[int, ...] = (2000, 8000), repeats: int = 5
+) -> dict[str, Any]:
     layout = model_layout(model)
     kv_bytes = max(sizes) * layout.num_layers * layout.chunk_bytes(1) // layout.block_size
     with EmbeddedNats() as nats:
-        env = {**os.environ, "KVMESH_NATS_URL": nats.url, "KVMESH_MODELS": model, "KVMESH_WORKER_ID": "decode-bench",
-               "KVMESH_HOST": "127.0.0.1", "KVMESH_GRPC_PORT": "0", "KVMESH_DATA_PORT": "0",
-               "KVMESH_HTTP_PORT": str(free_port()), "KVMESH_LOG_LEVEL": "warning",
-               "KVMESH_KV_CACHE_MEMORY_BYTES": str(2 * kv_bytes + 64 * 2**20)}
-        decode = subprocess.Popen([sys.executable, "-m", "kvmesh", "serve", "decode"], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = {
+            **os.environ,
+            "KVMESH_NATS_URL": nats.url,
+            "KVMESH_MODELS": model,
+            "KVMESH_WORKER_ID": "decode-bench",
+            "KVMESH_HOST": "127.0.0.1",
+            "KVMESH_GRPC_PORT": "0",
+            "KVMESH_DATA_PORT": "0",
+            "KVMESH_HTTP_PORT": str(free_port()),
+            "KVMESH_LOG_LEVEL": "warning",
+            "KVMESH_KV_CACHE_MEMORY_BYTES": str(2 * kv_bytes + 64 * 2**20),
+        }
+        decode = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh", "serve", "decode"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             worker = asyncio.run(_decode_worker(nats.url))
             by_size = asyncio.run(_measure(worker, model, layout, list(sizes), repeats))

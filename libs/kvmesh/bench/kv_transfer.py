@@ -83,12 +83,14 @@ async def _stream(client: StoreClient, keys: list[bytes], layout: KVLayout, over
     return elapsed
 
 
-async def _store_round(client: StoreClient, blocks: list[StoreBlock],
-                       round_id: int) -> tuple[float, float, float, float]:
+async def _store_round(
+    client: StoreClient, blocks: list[StoreBlock], round_id: int
+) -> tuple[float, float, float, float]:
     """(put, fetch, layer-stream over the lane, layer-stream over gRPC seconds) for fresh keys, so every Put
     stores and every read gets the whole chain."""
-    fresh = [StoreBlock(round_id.to_bytes(4, "little") + b.block_hash[4:], b.parent_hash, b.layout, b.data)
-             for b in blocks]
+    fresh = [
+        StoreBlock(round_id.to_bytes(4, "little") + b.block_hash[4:], b.parent_hash, b.layout, b.data) for b in blocks
+    ]
     keys = [b.block_hash for b in fresh]
     started = time.perf_counter()
     await client.put(fresh)
@@ -112,9 +114,15 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
     blocks = [StoreBlock(n.to_bytes(32, "big"), b"\0" * 32, layout, payload) for n in range(num_blocks)]  # distinct
     total = num_blocks * num_block_bytes
     with EmbeddedNats() as nats:
-        env = {**os.environ, "KVMESH_NATS_URL": nats.url, "KVMESH_WORKER_ID": "kv-bench", "KVMESH_LOG_LEVEL": "warning",
-               "KVMESH_CAPACITY_BYTES": str(total * (repeats + 2)), "KVMESH_HEARTBEAT_INTERVAL_S": "0.2",
-               "KVMESH_HTTP_PORT": str(free_port())}
+        env = {
+            **os.environ,
+            "KVMESH_NATS_URL": nats.url,
+            "KVMESH_WORKER_ID": "kv-bench",
+            "KVMESH_LOG_LEVEL": "warning",
+            "KVMESH_CAPACITY_BYTES": str(total * (repeats + 2)),
+            "KVMESH_HEARTBEAT_INTERVAL_S": "0.2",
+            "KVMESH_HTTP_PORT": str(free_port()),
+        }
         node = subprocess.Popen([sys.executable, "-m", "services.kvcache"], env=env)
         ready = multiprocessing.Event()
         port = free_port()
@@ -154,13 +162,18 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
             sink.terminate()
     store_gbps = total / min(stream_s) / 1e9
     raw_gbps = total / min(tcp_s) / 1e9
-    return {"store_gbps": round(store_gbps, 3), "raw_tcp_gbps": round(raw_gbps, 3),
-            "ratio": round(store_gbps / raw_gbps, 3),
-            "store_grpc_stream_gbps": round(total / min(grpc_stream_s) / 1e9, 3),
-            "store_fetch_gbps": round(total / min(fetch_s) / 1e9, 3),
-            "store_put_gbps": round(total / min(put_s) / 1e9, 3),
-            "megabytes": round(total / 2**20, 1), "block_bytes": num_block_bytes, "repeats": repeats,
-            "load_average_1m": round(os.getloadavg()[0], 2)}
+    return {
+        "store_gbps": round(store_gbps, 3),
+        "raw_tcp_gbps": round(raw_gbps, 3),
+        "ratio": round(store_gbps / raw_gbps, 3),
+        "store_grpc_stream_gbps": round(total / min(grpc_stream_s) / 1e9, 3),
+        "store_fetch_gbps": round(total / min(fetch_s) / 1e9, 3),
+        "store_put_gbps": round(total / min(put_s) / 1e9, 3),
+        "megabytes": round(total / 2**20, 1),
+        "block_bytes": num_block_bytes,
+        "repeats": repeats,
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def run_transfer_bench(megabytes: int = 256, block_kib: int = 2048, repeats: int = 3) -> dict[str, Any]:

@@ -33,10 +33,20 @@ def long_prompt(num_tokens: int) -> str:
 
 
 def _stream(url: str, model: str, prompt: str) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
     started = time.perf_counter()
     ttft = 0.0
     usage: dict[str, Any] = {}
@@ -52,8 +62,12 @@ def _stream(url: str, model: str, prompt: str) -> dict[str, Any]:
             if chunk.get("usage"):
                 usage = chunk["usage"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"ttft_s": round(ttft, 3), "prefill_worker": worker, "prompt_tokens": usage.get("prompt_tokens", 0),
-            "cached_tokens": cached}
+    return {
+        "ttft_s": round(ttft, 3),
+        "prefill_worker": worker,
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "cached_tokens": cached,
+    }
 
 
 def _scrape_total(port: int, metric: str) -> float:
@@ -64,9 +78,20 @@ def _scrape_total(port: int, metric: str) -> float:
 
 def run_ttft_bench(model: str = "smollm2-135m", prompt_tokens: int = 2000) -> dict[str, Any]:
     log = Path(tempfile.mkdtemp(prefix="kvmesh-ttft-")) / "mesh.log"
-    plan = MeshPlan(prefill=2, decode=1, kvcache=1, models=(model,), http_port=free_port(), grpc_port=free_port(),
-                    api_keys=(API_KEY,), env={"KVMESH_HEARTBEAT_INTERVAL_S": "0.5", "KVMESH_LOG_LEVEL": "warning",
-                                              "KVMESH_KV_CACHE_MEMORY_BYTES": str(512 * 2**20)})
+    plan = MeshPlan(
+        prefill=2,
+        decode=1,
+        kvcache=1,
+        models=(model,),
+        http_port=free_port(),
+        grpc_port=free_port(),
+        api_keys=(API_KEY,),
+        env={
+            "KVMESH_HEARTBEAT_INTERVAL_S": "0.5",
+            "KVMESH_LOG_LEVEL": "warning",
+            "KVMESH_KV_CACHE_MEMORY_BYTES": str(512 * 2**20),
+        },
+    )
     mesh = Mesh(plan, out=log.open("w"))
     try:
         mesh.start()
@@ -78,7 +103,7 @@ def run_ttft_bench(model: str = "smollm2-135m", prompt_tokens: int = 2000) -> di
         store_port = mesh.child("kvcache-0").http_port
         expected_blocks = (cold["prompt_tokens"] - 1) // 16
         deadline = time.monotonic() + 60
-        while _scrape_total(store_port, "kvmesh_kvcache_blocks{tier=\"host\"}") < expected_blocks:
+        while _scrape_total(store_port, 'kvmesh_kvcache_blocks{tier="host"}') < expected_blocks:
             if time.monotonic() > deadline:
                 raise TimeoutError("the prompt's blocks did not reach the store")
             time.sleep(0.1)
@@ -88,9 +113,14 @@ def run_ttft_bench(model: str = "smollm2-135m", prompt_tokens: int = 2000) -> di
         from_device = _stream(mesh.base_url, model, prompt)
     finally:
         mesh.stop()
-    return {"model": model, "prompt_tokens": cold["prompt_tokens"], "ttft_cold_s": cold["ttft_s"],
-            "ttft_store_s": from_store["ttft_s"], "ttft_device_s": from_device["ttft_s"],
-            "store_cached_tokens": from_store["cached_tokens"],
-            "speedup": round(cold["ttft_s"] / max(from_store["ttft_s"], 1e-9), 2),
-            "workers": [cold["prefill_worker"], from_store["prefill_worker"], from_device["prefill_worker"]],
-            "log": str(log)}
+    return {
+        "model": model,
+        "prompt_tokens": cold["prompt_tokens"],
+        "ttft_cold_s": cold["ttft_s"],
+        "ttft_store_s": from_store["ttft_s"],
+        "ttft_device_s": from_device["ttft_s"],
+        "store_cached_tokens": from_store["cached_tokens"],
+        "speedup": round(cold["ttft_s"] / max(from_store["ttft_s"], 1e-9), 2),
+        "workers": [cold["prefill_worker"], from_store["prefill_worker"], from_device["prefill_worker"]],
+        "log": str(log),
+    }

@@ -55,8 +55,9 @@ def ideal_hit_rate(requests: Sequence[tuple[float, list[int]]]) -> float:
     return hits / max(total, 1)
 
 
-def _prefix_hit_rate(requests: Sequence[tuple[float, list[int]]], cached: Container[int],
-                     after: Callable[[int, int], None]) -> float:
+def _prefix_hit_rate(
+    requests: Sequence[tuple[float, list[int]]], cached: Container[int], after: Callable[[int, int], None]
+) -> float:
     """Hits counted as the store counts them (a request's blocks hit up to its first miss), over a cache that
     `after(position in the trace, hash_id)` updates once each block has been looked up."""
     hits = position = 0
@@ -131,15 +132,17 @@ def replay(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int, po
         num_hits = store.lookup(keys, LAYOUT.model)
         store.get(keys[:num_hits], LAYOUT.model)
         parents = [ROOT, *keys[:-1]]
-        store.put([Block(k, p, LAYOUT, DATA, checksum=DATA_CHECKSUM)
-                   for k, p in zip(keys[num_hits:], parents[num_hits:])])
+        store.put(
+            [Block(k, p, LAYOUT, DATA, checksum=DATA_CHECKSUM) for k, p in zip(keys[num_hits:], parents[num_hits:])]
+        )
         hits += num_hits
         total += len(keys)
     return hits / max(total, 1)
 
 
-def run_kvcache_bench(trace: str, capacity_blocks: int | None, policy: str,
-                      capacity_fraction: float | None = None) -> dict[str, Any]:
+def run_kvcache_bench(
+    trace: str, capacity_blocks: int | None, policy: str, capacity_fraction: float | None = None
+) -> dict[str, Any]:
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
     requests = load_trace(trace)
@@ -149,13 +152,20 @@ def run_kvcache_bench(trace: str, capacity_blocks: int | None, policy: str,
     started = time.perf_counter()
     hit_rate = replay(requests, capacity_blocks, policy)
     ideal = ideal_hit_rate(requests)
-    return {"trace": Path(trace).name, "policy": policy, "capacity_blocks": capacity_blocks, "unique_blocks": unique,
-            "capacity_fraction": round(capacity_blocks / unique, 4), "num_requests": len(requests),
-            "hit_rate": round(hit_rate, 4), "ideal_hit_rate": round(ideal, 4),
-            "fraction_of_ideal": round(hit_rate / ideal, 4) if ideal else None,
-            "belady_hit_rate": round(belady_hit_rate(requests, capacity_blocks), 4),
-            "reuse_oracle_lru_hit_rate": round(reuse_oracle_lru_hit_rate(requests, capacity_blocks), 4),
-            "seconds": round(time.perf_counter() - started, 2)}
+    return {
+        "trace": Path(trace).name,
+        "policy": policy,
+        "capacity_blocks": capacity_blocks,
+        "unique_blocks": unique,
+        "capacity_fraction": round(capacity_blocks / unique, 4),
+        "num_requests": len(requests),
+        "hit_rate": round(hit_rate, 4),
+        "ideal_hit_rate": round(ideal, 4),
+        "fraction_of_ideal": round(hit_rate / ideal, 4) if ideal else None,
+        "belady_hit_rate": round(belady_hit_rate(requests, capacity_blocks), 4),
+        "reuse_oracle_lru_hit_rate": round(reuse_oracle_lru_hit_rate(requests, capacity_blocks), 4),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
 
 
 def sweep(traces: Sequence[str], fractions: Sequence[float], policies: Sequence[str]) -> list[dict[str, Any]]:

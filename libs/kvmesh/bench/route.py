@@ -28,8 +28,18 @@ from kvmesh.bench.route_trace import TraceRequest, ideal_hit_rate, ideal_leading
 from mesh.routing import POLICIES, CostModel, check_policy
 
 GOODPUT_ATTAINMENT = 0.9
-FIELDS = ("hit_rate", "ideal_hit_rate", "prefill_imbalance", "decode_efficiency", "ttft_mean_s", "ttft_p50_s",
-          "ttft_p99_s", "tpot_p50_s", "goodput", "ttft_p99_floor_s")
+FIELDS = (
+    "hit_rate",
+    "ideal_hit_rate",
+    "prefill_imbalance",
+    "decode_efficiency",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "goodput",
+    "ttft_p99_floor_s",
+)
 
 
 @dataclass(frozen=True)
@@ -55,8 +65,9 @@ def _trace(path: str, limit: int | None) -> tuple[TraceRequest, ...]:
     return tuple(load_trace(path, limit))
 
 
-def compute_s(requests: Sequence[TraceRequest], cost: CostModel, block_tokens: int,
-              basis: str = "ideal") -> list[float]:
+def compute_s(
+    requests: Sequence[TraceRequest], cost: CostModel, block_tokens: int, basis: str = "ideal"
+) -> list[float]:
     """Each request's prefill seconds alone: its prompt less its ideally cached prefix (or the whole prompt)."""
     hits = ideal_leading_hits(requests) if basis == "ideal" else [0] * len(requests)
     seconds = []
@@ -101,8 +112,10 @@ class LoadScale:
 
 
 def attainment(result: SimResult, config: BenchConfig) -> float:
-    met = sum(ttft <= config.ttft_slo_s and (tpot is None or tpot <= config.tpot_slo_s)
-              for ttft, tpot in zip(result.ttft_s, result.tpot_s))
+    met = sum(
+        ttft <= config.ttft_slo_s and (tpot is None or tpot <= config.tpot_slo_s)
+        for ttft, tpot in zip(result.ttft_s, result.tpot_s)
+    )
     return met / max(len(result.ttft_s), 1)
 
 
@@ -122,17 +135,21 @@ def summary(result: SimResult, ideal: float) -> dict[str, float]:
     mean_busy = sum(busy) / len(busy)
     tpots = [t for t in result.tpot_s if t is not None]
     ttfts = result.ttft_s
-    return {"hit_rate": round(result.num_hit_blocks / max(result.num_blocks, 1), 4),
-            "ideal_hit_rate": round(ideal, 4),
-            "prefill_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 1.0,
-            "decode_efficiency": round(result.decode_efficiency, 4),
-            "ttft_mean_s": round(sum(ttfts) / len(ttfts), 4), "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
-            "ttft_p99_s": round(percentile(ttfts, 0.99), 4),
-            "tpot_p50_s": round(percentile(tpots, 0.5), 4) if tpots else 0.0}
+    return {
+        "hit_rate": round(result.num_hit_blocks / max(result.num_blocks, 1), 4),
+        "ideal_hit_rate": round(ideal, 4),
+        "prefill_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 1.0,
+        "decode_efficiency": round(result.decode_efficiency, 4),
+        "ttft_mean_s": round(sum(ttfts) / len(ttfts), 4),
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
+        "ttft_p99_s": round(percentile(ttfts, 0.99), 4),
+        "tpot_p50_s": round(percentile(tpots, 0.5), 4) if tpots else 0.0,
+    }
 
 
 def goodput(policy: str, scale: LoadScale, config: BenchConfig, first: SimResult) -> float:
     """Requests/s at the highest load that still meets the SLOs for 90% of requests (0.0 if none tried does)."""
+
     def meets(load: float) -> bool:
         return attainment(simulate(scale.at(load), policy, config.sim), config) >= GOODPUT_ATTAINMENT
 
@@ -160,8 +177,16 @@ def run_policy(policy: str, config: BenchConfig, with_series: bool = False) -> d
     fields: dict[str, Any] = summary(result, ideal_hit_rate(requests))
     fields["goodput"] = goodput(policy, scale, config, result)
     fields["ttft_p99_floor_s"] = round(ttft_floor_p99_s(requests, config.sim.cost, config.sim.block_tokens), 4)
-    extra = {"ttft_s": result.ttft_s, "series_s": result.series_s, "prefill_queue": result.prefill_queue_series,
-             "decode_kv": result.decode_kv_series} if with_series else {}
+    extra = (
+        {
+            "ttft_s": result.ttft_s,
+            "series_s": result.series_s,
+            "prefill_queue": result.prefill_queue_series,
+            "decode_kv": result.decode_kv_series,
+        }
+        if with_series
+        else {}
+    )
     return {"fields": fields, **extra}
 
 

@@ -34,8 +34,12 @@ def _ttft_cdf(plt: Any, by_policy: Mapping[str, Mapping[str, Any]], path: Path, 
         shares = [(n + 1) / len(ttfts) for n in range(len(ttfts))]
         axis.plot(ttfts, shares, label=policy)
     axis.axvline(config.ttft_slo_s, color="grey", linestyle=":", label=f"TTFT target {config.ttft_slo_s:g} s")
-    axis.set(xscale="log", xlabel="time to first token (s)", ylabel="share of requests",
-             title=f"TTFT at load {config.load:g}: {Path(config.trace).name}")
+    axis.set(
+        xscale="log",
+        xlabel="time to first token (s)",
+        ylabel="share of requests",
+        title=f"TTFT at load {config.load:g}: {Path(config.trace).name}",
+    )
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()

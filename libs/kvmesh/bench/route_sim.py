@@ -125,8 +125,9 @@ class Simulation:
         self.decode = [_Decode(f"decode-{n}") for n in range(config.num_decode)]
         self.prefill_of = {w.worker_id: w for w in self.prefill}
         self.decode_of = {w.worker_id: w for w in self.decode}
-        self.routers = [Router(policy, self.index, self.cost, balancer_id=f"balancer-{n}")
-                        for n in range(config.num_replicas)]
+        self.routers = [
+            Router(policy, self.index, self.cost, balancer_id=f"balancer-{n}") for n in range(config.num_replicas)
+        ]
         self.events: list[tuple[float, int, int, int, object]] = []
         self._seq = 0
         n = len(requests)
@@ -141,7 +142,10 @@ class Simulation:
         self._eff_at = 0.0
         self._last_arrival_s = requests[-1].arrival_s if requests else 0.0
         self.result_series: tuple[list[float], list[list[int]], list[list[int]]] = (
-            [], [[] for _ in self.prefill], [[] for _ in self.decode])
+            [],
+            [[] for _ in self.prefill],
+            [[] for _ in self.decode],
+        )
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -152,16 +156,30 @@ class Simulation:
         num_workers = len(self.prefill) + len(self.decode)
         for n, worker_id in enumerate(self._all_ids()):
             self._push(self.config.heartbeat_s * (n + 1) / num_workers, HEARTBEAT, 0, worker_id)
-        handlers = {ARRIVE: self._arrive, PREFILL_DONE: self._prefill_done, DECODE_JOIN: self._decode_join,
-                    STEP_DONE: self._step_done, HEARTBEAT: self._heartbeat, PEER: self._peer,
-                    FINISHED: self._finished_heard}
+        handlers = {
+            ARRIVE: self._arrive,
+            PREFILL_DONE: self._prefill_done,
+            DECODE_JOIN: self._decode_join,
+            STEP_DONE: self._step_done,
+            HEARTBEAT: self._heartbeat,
+            PEER: self._peer,
+            FINISHED: self._finished_heard,
+        }
         while self.events and self.num_done < len(self.requests):
             now_s, _, kind, a, b = heapq.heappop(self.events)
             handlers[kind](now_s, a, b)
         times, waits, kvs = self.result_series
-        return SimResult(self.ttft_s, self.tpot_s, self.num_hit_blocks,
-                         sum(len(r.block_hashes) for r in self.requests), [w.busy_s for w in self.prefill],
-                         self._eff_area / self._eff_time if self._eff_time > 0 else 1.0, times, waits, kvs)
+        return SimResult(
+            self.ttft_s,
+            self.tpot_s,
+            self.num_hit_blocks,
+            sum(len(r.block_hashes) for r in self.requests),
+            [w.busy_s for w in self.prefill],
+            self._eff_area / self._eff_time if self._eff_time > 0 else 1.0,
+            times,
+            waits,
+            kvs,
+        )
 
     def _push(self, at_s: float, kind: int, a: int, b: object) -> None:
         self._seq += 1
@@ -178,7 +196,10 @@ class Simulation:
         decode_states = [router.view.report(w.worker_id) for w in self.decode]
         route, assignment = router.route(
             RouteRequest("trace", request.block_hashes, request.num_prompt_tokens, request_id=str(n)),
-            [s for s in states if s is not None], [s for s in decode_states if s is not None], now_s)
+            [s for s in states if s is not None],
+            [s for s in decode_states if s is not None],
+            now_s,
+        )
         if self.config.share:
             for peer in self.routers:
                 if peer is not router:
@@ -204,13 +225,27 @@ class Simulation:
         config = self.config
         if worker_id in self.prefill_of:
             p = self.prefill_of[worker_id]
-            return WorkerState(worker_id, now_s, config.block_tokens, 1, p.capacity_blocks,
-                               num_running=int(p.current is not None), num_waiting=len(p.queue),
-                               num_queued_prompt_tokens=p.remaining_tokens(now_s), num_cached_blocks=len(p.held))
+            return WorkerState(
+                worker_id,
+                now_s,
+                config.block_tokens,
+                1,
+                p.capacity_blocks,
+                num_running=int(p.current is not None),
+                num_waiting=len(p.queue),
+                num_queued_prompt_tokens=p.remaining_tokens(now_s),
+                num_cached_blocks=len(p.held),
+            )
         d = self.decode_of[worker_id]
-        return WorkerState(worker_id, now_s, config.block_tokens, config.decode_max_seqs,
-                           config.decode_kv_tokens // config.block_tokens, num_running=d.num_running,
-                           num_kv_tokens=d.num_kv_tokens)
+        return WorkerState(
+            worker_id,
+            now_s,
+            config.block_tokens,
+            config.decode_max_seqs,
+            config.decode_kv_tokens // config.block_tokens,
+            num_running=d.num_running,
+            num_kv_tokens=d.num_kv_tokens,
+        )
 
     def _heartbeat(self, now_s: float, _: int, worker_id: object) -> None:
         assert isinstance(worker_id, str)
@@ -257,8 +292,7 @@ class Simulation:
         if request.num_output_tokens <= 1:
             self._finish(n, None)
         else:
-            self._push(now_s + self.cost.transfer_s(request.num_prompt_tokens), DECODE_JOIN, n,
-                       self._decode_for.pop(n))
+            self._push(now_s + self.cost.transfer_s(request.num_prompt_tokens), DECODE_JOIN, n, self._decode_for.pop(n))
 
     # -- decode -------------------------------------------------------------------------------------------------
     def _decode_join(self, now_s: float, n: int, worker_id: object) -> None:
@@ -307,8 +341,13 @@ class Simulation:
         worker, finished_s = left
         request = self.requests[n]
         for router in self.routers:
-            router.observe_finished(worker.worker_id, str(n), finished_s,
-                                    request.num_prompt_tokens + request.num_output_tokens, request.num_output_tokens)
+            router.observe_finished(
+                worker.worker_id,
+                str(n),
+                finished_s,
+                request.num_prompt_tokens + request.num_output_tokens,
+                request.num_output_tokens,
+            )
 
     def _efficiency(self, now_s: float) -> None:
         """Integrate mean/max KV over decode workers up to now (the ratio holds since the last change), within the

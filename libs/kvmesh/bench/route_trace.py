@@ -66,9 +66,14 @@ def _load_mooncake(path: Path, limit: int | None) -> list[TraceRequest]:
                 break
             if line.strip():
                 record = json.loads(line)
-                requests.append(TraceRequest(record["timestamp"] / 1000.0, int(record["input_length"]),
-                                             int(record["output_length"]),
-                                             tuple(block_key(i) for i in record["hash_ids"])))
+                requests.append(
+                    TraceRequest(
+                        record["timestamp"] / 1000.0,
+                        int(record["input_length"]),
+                        int(record["output_length"]),
+                        tuple(block_key(i) for i in record["hash_ids"]),
+                    )
+                )
     requests.sort(key=lambda r: r.arrival_s)  # stable: equal timestamps keep the trace's order
     return requests
 

@@ -20,8 +20,30 @@ from typing import Any
 
 import aiohttp
 
-WORDS = ("river stone cloud garden lantern harbor meadow signal copper violet orbit canyon ember willow "
-         "compass thunder marble falcon prism tide glacier ribbon").split()
+WORDS = [
+    "river",
+    "stone",
+    "cloud",
+    "garden",
+    "lantern",
+    "harbor",
+    "meadow",
+    "signal",
+    "copper",
+    "violet",
+    "orbit",
+    "canyon",
+    "ember",
+    "willow",
+    "compass",
+    "thunder",
+    "marble",
+    "falcon",
+    "prism",
+    "tide",
+    "glacier",
+    "ribbon",
+]
 API_KEY = "sk-kvmesh-bench"
 
 
@@ -36,7 +58,9 @@ class Sample:
 
 def _prompts(count: int, words: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [f"Request {i}. Continue this list: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(count)]
+    return [
+        f"Request {i}. Continue this list: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(count)
+    ]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -47,13 +71,21 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int) -> Sample:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sample = Sample()
     start = time.perf_counter()
     last = start
-    async with session.post(f"{url}/v1/chat/completions", json=body,
-                            headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+    async with session.post(
+        f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
         timing = response.headers.get("server-timing", "prefill;dur=0")
@@ -77,10 +109,13 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: str
     return sample
 
 
-async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[Sample], float]:
+async def _load(
+    url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int
+) -> tuple[list[Sample], float]:
     semaphore = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+
         async def bounded(prompt: str) -> Sample:
             async with semaphore:
                 return await _one(session, url, model, prompt, max_tokens)
@@ -100,8 +135,12 @@ def _in_process(model: str, prompts: list[str], concurrency: int, max_tokens: in
     torch.set_num_threads(2)
     engine = LLMEngine(EngineConfig(model, device="cpu", max_num_seqs=concurrency, kv_cache_memory_bytes=256 * 2**20))
     assert engine.tokenizer is not None
-    ids = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
-                                   add_special_tokens=False) for p in prompts]
+    ids = [
+        engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False
+        )
+        for p in prompts
+    ]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request("warm", ids[0], SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
@@ -115,16 +154,31 @@ def _in_process(model: str, prompts: list[str], concurrency: int, max_tokens: in
     return generated / (time.perf_counter() - start)
 
 
-def run_serve_bench(concurrency: int, num_requests: int, model: str, prompt_words: int, max_tokens: int,
-                    url: str | None = None, seed: int = 0) -> dict[str, Any]:
+def run_serve_bench(
+    concurrency: int,
+    num_requests: int,
+    model: str,
+    prompt_words: int,
+    max_tokens: int,
+    url: str | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     prompts = _prompts(num_requests + 2, prompt_words, seed)
     mesh = None
     if url is None:
         from kvmesh.nats_server import free_port
         from kvmesh.up import Mesh, MeshPlan
 
-        plan = MeshPlan(prefill=1, decode=1, kvcache=1, models=(model,), http_port=free_port(), grpc_port=free_port(),
-                        api_keys=(API_KEY,), env={"KVMESH_LOG_LEVEL": "warning", "KVMESH_MAX_NUM_SEQS": str(concurrency)})
+        plan = MeshPlan(
+            prefill=1,
+            decode=1,
+            kvcache=1,
+            models=(model,),
+            http_port=free_port(),
+            grpc_port=free_port(),
+            api_keys=(API_KEY,),
+            env={"KVMESH_LOG_LEVEL": "warning", "KVMESH_MAX_NUM_SEQS": str(concurrency)},
+        )
         mesh = Mesh(plan, out=open("/dev/null", "w"))
         mesh.start()
         mesh.wait_ready()
@@ -140,10 +194,16 @@ def run_serve_bench(concurrency: int, num_requests: int, model: str, prompt_word
     gaps = [g for s in samples for g in s.gaps_s]
     throughput = sum(s.num_tokens for s in samples) / seconds
     return {
-        "model": model, "concurrency": concurrency, "requests": len(samples), "prompt_words": prompt_words,
-        "max_tokens": max_tokens, "throughput_tok_s": round(throughput, 2),
-        "ttft_p50_ms": round(_percentile(ttft, 50) * 1000, 1), "ttft_p99_ms": round(_percentile(ttft, 99) * 1000, 1),
-        "itl_p50_ms": round(_percentile(gaps, 50) * 1000, 2), "itl_p99_ms": round(_percentile(gaps, 99) * 1000, 2),
+        "model": model,
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "prompt_words": prompt_words,
+        "max_tokens": max_tokens,
+        "throughput_tok_s": round(throughput, 2),
+        "ttft_p50_ms": round(_percentile(ttft, 50) * 1000, 1),
+        "ttft_p99_ms": round(_percentile(ttft, 99) * 1000, 1),
+        "itl_p50_ms": round(_percentile(gaps, 50) * 1000, 2),
+        "itl_p99_ms": round(_percentile(gaps, 99) * 1000, 2),
         "e2e_p50_s": round(statistics.median(s.e2e_s for s in samples), 3),
         "prefill_engine_p50_ms": round(_percentile([s.prefill_s for s in samples], 50) * 1000, 1),
         "mesh_overhead_p50_ms": round(_percentile(overhead, 50) * 1000, 2),

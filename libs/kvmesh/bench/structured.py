@@ -49,6 +49,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 # ---- BFCL ----------------------------------------------------------------------------------------------------
 
+
 def bfcl_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """BFCL's parameter types as JSON Schema's."""
     out = dict(schema)
@@ -99,9 +100,13 @@ def bfcl_matches(calls: Sequence[tuple[str, dict[str, Any]]], ground_truth: Sequ
     truths = [next(iter(truth.items())) for truth in ground_truth]
     if len(calls) != len(truths) or len(calls) > 8:
         return False
-    return any(all(name == truth_name and _arguments_match(args, spec)
-                   for (name, args), (truth_name, spec) in zip(calls, order))
-               for order in itertools.permutations(truths))
+    return any(
+        all(
+            name == truth_name and _arguments_match(args, spec)
+            for (name, args), (truth_name, spec) in zip(calls, order)
+        )
+        for order in itertools.permutations(truths)
+    )
 
 
 @dataclass
@@ -132,20 +137,32 @@ def check_calls(model: ServedModel, tools: Sequence[Tool], text: str) -> CallChe
     return check
 
 
-def run_bfcl(model_name: str = "smollm2-135m", categories: Iterable[str] = ("simple_python", "parallel"),
-             limit: int | None = None, max_tokens: int = 384, llm: LLM | None = None,
-             batch_size: int = 16) -> dict[str, Any]:
+def run_bfcl(
+    model_name: str = "smollm2-135m",
+    categories: Iterable[str] = ("simple_python", "parallel"),
+    limit: int | None = None,
+    max_tokens: int = 384,
+    llm: LLM | None = None,
+    batch_size: int = 16,
+) -> dict[str, Any]:
     model = load_model(model_name)
     llm = llm or LLM(model_name, device="cpu", num_kv_blocks=2048, max_num_seqs=batch_size)
-    report: dict[str, Any] = {"model": model_name, "tool_format": model.tool_syntax.name, "max_tokens": max_tokens,
-                              "categories": {}}
+    report: dict[str, Any] = {
+        "model": model_name,
+        "tool_format": model.tool_syntax.name,
+        "max_tokens": max_tokens,
+        "categories": {},
+    }
     started = time.monotonic()
     for category in categories:
         questions = read_jsonl(data_dir() / "bfcl" / f"BFCL_v4_{category}.json")[:limit]
-        answers = {a["id"]: a["ground_truth"]
-                   for a in read_jsonl(data_dir() / "bfcl" / f"possible_answer_BFCL_v4_{category}.json")}
-        report["categories"][category] = _bfcl_category(model, llm, category, questions, answers, max_tokens,
-                                                        batch_size)
+        answers = {
+            a["id"]: a["ground_truth"]
+            for a in read_jsonl(data_dir() / "bfcl" / f"possible_answer_BFCL_v4_{category}.json")
+        }
+        report["categories"][category] = _bfcl_category(
+            model, llm, category, questions, answers, max_tokens, batch_size
+        )
     report["seconds"] = round(time.monotonic() - started, 1)
     totals = list(report["categories"].values())
     report["all_calls_valid"] = all(c["all_calls_valid"] for c in totals)
@@ -154,16 +171,26 @@ def run_bfcl(model_name: str = "smollm2-135m", categories: Iterable[str] = ("sim
     return report
 
 
-def _bfcl_category(model: ServedModel, llm: LLM, category: str, questions: list[dict[str, Any]],
-                   answers: dict[str, Any], max_tokens: int, batch_size: int) -> dict[str, Any]:
+def _bfcl_category(
+    model: ServedModel,
+    llm: LLM,
+    category: str,
+    questions: list[dict[str, Any]],
+    answers: dict[str, Any],
+    max_tokens: int,
+    batch_size: int,
+) -> dict[str, Any]:
     jobs, unsupported = [], []
     parallel = category.startswith("parallel")
     for question in questions:
         try:
-            tools = [parse_tool(f["name"], f.get("description"), bfcl_schema(f["parameters"]), "tools")
-                     for f in question["function"]]
-            grammar = model.tool_syntax.grammar(tools, ToolChoice("required"), parallel,
-                                                model.tokenizer.backend.token_to_id)
+            tools = [
+                parse_tool(f["name"], f.get("description"), bfcl_schema(f["parameters"]), "tools")
+                for f in question["function"]
+            ]
+            grammar = model.tool_syntax.grammar(
+                tools, ToolChoice("required"), parallel, model.tokenizer.backend.token_to_id
+            )
         except GatewayError as exc:
             unsupported.append(f"{question['id']}: {exc.message}")
             continue
@@ -178,27 +205,38 @@ def _bfcl_category(model: ServedModel, llm: LLM, category: str, questions: list[
         num_calls += len(check.calls)
         num_valid += check.num_valid
         failures += [f"{question['id']}: {failure}" for failure in check.failures]
-        parsed = [(name, json.loads(args)) for name, args in check.calls[:check.num_valid]]
+        parsed = [(name, json.loads(args)) for name, args in check.calls[: check.num_valid]]
         matched += not check.failures and bfcl_matches(parsed, answers[question["id"]])
-    return {"questions": len(questions), "unsupported": unsupported, "generated": len(jobs), "calls": num_calls,
-            "valid_calls": num_valid, "all_calls_valid": not failures, "failures": failures[:20],
-            "truncated": truncated, "matched": matched,
-            "accuracy": round(matched / len(questions), 4) if questions else 0.0}
+    return {
+        "questions": len(questions),
+        "unsupported": unsupported,
+        "generated": len(jobs),
+        "calls": num_calls,
+        "valid_calls": num_valid,
+        "all_calls_valid": not failures,
+        "failures": failures[:20],
+        "truncated": truncated,
+        "matched": matched,
+        "accuracy": round(matched / len(questions), 4) if questions else 0.0,
+    }
 
 
-def _generate(llm: LLM, jobs: Sequence[tuple[list[int], StructuredOutput]], max_tokens: int,
-              batch_size: int) -> list[tuple[str, str | None]]:
+def _generate(
+    llm: LLM, jobs: Sequence[tuple[list[int], StructuredOutput]], max_tokens: int, batch_size: int
+) -> list[tuple[str, str | None]]:
     results: list[tuple[str, str | None]] = []
     for start in range(0, len(jobs), batch_size):
-        chunk = jobs[start:start + batch_size]
-        params = [SamplingParams(temperature=0, max_tokens=max_tokens, structured_output=grammar)
-                  for _, grammar in chunk]
+        chunk = jobs[start : start + batch_size]
+        params = [
+            SamplingParams(temperature=0, max_tokens=max_tokens, structured_output=grammar) for _, grammar in chunk
+        ]
         outputs = llm.generate([prompt for prompt, _ in chunk], params)
         results += [(out.text, out.finish_reason) for out in outputs]
     return results
 
 
 # ---- jsonschemabench ---------------------------------------------------------------------------------------
+
 
 def _feature(message: str) -> str:
     """The feature an Unsupported message names: a keyword ('oneOf'), or format:<name>."""
@@ -208,8 +246,14 @@ def _feature(message: str) -> str:
     return match.group(1) if match else message.split(" (at ")[0][:60]
 
 
-def run_jsonschemabench(model_name: str = "smollm2-135m", limit: int | None = None, generate: int | None = 100,
-                        max_tokens: int = 512, llm: LLM | None = None, batch_size: int = 16) -> dict[str, Any]:
+def run_jsonschemabench(
+    model_name: str = "smollm2-135m",
+    limit: int | None = None,
+    generate: int | None = 100,
+    max_tokens: int = 512,
+    llm: LLM | None = None,
+    batch_size: int = 16,
+) -> dict[str, Any]:
     """`limit` schemas checked for support; of the supported, the first `generate` (None: all) generated."""
     rows = read_jsonl(data_dir() / "jsonschemabench" / "glaiveai2k_with_tests.jsonl")[:limit]
     model = load_model(model_name)
@@ -220,9 +264,13 @@ def run_jsonschemabench(model_name: str = "smollm2-135m", limit: int | None = No
             supported.append((row, json_schema_output(row["schema"], "schema")))
         except GatewayError as exc:
             reasons[_feature(exc.message)] += 1
-    report: dict[str, Any] = {"model": model_name, "schemas": len(rows), "supported": len(supported),
-                              "supported_share": round(len(supported) / len(rows), 4) if rows else 0.0,
-                              "unsupported_by_feature": dict(reasons.most_common())}
+    report: dict[str, Any] = {
+        "model": model_name,
+        "schemas": len(rows),
+        "supported": len(supported),
+        "supported_share": round(len(supported) / len(rows), 4) if rows else 0.0,
+        "unsupported_by_feature": dict(reasons.most_common()),
+    }
     chosen = supported if generate is None else supported[:generate]
     if chosen:
         llm = llm or LLM(model_name, device="cpu", num_kv_blocks=4096, max_num_seqs=batch_size)
@@ -231,13 +279,24 @@ def run_jsonschemabench(model_name: str = "smollm2-135m", limit: int | None = No
     return report
 
 
-def _generate_and_validate(model: ServedModel, llm: LLM, chosen: list[tuple[dict[str, Any], StructuredOutput]],
-                           max_tokens: int, batch_size: int) -> dict[str, Any]:
+def _generate_and_validate(
+    model: ServedModel,
+    llm: LLM,
+    chosen: list[tuple[dict[str, Any], StructuredOutput]],
+    max_tokens: int,
+    batch_size: int,
+) -> dict[str, Any]:
     jobs, skipped = [], 0
     for row, grammar in chosen:
-        prompt = model.render_chat([
-            {"role": "system", "content": "You answer with JSON only."},
-            {"role": "user", "content": f"Give an example JSON value for this JSON Schema:\n{json.dumps(row['schema'])}"}])
+        prompt = model.render_chat(
+            [
+                {"role": "system", "content": "You answer with JSON only."},
+                {
+                    "role": "user",
+                    "content": f"Give an example JSON value for this JSON Schema:\n{json.dumps(row['schema'])}",
+                },
+            ]
+        )
         if len(prompt) + max_tokens > llm.engine.max_model_len:
             skipped += 1
             continue
@@ -256,5 +315,13 @@ def _generate_and_validate(model: ServedModel, llm: LLM, chosen: list[tuple[dict
             valid += 1
         except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError) as exc:
             invalid.append({"file": row["file"], "output": text[:200], "error": str(exc)[:200]})
-    return {"generated": len(jobs), "skipped_too_long": skipped, "completed": completed, "truncated": truncated,
-            "valid": valid, "all_completed_valid": not invalid, "invalid": invalid[:20], "max_tokens": max_tokens}
+    return {
+        "generated": len(jobs),
+        "skipped_too_long": skipped,
+        "completed": completed,
+        "truncated": truncated,
+        "valid": valid,
+        "all_completed_valid": not invalid,
+        "invalid": invalid[:20],
+        "max_tokens": max_tokens,
+    }

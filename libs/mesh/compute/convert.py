@@ -59,10 +59,18 @@ def structured_to_proto(structured: StructuredOutput) -> common_pb2.StructuredOu
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     """The inverse of sampling_from_proto (the token mask, a local callable, does not travel)."""
     return common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        seed=params.seed, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
-        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, logprobs=params.logprobs,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         structured_output=structured_to_proto(params.structured_output) if params.structured_output else None,
     )
@@ -73,15 +81,24 @@ def layout_from_proto(p: common_pb2.KVLayout) -> KVLayout:
 
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
-    return common_pb2.KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
-                               num_layers=layout.num_layers, layer_shape=layout.layer_shape,
-                               block_axis=layout.block_axis)
+    return common_pb2.KVLayout(
+        model=layout.model,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        layer_shape=layout.layer_shape,
+        block_axis=layout.block_axis,
+    )
 
 
 def logprob_to_proto(logprob: TokenLogprobs) -> common_pb2.TokenLogprob:
-    return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, rank=logprob.rank,
-                                   top_token_ids=[t for t, _ in logprob.top],
-                                   top_logprobs=[lp for _, lp in logprob.top])
+    return common_pb2.TokenLogprob(
+        token_id=logprob.token_id,
+        logprob=logprob.logprob,
+        rank=logprob.rank,
+        top_token_ids=[t for t, _ in logprob.top],
+        top_logprobs=[lp for _, lp in logprob.top],
+    )
 
 
 def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason:
@@ -109,11 +126,18 @@ def image_from_proto(p: encoder_pb2.PromptImage) -> EmbeddingSpan:
     do not add up (the engine checks it against the prompt and the model)."""
     if p.offset < 0 or not p.image_hash:
         raise ValueError(f"an image needs an image_hash and an offset of at least 0 (got {p.offset})")
-    return EmbeddingSpan(p.offset, embeddings_from_bytes(p.embeddings, p.dtype, p.num_tokens, p.hidden_size),
-                         p.image_hash)
+    return EmbeddingSpan(
+        p.offset, embeddings_from_bytes(p.embeddings, p.dtype, p.num_tokens, p.hidden_size), p.image_hash
+    )
 
 
 def image_to_proto(span: EmbeddingSpan) -> encoder_pb2.PromptImage:
     data, dtype = embeddings_to_bytes(span.embeddings)
-    return encoder_pb2.PromptImage(image_hash=span.key, offset=span.offset, num_tokens=span.num_tokens,
-                                   hidden_size=int(span.embeddings.shape[1]), dtype=dtype, embeddings=data)
+    return encoder_pb2.PromptImage(
+        image_hash=span.key,
+        offset=span.offset,
+        num_tokens=span.num_tokens,
+        hidden_size=int(span.embeddings.shape[1]),
+        dtype=dtype,
+        embeddings=data,
+    )

@@ -15,9 +15,9 @@ from engine_core import EngineStats, LLMEngine
 from engine_core.async_engine import AsyncEngine, KVEventHook
 from engine_core.kv_transfer import KVLayout
 from mesh.bus import Bus
+from mesh.compute.experts import ExpertSync
+from mesh.compute.settings import WorkerSettings
 from mesh.logging import get_logger
-from services.compute.experts import ExpertSync
-from services.compute.settings import WorkerSettings
 
 log = get_logger(__name__)
 
@@ -33,8 +33,9 @@ class ModelEngines:
         self._expert_sync: ExpertSync | None = None  # set once at start (start_expert_sync)
 
     @classmethod
-    async def load(cls, settings: WorkerSettings,
-                   kv_event_hook: Callable[[str], KVEventHook | None] = lambda model: None) -> ModelEngines:
+    async def load(
+        cls, settings: WorkerSettings, kv_event_hook: Callable[[str], KVEventHook | None] = lambda model: None
+    ) -> ModelEngines:
         """Build and start an engine for each configured model (`kv_event_hook(model)` gives its KV event hook)."""
         torch.set_num_threads(settings.torch_threads)
         loop = asyncio.get_running_loop()
@@ -51,7 +52,7 @@ class ModelEngines:
         return cls(engines)
 
     async def start_expert_sync(self, bus: Bus | None, worker_id: str, report_steps: int) -> None:
-        """Expert load reports and plans for the MoE models (services.compute.experts); off when report_steps is 0."""
+        """Expert load reports and plans for the MoE models (mesh.compute.experts); off when report_steps is 0."""
         if report_steps > 0 and bus is not None:
             self._expert_sync = ExpertSync(self._engines, bus, worker_id, report_steps)
             await self._expert_sync.start()

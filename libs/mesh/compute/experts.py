@@ -24,25 +24,38 @@ POLL_S = 0.05
 log = get_logger(__name__)
 
 
-def load_to_proto(worker_id: str, model: str, layout: ExpertLayout, report: ExpertLoadReport,
-                  seq: int) -> expert_lb_pb2.ExpertLoad:
+def load_to_proto(
+    worker_id: str, model: str, layout: ExpertLayout, report: ExpertLoadReport, seq: int
+) -> expert_lb_pb2.ExpertLoad:
     return expert_lb_pb2.ExpertLoad(
-        worker_id=worker_id, model=model, num_layers=layout.num_layers, num_experts=layout.num_experts,
-        counts=[c for row in report.counts for c in row], step=seq, first_layer=layout.first_layer,
-        num_groups=layout.num_groups, num_physical_experts=layout.num_slots, num_gpus=layout.num_ranks,
-        gpu_loads=[c for row in report.rank_loads for c in row], plan_version=report.version,
-        num_steps=report.num_steps)
+        worker_id=worker_id,
+        model=model,
+        num_layers=layout.num_layers,
+        num_experts=layout.num_experts,
+        counts=[c for row in report.counts for c in row],
+        step=seq,
+        first_layer=layout.first_layer,
+        num_groups=layout.num_groups,
+        num_physical_experts=layout.num_slots,
+        num_gpus=layout.num_ranks,
+        gpu_loads=[c for row in report.rank_loads for c in row],
+        plan_version=report.version,
+        num_steps=report.num_steps,
+    )
 
 
 def plan_rows(plan: expert_lb_pb2.ExpertPlan, layout: ExpertLayout) -> list[list[int]] | None:
     """The plan's (layers, slots) placement, or None when it was made for another shape of engine."""
     if (plan.num_layers, plan.num_physical_experts, plan.num_gpus) != (
-            layout.num_layers, layout.num_slots, layout.num_ranks):
+        layout.num_layers,
+        layout.num_slots,
+        layout.num_ranks,
+    ):
         return None
     if len(plan.phy2log) != layout.num_layers * layout.num_slots:
         return None
     flat = list(plan.phy2log)
-    return [flat[i * layout.num_slots:(i + 1) * layout.num_slots] for i in range(layout.num_layers)]
+    return [flat[i * layout.num_slots : (i + 1) * layout.num_slots] for i in range(layout.num_layers)]
 
 
 class ExpertSync:
@@ -62,11 +75,14 @@ class ExpertSync:
 
     async def start(self) -> None:
         for model in self.engines:
+
             async def on_plan(plan: expert_lb_pb2.ExpertPlan, subject: str, model: str = model) -> None:
                 if plan.model == model:
                     await self.apply(model, plan)
-            self._subscriptions.append(await self.bus.subscribe(subjects.expert_plan(model), expert_lb_pb2.ExpertPlan,
-                                                                on_plan))
+
+            self._subscriptions.append(
+                await self.bus.subscribe(subjects.expert_plan(model), expert_lb_pb2.ExpertPlan, on_plan)
+            )
         if self.engines:
             self._task = asyncio.create_task(self._report_forever())
             log.info("expert reports on", models=list(self.engines), report_steps=self.report_steps)
@@ -105,8 +121,9 @@ class ExpertSync:
         layout = engine.engine.expert_layout  # set at load, never written again
         assert layout is not None
         self.num_reports[model] += 1
-        await self.bus.publish(subjects.expert_load(model),
-                               load_to_proto(self.worker_id, model, layout, report, self.num_reports[model]))
+        await self.bus.publish(
+            subjects.expert_load(model), load_to_proto(self.worker_id, model, layout, report, self.num_reports[model])
+        )
         return True
 
     async def apply(self, model: str, plan: expert_lb_pb2.ExpertPlan) -> bool:
@@ -116,9 +133,15 @@ class ExpertSync:
         assert layout is not None
         rows = plan_rows(plan, layout)
         if rows is None:
-            log.warning("expert plan ignored: made for another layout", model=model, version=plan.version,
-                        plan_slots=plan.num_physical_experts, plan_gpus=plan.num_gpus, slots=layout.num_slots,
-                        gpus=layout.num_ranks)
+            log.warning(
+                "expert plan ignored: made for another layout",
+                model=model,
+                version=plan.version,
+                plan_slots=plan.num_physical_experts,
+                plan_gpus=plan.num_gpus,
+                slots=layout.num_slots,
+                gpus=layout.num_ranks,
+            )
             return False
         async with self._locks[model]:  # one plan at a time: a burst of plans costs one copy each, in order
             if plan.version <= self.applied_version[model]:

@@ -30,8 +30,14 @@ class WorkerSettings(ServiceSettings):
         require(len(self.models) > 0, "models", self.models, "must name at least one model")
         require(len(set(self.models)) == len(self.models), "models", self.models, "must not repeat a model")
         require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
-        for name in ("kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "torch_threads",
-                     "block_size", "expert_parallel_size"):
+        for name in (
+            "kv_cache_memory_bytes",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "torch_threads",
+            "block_size",
+            "expert_parallel_size",
+        ):
             value = getattr(self, name)
             require(value > 0, name, value, "must be positive")
         for name in ("num_redundant_experts", "expert_report_steps"):
@@ -39,8 +45,14 @@ class WorkerSettings(ServiceSettings):
             require(value >= 0, name, value, "must not be negative")
 
     def engine_config(self, model: str) -> EngineConfig:
-        return EngineConfig(model, device=self.device, block_size=self.block_size,
-                            kv_cache_memory_bytes=self.kv_cache_memory_bytes, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens, served_name=model,
-                            expert_parallel_size=self.expert_parallel_size,
-                            num_redundant_experts=self.num_redundant_experts)
+        return EngineConfig(
+            model,
+            device=self.device,
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            served_name=model,
+            expert_parallel_size=self.expert_parallel_size,
+            num_redundant_experts=self.num_redundant_experts,
+        )

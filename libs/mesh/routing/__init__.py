@@ -18,5 +18,17 @@ from mesh.routing.router import DEFAULT_POLICY, POLICIES, Router, check_policy
 from mesh.routing.state import Assignment, NoWorkerError, PrefillPick, Route, RouteRequest, WorkerState
 from mesh.routing.view import LoadView
 
-__all__ = ["Assignment", "CostModel", "DEFAULT_POLICY", "LoadView", "NoWorkerError", "POLICIES", "PrefillPick",
-           "Route", "RouteRequest", "Router", "WorkerState", "check_policy"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "Assignment",
+    "CostModel",
+    "LoadView",
+    "NoWorkerError",
+    "PrefillPick",
+    "Route",
+    "RouteRequest",
+    "Router",
+    "WorkerState",
+    "check_policy",
+]

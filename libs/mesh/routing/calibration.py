@@ -26,8 +26,15 @@ class TimeScale:
         self.max_ratio = max_ratio
         self.num_samples = 0
 
-    def observe(self, start_s: float, start_queue_s: float, arrivals: Sequence[tuple[float, float]],
-                end_s: float, end_queue_s: float, has_queue_at_end: bool) -> None:
+    def observe(
+        self,
+        start_s: float,
+        start_queue_s: float,
+        arrivals: Sequence[tuple[float, float]],
+        end_s: float,
+        end_queue_s: float,
+        has_queue_at_end: bool,
+    ) -> None:
         """Two reports of one worker: its queue at each and what was sent there in between ((when, work), in
         order), work and queues in the cost model's seconds."""
         interval_s = end_s - start_s

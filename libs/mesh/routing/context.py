@@ -55,8 +55,9 @@ class PickContext:
         num_blocks = self._device_blocks.get(worker_id, 0)
         if not self.include_pending:
             return num_blocks
-        return self.view.pending_cache.num_leading(worker_id, self.request.block_hashes, num_blocks, self.now_s,
-                                                   lambda key: self.index.holds(worker_id, key))
+        return self.view.pending_cache.num_leading(
+            worker_id, self.request.block_hashes, num_blocks, self.now_s, lambda key: self.index.holds(worker_id, key)
+        )
 
     def estimate(self, worker: WorkerState) -> Estimate:
         known = self._estimates.get(worker.worker_id)
@@ -74,6 +75,9 @@ class PickContext:
         host = min(host_blocks * size, num_tokens - cached)
         ssd = min(ssd_blocks * size, num_tokens - cached - host)
         new = num_tokens - cached - host - ssd
-        prefill_s = (self.cost.fetch_s(host, "host") + self.cost.fetch_s(ssd, "ssd")
-                     + self.cost.prefill_s(cached + host + ssd, new))
+        prefill_s = (
+            self.cost.fetch_s(host, "host")
+            + self.cost.fetch_s(ssd, "ssd")
+            + self.cost.prefill_s(cached + host + ssd, new)
+        )
         return Estimate(cached, host, ssd, new, prefill_s)

@@ -38,8 +38,14 @@ class CostModel:
     scale: float = 1.0  # multiplies every compute time
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "attention_knee_tokens", "host_bytes_per_s", "ssd_bytes_per_s",
-                     "network_bytes_per_s", "scale"):
+        for name in (
+            "prefill_tokens_per_s",
+            "attention_knee_tokens",
+            "host_bytes_per_s",
+            "ssd_bytes_per_s",
+            "network_bytes_per_s",
+            "scale",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if min(self.decode_step_base_s, self.decode_s_per_kv_token, self.prefill_overhead_s) < 0:

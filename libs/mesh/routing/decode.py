@@ -18,8 +18,9 @@ from mesh.routing.view import LoadView
 
 
 class DecodePolicy(Protocol):
-    def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,
-             arrival_s: float) -> str: ...
+    def pick(
+        self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float, arrival_s: float
+    ) -> str: ...
 
     def observe_output(self, num_output_tokens: int) -> None:
         """A finished request's output length (what a policy may learn expected outputs from)."""
@@ -35,22 +36,25 @@ class RoundRobinDecode(_NoLearning):
     def __init__(self) -> None:
         self._next = 0  # only `pick` writes it
 
-    def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,
-             arrival_s: float) -> str:
+    def pick(
+        self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float, arrival_s: float
+    ) -> str:
         worker = workers[self._next % len(workers)]
         self._next += 1
         return worker.worker_id
 
 
 class LeastRequestsDecode(_NoLearning):
-    def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,
-             arrival_s: float) -> str:
+    def pick(
+        self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float, arrival_s: float
+    ) -> str:
         return min(workers, key=lambda w: (view.num_requests(w), view.num_kv_tokens(w), w.worker_id)).worker_id
 
 
 class LeastKVDecode(_NoLearning):
-    def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,
-             arrival_s: float) -> str:
+    def pick(
+        self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float, arrival_s: float
+    ) -> str:
         return min(workers, key=lambda w: (view.num_kv_tokens(w), view.num_requests(w), w.worker_id)).worker_id
 
 
@@ -60,6 +64,7 @@ class DeepSeekDecode(_NoLearning):
         seqs = view.num_requests(worker) / max(worker.max_num_seqs, 1)
         return seqs + view.num_kv_tokens(worker) / max(worker.num_kv_capacity_tokens, 1)
 
-    def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,
-             arrival_s: float) -> str:
+    def pick(
+        self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float, arrival_s: float
+    ) -> str:
         return min(workers, key=lambda w: (self.load(w, view), w.worker_id)).worker_id

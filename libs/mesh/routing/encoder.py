@@ -24,8 +24,13 @@ def rendezvous_rank(image_hash: bytes, worker_id: str) -> bytes:
     return hashlib.blake2b(image_hash + b"\0" + worker_id.encode(), digest_size=8).digest()
 
 
-def pick_encoder(workers: Sequence[WorkerState], image_hash: bytes, cached_worker_ids: Collection[str] = (),
-                 max_extra_images: int = 2, num_outstanding: Callable[[WorkerState], int] | None = None) -> str:
+def pick_encoder(
+    workers: Sequence[WorkerState],
+    image_hash: bytes,
+    cached_worker_ids: Collection[str] = (),
+    max_extra_images: int = 2,
+    num_outstanding: Callable[[WorkerState], int] | None = None,
+) -> str:
     """The encoder worker for one image (ValueError when `workers` is empty)."""
     if not workers:
         raise ValueError("no encoder worker to pick from")

@@ -45,8 +45,14 @@ def spread_rank(request_id: str, worker_id: str) -> bytes:
 
 
 class KvmeshPrefill:
-    def __init__(self, recompute_weight: float = 30.0, max_wait_gap_rel: float = 1.0,
-                 max_wait_gap_prefills: float = 4.0, tie_fraction: float = 0.01, spread_ties: bool = True) -> None:
+    def __init__(
+        self,
+        recompute_weight: float = 30.0,
+        max_wait_gap_rel: float = 1.0,
+        max_wait_gap_prefills: float = 4.0,
+        tie_fraction: float = 0.01,
+        spread_ties: bool = True,
+    ) -> None:
         self.recompute_weight = recompute_weight
         self.max_wait_gap_rel = max_wait_gap_rel
         self.max_wait_gap_prefills = max_wait_gap_prefills
@@ -62,8 +68,11 @@ class KvmeshPrefill:
         bound = least_ttft * (1 + self.max_wait_gap_rel) + self.max_wait_gap_prefills * most_s
         busy = sum(p.predicted_ttft_s > p.predicted_s for p in picks.values()) / len(picks)
         weight = self.recompute_weight * busy
-        return {worker_id: p.predicted_ttft_s + weight * (p.predicted_s - least_s)
-                for worker_id, p in picks.items() if p.predicted_ttft_s <= bound}
+        return {
+            worker_id: p.predicted_ttft_s + weight * (p.predicted_s - least_s)
+            for worker_id, p in picks.items()
+            if p.predicted_ttft_s <= bound
+        }
 
     def pick(self, ctx: PickContext, workers: Sequence[WorkerState]) -> PrefillPick:
         picks = {w.worker_id: make_pick(ctx, w) for w in workers}
@@ -116,10 +125,13 @@ class KvmeshDecode:
             kv += entry.num_tokens * math.exp(-(arrival_s - entry.visible_s) / lifetime_s)
         return kv
 
-    def pick(self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float,
-             arrival_s: float) -> str:
-        return min(workers, key=lambda w: (round(self.predicted_kv(w, view, now_s, arrival_s), 3),
-                                           view.num_requests(w), w.worker_id)).worker_id
+    def pick(
+        self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float, arrival_s: float
+    ) -> str:
+        return min(
+            workers,
+            key=lambda w: (round(self.predicted_kv(w, view, now_s, arrival_s), 3), view.num_requests(w), w.worker_id),
+        ).worker_id
 
     def observe_output(self, num_output_tokens: int) -> None:
         self.expected_output_tokens += self.output_smoothing * (num_output_tokens - self.expected_output_tokens)

@@ -33,8 +33,14 @@ class PendingCache:
         self._expiry.pop(worker_id, None)
         self._order.pop(worker_id, None)
 
-    def num_leading(self, worker_id: str, block_hashes: Sequence[bytes], start: int, now_s: float,
-                    is_indexed: Callable[[bytes], bool]) -> int:
+    def num_leading(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[bytes],
+        start: int,
+        now_s: float,
+        is_indexed: Callable[[bytes], bool],
+    ) -> int:
         """From block `start` on (the first `start` are indexed on the worker), how many more blocks the worker
         holds or will hold, counting pending and indexed ones alike."""
         self._expire(worker_id, now_s)

@@ -39,8 +39,9 @@ class PrefillPolicy(Protocol):
 def make_pick(ctx: PickContext, worker: WorkerState) -> PrefillPick:
     estimate = ctx.estimate(worker)
     prefill_s = estimate.prefill_s * ctx.view.time_scale.value
-    return PrefillPick(worker.worker_id, estimate.num_cached_tokens, prefill_s,
-                       ctx.view.wait_s(worker, ctx.now_s) + prefill_s)
+    return PrefillPick(
+        worker.worker_id, estimate.num_cached_tokens, prefill_s, ctx.view.wait_s(worker, ctx.now_s) + prefill_s
+    )
 
 
 class _Stateless:
@@ -86,8 +87,9 @@ class CacheAwarePrefill:
         best = max(workers, key=lambda w: (matched[w.worker_id], -loads[w.worker_id]))
         if blocks and matched[best.worker_id] / len(blocks) > self.cache_threshold:
             return make_pick(ctx, best)
-        return make_pick(ctx, min(workers, key=lambda w: (len(self._trees.get(w.worker_id, ())), loads[w.worker_id],
-                                                          w.worker_id)))
+        return make_pick(
+            ctx, min(workers, key=lambda w: (len(self._trees.get(w.worker_id, ())), loads[w.worker_id], w.worker_id))
+        )
 
     def _num_matched(self, worker_id: str, blocks: Sequence[bytes]) -> int:
         tree = self._trees.get(worker_id)
@@ -117,8 +119,11 @@ class KvAwarePrefill(_Stateless):
     @staticmethod
     def cost(ctx: PickContext, worker: WorkerState) -> float:
         estimate = ctx.estimate(worker)
-        credited = (TIER_CREDITS["device"] * estimate.num_cached_tokens
-                    + TIER_CREDITS["host"] * estimate.num_host_tokens + TIER_CREDITS["ssd"] * estimate.num_ssd_tokens)
+        credited = (
+            TIER_CREDITS["device"] * estimate.num_cached_tokens
+            + TIER_CREDITS["host"] * estimate.num_host_tokens
+            + TIER_CREDITS["ssd"] * estimate.num_ssd_tokens
+        )
         queued = ctx.view.num_queued_tokens(worker)
         return (queued + ctx.request.num_prompt_tokens - credited) / worker.block_size
 
@@ -142,9 +147,17 @@ class DeepSeekPrefill:
     def pick(self, ctx: PickContext, workers: Sequence[WorkerState]) -> PrefillPick:
         bucket = self.bucket(ctx.request.num_prompt_tokens)
         everything = range(len(self.bucket_edges) + 1)
-        return make_pick(ctx, min(workers, key=lambda w: (
-            self.spent_s(w.worker_id, bucket, ctx.now_s),
-            sum(self.spent_s(w.worker_id, b, ctx.now_s) for b in everything), w.worker_id)))
+        return make_pick(
+            ctx,
+            min(
+                workers,
+                key=lambda w: (
+                    self.spent_s(w.worker_id, bucket, ctx.now_s),
+                    sum(self.spent_s(w.worker_id, b, ctx.now_s) for b in everything),
+                    w.worker_id,
+                ),
+            ),
+        )
 
     def observe(self, assignment: Assignment, worker: WorkerState | None) -> None:
         key = (assignment.prefill_worker_id, self.bucket(assignment.num_prompt_tokens))

@@ -16,11 +16,16 @@ from dataclasses import dataclass
 
 from mesh.routing.context import CacheIndex, PickContext
 from mesh.routing.cost import CostModel
-from mesh.routing.decode import (DecodePolicy, DeepSeekDecode, LeastKVDecode, LeastRequestsDecode,
-                                 RoundRobinDecode)
+from mesh.routing.decode import DecodePolicy, DeepSeekDecode, LeastKVDecode, LeastRequestsDecode, RoundRobinDecode
 from mesh.routing.kvmesh import KvmeshDecode, KvmeshPrefill
-from mesh.routing.prefill import (CacheAwarePrefill, DeepSeekPrefill, KvAwarePrefill, LeastLoadPrefill,
-                                  PrefillPolicy, RoundRobinPrefill)
+from mesh.routing.prefill import (
+    CacheAwarePrefill,
+    DeepSeekPrefill,
+    KvAwarePrefill,
+    LeastLoadPrefill,
+    PrefillPolicy,
+    RoundRobinPrefill,
+)
 from mesh.routing.state import Assignment, NoWorkerError, Route, RouteRequest, WorkerState
 from mesh.routing.view import LoadView
 
@@ -36,13 +41,16 @@ class PolicySpec:
 POLICIES: dict[str, PolicySpec] = {
     "round_robin": PolicySpec(RoundRobinPrefill, RoundRobinDecode, "next worker in turn, both pools"),
     "least_load": PolicySpec(LeastLoadPrefill, LeastRequestsDecode, "fewest queued prompt tokens; fewest requests"),
-    "cache_aware": PolicySpec(CacheAwarePrefill, LeastRequestsDecode,
-                              "SGLang: approximate prefix tree with a load guard; fewest requests"),
+    "cache_aware": PolicySpec(
+        CacheAwarePrefill, LeastRequestsDecode, "SGLang: approximate prefix tree with a load guard; fewest requests"
+    ),
     "kv_aware": PolicySpec(KvAwarePrefill, LeastKVDecode, "Dynamo: uncached blocks credited by tier; fewest KV blocks"),
-    "deepseek": PolicySpec(DeepSeekPrefill, DeepSeekDecode,
-                           "context-length buckets by compute quota; request count + KV length"),
-    "kvmesh": PolicySpec(KvmeshPrefill, KvmeshDecode, "predicted TTFT with bounded imbalance; predicted KV growth",
-                         optimistic_cache=True),
+    "deepseek": PolicySpec(
+        DeepSeekPrefill, DeepSeekDecode, "context-length buckets by compute quota; request count + KV length"
+    ),
+    "kvmesh": PolicySpec(
+        KvmeshPrefill, KvmeshDecode, "predicted TTFT with bounded imbalance; predicted KV growth", optimistic_cache=True
+    ),
 }
 DEFAULT_POLICY = "kvmesh"
 
@@ -65,8 +73,9 @@ class Router:
         self.optimistic_cache = spec.optimistic_cache
         self.num_routes = 0
 
-    def route(self, request: RouteRequest, prefill: Sequence[WorkerState], decode: Sequence[WorkerState],
-              now_s: float) -> tuple[Route, Assignment]:
+    def route(
+        self, request: RouteRequest, prefill: Sequence[WorkerState], decode: Sequence[WorkerState], now_s: float
+    ) -> tuple[Route, Assignment]:
         """The pair for `request` from the pools serving its model (in worker-id order); NoWorkerError when a pool
         has nobody left."""
         if request.num_prompt_tokens < 0:
@@ -80,9 +89,18 @@ class Router:
         arrival_s = now_s + pick.predicted_ttft_s + self.view.cost.transfer_s(request.num_prompt_tokens)
         decode_id = self.decode_policy.pick(request, decode_pool, self.view, now_s, arrival_s)
         estimate = next(ctx.estimate(w) for w in prefill_pool if w.worker_id == pick.worker_id)
-        assignment = Assignment(self.balancer_id, request.request_id, now_s, pick.worker_id, decode_id,
-                                request.num_prompt_tokens, estimate.num_uncached_tokens, estimate.prefill_s,
-                                arrival_s, request.block_hashes)
+        assignment = Assignment(
+            self.balancer_id,
+            request.request_id,
+            now_s,
+            pick.worker_id,
+            decode_id,
+            request.num_prompt_tokens,
+            estimate.num_uncached_tokens,
+            estimate.prefill_s,
+            arrival_s,
+            request.block_hashes,
+        )
         self._apply(assignment)
         self.num_routes += 1
         return Route(pick.worker_id, decode_id, pick.num_cached_tokens, pick.predicted_ttft_s), assignment
@@ -104,8 +122,9 @@ class Router:
         """A request finished that never reached a decode worker (one output token: prefill's)."""
         self.decode_policy.observe_output(num_output_tokens)
 
-    def observe_finished(self, decode_worker_id: str, request_id: str, finished_s: float, num_kv_tokens: int,
-                         num_output_tokens: int) -> None:
+    def observe_finished(
+        self, decode_worker_id: str, request_id: str, finished_s: float, num_kv_tokens: int, num_output_tokens: int
+    ) -> None:
         """A request left its decode worker (the decode workers' feed): its KV is free, its length known."""
         self.view.finish(decode_worker_id, request_id, finished_s, num_kv_tokens)
         self.decode_policy.observe_output(num_output_tokens)

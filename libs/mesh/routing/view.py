@@ -28,7 +28,6 @@ from mesh.routing.cost import CostModel
 from mesh.routing.pending_cache import PendingCache
 from mesh.routing.state import Assignment, WorkerState
 
-
 HISTORY = 256  # assignments remembered per worker after a report includes them
 
 
@@ -88,8 +87,14 @@ class LoadView:
             pending.num_freed_tokens -= pending.finished.popleft()[1]
         queued_s, is_priced = self._queued_s(pending, state.num_queued_prompt_tokens)
         if known is not None and is_priced and pending.is_queue_priced:
-            self.time_scale.observe(known.reported_s, pending.queued_s, arrivals, state.reported_s, queued_s,
-                                    state.num_queued_prompt_tokens > 0)
+            self.time_scale.observe(
+                known.reported_s,
+                pending.queued_s,
+                arrivals,
+                state.reported_s,
+                queued_s,
+                state.num_queued_prompt_tokens > 0,
+            )
         pending.queued_s, pending.is_queue_priced = queued_s, is_priced
         scale = self.time_scale.value
         busy = state.reported_s + queued_s * scale
@@ -99,13 +104,23 @@ class LoadView:
 
     def assign(self, assignment: Assignment) -> None:
         prefill = self._pending.setdefault(assignment.prefill_worker_id, _Pending())
-        self._add(prefill, Entry(assignment.assigned_s, assignment.num_prompt_tokens, assignment.prefill_s,
-                                 assignment.num_uncached_tokens, assignment.request_id))
-        prefill.busy_until_s = (max(prefill.busy_until_s, assignment.assigned_s)
-                                + assignment.prefill_s * self.time_scale.value)
+        self._add(
+            prefill,
+            Entry(
+                assignment.assigned_s,
+                assignment.num_prompt_tokens,
+                assignment.prefill_s,
+                assignment.num_uncached_tokens,
+                assignment.request_id,
+            ),
+        )
+        prefill.busy_until_s = (
+            max(prefill.busy_until_s, assignment.assigned_s) + assignment.prefill_s * self.time_scale.value
+        )
         decode = self._pending.setdefault(assignment.decode_worker_id, _Pending())
-        self._add(decode, Entry(assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0, 0,
-                                assignment.request_id))
+        self._add(
+            decode, Entry(assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0, 0, assignment.request_id)
+        )
         done_s = assignment.decode_arrival_s - self.cost.transfer_s(assignment.num_prompt_tokens)
         self.pending_cache.add(assignment.prefill_worker_id, assignment.block_hashes, done_s)
         value = self.recent_work_s(assignment.prefill_worker_id, assignment.assigned_s)
