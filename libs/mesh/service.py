@@ -84,7 +84,7 @@ def status_app(ready: Callable[[], bool]) -> web.Application:
 
 
 class ServiceRuntime:
-    def __init__(self, settings: ServiceSettings, role: int) -> None:
+    def __init__(self, settings: ServiceSettings, role: common_pb2.Role) -> None:
         self.settings = settings
         self.role = role
         self.role_name = ROLE_NAMES[role]
