@@ -113,7 +113,8 @@ class LLMEngine:
         num_blocks = self.config.kv_cache_memory_bytes // bytes_per_block
         if num_blocks < 1:
             raise ConfigError(
-                f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no block: one block needs {bytes_per_block}"
+                f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no block: "
+                f"one block needs {bytes_per_block}"
             )
         return num_blocks
 
@@ -264,8 +265,8 @@ class LLMEngine:
         sampling = [s.request for s in output.scheduled if s.needs_sample]
         sampled = self.sampler(logits, sampling)
         self.num_generated_tokens += len(sampling)
-        tokens = {r.request_id: t for r, t in zip(sampling, sampled.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(sampling, sampled.logprobs) if lp is not None}
+        tokens = {r.request_id: t for r, t in zip(sampling, sampled.token_ids, strict=True)}
+        logprobs = {r.request_id: lp for r, lp in zip(sampling, sampled.logprobs, strict=True) if lp is not None}
         return self.scheduler.update(output, tokens, logprobs)
 
     def _recompute_failed_loads(self, output: SchedulerOutput) -> list[RequestOutput]:
@@ -367,7 +368,7 @@ class LLMEngine:
         """
         count = min(len(block_hashes), len(blocks_data), self.kv.pool.num_free_blocks)
         blocks = self.kv.pool.allocate(count)
-        for block, data in zip(blocks, blocks_data):
+        for block, data in zip(blocks, blocks_data[:count], strict=True):
             self.runner.write_all_layers(block.block_id, block_bytes_to_tensor(data, self.kv_layout))
         size = self.config.block_size
         # a key already cached here stays with its block; the duplicate becomes a plain free block
@@ -442,8 +443,9 @@ class LLMEngine:
         num_blocks = len(data) // max(self.kv_layout.chunk_bytes(1), 1)
         if first_block < 0 or num_blocks < 1 or first_block + num_blocks > len(block_ids):
             raise KVLayoutError(
-                f"KV chunk of {len(data)} bytes at block {first_block} does not fit the request's {len(block_ids)} blocks "
-                f"({self.kv_layout.chunk_bytes(1)} bytes each), expected {self.kv_layout.chunk_bytes(len(block_ids))}"
+                f"KV chunk of {len(data)} bytes at block {first_block} does not fit the request's "
+                f"{len(block_ids)} blocks ({self.kv_layout.chunk_bytes(1)} bytes each), "
+                f"expected {self.kv_layout.chunk_bytes(len(block_ids))}"
             )
         values = bytes_to_tensor(data, self.kv_layout, num_blocks)
         self.runner.write_blocks(layer, block_ids[first_block : first_block + num_blocks], values)

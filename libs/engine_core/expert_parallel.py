@@ -115,7 +115,7 @@ class ExpertParallel:
                 )
         layers = tuple(
             PhysicalExperts.build(row, module.w_gate_up, module.w_down, layout.num_ranks, version)
-            for row, module in zip(phy2log, self.layers)
+            for row, module in zip(phy2log, self.layers, strict=True)
         )
         return PreparedPlacement(version, layers)
 
@@ -124,7 +124,7 @@ class ExpertParallel:
         the current one, unless forced."""
         if prepared.version <= self.version and not force:
             return False
-        for module, placement in zip(self.layers, prepared.layers):
+        for module, placement in zip(self.layers, prepared.layers, strict=True):
             module.placement = placement
         self.version = prepared.version
         return True

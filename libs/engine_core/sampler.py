@@ -57,7 +57,7 @@ class Sampler:
         probs = _filtered_probs(logits[random_rows], subset)  # (b, V)
         noise = torch.stack([self._exponential(r, probs.shape[-1]) for r in subset]).to(probs.device)
         drawn = (probs / noise).argmax(dim=-1).tolist()
-        for row, token in zip(random_rows, drawn):
+        for row, token in zip(random_rows, drawn, strict=True):
             greedy[row] = token
         return greedy
 
@@ -113,7 +113,7 @@ def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogp
     top: tuple[tuple[int, float], ...] = ()
     if num_top > 0:
         values, ids = row.topk(num_top)
-        top = tuple(zip(ids.tolist(), values.tolist()))
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprobs(token_id, chosen, rank, top)
 
 

@@ -61,10 +61,7 @@ class MLAttention(nn.Module):
         self.ops = ops
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mla.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_proj(x) if self.mla.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return q.view(x.shape[0], self.num_heads, -1)  # (T, H, dn + dr)
 
     def forward(

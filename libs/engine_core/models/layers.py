@@ -93,7 +93,7 @@ class CausalLM(nn.Module):
         if batch.embed_rows is not None and batch.embed_values is not None:
             x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
         cos_sin = self.rope.cos_sin(batch.positions)
-        for index, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
+        for index, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             if batch.wait_for_layer is not None:
                 batch.wait_for_layer(index)  # KV loaded from elsewhere: this layer's has arrived
             x = layer(x, cos_sin, self.rope, cache, batch)
