@@ -29,6 +29,7 @@ from services.gateway.images import ImagePart, with_image_tokens
 from services.gateway.pipeline import NOT_FINISHED, Delta, GenerationStream, Placement, Usage
 from services.gateway.sampling import structured_to_wire
 from services.gateway.tool_calls import (
+    AUTO_TOOLS,
     ParsedArgs,
     ParsedCallEnd,
     ParsedCallStart,
@@ -52,7 +53,7 @@ class ChatTurn:
     max_tokens_param: str  # the client's name for max_tokens, for errors
     stop: tuple[str, ...] = ()
     tools: tuple[Tool, ...] = ()
-    tool_choice: ToolChoice = ToolChoice("auto")
+    tool_choice: ToolChoice = AUTO_TOOLS
     parallel_tool_calls: bool = True
     response_format: StructuredOutput | None = None
     n: int = 1
@@ -202,7 +203,7 @@ class ChoiceRun:
             return raw.decode("utf-8", errors="replace"), raw
 
         token, raw = describe(logprob.token_id)
-        top = [(*describe(t), lp) for t, lp in zip(logprob.top_token_ids, logprob.top_logprobs)]
+        top = [(*describe(t), lp) for t, lp in zip(logprob.top_token_ids, logprob.top_logprobs, strict=True)]
         return TokenInfo(token, logprob.logprob, raw, [(text, lp, b) for text, b, lp in top])
 
 
@@ -398,6 +399,6 @@ async def collect(run: ChatRun, on_event: Any = None) -> list[ChoiceResult]:
             result.calls.append(event)
         elif isinstance(event, FinishEvent):
             result.finish_reason, result.stop_string = event.finish_reason, event.stop_string
-    for result, parts in zip(results, texts):
+    for result, parts in zip(results, texts, strict=True):  # one of each per choice
         result.text = "".join(parts)
     return results

@@ -83,7 +83,7 @@ def place_images(
     out: list[int] = []
     images = []
     previous = 0
-    for position, image in zip(positions, encoded):
+    for position, image in zip(positions, encoded, strict=True):  # counts checked equal above
         out += token_ids[previous:position]
         images.append(
             encoder_pb2.PromptImage(

@@ -114,13 +114,15 @@ async def _fetch(part: ImagePart, settings: ImageSettings) -> bytes:
     limit = settings.limits.max_bytes
     timeout = aiohttp.ClientTimeout(total=settings.fetch_timeout_s)
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.get(part.url, allow_redirects=False) as response:
-                if response.status != 200:
-                    raise invalid(part.param, f"fetching the image failed: HTTP {response.status}")
-                if (response.content_length or 0) > limit:
-                    raise invalid(part.param, f"the image is {response.content_length} bytes; the limit is {limit}")
-                data = await response.content.read(limit + 1)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(part.url, allow_redirects=False) as response,
+        ):
+            if response.status != 200:
+                raise invalid(part.param, f"fetching the image failed: HTTP {response.status}")
+            if (response.content_length or 0) > limit:
+                raise invalid(part.param, f"the image is {response.content_length} bytes; the limit is {limit}")
+            data = await response.content.read(limit + 1)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise invalid(part.param, f"fetching the image failed: {type(exc).__name__}") from None
     if len(data) > limit:

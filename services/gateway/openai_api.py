@@ -19,7 +19,7 @@ from services.gateway.images import IMAGE_MARKER, ImagePart, check_text, parse_i
 from services.gateway.pipeline import Usage
 from services.gateway.sampling import openai_to_wire
 from services.gateway.schema_support import json_schema_output
-from services.gateway.tool_calls import Tool, ToolChoice, parse_tool
+from services.gateway.tool_calls import NO_TOOLS, Tool, ToolChoice, parse_tool
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
@@ -41,7 +41,7 @@ class ChatRequest:
     include_usage: bool  # stream_options.include_usage
     cache_salt: str  # vLLM's extension: enters every block key, so differently salted prompts never share KV
     tools: tuple[Tool, ...] = ()
-    tool_choice: ToolChoice = ToolChoice("none")
+    tool_choice: ToolChoice = NO_TOOLS
     parallel_tool_calls: bool = True
     response_format: StructuredOutput | None = None
     n: int = 1

@@ -52,6 +52,11 @@ class ToolChoice:
     name: str = ""  # the tool, when mode is named
 
 
+# frozen, so one instance serves as every dataclass's default
+NO_TOOLS = ToolChoice("none")
+AUTO_TOOLS = ToolChoice("auto")
+
+
 def parse_tool(name: Any, description: Any, parameters: Any, param: str) -> Tool:
     """One tool definition, its schema checked for what the grammar can enforce."""
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
