@@ -1,9 +1,10 @@
 """Typed service configuration from the environment: every field `foo` of a settings dataclass is read from
-`KVMESH_FOO`. A bad value fails at start with an error naming the variable.
+`KVMESH_FOO`. A bad value fails at start with an error naming the variable. Each field carries its meaning
+(`setting(default, "meaning")`), from which `kvmesh config --markdown` writes docs/configuration.md.
 
     @dataclass(frozen=True)
     class DecodeSettings(ServiceSettings):
-        models: tuple[str, ...] = ("smollm2-135m",)
+        models: tuple[str, ...] = setting(("smollm2-135m",), "served models")
 
     settings = load_settings(DecodeSettings)             # from os.environ
     settings = load_settings(DecodeSettings, grpc_port=0)  # explicit values win over the environment
@@ -21,6 +22,32 @@ from typing import Any, TypeVar
 
 ENV_PREFIX = "KVMESH_"
 T = TypeVar("T")
+DOC = "doc"  # the metadata key of a setting's meaning
+
+
+def setting(default: T, doc: str, *, secret: bool = False) -> T:
+    """A settings field with its meaning (metadata["doc"]); a secret stays out of repr."""
+    return dataclasses.field(default=default, repr=not secret, metadata={DOC: doc})  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class EnvVariable:
+    """A KVMESH_* variable read outside the settings dataclasses (docs/configuration.md lists these too)."""
+
+    name: str
+    roles: str  # who reads it, in words
+    default: str
+    doc: str
+
+
+OTHER_VARIABLES = (
+    EnvVariable(
+        "KVMESH_MODEL_DIR",
+        "gateway, encoder, prefill, decode, `kvmesh models`",
+        "`~/.cache/kvmesh/models`",
+        "where known models are stored, one directory per name (`engine_core.model_store`)",
+    ),
+)
 
 
 class SettingError(ValueError):
@@ -84,16 +111,18 @@ def require_data_port(port: int) -> None:
 class ServiceSettings:
     """What every role reads. Roles subclass it with their own fields."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    host: str = "127.0.0.1"  # interface the servers bind to
-    advertise_host: str = ""  # the address other roles dial; default: host (for 0.0.0.0: our address towards NATS)
-    grpc_port: int = 0  # 0: any free port (it is announced, so nobody needs to know it in advance)
-    http_port: int = 0  # /healthz, /readyz, /metrics
-    worker_id: str = ""  # default: <role>-<host>-<pid>
-    heartbeat_interval_s: float = 1.0
-    log_level: str = "info"
-    log_format: str = "auto"  # auto (json unless a terminal) | json | console
-    drain_timeout_s: float = 30.0  # on shutdown, how long in-flight requests may finish
+    nats_url: str = setting("nats://127.0.0.1:4222", "the NATS bus (`kvmesh up` starts its own)")
+    host: str = setting("127.0.0.1", "the interface the servers bind to")
+    advertise_host: str = setting(
+        "", "the address other roles dial (empty: the host; for 0.0.0.0, this process's address towards NATS)"
+    )
+    grpc_port: int = setting(0, "the gRPC port (0: any free port; it is announced, so nobody needs it in advance)")
+    http_port: int = setting(0, "the port of /healthz, /readyz and /metrics (0: any free port)")
+    worker_id: str = setting("", "the name in pools, headers and metrics (empty: `<role>-<host>-<pid>`)")
+    heartbeat_interval_s: float = setting(1.0, "seconds between heartbeats; a worker silent for 3 leaves its pool")
+    log_level: str = setting("info", "debug, info, warning or error (structlog)")
+    log_format: str = setting("auto", "auto (JSON unless a terminal), json or console")
+    drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish (seconds)")
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):

@@ -1,13 +1,5 @@
-"""Balancer settings: ServiceSettings plus the routing policy and its cost model's scale.
-
-    KVMESH_BALANCER_POLICY               round_robin | least_load | cache_aware | kv_aware | deepseek | kvmesh (default)
-    KVMESH_BALANCER_COST_SCALE           multiplies the cost model's compute times (1.0: DeepSeek-V3 units on H800;
-                                         see docs/balancer.md for fitting it to other hardware)
-    KVMESH_BALANCER_SHARE_ASSIGNMENTS    publish each decision on kvmesh.balancer.assign and count peers' (true)
-    KVMESH_BALANCER_TARGET_UTILIZATION   the utilization recommended pool sizes aim at (0.8)
-    KVMESH_KV_SNAPSHOT_EVERY             snapshot the global KV index and purge the KV event stream below it every
-                                         this many stream messages (100000; 0: never), checked every
-                                         KVMESH_KV_SNAPSHOT_CHECK_S (10)
+"""Balancer settings: ServiceSettings plus the routing policy, its cost model's scale, replica sharing and the
+KV index snapshots (docs/configuration.md lists them all).
 
 Workers are dropped after three missed intervals of KVMESH_HEARTBEAT_INTERVAL_S, the same setting the workers
 beat with; the recommended pool sizes are published once per interval.
@@ -17,18 +9,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh.config import ServiceSettings, require
+from mesh.config import ServiceSettings, require, setting
 from mesh.routing import DEFAULT_POLICY, POLICIES
 
 
 @dataclass(frozen=True)
 class BalancerSettings(ServiceSettings):
-    balancer_policy: str = DEFAULT_POLICY
-    balancer_cost_scale: float = 1.0
-    balancer_share_assignments: bool = True
-    balancer_target_utilization: float = 0.8
-    kv_snapshot_every: int = 100_000
-    kv_snapshot_check_s: float = 10.0
+    balancer_policy: str = setting(DEFAULT_POLICY, "the routing policy: " + ", ".join(POLICIES))
+    balancer_cost_scale: float = setting(
+        1.0,
+        "multiplies the cost model's compute times (1.0: DeepSeek-V3 units on H800; fitted live from prefill "
+        "reports as well; docs/balancer.md)",
+    )
+    balancer_share_assignments: bool = setting(
+        True, "publish each decision on kvmesh.balancer.assign and count the peer replicas'"
+    )
+    balancer_target_utilization: float = setting(0.8, "the utilization recommended pool sizes aim at")
+    kv_snapshot_every: int = setting(
+        100_000,
+        "snapshot the global KV index and purge the KV event stream below it every this many stream messages "
+        "(0: never)",
+    )
+    kv_snapshot_check_s: float = setting(10.0, "seconds between checks whether a snapshot is due")
 
     def __post_init__(self) -> None:
         super().__post_init__()

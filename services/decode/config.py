@@ -6,13 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.compute.settings import WorkerSettings
-from mesh.config import require, require_data_port
+from mesh.config import require, require_data_port, setting
 
 
 @dataclass(frozen=True)
 class DecodeSettings(WorkerSettings):
-    stream_attach_timeout_s: float = 30.0  # a pushed request nobody follows within this is aborted
-    data_port: int = 0  # the bulk lane for KV pushes (plain TCP, mesh.lane): 0 any free port, -1 none (PushKV only)
+    stream_attach_timeout_s: float = setting(30.0, "seconds; a pushed request nobody follows by then is aborted")
+    data_port: int = setting(
+        0, "the bulk lane for KV pushes (plain TCP beside gRPC, `mesh.lane`): 0 any free port, -1 none (PushKV only)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,24 +6,30 @@ from dataclasses import dataclass
 
 from engine_core.images import ImageLimits
 from engine_core.vision import EMBEDDING_DTYPES
-from mesh.config import ServiceSettings, require
+from mesh.config import ServiceSettings, require, setting
 
 DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class EncoderSettings(ServiceSettings):
-    # the language models whose hidden size it projects into; those without a vision_config are skipped
-    models: tuple[str, ...] = ("smollm2-135m", "deepseek-tiny")
-    device: str = "cpu"
-    torch_threads: int = 1  # several roles often share one machine's cores
-    encoder_weights: str = ""  # a safetensors file with the vision tower's weights; empty: random from encoder_seed
-    encoder_seed: int = 0  # every encoder of a model must compute the same embeddings: same seed or same file
-    encoder_cache_bytes: int = 256 * 2**20  # embeddings kept by image hash (LRU)
-    embedding_dtype: str = "float32"  # what goes on the wire: float32 | bfloat16 | float16
-    max_image_bytes: int = 8 * 2**20
-    max_image_side: int = 4096  # pixels, width or height
-    max_image_pixels: int = 4096 * 4096
+    models: tuple[str, ...] = setting(
+        ("smollm2-135m", "deepseek-tiny"),
+        "the language models whose hidden size it projects into (those without a vision_config are skipped)",
+    )
+    device: str = setting("cpu", "cpu or cuda")
+    torch_threads: int = setting(1, "CPU threads (several roles often share one machine's cores)")
+    encoder_weights: str = setting(
+        "", "a safetensors file with the vision tower's weights (empty: random from KVMESH_ENCODER_SEED)"
+    )
+    encoder_seed: int = setting(
+        0, "the random weights' seed: every encoder of a model must compute the same embeddings (same seed or file)"
+    )
+    encoder_cache_bytes: int = setting(256 * 2**20, "embeddings kept by image hash (LRU)")
+    embedding_dtype: str = setting("float32", "embeddings on the wire: float32, bfloat16 or float16")
+    max_image_bytes: int = setting(8 * 2**20, "an image's bytes; more is refused naming it")
+    max_image_side: int = setting(4096, "an image's width or height in pixels; more is refused naming it")
+    max_image_pixels: int = setting(4096 * 4096, "an image's width x height; more is refused naming it")
 
     def __post_init__(self) -> None:
         super().__post_init__()

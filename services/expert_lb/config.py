@@ -7,21 +7,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh.config import ServiceSettings, require
+from mesh.config import ServiceSettings, require, setting
 from mesh.eplb import POLICIES
 
 
 @dataclass(frozen=True)
 class ExpertLBSettings(ServiceSettings):
-    expert_plan_interval_s: float = 10.0  # a plan (when loads changed enough) every interval
-    expert_window_intervals: int = 6  # the moving window: the loads of this many last intervals, summed
-    # auto (hierarchical when num_groups % num_nodes == 0 and there are several nodes) | hierarchical | global
-    expert_policy: str = "auto"
-    expert_num_nodes: int = 1  # nodes a worker's expert-parallel GPUs sit on (hierarchical keeps a group on one)
-    expert_max_moves_fraction: float = 0.05  # per plan and layer, at most this share of slots change (1: no limit)
-    expert_min_gain: float = 0.01  # a layer keeps its placement when moves would gain less balancedness
-    expert_replan_gain: float = 0.05  # a full plan (more moves) only when it beats the limited one by more
-    expert_min_window_tokens: int = 1  # no plan for a layer before its window holds this many routed tokens
+    expert_plan_interval_s: float = setting(10.0, "seconds between plans (each only when loads changed enough)")
+    expert_window_intervals: int = setting(6, "the moving window: the loads of this many last intervals, summed")
+    expert_policy: str = setting(
+        "auto",
+        "auto (hierarchical when num_groups % num_nodes == 0 and there are several nodes), hierarchical or global",
+    )
+    expert_num_nodes: int = setting(
+        1, "nodes a worker's expert-parallel GPUs sit on (hierarchical keeps a group on one)"
+    )
+    expert_max_moves_fraction: float = setting(
+        0.05, "per plan and layer, at most this share of slots change (1: no limit)"
+    )
+    expert_min_gain: float = setting(0.01, "a layer keeps its placement when moves would gain less balancedness")
+    expert_replan_gain: float = setting(0.05, "a full plan (more moves) only when it beats the limited one by more")
+    expert_min_window_tokens: int = setting(1, "no plan for a layer before its window holds this many routed tokens")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,30 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine_core.images import ImageLimits
-from mesh.config import ServiceSettings, require
+from mesh.config import ServiceSettings, require, setting
 from services.gateway.images import ImageSettings
 
 
 @dataclass(frozen=True)
 class GatewaySettings(ServiceSettings):
-    http_port: int = 8080  # the REST API, with /healthz, /readyz and /metrics beside it
-    grpc_port: int = 50050  # the Gateway gRPC service
-    # KVMESH_API_KEYS, comma-separated. Never printed: kept out of repr, and auth.KeyRing holds only digests.
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    models: tuple[str, ...] = ("smollm2-135m", "deepseek-tiny")  # whose tokenizers the gateway loads
-    block_size: int = 16  # tokens per KV block: must match the workers' for cache-aware routing to hit
-    max_retries: int = 2  # re-routes after a prefill fails with UNAVAILABLE or RESOURCE_EXHAUSTED
-    request_timeout_s: float = 600.0  # arrival to last token; past it the request fails with 504
+    http_port: int = setting(8080, "the REST API, with /healthz, /readyz and /metrics beside it")
+    grpc_port: int = setting(50050, "the Gateway gRPC service")
+    # Never printed: kept out of repr, and auth.KeyRing holds only digests.
+    api_keys: tuple[str, ...] = setting(
+        (), "accepted API keys, comma-separated (`kvmesh up` generates one when unset)", secret=True
+    )
+    models: tuple[str, ...] = setting(("smollm2-135m", "deepseek-tiny"), "served models, whose tokenizers it loads")
+    block_size: int = setting(16, "tokens per KV block: must match the workers' for cache-aware routing to hit")
+    max_retries: int = setting(
+        2, "re-routes (and migrations) after a worker fails with UNAVAILABLE or RESOURCE_EXHAUSTED"
+    )
+    request_timeout_s: float = setting(600.0, "arrival to last token, in seconds; past it the request fails with 504")
     # images in chat messages (services/gateway/images.py): checked here, encoded by the encoder pool
-    max_images_per_request: int = 4
-    max_image_bytes: int = 6 * 2**20  # a data: URL's bytes after base64 (the whole body is at most 8 MiB)
-    max_image_side: int = 4096  # pixels, width or height
-    max_image_pixels: int = 4096 * 4096
-    allow_remote_images: bool = False  # fetch http(s) image URLs (the gateway would fetch any address it is given)
-    image_fetch_timeout_s: float = 10.0
+    max_images_per_request: int = setting(4, "images in one request; more is a 400 (0: no images)")
+    max_image_bytes: int = setting(
+        6 * 2**20, "an image's bytes after base64 (the whole body is at most 8 MiB); more is a 400 naming it"
+    )
+    max_image_side: int = setting(4096, "an image's width or height in pixels; more is a 400 naming it")
+    max_image_pixels: int = setting(4096 * 4096, "an image's width x height; more is a 400 naming it")
+    allow_remote_images: bool = setting(
+        False, "fetch http(s) image URLs (no redirects; size and time limits): the gateway fetches any address"
+    )
+    image_fetch_timeout_s: float = setting(10.0, "seconds to fetch one remote image")
 
     def __post_init__(self) -> None:
         super().__post_init__()

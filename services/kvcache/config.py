@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mesh.config import ServiceSettings, require, require_data_port
+from mesh.config import ServiceSettings, require, require_data_port, setting
 from services.kvcache.policy import POLICIES
 from services.kvcache.store import DAY_S, StoreConfig
 
@@ -22,16 +22,30 @@ def parse_ttls(text: str) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class KVCacheSettings(ServiceSettings):
-    capacity_bytes: int = 2**30  # host memory for block data (KVMESH_CAPACITY_BYTES)
-    data_dir: str = ""  # SSD tier: block files go to <data_dir>/<worker_id>; empty: host memory only
-    ssd_capacity_bytes: int = 16 * 2**30
-    eviction_policy: str = "lfuda"  # lru | s3fifo | lfuda
-    ttls: str = f"agent={3 * DAY_S:.0f},chat={7 * DAY_S:.0f}"  # traffic class=seconds, comma separated
-    default_traffic_class: str = "chat"  # blocks put without a class (or an unknown one) live this long
-    expire_interval_s: float = 10.0  # how often TTLs and pins are checked
-    repair_interval_s: float = 5.0  # how often this node checks that the blocks it leads are fully protected
-    repair_delay_s: float = 30.0  # how long a node may be gone before its fragments are rebuilt elsewhere
-    data_port: int = 0  # the bulk lane (layer-major reads over plain TCP, mesh.lane): 0 any free port, -1 none
+    capacity_bytes: int = setting(2**30, "host memory for block data")
+    data_dir: str = setting(
+        "",
+        "the SSD tier's directory: block files go to <data_dir>/<worker_id>, read back after a restart "
+        "(empty: host memory only)",
+    )
+    ssd_capacity_bytes: int = setting(16 * 2**30, "the SSD tier's size")
+    eviction_policy: str = setting("lfuda", "lru, s3fifo or lfuda")
+    ttls: str = setting(
+        f"agent={3 * DAY_S:.0f},chat={7 * DAY_S:.0f}",
+        "TTL in seconds per traffic class: class=seconds, comma separated",
+    )
+    default_traffic_class: str = setting(
+        "chat", "the class of blocks put without one (or with an unknown one): they live this long"
+    )
+    expire_interval_s: float = setting(10.0, "seconds between checks of TTLs and pins")
+    repair_interval_s: float = setting(
+        5.0, "seconds between checks that the blocks this node leads are fully protected"
+    )
+    repair_delay_s: float = setting(30.0, "seconds a node may be gone before its fragments are rebuilt elsewhere")
+    data_port: int = setting(
+        0,
+        "the bulk lane for the store's reads and writes (plain TCP beside gRPC, `mesh.lane`): 0 any free port, -1 none",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -5,19 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.compute.settings import WorkerSettings
-from mesh.config import require
+from mesh.config import require, setting
 from mesh.erasure import Protection
 
 
 @dataclass(frozen=True)
 class PrefillSettings(WorkerSettings):
-    kvcache_enabled: bool = True  # read prefixes from and write new blocks to the KV store nodes heard on NATS
-    store_write_queue_bytes: int = 256 * 2**20  # blocks waiting to be written to the store; more are dropped
-    kv_protection: str = "1+0"  # k+m: each block as k data + m parity fragments on k+m store nodes (1+2: 3 copies)
-    kv_index_enabled: bool = True  # read the store through the global KV index (JetStream replay)
-    kv_stream_layers: bool = True  # with the index: read layer-major into the engine while it computes
-    kv_store_lanes: bool = True  # ... over the store nodes' bulk lanes (plain TCP) where they have one, else gRPC
-    kv_push_lanes: bool = True  # push KV to decode over its bulk lane where it has one, else Decode.PushKV
+    kvcache_enabled: bool = setting(True, "read prefixes from and write new blocks to the KV store nodes heard on NATS")
+    store_write_queue_bytes: int = setting(
+        256 * 2**20, "blocks waiting to be written to the store; more are dropped, never waited for"
+    )
+    kv_protection: str = setting(
+        "1+0", "k+m: each block as k data + m parity fragments on k+m store nodes (1+2: three copies; DeepSeek 10+2)"
+    )
+    kv_index_enabled: bool = setting(True, "find blocks in the store through the global KV index (JetStream replay)")
+    kv_stream_layers: bool = setting(True, "with the index: stream hits layer-major into the engine while it computes")
+    kv_store_lanes: bool = setting(
+        True, "read and write the store over its nodes' bulk lanes (plain TCP) where they have one, else gRPC"
+    )
+    kv_push_lanes: bool = setting(True, "push KV to decode over its bulk lane where it has one, else Decode.PushKV")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -5,25 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_core import EngineConfig
-from mesh.config import ServiceSettings, require
+from mesh.config import ServiceSettings, require, setting
 
 DEVICES = ("auto", "cpu", "cuda", "ascend")
 
 
 @dataclass(frozen=True)
 class WorkerSettings(ServiceSettings):
-    models: tuple[str, ...] = ("smollm2-135m", "deepseek-tiny")  # known names or paths; each is its served name
-    device: str = "cpu"
-    kv_cache_memory_bytes: int = 256 * 2**20  # per model
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
-    torch_threads: int = 1  # several roles often share one machine's cores
-    block_size: int = 16  # tokens per KV block: prefill and decode must agree (the KV layout says so)
-    # MoE models: expert parallelism simulated in the worker (ranks, spare slots for replicas of hot experts), and
-    # expert load reports every this many engine steps, with plans from expert_lb applied (0: neither)
-    expert_parallel_size: int = 1
-    num_redundant_experts: int = 0
-    expert_report_steps: int = 0
+    models: tuple[str, ...] = setting(
+        ("smollm2-135m", "deepseek-tiny"), "served models: known names or paths, each served under that name"
+    )
+    device: str = setting("cpu", "auto, cpu, cuda or ascend")
+    kv_cache_memory_bytes: int = setting(256 * 2**20, "the KV cache of each model, sized once and never exceeded")
+    max_num_seqs: int = setting(32, "requests in one batch")
+    max_num_batched_tokens: int = setting(1024, "tokens in one engine step (chunked prefill past it)")
+    torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
+    block_size: int = setting(16, "tokens per KV block: prefill and decode must agree (the KV layout says so)")
+    # MoE models: expert parallelism simulated in the worker
+    expert_parallel_size: int = setting(1, "MoE models: expert-parallel ranks")
+    num_redundant_experts: int = setting(0, "MoE models: spare expert slots for replicas of hot experts")
+    expert_report_steps: int = setting(
+        0, "MoE models: publish expert loads every this many engine steps and apply expert_lb's plans (0: off)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
