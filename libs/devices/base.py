@@ -45,7 +45,7 @@ class DeviceOps(ABC):
     def __init__(self, torch_device: torch.device) -> None:
         self.torch_device = torch_device
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 - a deliberate default no-op, not a forgotten @abstractmethod
         """Wait for queued device work (a no-op where ops are synchronous)."""
 
     def __repr__(self) -> str:

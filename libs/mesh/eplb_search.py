@@ -114,7 +114,7 @@ class _Search:
     def resolve_duplicates(self) -> None:
         """Turn every second copy of an expert on one GPU into a replica of the expert (not on that GPU) that
         leaves the heaviest GPU lightest, whatever that costs: placements keep their replicas apart."""
-        for gpu, expert in zip(*np.nonzero(self.holds > 1)):
+        for gpu, expert in zip(*np.nonzero(self.holds > 1), strict=True):
             while self.holds[gpu, expert] > 1:
                 slot = int(np.flatnonzero((self.slot_gpu == gpu) & (self.phy2log == expert))[-1])
                 targets = np.flatnonzero((self.holds[gpu] == 0) & (self.counts < self.num_gpus))

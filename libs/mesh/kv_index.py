@@ -143,7 +143,7 @@ class GlobalKVIndex:
                 self._last_seq[worker_id] = worker.last_seq
             held: set[bytes] = set()
             for key, index, mask, coding_id in zip(
-                worker.block_hashes, worker.fragment_indices, worker.tier_masks, worker.coding_ids
+                worker.block_hashes, worker.fragment_indices, worker.tier_masks, worker.coding_ids, strict=True
             ):
                 if mask & tier_mask:
                     holders.setdefault(key, {})[worker_id] = Holding(index, mask & tier_mask)

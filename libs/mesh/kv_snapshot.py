@@ -20,6 +20,7 @@ little behind costs at most a miss: keys are content hashes and every fetched bl
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass
 
@@ -127,7 +128,5 @@ async def publish(bus: Bus, snapshot: events_pb2.KVIndexSnapshot, previous: Poin
 
 
 async def _delete_quietly(objects: ObjectStore, name: str) -> None:
-    try:
+    with contextlib.suppress(Exception):  # already gone
         await objects.delete(name)
-    except Exception:  # already gone
-        pass

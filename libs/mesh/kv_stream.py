@@ -16,6 +16,7 @@ follower restores the latest snapshot first and replays only what came after it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from nats.aio.msg import Msg
@@ -137,10 +138,8 @@ class KVEventFollower:
 
     async def _unsubscribe(self) -> None:
         if self._subscription is not None:
-            try:
+            with contextlib.suppress(Exception):  # the connection is already closing
                 await self._subscription.unsubscribe()
-            except Exception:  # the connection is already closing
-                pass
             self._subscription = None
 
     @property
