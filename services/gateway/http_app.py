@@ -105,14 +105,22 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
         except GatewayError as error:
             return error_response(request, error)
         except web.HTTPException as exc:  # the router's 404 and 405, a body over MAX_BODY_BYTES
-            kind = _HTTP_ERRORS.get(exc.status, ErrorKind.INVALID_REQUEST)
-            return error_response(request, GatewayError(kind, exc.reason))
+            return http_error_response(request, exc)
         except Exception:
             log.exception("unhandled error")
             return error_response(request, GatewayError(ErrorKind.INTERNAL, "internal error"))
         if not response.prepared:
             response.headers.setdefault("x-request-id", request[ECHOED_ID])
         return response
+
+
+def http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own errors in the API's error shape; a 405 names the methods the route takes (RFC 9110)."""
+    kind = _HTTP_ERRORS.get(exc.status, ErrorKind.INVALID_REQUEST)
+    response = error_response(request, GatewayError(kind, exc.reason))
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+    return response
 
 
 async def json_body(request: web.Request) -> Any:

@@ -9,13 +9,22 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
+from mesh.discovery import KnownWorker
 from mesh.pb import common_pb2
+from mesh.rpc import Channels
+from mesh.service import Lifecycle
 from services.gateway import openai_api
+from services.gateway.auth import KeyRing
+from services.gateway.catalog import ModelCatalog
 from services.gateway.chat import ChoiceResult
+from services.gateway.core import GatewayCore
 from services.gateway.errors import ErrorKind, GatewayError, from_rpc_error
+from services.gateway.http_app import create_app
+from services.gateway.mesh_view import MeshView
 from services.gateway.openai_api import ChunkShape, parse_chat_request
-from services.gateway.pipeline import Usage
+from services.gateway.pipeline import Pipeline, Usage
 from services.gateway.sampling import check_wire
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -376,3 +385,47 @@ def test_tool_messages_are_kept_for_the_template() -> None:
         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}],
     }
     assert chat.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+class NoWorkers:
+    def workers(self, role: int | None = None, model: str | None = None) -> list[KnownWorker]:
+        return []
+
+
+def bare_core(key: str) -> GatewayCore:
+    """A gateway that knows no model and no worker: enough for what the app answers before any handler runs."""
+    view = MeshView(NoWorkers())
+    return GatewayCore(KeyRing([key]), ModelCatalog([]), view, Pipeline(Channels(), view, 16, 0), Lifecycle(), 5.0)
+
+
+OPENAI_405 = {
+    "error": {
+        "message": "Method Not Allowed",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "method_not_allowed",
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow", "body"),
+    [
+        ("GET", "/v1/chat/completions", "POST", OPENAI_405),
+        ("POST", "/v1/models", "GET, HEAD", OPENAI_405),
+        ("PUT", "/v1/responses/resp_1", "DELETE, GET, HEAD", OPENAI_405),
+        (  # Anthropic's error shape on /v1/messages
+            "GET",
+            "/v1/messages",
+            "POST",
+            {"type": "error", "error": {"type": "invalid_request_error", "message": "Method Not Allowed"}},
+        ),
+    ],
+)
+async def test_a_wrong_method_is_a_405_naming_the_allowed_ones(
+    method: str, path: str, allow: str, body: dict[str, Any]
+) -> None:
+    async with TestClient(TestServer(create_app(bare_core("sk-405")))) as client:
+        response = await client.request(method, path, headers={"Authorization": "Bearer sk-405", "x-request-id": "r1"})
+        assert (response.status, response.headers["Allow"], response.headers["x-request-id"]) == (405, allow, "r1")
+        assert await response.json() == body
