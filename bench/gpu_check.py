@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,7 @@ def check_norms(ops: CudaOps, ref: CpuOps, prof: Profile, dtype: torch.dtype) ->
     for num_tokens, hidden in prof.bench_norm[:2]:
         x, w = randn(num_tokens, hidden, dtype=dtype, device=dev), randn(hidden, dtype=dtype, device=dev)
         rows.append(compare(f"rms_norm T={num_tokens} Hd={hidden}", dtype,
-                            lambda: (ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))))  # fmt: skip
+                            lambda x=x, w=w: (ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))))  # fmt: skip
     y = randn(33, 2 * prof.moe[2], dtype=dtype, device=dev, scale=3.0)
     rows.append(compare(f"silu_and_mul I={prof.moe[2]}", dtype, lambda: (ops.silu_and_mul(y), ref.silu_and_mul(y))))
     return rows
@@ -198,7 +199,7 @@ def check_moe(ops: CudaOps, ref: CpuOps, prof: Profile, dtype: torch.dtype) -> l
     for num_tokens in prof.check_moe_tokens:
         inputs = moe_inputs(num_tokens, prof.moe, dtype, ops.torch_device)
         name = "moe E={} Hd={} I={} k={}".format(*prof.moe) + f" T={num_tokens}"
-        rows.append(compare(name, dtype, lambda: (ops.moe_experts(*inputs), ref.moe_experts(*inputs))))
+        rows.append(compare(name, dtype, lambda inputs=inputs: (ops.moe_experts(*inputs), ref.moe_experts(*inputs))))
     return rows
 
 
@@ -255,7 +256,7 @@ def bench_gqa(ops: CudaOps, prof: Profile, peak: float | None, clock: Clock) -> 
                 continue
             batch = make_batch(ops, [context] * num_seqs, prof.block_size, num_blocks)
             q = randn(num_seqs, num_heads, head_size, dtype=dtype, device=dev)
-            ms = time_ms(lambda: ops.paged_decode_attention(q, k, v, batch, head_size**-0.5), dev.type == "cuda")
+            ms = time_ms(partial(ops.paged_decode_attention, q, k, v, batch, head_size**-0.5), dev.type == "cuda")
             splits = attention.plan_splits(num_seqs * num_kv_heads, context, ops.num_sms, cfg).num_splits
             kv_bytes = 2 * num_seqs * context * num_kv_heads * head_size * k.element_size()
             rows.append(rate_row({"batch": num_seqs, "context": context, "num_splits": splits}, ms, kv_bytes, peak))
@@ -277,7 +278,7 @@ def bench_mla(ops: CudaOps, prof: Profile, peak: float | None, clock: Clock) -> 
             q_latent = randn(num_seqs, num_heads, rank, dtype=dtype, device=dev, scale=rank**-0.25)
             q_rope = randn(num_seqs, num_heads, rope_dim, dtype=dtype, device=dev)
             scale = (rank + rope_dim) ** -0.5
-            ms = time_ms(lambda: ops.mla_decode_attention(q_latent, q_rope, kv, batch, scale), dev.type == "cuda")
+            ms = time_ms(partial(ops.mla_decode_attention, q_latent, q_rope, kv, batch, scale), dev.type == "cuda")
             programs = num_seqs * triton.cdiv(num_heads, cfg.block_m)
             splits = attention.plan_splits(programs, context, ops.num_sms, cfg).num_splits
             kv_bytes = num_seqs * context * (rank + rope_dim) * kv.element_size()  # each entry counted once
@@ -286,14 +287,14 @@ def bench_mla(ops: CudaOps, prof: Profile, peak: float | None, clock: Clock) -> 
 
 
 def bench_moe(ops: CudaOps, prof: Profile, peak: float | None, clock: Clock) -> list[Row]:
-    num_experts, hidden, inter, top_k = prof.moe
+    _num_experts, hidden, inter, top_k = prof.moe
     rows = []
     for num_tokens in prof.bench_moe_tokens:
         if clock.out_of_time():
             rows.append({"tokens": num_tokens, "skipped": "time budget"})
             continue
         inputs = moe_inputs(num_tokens, prof.moe, prof.dtypes[0], ops.torch_device)
-        ms = time_ms(lambda: ops.moe_experts(*inputs), ops.torch_device.type == "cuda")
+        ms = time_ms(partial(ops.moe_experts, *inputs), ops.torch_device.type == "cuda")
         flops = 6 * num_tokens * top_k * hidden * inter  # 2 flops a MAC over 2I*Hd + Hd*I weights per pair
         used = int(inputs[3].unique().numel())
         weight_bytes = used * 3 * inter * hidden * inputs[0].element_size()  # what decode batches are bound by
@@ -310,7 +311,7 @@ def bench_norm(ops: CudaOps, prof: Profile, peak: float | None, clock: Clock) ->
             continue
         x = randn(num_tokens, hidden, dtype=prof.dtypes[0], device=ops.torch_device)
         w = randn(hidden, dtype=prof.dtypes[0], device=ops.torch_device)
-        ms = time_ms(lambda: ops.rms_norm(x, w, 1e-6), ops.torch_device.type == "cuda")
+        ms = time_ms(partial(ops.rms_norm, x, w, 1e-6), ops.torch_device.type == "cuda")
         num_bytes = (2 * num_tokens + 1) * hidden * x.element_size()  # read x and w, write the output
         rows.append(rate_row({"tokens": num_tokens, "hidden": hidden}, ms, num_bytes, peak))
     return rows
