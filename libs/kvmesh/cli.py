@@ -13,6 +13,7 @@ kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store
 kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
 kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
 kvmesh expert-plan --input FILE     an expert placement planned offline from a load matrix (JSON)
+kvmesh config --markdown            docs/configuration.md from the settings (--metrics-markdown: docs/metrics.md)
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 ROLES = ("gateway", "encoder", "prefill", "decode", "kvcache", "balancer", "expert_lb")
+
+
+def _config(args: argparse.Namespace) -> int:
+    from kvmesh.config_docs import run
+
+    return run(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -199,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run one role in the foreground (configured by KVMESH_* variables)")
     serve.add_argument("role", choices=ROLES)
+    from kvmesh.config_docs import add_parser as add_config_parser
+
+    add_config_parser(commands)
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -263,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": _generate,
         "up": _up,
         "serve": _serve,
+        "config": _config,
         "bench": _bench,
         "expert-plan": _expert_plan,
     }

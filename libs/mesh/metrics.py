@@ -1,4 +1,5 @@
-"""Every Prometheus metric of the mesh, in one place (the README's table lists them).
+"""Every Prometheus metric of the mesh, in one place; `kvmesh config --metrics-markdown` writes docs/metrics.md
+from these definitions (name, type, labels, help, and the roles that export each).
 
 Core objects return stats; services set these from them. Histograms use latency buckets suited to both a
 CPU laptop and a GPU cluster.
@@ -6,117 +7,224 @@ CPU laptop and a GPU cluster.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from prometheus_client import Counter, Gauge, Histogram
+
+
+@dataclass(frozen=True)
+class MetricDoc:
+    """What docs/metrics.md says of one metric."""
+
+    name: str  # as exported (a counter's with _total)
+    kind: str  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+    roles: tuple[str, ...]  # the roles that export it
+    note: str  # the label's values and the like, for the docs only
+
+
+METRICS: list[MetricDoc] = []  # in definition order
+
+
+def _doc(kind: str, name: str, doc: str, labels: Sequence[str], roles: str, note: str) -> None:
+    METRICS.append(MetricDoc(name, kind, tuple(labels), doc, tuple(roles.split(", ")), note))
+
+
+def _counter(name: str, doc: str, labels: Sequence[str] = (), *, roles: str, note: str = "") -> Counter:
+    _doc("counter", name, doc, labels, roles, note)
+    return Counter(name, doc, labels)
+
+
+def _gauge(name: str, doc: str, labels: Sequence[str] = (), *, roles: str, note: str = "") -> Gauge:
+    _doc("gauge", name, doc, labels, roles, note)
+    return Gauge(name, doc, labels)
+
+
+def _histogram(
+    name: str, doc: str, labels: Sequence[str], *, buckets: Sequence[float], roles: str, note: str = ""
+) -> Histogram:
+    _doc("histogram", name, doc, labels, roles, note)
+    return Histogram(name, doc, labels, buckets=buckets)
+
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 # gateway
-GATEWAY_REQUESTS = Counter(
-    "kvmesh_gateway_requests_total", "Requests answered, by API, model and status code", ["api", "model", "code"]
+GATEWAY_REQUESTS = _counter(
+    "kvmesh_gateway_requests_total",
+    "Requests answered, by API, model and status code",
+    ["api", "model", "code"],
+    roles="gateway",
 )
-GATEWAY_TTFT = Histogram(
-    "kvmesh_gateway_time_to_first_token_seconds", "Arrival to first token", ["model"], buckets=_LATENCY
+GATEWAY_TTFT = _histogram(
+    "kvmesh_gateway_time_to_first_token_seconds", "Arrival to first token", ["model"], buckets=_LATENCY, roles="gateway"
 )
-GATEWAY_ITL = Histogram(
-    "kvmesh_gateway_inter_token_latency_seconds", "Time between streamed tokens", ["model"], buckets=_TOKEN_LATENCY
+GATEWAY_ITL = _histogram(
+    "kvmesh_gateway_inter_token_latency_seconds",
+    "Time between streamed tokens",
+    ["model"],
+    buckets=_TOKEN_LATENCY,
+    roles="gateway",
 )
-GATEWAY_E2E = Histogram(
-    "kvmesh_gateway_e2e_request_latency_seconds", "Arrival to last token", ["model"], buckets=_LATENCY
+GATEWAY_E2E = _histogram(
+    "kvmesh_gateway_e2e_request_latency_seconds", "Arrival to last token", ["model"], buckets=_LATENCY, roles="gateway"
 )
-GATEWAY_IN_FLIGHT = Gauge("kvmesh_gateway_requests_in_flight", "Requests being served", ["model"])
+GATEWAY_IN_FLIGHT = _gauge("kvmesh_gateway_requests_in_flight", "Requests being served", ["model"], roles="gateway")
 
 # prefill
-PREFILL_PROMPT_TOKENS = Counter("kvmesh_prefill_prompt_tokens_total", "Prompt tokens received", ["model"])
-PREFILL_CACHED_TOKENS = Counter(
-    "kvmesh_prefill_cached_tokens_total", "Prompt tokens not computed, by where their KV was found", ["model", "tier"]
+PREFILL_PROMPT_TOKENS = _counter(
+    "kvmesh_prefill_prompt_tokens_total", "Prompt tokens received", ["model"], roles="prefill"
 )
-PREFILL_SECONDS = Histogram(
-    "kvmesh_prefill_seconds", "Engine time from admission to first token", ["model"], buckets=_LATENCY
+PREFILL_CACHED_TOKENS = _counter(
+    "kvmesh_prefill_cached_tokens_total",
+    "Prompt tokens not computed, by where their KV was found",
+    ["model", "tier"],
+    roles="prefill",
+    note="device, store",
 )
-PREFILL_STORE_ERRORS = Counter(
+PREFILL_SECONDS = _histogram(
+    "kvmesh_prefill_seconds", "Engine time from admission to first token", ["model"], buckets=_LATENCY, roles="prefill"
+)
+PREFILL_STORE_ERRORS = _counter(
     "kvmesh_prefill_store_errors_total",
     "KV store calls from prefill that failed or timed out (a miss, never a failed request)",
     ["op"],
-)  # lookup | get | put
-PREFILL_STORE_READS = Counter(
+    roles="prefill",
+    note="lookup, get, put",
+)
+PREFILL_STORE_READS = _counter(
     "kvmesh_prefill_store_reads_total",
     "Prefix reads from the KV store, by how: stream (layer-major into the engine while it "
     "computes), fetch (whole blocks first), skipped (the global index says none is stored)",
     ["mode"],
+    roles="prefill",
+    note="stream, fetch, skipped",
 )
-PREFILL_STORE_DROPPED_BLOCKS = Counter(
-    "kvmesh_prefill_store_dropped_blocks_total", "Blocks not written to the KV store: the write queue was full"
+PREFILL_STORE_DROPPED_BLOCKS = _counter(
+    "kvmesh_prefill_store_dropped_blocks_total",
+    "Blocks not written to the KV store: the write queue was full",
+    roles="prefill",
 )
 
 # decode
-DECODE_RUNNING = Gauge("kvmesh_decode_running_requests", "Requests in the decode batch", ["model"])
-DECODE_KV_TOKENS = Gauge("kvmesh_decode_kv_tokens", "Tokens of KV held by running requests", ["model"])
-DECODE_PROMPT_TOKENS_COMPUTED = Gauge(
+DECODE_RUNNING = _gauge("kvmesh_decode_running_requests", "Requests in the decode batch", ["model"], roles="decode")
+DECODE_KV_TOKENS = _gauge("kvmesh_decode_kv_tokens", "Tokens of KV held by running requests", ["model"], roles="decode")
+DECODE_PROMPT_TOKENS_COMPUTED = _gauge(
     "kvmesh_decode_prompt_tokens_computed",
     "Prompt tokens decode computed itself (0 when every prompt came by KV transfer)",
     ["model"],
+    roles="decode",
 )
 
 # KV movement and the store
-KV_TRANSFER_BYTES = Counter(
-    "kvmesh_kv_transfer_bytes_total", "KV bytes moved over gRPC, by direction", ["direction"]
-)  # prefill_to_decode | store_put | store_get (prefill); store_in | store_out
-KVCACHE_BLOCKS = Gauge("kvmesh_kvcache_blocks", "Blocks held by this KV store node", ["tier"])
-KVCACHE_BYTES = Gauge("kvmesh_kvcache_bytes", "Bytes held by this KV store node", ["tier"])
-KVCACHE_LOOKUPS = Counter("kvmesh_kvcache_lookup_blocks_total", "Blocks asked for, by outcome", ["outcome"])
-KVCACHE_EVICTIONS = Counter(
-    "kvmesh_kvcache_evictions_total", "Blocks removed from a tier, by reason", ["reason"]
-)  # capacity | ttl | corrupt
-KVCACHE_HIT_TOKENS = Counter(
-    "kvmesh_kvcache_hit_tokens_total", "Tokens of KV served by this store node, by tier", ["tier"]
-)  # host | ssd
-KVCACHE_PINNED_BLOCKS = Gauge("kvmesh_kvcache_pinned_blocks", "Blocks pinned on this store node")
-KVCACHE_UNDER_PROTECTED = Gauge(
+KV_TRANSFER_BYTES = _counter(
+    "kvmesh_kv_transfer_bytes_total",
+    "KV bytes moved over gRPC, by direction",
+    ["direction"],
+    roles="prefill, decode, kvcache",
+    note="prefill_to_decode, store_put, store_get (prefill); prefill_to_decode (decode); store_in, "
+    "store_out (kvcache); bulk lanes included",
+)
+KVCACHE_BLOCKS = _gauge("kvmesh_kvcache_blocks", "Blocks held by this KV store node", ["tier"], roles="kvcache")
+KVCACHE_BYTES = _gauge("kvmesh_kvcache_bytes", "Bytes held by this KV store node", ["tier"], roles="kvcache")
+KVCACHE_LOOKUPS = _counter(
+    "kvmesh_kvcache_lookup_blocks_total", "Blocks asked for, by outcome", ["outcome"], roles="kvcache"
+)
+KVCACHE_EVICTIONS = _counter(
+    "kvmesh_kvcache_evictions_total",
+    "Blocks removed from a tier, by reason",
+    ["reason"],
+    roles="kvcache",
+    note="capacity, ttl, corrupt",
+)
+KVCACHE_HIT_TOKENS = _counter(
+    "kvmesh_kvcache_hit_tokens_total",
+    "Tokens of KV served by this store node, by tier",
+    ["tier"],
+    roles="kvcache",
+    note="host, ssd",
+)
+KVCACHE_PINNED_BLOCKS = _gauge("kvmesh_kvcache_pinned_blocks", "Blocks pinned on this store node", roles="kvcache")
+KVCACHE_UNDER_PROTECTED = _gauge(
     "kvmesh_kvcache_under_protected_blocks",
     "Erasure-coded blocks this node leads with a fragment lost with a node (not yet rebuilt)",
+    roles="kvcache",
 )
-KVCACHE_REPAIRED_FRAGMENTS = Counter(
-    "kvmesh_kvcache_repaired_fragments_total", "Fragments rebuilt and placed on another node by repair"
+KVCACHE_REPAIRED_FRAGMENTS = _counter(
+    "kvmesh_kvcache_repaired_fragments_total",
+    "Fragments rebuilt and placed on another node by repair",
+    roles="kvcache",
 )
-KV_INDEX_LAG_SECONDS = Gauge(
+KV_INDEX_LAG_SECONDS = _gauge(
     "kvmesh_kv_index_lag_seconds",
     "Age of the last KV event batch applied to this process's global index (publish to apply)",
+    roles="prefill, kvcache, balancer",
 )
-KV_INDEX_SNAPSHOTS = Counter(
+KV_INDEX_SNAPSHOTS = _counter(
     "kvmesh_kv_index_snapshots_total",
     "Snapshots of the global KV index this process wrote (the stream purged below each)",
+    roles="balancer",
 )
-KV_INDEX_BLOCKS = Gauge("kvmesh_kv_index_blocks", "Blocks the global KV index knows of, in any tier of any worker")
+KV_INDEX_BLOCKS = _gauge(
+    "kvmesh_kv_index_blocks",
+    "Blocks the global KV index knows of, in any tier of any worker",
+    roles="prefill, kvcache, balancer",
+)
 
 # balancer
-BALANCER_ROUTES = Counter("kvmesh_balancer_routes_total", "Requests routed, by pool and worker", ["pool", "worker"])
-BALANCER_WORKERS = Gauge("kvmesh_balancer_workers", "Live workers per pool", ["pool"])
-BALANCER_RECOMMENDED_WORKERS = Gauge(
-    "kvmesh_balancer_recommended_workers", "Workers each pool would need at the target utilization", ["pool"]
+BALANCER_ROUTES = _counter(
+    "kvmesh_balancer_routes_total", "Requests routed, by pool and worker", ["pool", "worker"], roles="balancer"
 )
-BALANCER_PEER_ASSIGNMENTS = Counter(
-    "kvmesh_balancer_peer_assignments_total", "Decisions of peer balancer replicas counted in this one's load view"
+BALANCER_WORKERS = _gauge("kvmesh_balancer_workers", "Live workers per pool", ["pool"], roles="balancer")
+BALANCER_RECOMMENDED_WORKERS = _gauge(
+    "kvmesh_balancer_recommended_workers",
+    "Workers each pool would need at the target utilization",
+    ["pool"],
+    roles="balancer",
 )
-BALANCER_FINISHED_HEARD = Counter(
-    "kvmesh_balancer_finished_requests_total", "Requests that left decode workers, heard on the finished-request feed"
+BALANCER_PEER_ASSIGNMENTS = _counter(
+    "kvmesh_balancer_peer_assignments_total",
+    "Decisions of peer balancer replicas counted in this one's load view",
+    roles="balancer",
+)
+BALANCER_FINISHED_HEARD = _counter(
+    "kvmesh_balancer_finished_requests_total",
+    "Requests that left decode workers, heard on the finished-request feed",
+    roles="balancer",
 )
 
 # expert rebalancer
-EXPERT_BALANCEDNESS = Gauge(
+EXPERT_BALANCEDNESS = _gauge(
     "kvmesh_expert_balancedness",
     "Mean / max GPU load of the current expert placement on its smoothed window, per MoE layer",
     ["model", "layer"],
+    roles="expert_lb",
 )
-EXPERT_MOVES = Counter(
-    "kvmesh_expert_moves_total", "Expert slots given a different expert by published plans", ["model"]
+EXPERT_MOVES = _counter(
+    "kvmesh_expert_moves_total",
+    "Expert slots given a different expert by published plans",
+    ["model"],
+    roles="expert_lb",
 )
 
 # vision encoder
-ENCODER_IMAGES = Counter(
-    "kvmesh_encoder_images_total", "Images encoded, by model and whether the cache served them", ["model", "cached"]
-)  # cached: true | false
-ENCODER_SECONDS = Histogram(
-    "kvmesh_encoder_seconds", "Time to decode and encode one image (cache misses)", ["model"], buckets=_LATENCY
+ENCODER_IMAGES = _counter(
+    "kvmesh_encoder_images_total",
+    "Images encoded, by model and whether the cache served them",
+    ["model", "cached"],
+    roles="encoder",
+    note="true, false",
 )
-ENCODER_CACHE_BYTES = Gauge("kvmesh_encoder_cache_bytes", "Embedding bytes held by this encoder's cache")
+ENCODER_SECONDS = _histogram(
+    "kvmesh_encoder_seconds",
+    "Time to decode and encode one image (cache misses)",
+    ["model"],
+    buckets=_LATENCY,
+    roles="encoder",
+)
+ENCODER_CACHE_BYTES = _gauge(
+    "kvmesh_encoder_cache_bytes", "Embedding bytes held by this encoder's cache", roles="encoder"
+)

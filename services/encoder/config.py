@@ -18,7 +18,7 @@ class EncoderSettings(ServiceSettings):
         "the language models whose hidden size it projects into (those without a vision_config are skipped)",
     )
     device: str = setting("cpu", "cpu or cuda")
-    torch_threads: int = setting(1, "CPU threads (several roles often share one machine's cores)")
+    torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
     encoder_weights: str = setting(
         "", "a safetensors file with the vision tower's weights (empty: random from KVMESH_ENCODER_SEED)"
     )
@@ -28,8 +28,12 @@ class EncoderSettings(ServiceSettings):
     encoder_cache_bytes: int = setting(256 * 2**20, "embeddings kept by image hash (LRU)")
     embedding_dtype: str = setting("float32", "embeddings on the wire: float32, bfloat16 or float16")
     max_image_bytes: int = setting(8 * 2**20, "an image's bytes; more is refused naming it")
-    max_image_side: int = setting(4096, "an image's width or height in pixels; more is refused naming it")
-    max_image_pixels: int = setting(4096 * 4096, "an image's width x height; more is refused naming it")
+    max_image_side: int = setting(
+        4096, "an image's width or height in pixels; more is refused naming it (at the gateway: a 400)"
+    )
+    max_image_pixels: int = setting(
+        4096 * 4096, "an image's width x height; more is refused naming it (at the gateway: a 400)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

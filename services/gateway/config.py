@@ -18,7 +18,10 @@ class GatewaySettings(ServiceSettings):
         (), "accepted API keys, comma-separated (`kvmesh up` generates one when unset)", secret=True
     )
     models: tuple[str, ...] = setting(("smollm2-135m", "deepseek-tiny"), "served models, whose tokenizers it loads")
-    block_size: int = setting(16, "tokens per KV block: must match the workers' for cache-aware routing to hit")
+    block_size: int = setting(
+        16,
+        "tokens per KV block: the gateway, prefill and decode must agree (the KV layout says so; routing hits need it)",
+    )
     max_retries: int = setting(
         2, "re-routes (and migrations) after a worker fails with UNAVAILABLE or RESOURCE_EXHAUSTED"
     )
@@ -28,8 +31,12 @@ class GatewaySettings(ServiceSettings):
     max_image_bytes: int = setting(
         6 * 2**20, "an image's bytes after base64 (the whole body is at most 8 MiB); more is a 400 naming it"
     )
-    max_image_side: int = setting(4096, "an image's width or height in pixels; more is a 400 naming it")
-    max_image_pixels: int = setting(4096 * 4096, "an image's width x height; more is a 400 naming it")
+    max_image_side: int = setting(
+        4096, "an image's width or height in pixels; more is refused naming it (at the gateway: a 400)"
+    )
+    max_image_pixels: int = setting(
+        4096 * 4096, "an image's width x height; more is refused naming it (at the gateway: a 400)"
+    )
     allow_remote_images: bool = setting(
         False, "fetch http(s) image URLs (no redirects; size and time limits): the gateway fetches any address"
     )

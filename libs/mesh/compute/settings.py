@@ -20,7 +20,10 @@ class WorkerSettings(ServiceSettings):
     max_num_seqs: int = setting(32, "requests in one batch")
     max_num_batched_tokens: int = setting(1024, "tokens in one engine step (chunked prefill past it)")
     torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
-    block_size: int = setting(16, "tokens per KV block: prefill and decode must agree (the KV layout says so)")
+    block_size: int = setting(
+        16,
+        "tokens per KV block: the gateway, prefill and decode must agree (the KV layout says so; routing hits need it)",
+    )
     # MoE models: expert parallelism simulated in the worker
     expert_parallel_size: int = setting(1, "MoE models: expert-parallel ranks")
     num_redundant_experts: int = setting(0, "MoE models: spare expert slots for replicas of hot experts")
