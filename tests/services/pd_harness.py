@@ -1,4 +1,5 @@
-"""In-process prefill and decode workers over loopback gRPC and a real NATS, and a test double of the KV store."""
+"""In-process prefill and decode workers over loopback gRPC and a real NATS (the `mesh` fixture: each test
+file that takes it starts its own), what the tests read from them, and a test double of the KV store."""
 
 from __future__ import annotations
 
@@ -7,14 +8,36 @@ import re
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 
+import grpc
 import grpc.aio
+import pytest
+import pytest_asyncio
+import torch
+from prometheus_client import REGISTRY
 
 from engine_core import EngineConfig, LLMEngine, SamplingParams
-from mesh.config import ServiceSettings
-from mesh.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
+from kvmesh.nats_server import EmbeddedNats
+from mesh import rpc, subjects
+from mesh.bus import Bus
+from mesh.compute.convert import sampling_to_proto
+from mesh.config import ServiceSettings, load_settings
+from mesh.pb import (
+    common_pb2,
+    decode_pb2_grpc,
+    events_pb2,
+    kvcache_pb2,
+    kvcache_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from mesh.service import ServiceRuntime
+from services.decode.config import DecodeSettings
+from services.decode.server import DecodeService
+from services.prefill.config import PrefillSettings
+from services.prefill.server import PrefillService
 
 
 class DictKVCache(kvcache_pb2_grpc.KVCacheServicer):
@@ -117,3 +140,152 @@ def reference_outputs(model_dir: str, prompt: list[int], params: SamplingParams)
             tokens += output.new_token_ids
             logprobs += output.new_logprobs
     return tokens, logprobs
+
+
+HEARTBEAT_S = 0.2
+
+
+LLAMA_BLOCK_BYTES = 3 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head size * fp32
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+LONG = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)  # seconds of decoding
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 490, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@dataclass
+class Mesh:
+    prefill: PrefillService
+    decode: DecodeService
+    small_decode: DecodeService  # llama only, 8 blocks: easy to fill
+    stores: dict[str, DictKVCache]  # worker id -> its blocks
+    prefill_stub: prefill_pb2_grpc.PrefillStub
+    decode_stub: decode_pb2_grpc.DecodeStub
+    small_decode_stub: decode_pb2_grpc.DecodeStub
+    channels: rpc.Channels
+    llama: str
+    deepseek: str
+    nats_url: str
+
+    def request(
+        self,
+        request_id: str,
+        model: str,
+        prompt: list[int],
+        params: SamplingParams,
+        decode: DecodeService | None = None,
+        **fields: object,
+    ) -> prefill_pb2.PrefillRequest:
+        decode = decode or self.decode
+        values: dict = dict(
+            request_id=request_id,
+            model=model,
+            prompt_token_ids=prompt,
+            sampling=sampling_to_proto(params),
+            decode_address=decode.runtime.address,
+            decode_worker_id=decode.runtime.worker_id,
+            decode_data_address=decode.runtime.data_address,
+        )  # pushes go over the bulk lane
+        return prefill_pb2.PrefillRequest(**{**values, **fields})
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    with EmbeddedNats() as nats:
+        yield nats.url
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mesh(nats_url, llama_reference, deepseek_reference) -> AsyncIterator[Mesh]:
+    llama, deepseek = str(llama_reference[0]), str(deepseek_reference[0])
+    common = dict(
+        nats_url=nats_url,
+        heartbeat_interval_s=HEARTBEAT_S,
+        log_level="warning",
+        drain_timeout_s=5.0,
+        models=(llama, deepseek),
+        kv_cache_memory_bytes=2 * 2**20,
+    )
+    store_nodes = [await start_store_node(nats_url, f"kvcache-{i}") for i in range(2)]
+    decode = await DecodeService.start(load_settings(DecodeSettings, env={}, worker_id="decode-t", **common))
+    small_decode = await DecodeService.start(
+        load_settings(
+            DecodeSettings,
+            env={},
+            **{**common, "models": (llama,), "kv_cache_memory_bytes": 8 * LLAMA_BLOCK_BYTES},
+            worker_id="decode-small",
+        )
+    )
+    # the store double publishes no KV events, so prefill probes it (Lookup) instead of reading the global index
+    prefill = await PrefillService.start(
+        load_settings(PrefillSettings, env={}, worker_id="prefill-t", kv_index_enabled=False, **common)
+    )
+    assert prefill.registry is not None
+    await wait_until(lambda: len(prefill.registry.workers()) == 2, what="prefill to hear both store nodes")
+    assert prefill.writer is not None
+    await wait_until(lambda: prefill.writer.is_accepting, what="prefill to start writing to the store")
+    channels = rpc.Channels()
+    yield Mesh(
+        prefill,
+        decode,
+        small_decode,
+        {r.worker_id: s for r, s in store_nodes},
+        prefill_pb2_grpc.PrefillStub(channels.get(prefill.runtime.address)),
+        decode_pb2_grpc.DecodeStub(channels.get(decode.runtime.address)),
+        decode_pb2_grpc.DecodeStub(channels.get(small_decode.runtime.address)),
+        channels,
+        llama,
+        deepseek,
+        nats_url,
+    )
+    await channels.close()
+    for service in (prefill, decode, small_decode):
+        await service.stop()
+    for runtime, _ in store_nodes:
+        await runtime.shutdown()
+
+
+async def engine_stats(service: PrefillService | DecodeService, model: str):
+    assert service.engines is not None
+    return await service.engines.get(model).call(lambda e: e.stats())
+
+
+async def wait_for_free_blocks(service: PrefillService | DecodeService, model: str) -> None:
+    """Every block of the model's engine free again (cached blocks count as free) and nothing running."""
+    for _ in range(200):
+        stats = await engine_stats(service, model)
+        if stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == stats.num_waiting == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"blocks still held: {stats}")
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def trailing(error: grpc.aio.AioRpcError) -> dict[str, str]:
+    return {key: value for key, value in error.trailing_metadata() or ()}
+
+
+async def next_heartbeat(
+    nats_url: str, role: str, worker_id: str, condition: Callable[[events_pb2.WorkerHeartbeat], bool]
+) -> events_pb2.WorkerHeartbeat:
+    """The first heartbeat of the worker that meets the condition."""
+    found: asyncio.Future[events_pb2.WorkerHeartbeat] = asyncio.get_running_loop().create_future()
+
+    async def on_beat(beat: events_pb2.WorkerHeartbeat, subject: str) -> None:
+        if beat.worker.worker_id == worker_id and condition(beat) and not found.done():
+            found.set_result(beat)
+
+    bus = await Bus.connect(nats_url, "test-heartbeats")
+    try:
+        await bus.subscribe(subjects.heartbeat(role), events_pb2.WorkerHeartbeat, on_beat)
+        return await asyncio.wait_for(found, 5.0)
+    finally:
+        await bus.close()

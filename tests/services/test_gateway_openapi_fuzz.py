@@ -27,7 +27,7 @@ from services.gateway.catalog import ModelCatalog, ServedModel, load_model
 from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
 
-from .test_gateway_mesh import MODEL, Fakes, Script
+from .gateway_harness import MODEL, Fakes, Script
 
 KEY = "sk-fuzz-91ab"
 TIMEOUT_S = 20.0  # per request: anything slower is a hang

@@ -1,0 +1,78 @@
+"""A failing worker: the gateway retries without it, maps what cannot be retried to the client's status, and
+migrates a request whose decode fails mid-stream so the output goes on.
+
+The gateway runs over real loopback gRPC and a real NATS, against scripted test doubles of the balancer, prefill
+and decode contracts: the `mesh` and `script` fixtures of tests/services/gateway_harness.py. The real mesh is
+tested in tests/integration/.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import grpc.aio
+import pytest
+
+from . import gateway_harness
+from .gateway_harness import COMPLETION, MODEL, Mesh, Script, post, sse_events
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+mesh, script = gateway_harness.mesh, gateway_harness.script  # fixtures: each test file starts its own gateway
+
+
+async def test_retry_excludes_the_failed_decode_worker(mesh: Mesh, script: Script) -> None:
+    script.prefill_failures = [(grpc.StatusCode.UNAVAILABLE, "decode-a")]
+    status, headers, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and json.loads(raw)["choices"][0]["message"]["content"] == COMPLETION
+    assert [list(r.exclude_worker_ids) for r in script.routes] == [[], ["decode-a"]]
+    first, second = script.prefills
+    assert second.request_id == f"{first.request_id}.1" and second.decode_worker_id == "decode-b"
+    assert (headers["x-kvmesh-prefill-worker"], headers["x-kvmesh-decode-worker"]) == ("prefill-a", "decode-b")
+    assert script.streams == [second.request_id]
+
+
+async def test_retries_exhausted_is_a_429(mesh: Mesh, script: Script) -> None:
+    script.prefill_failures = [(grpc.StatusCode.RESOURCE_EXHAUSTED, None)] * 3  # max_retries is 2
+    status, headers, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 429 and headers["retry-after"] == "1"
+    assert json.loads(raw)["error"]["code"] == "rate_limit_exceeded"
+    # the third route finds every prefill worker excluded: the client hears the prefill's reason, not the route's
+    assert [list(r.exclude_worker_ids) for r in script.routes] == [[], ["prefill-a"], ["prefill-a", "prefill-b"]]
+    assert len(script.prefills) == 2
+
+
+async def test_worker_rejection_is_a_400(mesh: Mesh, script: Script) -> None:
+    script.prefill_failures = [(grpc.StatusCode.INVALID_ARGUMENT, None)]
+    status, _, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 400 and json.loads(raw)["error"]["message"] == "scripted failure"
+    assert len(script.prefills) == 1
+
+
+async def test_error_after_the_stream_started_is_an_sse_frame(mesh: Mesh, script: Script) -> None:
+    script.decode_error_after = 0  # every decode stream fails: the first attempt, then both migrations
+    status, _, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True})
+    events = sse_events(raw)
+    assert status == 200 and events[-1] != "[DONE]"
+    assert events[-1]["error"]["code"] == "service_unavailable"
+    assert events[-1]["error"]["type"] == "server_error"
+    assert len(script.routes) == 3  # max_retries is 2
+
+
+async def test_a_decode_failure_mid_stream_migrates_and_the_output_goes_on(mesh: Mesh, script: Script) -> None:
+    script.decode_error_after, script.decode_errors = 1, 1
+    status, headers, raw = await post(
+        mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    )
+    events = sse_events(raw)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
+    first_decode = headers["x-kvmesh-decode-worker"]
+    # the second attempt: routed without the failed decode worker, with the first's prompt and, as its output so
+    # far, the 3 tokens sent (prefill's, then decode's first batch of 2)
+    assert [list(r.exclude_worker_ids) for r in script.routes] == [[], [first_decode]]
+    assert script.prefills[1].prompt_token_ids == script.prefills[0].prompt_token_ids
+    assert list(script.prefills[1].output_token_ids) == script.token_ids[:3]
+    assert script.routes[1].num_prompt_tokens == script.routes[0].num_prompt_tokens + 3  # prefill computes them too
+    assert script.prefills[1].request_id == script.prefills[0].request_id + ".m1"
