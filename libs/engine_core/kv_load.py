@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_core.kv_cache.block_pool import BlockPool, KVBlock
-from engine_core.kv_transfer import KVLayout
+from engine_core.kv_transfer import KVLayout, torch_dtype
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -131,7 +131,7 @@ class LayerLoads:
         assert len(pieces) == load.num_blocks
         if load.failed:
             return
-        dtype, shape = self.layout.torch_dtype, self.layout.layer_shape
+        dtype, shape = torch_dtype(self.layout), self.layout.layer_shape
         with warnings.catch_warnings():  # read-only buffers are fine: cat copies them
             warnings.simplefilter("ignore", UserWarning)
             values = torch.cat([torch.frombuffer(piece, dtype=dtype).view(shape) for piece in pieces], self.block_axis)

@@ -1,4 +1,4 @@
-"""Moving a request's KV between engines: a layout descriptor and layer-major chunks of raw bytes.
+"""Moving a request's KV between engines: layer-major chunks of raw bytes, described by a KVLayout.
 
 An export is the request's blocks, one chunk per layer (so a transfer can stream layer by layer and the
 receiver can start on early layers while later ones travel). A chunk is the bytes of that layer's cache
@@ -12,41 +12,26 @@ from dataclasses import dataclass
 
 import torch
 
+from mesh.kv_blocks import KVLayout, KVLayoutError
+
+__all__ = [
+    "KVChunk",
+    "KVExport",
+    "KVLayout",
+    "KVLayoutError",
+    "block_bytes_to_tensor",
+    "bytes_to_tensor",
+    "dtype_name",
+    "tensor_to_bytes",
+    "torch_dtype",
+]
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _NAME_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 
-class KVLayoutError(ValueError):
-    """KV bytes that this engine cannot take: another model, dtype, block size or shape."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    model: str  # the model's served name: KV of one model is meaningless to another
-    dtype: str  # float32 | bfloat16 | float16
-    block_size: int  # tokens per block
-    num_layers: int
-    layer_shape: tuple[int, ...]  # one layer's chunk for ONE block (the block axis has size 1)
-    block_axis: int  # which axis of layer_shape counts blocks
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _NAME_DTYPES[self.dtype]
-
-    def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
-        shape = list(self.layer_shape)
-        shape[self.block_axis] = num_blocks
-        return tuple(shape)
-
-    def chunk_bytes(self, num_blocks: int) -> int:
-        numel = 1
-        for size in self.chunk_shape(num_blocks):
-            numel *= size
-        return numel * self.torch_dtype.itemsize
-
-    def check_compatible(self, other: KVLayout) -> None:
-        if self != other:
-            raise KVLayoutError(f"KV layout mismatch: got {other}, this engine uses {self}")
+def torch_dtype(layout: KVLayout) -> torch.dtype:
+    return _NAME_DTYPES[layout.dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -67,7 +52,7 @@ def bytes_to_tensor(data: bytes | bytearray | memoryview, layout: KVLayout, num_
     expected = layout.chunk_bytes(num_blocks)
     if len(data) != expected:
         raise KVLayoutError(f"KV chunk has {len(data)} bytes, expected {expected} for {num_blocks} blocks")
-    return _as_bytes_tensor(data).view(layout.torch_dtype).view(layout.chunk_shape(num_blocks))
+    return _as_bytes_tensor(data).view(torch_dtype(layout)).view(layout.chunk_shape(num_blocks))
 
 
 def block_bytes_to_tensor(data: bytes, layout: KVLayout) -> torch.Tensor:
@@ -75,7 +60,7 @@ def block_bytes_to_tensor(data: bytes, layout: KVLayout) -> torch.Tensor:
     expected = layout.num_layers * layout.chunk_bytes(1)
     if len(data) != expected:
         raise KVLayoutError(f"KV block has {len(data)} bytes, expected {expected}")
-    return _as_bytes_tensor(data).view(layout.torch_dtype).view(layout.num_layers, *layout.layer_shape)
+    return _as_bytes_tensor(data).view(torch_dtype(layout)).view(layout.num_layers, *layout.layer_shape)
 
 
 @dataclass(frozen=True)

@@ -7,43 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-import crc32c
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from mesh.kv_blocks import DTYPE_BYTES, KVLayout, checksum
 
 
 class BlockError(ValueError):
     """A block the store does not take (the servicer rejects it with INVALID_ARGUMENT)."""
-
-
-def checksum(data: bytes | bytearray | memoryview) -> int:
-    """CRC-32C of a block's (or fragment's) bytes: carried with the block, checked by the store and the reader.
-
-    Castagnoli's polynomial, as storage systems and gRPC use, because CPUs compute it in hardware (SSE4.2, ARMv8):
-    about 16 GB/s here against zlib's CRC-32 at 4 GB/s, which on its own capped a reader near the speed of the
-    loopback it reads from."""
-    return crc32c.crc32c(data)
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """How to read a block's bytes: the wire's KVLayout. The engine's twin (engine_core.kv_transfer.KVLayout) is not
-    imported so that a store node needs no torch."""
-
-    model: str
-    dtype: str  # float32 | bfloat16 | float16
-    block_size: int  # tokens per block
-    num_layers: int
-    layer_shape: tuple[int, ...]  # one layer's chunk for ONE block
-    block_axis: int
-
-    @property
-    def num_block_bytes(self) -> int:
-        """Bytes of one block across every layer (for a known dtype)."""
-        numel = 1
-        for size in self.layer_shape:
-            numel *= size
-        return self.num_layers * numel * _DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -95,7 +63,7 @@ def rejection(block: Block, capacity_bytes: int) -> str | None:
     name = block.block_hash.hex()[:16]
     if not block.data:
         return f"block {name} has no data"
-    if block.layout.dtype not in _DTYPE_BYTES:
+    if block.layout.dtype not in DTYPE_BYTES:
         return f"block {name} has an unknown dtype {block.layout.dtype!r}"
     fragment = block.fragment
     if not 0 <= fragment.index < fragment.num_total or not 1 <= fragment.num_data <= fragment.num_total:

@@ -2,30 +2,9 @@
 
 from __future__ import annotations
 
-from mesh.pb import common_pb2, kvcache_pb2
-from services.kvcache.blocks import WHOLE, Block, BlockError, Fragment, KVLayout
-
-
-def layout_from_pb(layout: common_pb2.KVLayout) -> KVLayout:
-    return KVLayout(
-        model=layout.model,
-        dtype=layout.dtype,
-        block_size=layout.block_size,
-        num_layers=layout.num_layers,
-        layer_shape=tuple(layout.layer_shape),
-        block_axis=layout.block_axis,
-    )
-
-
-def layout_to_pb(layout: KVLayout) -> common_pb2.KVLayout:
-    return common_pb2.KVLayout(
-        model=layout.model,
-        dtype=layout.dtype,
-        block_size=layout.block_size,
-        num_layers=layout.num_layers,
-        layer_shape=layout.layer_shape,
-        block_axis=layout.block_axis,
-    )
+from mesh.kv_blocks import layout_from_proto, layout_to_proto
+from mesh.pb import kvcache_pb2
+from services.kvcache.blocks import WHOLE, Block, BlockError, Fragment
 
 
 def fragment_from_pb(block: kvcache_pb2.Block) -> Fragment:
@@ -41,7 +20,7 @@ def block_from_pb(block: kvcache_pb2.Block, data: bytes | None = None) -> Block:
     return Block(
         block.block_hash,
         block.parent_hash,
-        layout_from_pb(block.layout),
+        layout_from_proto(block.layout),
         block.data if data is None else data,
         checksum=block.checksum if block.HasField("checksum") else None,
         fragment=fragment_from_pb(block),
@@ -55,7 +34,7 @@ def block_to_pb(block: Block, tier: str = "") -> kvcache_pb2.Block:
     return kvcache_pb2.Block(
         block_hash=block.block_hash,
         parent_hash=block.parent_hash,
-        layout=layout_to_pb(block.layout),
+        layout=layout_to_proto(block.layout),
         data=block.data,
         checksum=block.checksum,
         block_checksum=block.block_checksum,

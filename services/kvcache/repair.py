@@ -3,8 +3,9 @@
 Every node runs the same loop over the fragments it holds. For each one, the global index (JetStream replay)
 says which nodes hold which fragments of the block, and heartbeats say which nodes are live. A block with a
 fragment on a node that is gone (and on no live node) is under-protected. (A fragment a live node evicted is not
-lost: the block is on its way out of the cache, and rebuilding it would fight the eviction policy.) Exactly one node acts on it, the leader: the first of the live
-holders in the block's rendezvous order, so every node agrees without talking. Once the block has been
+lost: the block is on its way out of the cache, and rebuilding it would fight the eviction policy.) Exactly one
+node acts on it, the leader: the first of the live holders in the block's rendezvous order, so every node agrees
+without talking. Once the block has been
 under-protected for `delay_s` (a restarting node with its SSD intact comes back with its fragments and needs no
 repair), the leader fetches k fragments (its own and others'), decodes the block, checks the whole block's
 checksum, re-encodes the missing fragments and puts each on a live node that holds none of the block, in
@@ -26,12 +27,13 @@ import grpc.aio
 
 from mesh import erasure, metrics, rpc
 from mesh.discovery import WorkerRegistry
+from mesh.kv_blocks import checksum
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.placement import rank_nodes
-from services.kvcache.blocks import Block, Fragment, checksum
+from services.kvcache.blocks import Block, Fragment
 from services.kvcache.codec import block_from_pb, block_to_pb
 from services.kvcache.store import BlockStore
 
@@ -106,7 +108,8 @@ class Repairer:
             return None
         sources = {index: worker for worker, index in sorted(holders.items())}
         free = [w for w in rank_nodes(key, list(live)) if w not in holders]
-        return RepairTask(key, meta.without_data(), sources, dict(zip(sorted(lost), free)))
+        targets = dict(zip(sorted(lost), free, strict=False))  # fewer free nodes than lost fragments: what fits
+        return RepairTask(key, meta.without_data(), sources, targets)
 
     async def run_forever(self, interval_s: float, follower: KVEventFollower) -> None:
         await follower.wait_caught_up(timeout_s=600)

@@ -24,13 +24,13 @@ from mesh.logging import get_logger
 from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.service import Lifecycle, ServiceRuntime
 from services.kvcache.blocks import BlocksRemoved, BlocksStored, StoreEvent, layer_major_slices
-from services.kvcache.codec import block_from_pb, block_to_pb, layout_from_pb, layout_to_pb
+from services.kvcache.codec import block_from_pb, block_to_pb
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.lane import LaneServer
 from services.kvcache.repair import Repairer
 from services.kvcache.store import Block, BlockError, BlockStore
 
-__all__ = ["KVCacheServicer", "block_from_pb", "block_to_pb", "layout_from_pb", "layout_to_pb", "serve"]
+__all__ = ["KVCacheServicer", "serve"]
 log = get_logger(__name__)
 
 

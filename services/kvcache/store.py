@@ -29,7 +29,6 @@ from services.kvcache.blocks import (
     BlocksRemoved,
     BlocksStored,
     Fragment,
-    KVLayout,
     StoreEvent,
     append_removed,
     append_stored,
@@ -49,7 +48,6 @@ __all__ = [
     "BlocksRemoved",
     "BlocksStored",
     "Fragment",
-    "KVLayout",
     "StoreConfig",
     "StoreEvent",
 ]

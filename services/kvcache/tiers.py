@@ -17,9 +17,10 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from mesh.kv_blocks import checksum
 from mesh.pb import kvcache_pb2
 from services.kvcache import codec
-from services.kvcache.blocks import Block, checksum
+from services.kvcache.blocks import Block
 from services.kvcache.policy import EvictionPolicy
 
 MAGIC = b"KVMB"

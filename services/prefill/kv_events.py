@@ -51,10 +51,12 @@ def read_stored_blocks(engine: LLMEngine, events: list[KVCacheEvent], skip: set[
         if not isinstance(event, BlockStored):
             continue
         parents = [event.parent_hash or b"", *event.block_hashes[:-1]]
-        keys = [(key, parent) for key, parent in zip(event.block_hashes, parents) if key not in skip]
+        keys = [(key, parent) for key, parent in zip(event.block_hashes, parents, strict=True) if key not in skip]
         datas = engine.read_cached_blocks([key for key, _ in keys])
         blocks += [
-            StoreBlock(key, parent, layout, data) for (key, parent), data in zip(keys, datas) if data is not None
+            StoreBlock(key, parent, layout, data)
+            for (key, parent), data in zip(keys, datas, strict=True)
+            if data is not None
         ]
     return blocks
 

@@ -7,7 +7,7 @@ One request, in order:
   2. the request runs with the user's sampling but one token, kept (keep_kv) so its KV survives finishing;
   3. unless that token already ends the request, the KV is exported and pushed to the decode worker;
   4. the kept request is always released (success, failure or cancellation).
-Talking to decode and to the store is behind two small interfaces (`KVPusher`, `BlockStore`) implemented by
+Talking to decode and to the store is behind two small interfaces (`KVPusher`, `StoreReader`) implemented by
 the gRPC clients; this module holds no gRPC.
 """
 
@@ -25,9 +25,10 @@ from engine_core import LLMEngine, RequestOutput, SamplingParams
 from engine_core.async_engine import AsyncEngine, EngineFailure
 from engine_core.kv_cache.block_hash import root_hash
 from engine_core.kv_load import LayerLoad
-from engine_core.kv_transfer import KVChunk, KVExport, KVLayout
+from engine_core.kv_transfer import KVChunk, KVExport
 from engine_core.request import EmbeddingSpan, TokenLogprobs
 from mesh.compute.engines import ModelEngines
+from mesh.kv_blocks import KVLayout
 from mesh.logging import get_logger
 
 log = get_logger(__name__)
@@ -70,7 +71,7 @@ class StoreBlock:
     data: bytes
 
 
-class BlockStore(Protocol):
+class StoreReader(Protocol):
     """The KV store, read side. A failure is a miss: `fetch` never raises."""
 
     def is_available(self) -> bool: ...
@@ -137,7 +138,7 @@ class Prefiller:
         self,
         engines: ModelEngines,
         pusher: KVPusher,
-        store: BlockStore | None = None,
+        store: StoreReader | None = None,
         on_injected: InjectedHook = lambda model, block_hashes: None,
         max_chunk_bytes: int | None = None,
         critical: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
@@ -339,7 +340,7 @@ def _is_valid_prompt(engine: LLMEngine, job: PrefillJob) -> bool:
 def _usable_prefix(blocks: list[StoreBlock], wanted: list[bytes], layout: KVLayout) -> list[StoreBlock]:
     """The leading blocks that are the ones asked for and in this engine's layout (others cannot be used)."""
     usable = []
-    for block, block_hash in zip(blocks, wanted):
+    for block, block_hash in zip(blocks, wanted, strict=False):  # the store may hold fewer
         if block.block_hash != block_hash or block.layout != layout:
             log.warning(
                 "store block skipped",

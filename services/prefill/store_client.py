@@ -16,48 +16,32 @@ import asyncio
 import contextlib
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc.aio
 
 from mesh import erasure, lane, metrics, rpc
 from mesh.bus import Bus
-from mesh.compute.convert import layout_from_proto, layout_to_proto
 from mesh.discovery import WorkerRegistry
+from mesh.kv_blocks import checksum, layout_to_proto
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower
 from mesh.lane import BufferPool, LanePool
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.placement import rank_nodes
-from services.kvcache.blocks import checksum
 from services.prefill.prefiller import StoreBlock
-
-if TYPE_CHECKING:
-    from services.prefill.store_stream import LayerStream
+from services.prefill.store_reads import Fetched, Source, assemble, is_complete, plan_reads, store_failed
+from services.prefill.store_stream import LayerStream
 
 log = get_logger(__name__)
 MAX_REMEMBERED_CLASSES = 1 << 16
+WHOLE_BLOCKS = erasure.Protection()  # 1+0: each block whole on one node (frozen, so one default for all)
 
 
-def block_to_proto(block: StoreBlock) -> kvcache_pb2.Block:
-    return kvcache_pb2.Block(
-        block_hash=block.block_hash,
-        parent_hash=block.parent_hash,
-        layout=layout_to_proto(block.layout),
-        data=block.data,
-    )
+PutFragment = tuple[kvcache_pb2.Block, bytes]  # a Put message without its data, and the data
 
 
-def block_from_proto(block: kvcache_pb2.Block) -> StoreBlock:
-    return StoreBlock(block.block_hash, block.parent_hash, layout_from_proto(block.layout), block.data)
-
-
-Fragment = tuple[kvcache_pb2.Block, bytes]  # a Put message without its data, and the data
-
-
-def fragments_of(block: StoreBlock, protection: erasure.Protection, traffic_class: str) -> list[Fragment]:
+def fragments_of(block: StoreBlock, protection: erasure.Protection, traffic_class: str) -> list[PutFragment]:
     """The block's k+m fragments, each with its own checksum and the whole block's."""
     k, n = protection.num_data, protection.num_total
     layout = layout_to_proto(block.layout)
@@ -89,14 +73,6 @@ def with_data(header: kvcache_pb2.Block, data: bytes) -> kvcache_pb2.Block:
     return message
 
 
-def group_by_owner(keys: Sequence[bytes], owners: Sequence[str]) -> dict[str, list[bytes]]:
-    """Each node's keys, in their original order."""
-    groups: dict[str, list[bytes]] = {}
-    for key, owner in zip(keys, owners):
-        groups.setdefault(owner, []).append(key)
-    return groups
-
-
 def stored_prefix_length(owners: Sequence[str], num_hits: dict[str, int]) -> int:
     """How many keys from the first are stored, given each node's hit count over its own keys in order.
 
@@ -111,45 +87,13 @@ def stored_prefix_length(owners: Sequence[str], num_hits: dict[str, int]) -> int
     return len(owners)
 
 
-@dataclass(frozen=True)
-class Source:
-    """A node holding one fragment of a block."""
-
-    node: str
-    fragment_index: int
-    is_host: bool  # in host memory (else SSD, or not known)
-
-
-@dataclass
-class _Fetched:
-    """The checked fragments of one block that arrived, by fragment index."""
-
-    pieces: dict[int, bytes] = field(default_factory=dict)
-    meta: kvcache_pb2.Block | None = None  # one of them, without its data
-
-
-def plan_reads(sources: Sequence[Sequence[Source]], num_data: Sequence[int]) -> list[list[Source]]:
-    """For each key in order, the k sources to read: distinct fragments, data fragments first (no decoding),
-    then host memory before SSD. Ends before the first key with fewer than k distinct fragments."""
-    plan: list[list[Source]] = []
-    for key_sources, k in zip(sources, num_data):
-        ordered = sorted(key_sources, key=lambda s: (s.fragment_index >= k, not s.is_host))
-        chosen: dict[int, Source] = {}
-        for source in ordered:
-            chosen.setdefault(source.fragment_index, source)
-        if len(chosen) < k:
-            break
-        plan.append(list(chosen.values())[:k])
-    return plan
-
-
 class StoreClient:
     def __init__(
         self,
         registry: WorkerRegistry,
         channels: rpc.Channels,
         timeout_s: float = rpc.KVCACHE_TIMEOUT_S,
-        protection: erasure.Protection = erasure.Protection(),
+        protection: erasure.Protection = WHOLE_BLOCKS,
         use_index: bool = True,
         stream_layers: bool = True,
         use_lanes: bool = True,
@@ -211,15 +155,22 @@ class StoreClient:
         while len(self._classes) > MAX_REMEMBERED_CLASSES:
             self._classes.popitem(last=False)
 
-    def _stub(self, address: str) -> kvcache_pb2_grpc.KVCacheStub:
+    def stub(self, address: str) -> kvcache_pb2_grpc.KVCacheStub:
         return kvcache_pb2_grpc.KVCacheStub(self.channels.get(address))
 
     # -- reads ----------------------------------------------------------------------------------------
     def plan_stream(self, model: str, block_hashes: Sequence[bytes]) -> LayerStream | None:
-        """A layer-major read of the leading blocks into a layer-by-layer load (None: use `fetch`)."""
-        from services.prefill.store_stream import plan_stream
-
-        return plan_stream(self, model, block_hashes)
+        """A layer-major read (store_stream.py) of the leading blocks the index says are stored, when all of them
+        can be read from data fragments alone; else None (then `fetch`, which decodes parity: a lost node must cost
+        no block)."""
+        if not self.stream_layers or self.follower is None or not self.follower.is_caught_up:
+            return None
+        sources, num_data = self.sources_from_index(block_hashes, self.nodes())
+        plan = plan_reads(sources, num_data)
+        if not plan or any(s.fragment_index >= num_data[n] for n, chosen in enumerate(plan) for s in chosen):
+            return None
+        metrics.PREFILL_STORE_READS.labels(mode="stream").inc()
+        return LayerStream(self, model, list(block_hashes[: len(plan)]), plan, num_data[: len(plan)])
 
     async def fetch(self, model: str, block_hashes: Sequence[bytes]) -> list[StoreBlock]:
         """The stored blocks for the first keys, in order, up to the first miss. Never raises."""
@@ -227,7 +178,7 @@ class StoreClient:
         if not nodes or not block_hashes:
             return []
         if self.follower is not None and self.follower.is_caught_up:
-            sources, num_data = self._sources_from_index(block_hashes, nodes)
+            sources, num_data = self.sources_from_index(block_hashes, nodes)
             plan = plan_reads(sources, num_data)
             if not plan:
                 metrics.PREFILL_STORE_READS.labels(mode="skipped").inc()
@@ -239,13 +190,13 @@ class StoreClient:
         if not plan:
             return []
         metrics.PREFILL_STORE_READS.labels(mode="fetch").inc()
-        fetched = await self._get_planned(model, block_hashes, plan, nodes)
+        fetched = await self.read_planned(model, block_hashes, plan, nodes)
         spare = [[s for s in sources[i] if s not in plan[i]] for i in range(len(plan))]
-        if any(not self._is_complete(fetched.get(key)) and spare[i] for i, key in enumerate(block_hashes[: len(plan)])):
-            await self._get_planned(model, block_hashes, spare, nodes, fetched)  # one more round for the gaps
-        return await asyncio.to_thread(self._assemble, block_hashes[: len(plan)], fetched)
+        if any(not is_complete(fetched.get(key)) and spare[i] for i, key in enumerate(block_hashes[: len(plan)])):
+            await self.read_planned(model, block_hashes, spare, nodes, fetched)  # one more round for the gaps
+        return await asyncio.to_thread(assemble, block_hashes[: len(plan)], fetched)
 
-    def _sources_from_index(self, keys: Sequence[bytes], nodes: dict[str, str]) -> tuple[list[list[Source]], list[int]]:
+    def sources_from_index(self, keys: Sequence[bytes], nodes: dict[str, str]) -> tuple[list[list[Source]], list[int]]:
         sources, num_data = [], []
         for key in keys:
             holders = self.index.holders(key)
@@ -269,8 +220,8 @@ class StoreClient:
             *(self._lookup(nodes[node], model, [keys[p] for p in positions]) for node, positions in asked.items())
         )
         sources: list[list[Source]] = [[] for _ in keys]
-        for (node, positions), indices in zip(asked.items(), answers):
-            for position, index in zip(positions, indices):
+        for (node, positions), indices in zip(asked.items(), answers, strict=True):
+            for position, index in zip(positions, indices, strict=False):  # a node's extra answers: ignored
                 if index >= 0:
                     sources[position].append(Source(node, index, False))
         k = self.protection.num_data
@@ -280,24 +231,24 @@ class StoreClient:
     async def _lookup(self, address: str, model: str, keys: list[bytes]) -> list[int]:
         request = kvcache_pb2.LookupRequest(block_hashes=keys, model=model, per_block=True)
         try:
-            response = await self._stub(address).Lookup(request, timeout=self.timeout_s)
+            response = await self.stub(address).Lookup(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            _store_failed("lookup", address, exc)
+            store_failed("lookup", address, exc)
             return [-1] * len(keys)
         indices = list(response.fragment_indices)
         return indices + [-1] * (len(keys) - len(indices))
 
-    async def _get_planned(
+    async def read_planned(
         self,
         model: str,
         keys: Sequence[bytes],
         plan: Sequence[Sequence[Source]],
         nodes: dict[str, str],
-        fetched: dict[bytes, _Fetched] | None = None,
-    ) -> dict[bytes, _Fetched]:
+        fetched: dict[bytes, Fetched] | None = None,
+    ) -> dict[bytes, Fetched]:
         fetched = {} if fetched is None else fetched
         by_node: dict[str, list[bytes]] = {}
-        for key, sources in zip(keys, plan):
+        for key, sources in zip(keys, plan, strict=False):  # the plan may end before the keys
             for source in sources:
                 by_node.setdefault(source.node, []).append(key)
         lanes = self.lane_addresses()
@@ -311,17 +262,17 @@ class StoreClient:
         )
         return fetched
 
-    async def _get(self, address: str, model: str, keys: list[bytes], fetched: dict[bytes, _Fetched]) -> None:
+    async def _get(self, address: str, model: str, keys: list[bytes], fetched: dict[bytes, Fetched]) -> None:
         request = kvcache_pb2.GetRequest(block_hashes=keys, model=model, skip_missing=True)
         try:
-            async for message in self._stub(address).Get(request, timeout=self.timeout_s):
+            async for message in self.stub(address).Get(request, timeout=self.timeout_s):
                 data = message.data  # each access to a bytes field copies it (upb): once
                 message.ClearField("data")
                 self._take(address, message, data, fetched)
         except grpc.aio.AioRpcError as exc:
-            _store_failed("get", address, exc)  # the fragments that did arrive are still good
+            store_failed("get", address, exc)  # the fragments that did arrive are still good
 
-    async def _get_lane(self, address: str, model: str, keys: list[bytes], fetched: dict[bytes, _Fetched]) -> None:
+    async def _get_lane(self, address: str, model: str, keys: list[bytes], fetched: dict[bytes, Fetched]) -> None:
         """`_get` over the node's bulk lane: each block's header, its bytes as the frame's payload."""
         request = kvcache_pb2.GetRequest(block_hashes=keys, model=model, skip_missing=True)
         try:
@@ -335,10 +286,10 @@ class StoreClient:
             log.warning("KV store lane read failed; treated as a miss", node=address, error=str(exc))
 
     @staticmethod
-    def _take(address: str, message: kvcache_pb2.Block, data: bytes, fetched: dict[bytes, _Fetched]) -> None:
+    def _take(address: str, message: kvcache_pb2.Block, data: bytes, fetched: dict[bytes, Fetched]) -> None:
         """One fragment (or whole block) read, its header without the data: checked, then kept."""
         metrics.KV_TRANSFER_BYTES.labels(direction="store_get").inc(len(data))
-        # a fragment is checked here; a whole block once, by _assemble, against the block's checksum
+        # a fragment is checked here; a whole block once, by `assemble`, against the block's checksum
         coded = message.num_fragments > 1
         if coded and message.HasField("checksum") and checksum(data) != message.checksum:
             metrics.PREFILL_STORE_ERRORS.labels(op="checksum").inc()
@@ -346,38 +297,10 @@ class StoreClient:
                 "store fragment fails its checksum; skipped", node=address, block_hash=message.block_hash.hex()[:16]
             )
             return
-        entry = fetched.setdefault(message.block_hash, _Fetched())
+        entry = fetched.setdefault(message.block_hash, Fetched())
         entry.pieces[message.fragment_index] = data
         if entry.meta is None:
             entry.meta = message
-
-    @staticmethod
-    def _is_complete(entry: _Fetched | None) -> bool:
-        return (
-            entry is not None and entry.meta is not None and len(entry.pieces) >= max(entry.meta.num_data_fragments, 1)
-        )
-
-    def _assemble(self, keys: Sequence[bytes], fetched: dict[bytes, _Fetched]) -> list[StoreBlock]:
-        """Decode each block from its fragments, in order, up to the first one missing or failing its checksum."""
-        blocks: list[StoreBlock] = []
-        for key in keys:
-            entry = fetched.get(key)
-            if not self._is_complete(entry):
-                break
-            assert entry is not None and entry.meta is not None
-            meta = entry.meta
-            layout = layout_from_proto(meta.layout)
-            k, n = max(meta.num_data_fragments, 1), max(meta.num_fragments, 1)
-            try:
-                data = erasure.decode(entry.pieces, k, n, layout.num_layers * layout.chunk_bytes(1))
-            except (ValueError, KeyError):
-                break
-            if checksum(data) != meta.block_checksum:
-                metrics.PREFILL_STORE_ERRORS.labels(op="checksum").inc()
-                log.warning("store block fails its checksum after decoding", block_hash=key.hex()[:16])
-                break
-            blocks.append(StoreBlock(key, meta.parent_hash, layout, data))
-        return blocks
 
     # -- writes ---------------------------------------------------------------------------------------
     async def put(self, blocks: Sequence[StoreBlock]) -> None:
@@ -396,25 +319,25 @@ class StoreClient:
             )
         )
 
-    def _encode(self, blocks: Sequence[StoreBlock], nodes: list[str]) -> dict[str, list[Fragment]]:
-        by_node: dict[str, list[Fragment]] = {}
+    def _encode(self, blocks: Sequence[StoreBlock], nodes: list[str]) -> dict[str, list[PutFragment]]:
+        by_node: dict[str, list[PutFragment]] = {}
         for block in blocks:
             fragments = fragments_of(block, self.protection, self._classes.get(block.block_hash, ""))
-            for node, fragment in zip(rank_nodes(block.block_hash, nodes), fragments):
+            for node, fragment in zip(rank_nodes(block.block_hash, nodes), fragments, strict=False):
                 by_node.setdefault(node, []).append(fragment)  # fewer nodes than k+m: repair adds the rest later
         return by_node
 
-    async def _put(self, address: str, fragments: list[Fragment]) -> None:
+    async def _put(self, address: str, fragments: list[PutFragment]) -> None:
         try:
-            await self._stub(address).Put(
+            await self.stub(address).Put(
                 (with_data(header, data) for header, data in fragments), timeout=self.timeout_s
             )
         except grpc.aio.AioRpcError as exc:
-            _store_failed("put", address, exc)
+            store_failed("put", address, exc)
             return
         metrics.KV_TRANSFER_BYTES.labels(direction="store_put").inc(sum(len(data) for _, data in fragments))
 
-    async def _put_lane(self, address: str, fragments: list[Fragment]) -> None:
+    async def _put_lane(self, address: str, fragments: list[PutFragment]) -> None:
         """`_put` over the node's bulk lane: each fragment's bytes go from where they lie, after its header."""
         try:
             async with asyncio.timeout(self.timeout_s), self.lanes.connection(address) as sock:
@@ -436,19 +359,12 @@ class StoreClient:
 
         async def pin_on(address: str) -> int:
             try:
-                return int((await self._stub(address).Pin(request, timeout=self.timeout_s)).num_pinned)
+                return int((await self.stub(address).Pin(request, timeout=self.timeout_s)).num_pinned)
             except grpc.aio.AioRpcError as exc:
-                _store_failed("pin", address, exc)
+                store_failed("pin", address, exc)
                 return 0
 
         return sum(await asyncio.gather(*(pin_on(address) for address in self.nodes().values())))
-
-
-def _store_failed(op: str, address: str, exc: grpc.aio.AioRpcError) -> None:
-    metrics.PREFILL_STORE_ERRORS.labels(op=op).inc()
-    log.warning(
-        "KV store call failed; treated as a miss", op=op, node=address, code=exc.code().name, details=exc.details()
-    )
 
 
 class StoreWriter:

@@ -14,18 +14,16 @@ remaining layers written then; only when that fails too does the load fail, and 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc.aio
 
-from engine_core.kv_transfer import KVLayout
 from mesh import lane, metrics
-from mesh.compute.convert import layout_to_proto
+from mesh.kv_blocks import KVLayout, checksum, layout_to_proto
 from mesh.logging import get_logger
 from mesh.pb import kvcache_pb2
-from services.kvcache.blocks import checksum
-from services.prefill.store_client import Source, StoreClient, _Fetched, _store_failed, plan_reads
+from services.prefill.store_reads import Fetched, FragmentReader, Source, assemble, store_failed
 
 log = get_logger(__name__)
 MAX_CHUNK_BYTES = 2 * 2**20  # a slice of every block, past which more layers per slice only add latency
@@ -108,7 +106,12 @@ class LayerStream:
     """One planned read (StoreClient.plan_stream). `run` feeds a load of its first `num_blocks` blocks."""
 
     def __init__(
-        self, client: StoreClient, model: str, block_hashes: list[bytes], plan: list[list[Source]], num_data: list[int]
+        self,
+        client: FragmentReader,
+        model: str,
+        block_hashes: list[bytes],
+        plan: list[list[Source]],
+        num_data: list[int],
     ) -> None:
         self.client = client
         self.model = model
@@ -184,7 +187,7 @@ class LayerStream:
             block_hashes=[keys[i] for i, _ in items], model=self.model, skip_missing=True, slice_bytes=slice_bytes
         )
         headers: list[tuple[int, int]] = []  # (block index, fragment index), in the node's order
-        call = self.client._stub(address).Get(request, timeout=self.client.timeout_s)
+        call = self.client.stub(address).Get(request, timeout=self.client.timeout_s)
         try:
             async for message in call:
                 if message.HasField("layout"):  # a header
@@ -206,7 +209,7 @@ class LayerStream:
                 metrics.KV_TRANSFER_BYTES.labels(direction="store_get").inc(len(data))
                 on_data()
         except grpc.aio.AioRpcError as exc:
-            _store_failed("get", address, exc)
+            store_failed("get", address, exc)
             return False
         return len(headers) == len(items)
 
@@ -265,27 +268,14 @@ class LayerStream:
         """The detour: read the missing blocks whole from any live holders (decoding parity), then check them."""
         nodes = self.client.nodes()
         wanted = [keys[i] for i in missing]
-        sources, _ = self.client._sources_from_index(wanted, nodes)
+        sources, _ = self.client.sources_from_index(wanted, nodes)
         if len(sources) < len(wanted):
             return False
-        fetched: dict[bytes, _Fetched] = await self.client._get_planned(self.model, wanted, sources, nodes)
-        for index, key in zip(missing, wanted):
-            blocks = await asyncio.to_thread(self.client._assemble, [key], fetched)
+        fetched: dict[bytes, Fetched] = await self.client.read_planned(self.model, wanted, sources, nodes)
+        for index, key in zip(missing, wanted, strict=True):
+            blocks = await asyncio.to_thread(assemble, [key], fetched)
             if not blocks:
                 return False
             buffers.put_whole(index, blocks[0].data)
             buffers.block_checksums[index] = checksum(blocks[0].data)
         return True
-
-
-def plan_stream(client: StoreClient, model: str, block_hashes: Sequence[bytes]) -> LayerStream | None:
-    """The leading blocks the index says are stored, when all of them can be read from data fragments alone;
-    else None (then `fetch`, which decodes parity: a lost node must cost no block)."""
-    if not client.stream_layers or client.follower is None or not client.follower.is_caught_up:
-        return None
-    sources, num_data = client._sources_from_index(block_hashes, client.nodes())
-    plan = plan_reads(sources, num_data)
-    if not plan or any(s.fragment_index >= num_data[n] for n, chosen in enumerate(plan) for s in chosen):
-        return None
-    metrics.PREFILL_STORE_READS.labels(mode="stream").inc()
-    return LayerStream(client, model, list(block_hashes[: len(plan)]), plan, num_data[: len(plan)])

@@ -14,18 +14,19 @@ from prometheus_client import REGISTRY
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import subjects
 from mesh.bus import Bus
+from mesh.kv_blocks import KVLayout, checksum, layout_to_proto
 from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
-from services.kvcache.blocks import Fragment, checksum
+from services.kvcache.blocks import Fragment
+from services.kvcache.codec import block_to_pb
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.policy import LFUDAPolicy, LRUPolicy, S3FIFOPolicy
-from services.kvcache.server import block_to_pb, layout_to_pb, serve
+from services.kvcache.server import serve
 from services.kvcache.store import (
     DAY_S,
     Block,
     BlocksRemoved,
     BlocksStored,
     BlockStore,
-    KVLayout,
     StoreConfig,
 )
 from tests.services.harness import serving
@@ -296,7 +297,7 @@ async def test_service_puts_gets_looks_up_publishes_events_and_heartbeats(nats_u
     async with serving(serve, settings) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         no_layout = kvcache_pb2.Block(block_hash=key(8), parent_hash=ROOT, data=bytes(BLOCK_BYTES))
-        empty = kvcache_pb2.Block(block_hash=key(9), parent_hash=ROOT, layout=layout_to_pb(LAYOUT))
+        empty = kvcache_pb2.Block(block_hash=key(9), parent_hash=ROOT, layout=layout_to_proto(LAYOUT))
         stream = [block_to_pb(b) for b in chain(1, 2, 3)]
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await stub.Put(iter([stream[0], no_layout, stream[1], empty, stream[2]]))

@@ -13,17 +13,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine_core.kv_transfer import KVLayout
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import lane, rpc
 from mesh.bus import Bus
-from mesh.compute.convert import layout_to_proto
 from mesh.discovery import WorkerRegistry
 from mesh.erasure import Protection
+from mesh.kv_blocks import KVLayout, checksum, layout_to_proto
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower
 from mesh.pb import common_pb2, kvcache_pb2
-from services.kvcache.blocks import checksum
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.server import serve
 from services.prefill.prefiller import StoreBlock
@@ -113,10 +111,10 @@ async def test_a_stopped_node_loses_no_block_and_a_replacement_is_repaired(clust
 
     for stopped in sorted(nodes):  # any one node: every block is still read back, decoded from the other two
         await nodes[stopped].stop()
-        await wait_until(_async(lambda: stopped not in client.nodes()))
+        await wait_until(_async(lambda stopped=stopped: stopped not in client.nodes()))
         assert await client.fetch("m", keys) == blocks, f"with {stopped} stopped"
         nodes[stopped] = await Node(nats_url, stopped, tmp_path / "ssd").start()  # back, with its SSD
-        await wait_until(_async(lambda: all(stopped in fragments_on(client, k, every) for k in keys)))
+        await wait_until(_async(lambda stopped=stopped: all(stopped in fragments_on(client, k, every) for k in keys)))
 
     # kv-1 is lost for good and kv-3 (empty) replaces it: repair rebuilds kv-1's fragments on kv-3
     await nodes.pop("kv-1").stop()
@@ -130,7 +128,7 @@ async def test_a_stopped_node_loses_no_block_and_a_replacement_is_repaired(clust
 
 
 async def test_a_new_follower_rebuilds_the_index_by_replay(cluster) -> None:
-    nats_url, nodes, client, _ = cluster
+    nats_url, _, client, _ = cluster
     blocks = chain_blocks(40, seed=2)
     await client.put(blocks)
     await wait_until(_async(lambda: client.index.num_blocks() == 40))
@@ -151,7 +149,7 @@ async def test_a_new_follower_rebuilds_the_index_by_replay(cluster) -> None:
 async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after_the_checksums(
     cluster, over_lanes: bool
 ) -> None:
-    nats_url, nodes, client, _ = cluster
+    _, nodes, client, _ = cluster
     client.use_lanes = over_lanes
     lanes = {w.worker_id: w.info.data_address for w in client.registry.workers(common_pb2.ROLE_KVCACHE)}
     assert sorted(lanes) == ["kv-0", "kv-1", "kv-2"] and all(lanes.values())  # every node announces its lane
@@ -187,7 +185,7 @@ async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after
 
 
 async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_serving(cluster) -> None:
-    nats_url, nodes, client, _ = cluster
+    _, _, client, _ = cluster
     blocks = chain_blocks(2, seed=5)
     await client.put(blocks)
     address = next(
@@ -249,7 +247,7 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
 
 
 async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad_ones(cluster) -> None:
-    nats_url, nodes, client, _ = cluster
+    _, _, client, _ = cluster
     info = next(w.info for w in client.registry.workers(common_pb2.ROLE_KVCACHE) if w.worker_id == "kv-2")
     address = info.data_address
     good = chain_blocks(2, seed=7)
@@ -259,7 +257,7 @@ async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad
     ]
     sock = await lane.connect(address, timeout_s=2.0)
     for _ in range(2):  # twice on one connection: the second time both are already there
-        for header, block in zip(headers, good):
+        for header, block in zip(headers, good, strict=True):
             await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=header), [block.data])
         await lane.send_frame(sock, kvcache_pb2.LaneFrame(end=common_pb2.LaneEnd()))
         frame, _ = await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
@@ -285,6 +283,6 @@ async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad
     assert frame.end.error.startswith("rejected 2 block(s), stored 1, already present 0: ")
     assert "has no layout" in frame.end.error
     sock.close()
-    stub = client._stub(info.address)
+    stub = client.stub(info.address)
     for keys, num_hits in (([b.block_hash for b in good], 2), ([other.block_hash], 1), ([bytes([9]) * 32], 0)):
         assert (await stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=keys, model="m"))).num_hits == num_hits

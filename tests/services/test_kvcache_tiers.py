@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from mesh.kv_blocks import checksum
 from mesh.kv_index import GlobalKVIndex
 from mesh.pb import common_pb2, events_pb2
-from services.kvcache.blocks import Block, BlocksRemoved, BlocksStored, Fragment, checksum
+from services.kvcache.blocks import Block, BlocksRemoved, BlocksStored, Fragment
 from services.kvcache.repair import Repairer
 from services.kvcache.store import BlockStore, StoreConfig
 from services.kvcache.tiers import FileTier

@@ -17,7 +17,8 @@ from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.kvcache.blocks import Block, KVLayout, checksum
+from mesh.kv_blocks import KVLayout, checksum
+from services.kvcache.blocks import Block
 from services.kvcache.policy import POLICIES
 from services.kvcache.store import BlockStore, StoreConfig
 

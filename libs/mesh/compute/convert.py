@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine_core import EngineStats, SamplingParams
-from engine_core.kv_transfer import KVLayout
 from engine_core.request import EmbeddingSpan, TokenLogprobs
 from engine_core.structured_output import StructuredOutput
 from engine_core.vision import embeddings_from_bytes, embeddings_to_bytes
+from mesh.kv_blocks import layout_from_proto as layout_from_proto  # re-exported: the block format's (mesh.kv_blocks)
+from mesh.kv_blocks import layout_to_proto as layout_to_proto
 from mesh.pb import common_pb2, encoder_pb2
 
 FINISH_REASONS = {
@@ -73,21 +74,6 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         structured_output=structured_to_proto(params.structured_output) if params.structured_output else None,
-    )
-
-
-def layout_from_proto(p: common_pb2.KVLayout) -> KVLayout:
-    return KVLayout(p.model, p.dtype, p.block_size, p.num_layers, tuple(p.layer_shape), p.block_axis)
-
-
-def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
-    return common_pb2.KVLayout(
-        model=layout.model,
-        dtype=layout.dtype,
-        block_size=layout.block_size,
-        num_layers=layout.num_layers,
-        layer_shape=layout.layer_shape,
-        block_axis=layout.block_axis,
     )
 
 
