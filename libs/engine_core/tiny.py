@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine_core.model_store import DEEPSEEK_TINY_VERSION
 from engine_core.vision import VisionConfig
 
+DEEPSEEK_TINY_VERSION = 2  # 2: the image placeholder token and a vision_config
 SEED = 0
 IMAGE_TOKEN = "<｜image｜>"
 IMAGE_TOKEN_ID = 128815  # the first id after DeepSeek-V3's own added tokens (the vocabulary is padded to 129280)
