@@ -12,24 +12,36 @@ have answered; what the client still sends is dropped until it closes.
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from mesh import rpc
 from mesh.lane import LaneListener, recv_exactly_into, recv_frame, send_frame
 from mesh.pb import common_pb2, kvcache_pb2
+from mesh.service import Lifecycle
 from services.kvcache.blocks import Block, BlockError, layer_major_slices
 from services.kvcache.codec import block_from_pb, block_to_pb
-
-if TYPE_CHECKING:
-    from services.kvcache.server import KVCacheServicer
 
 LANE_CHUNK_BYTES = 8 * 2**20  # a lane frame's payload: one scatter-gather exchange of the slices it holds
 
 
+class BlockService(Protocol):
+    """What the lane answers from: the servicer's reads and writes (server.KVCacheServicer), under its lifecycle."""
+
+    lifecycle: Lifecycle
+
+    async def read(self, request: kvcache_pb2.GetRequest) -> list[tuple[Block, str]]:
+        """The blocks Get would answer, each with the tier it came from."""
+        ...
+
+    async def write(self, blocks: list[Block], rejections: list[str]) -> kvcache_pb2.PutResponse:
+        """Store the good blocks, as Put does; `rejections` name the ones that could not be parsed."""
+        ...
+
+
 class LaneServer(LaneListener[kvcache_pb2.LaneFrame]):
-    def __init__(self, servicer: KVCacheServicer) -> None:
+    def __init__(self, servicer: BlockService) -> None:
         super().__init__(kvcache_pb2.LaneFrame)
         self.servicer = servicer
 
