@@ -12,6 +12,8 @@ from mesh.kv_blocks import layout_from_proto as layout_from_proto  # re-exported
 from mesh.kv_blocks import layout_to_proto as layout_to_proto
 from mesh.pb import common_pb2, encoder_pb2
 
+# SamplingParams fields whose proto3 zero means "off" (the engine's value for off), not zero
+PROTO_ZERO_MEANS = {"top_p": 1.0, "repetition_penalty": 1.0}
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -21,26 +23,25 @@ FINISH_REASONS = {
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises SamplingParamsError (a ValueError naming the parameter) for values the engine refuses.
+    """By field name: a field of both common.proto and the engine's SamplingParams travels with no code here.
+    Raises SamplingParamsError (a ValueError naming the parameter) for values the engine refuses.
 
-    proto3 zero defaults: top_p and repetition_penalty 0 mean 1 (off); unset max_tokens means no limit.
+    proto3 zero defaults: top_p and repetition_penalty 0 mean 1 (off); an unset optional field is None (unset
+    max_tokens: no limit).
     """
-    return SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p or 1.0,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
-        min_tokens=p.min_tokens,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty or 1.0,
-        structured_output=structured_from_proto(p.structured_output) if p.HasField("structured_output") else None,
-    )
+    values: dict[str, object] = {}
+    for field in p.DESCRIPTOR.fields:
+        value = getattr(p, field.name)
+        if field.is_repeated:
+            value = list(value)
+        elif field.has_presence and not p.HasField(field.name):
+            value = None
+        elif field.name == "structured_output":
+            value = structured_from_proto(value)
+        values[field.name] = value
+    for name, off in PROTO_ZERO_MEANS.items():
+        values[name] = values[name] or off
+    return SamplingParams(**values)  # type: ignore[arg-type]
 
 
 def structured_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutput | None:
@@ -58,23 +59,13 @@ def structured_to_proto(structured: StructuredOutput) -> common_pb2.StructuredOu
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """The inverse of sampling_from_proto (the token mask, a local callable, does not travel)."""
-    return common_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        seed=params.seed,
-        max_tokens=params.max_tokens,
-        min_tokens=params.min_tokens,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        structured_output=structured_to_proto(params.structured_output) if params.structured_output else None,
-    )
+    """The inverse of sampling_from_proto, by field name (the token mask, a local callable, does not travel)."""
+    values: dict[str, object] = {}
+    for field in common_pb2.SamplingParams.DESCRIPTOR.fields:
+        value = getattr(params, field.name)
+        if value is not None:
+            values[field.name] = structured_to_proto(value) if field.name == "structured_output" else value
+    return common_pb2.SamplingParams(**values)  # type: ignore[arg-type]
 
 
 def logprob_to_proto(logprob: TokenLogprobs) -> common_pb2.TokenLogprob:
