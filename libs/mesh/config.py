@@ -27,7 +27,7 @@ DOC = "doc"  # the metadata key of a setting's meaning
 
 def setting(default: T, doc: str, *, secret: bool = False) -> T:
     """A settings field with its meaning (metadata["doc"]); a secret stays out of repr."""
-    return dataclasses.field(default=default, repr=not secret, metadata={DOC: doc})  # type: ignore[no-any-return]
+    return dataclasses.field(default=default, repr=not secret, metadata={DOC: doc})
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class KVCacheSettings(ServiceSettings):
         "(empty: host memory only)",
     )
     ssd_capacity_bytes: int = setting(16 * 2**30, "the SSD tier's size")
-    eviction_policy: str = setting("lfuda", "lru, s3fifo or lfuda")
+    eviction_policy: str = setting("lfuda", "the eviction policy: " + ", ".join(POLICIES))
     ttls: str = setting(
         f"agent={3 * DAY_S:.0f},chat={7 * DAY_S:.0f}",
         "TTL in seconds per traffic class: class=seconds, comma separated",
