@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from kvmesh.cli import main
 from kvmesh.config_docs import CONFIGURATION_COMMAND, METRICS_COMMAND, configuration_markdown, metrics_markdown
 from services.gateway.config import GatewaySettings
 
@@ -25,10 +27,19 @@ ENV_READ = re.compile(r"""(?:environ(?:\.get)?\s*[(\[]|getenv\()\s*["'](KVMESH_\
         ("metrics.md", metrics_markdown, METRICS_COMMAND),
     ],
 )
-def test_generated_pages_match_the_code(page: str, generate: object, command: str) -> None:
-    assert callable(generate)
+def test_generated_pages_match_the_code(page: str, generate: Callable[[], str], command: str) -> None:
     written = (ROOT / "docs" / page).read_text()
     assert written == generate(), f"docs/{page} is stale: run `{command}`"
+
+
+@pytest.mark.parametrize(
+    ("flag", "generate"), [("--markdown", configuration_markdown), ("--metrics-markdown", metrics_markdown)]
+)
+def test_the_cli_prints_the_generated_page(
+    flag: str, generate: Callable[[], str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", flag]) == 0
+    assert capsys.readouterr().out == generate()
 
 
 def slug(heading: str) -> str:
