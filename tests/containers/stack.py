@@ -51,7 +51,7 @@ class Stack:
         try:
             self.compose.start()
         except subprocess.CalledProcessError as exc:
-            raise StackError(f"`{' '.join(exc.cmd)}` failed:\n{exc.stderr.decode(errors='replace')[-4000:]}")
+            raise StackError(f"`{' '.join(exc.cmd)}` failed:\n{exc.stderr.decode(errors='replace')[-4000:]}") from exc
         self.wait_healthy({"nats": 1, "gateway": 1, "prefill": 1, "decode": 1, "kvcache": 1, "balancer": 1}, timeout_s)
         host, port = self.compose.get_service_host_and_port("gateway", 8080)
         self.base_url = f"http://{host}:{port}"

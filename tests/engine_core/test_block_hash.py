@@ -33,7 +33,7 @@ def test_hash_token_blocks_covers_full_blocks_and_extends_known_ones():
     full = hash_token_blocks(root, tokens, 4)
     assert len(full) == 2
     assert full[1] == hash_block(hash_block(root, tokens[:4]), tokens[4:8])
-    assert hash_token_blocks(root, tokens + [11], 4, full[:1]) == full + [hash_block(full[1], [8, 9, 10, 11])]
+    assert hash_token_blocks(root, [*tokens, 11], 4, full[:1]) == [*full, hash_block(full[1], [8, 9, 10, 11])]
 
 
 def test_keys_are_equal_across_processes_with_different_hash_seeds():

@@ -199,10 +199,9 @@ def test_blocks_read_from_one_engine_serve_as_prefix_hits_in_another(reference, 
     expected = source.generate([prompt], params)[0].token_ids
     hashes = source.engine.prompt_block_hashes(prompt)
     assert len(hashes) == 2 and source.engine.num_cached_blocks(hashes) == 2
-    data = source.engine.read_cached_blocks(hashes + [b"\0" * 32])
-    assert data[2] is None and len(data[0]) == source.engine.kv_layout.num_layers * source.engine.kv_layout.chunk_bytes(
-        1
-    )
+    data = source.engine.read_cached_blocks([*hashes, b"\0" * 32])
+    layout = source.engine.kv_layout
+    assert data[2] is None and len(data[0]) == layout.num_layers * layout.chunk_bytes(1)
 
     target = LLM(str(path), device="cpu", num_kv_blocks=32, served_name="m")
     from engine_core.kv_cache.block_hash import root_hash

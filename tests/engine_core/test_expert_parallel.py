@@ -17,7 +17,7 @@ from engine_core.models.experts import PhysicalExperts
 from mesh import eplb
 
 PROMPTS = [[1, 5, 9, 33, 7, 100, 200], [4000, 17, 5], [9, 9, 9, 9, 10, 11, 12, 13, 14, 15]]
-REPLICATED = list(range(16)) + [0, 1, 2, 3]  # the default placement of 4 redundant slots
+REPLICATED = [*range(16), 0, 1, 2, 3]  # the default placement of 4 redundant slots
 
 
 @pytest.fixture(scope="module")

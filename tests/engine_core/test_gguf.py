@@ -220,7 +220,9 @@ def test_unknown_tensor_name_raises(tmp_path: Path) -> None:
     writer = _tiny_llama_writer(tmp_path / "moe.gguf")
     writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 4, 32), np.float32))
     _close(writer)
-    with pytest.raises(ValueError, match="tensor blk.0.ffn_gate_exps.weight has no Hugging Face Llama counterpart"):
+    with pytest.raises(
+        ValueError, match=re.escape("tensor blk.0.ffn_gate_exps.weight has no Hugging Face Llama counterpart")
+    ):
         GGUFCheckpoint(tmp_path / "moe.gguf")
 
 

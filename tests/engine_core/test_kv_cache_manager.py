@@ -55,7 +55,7 @@ def test_hits_are_shared_and_freed_tails_first():
     first = make_request("a", list(range(9)))
     kv.allocate_slots(first, 9)
     compute(kv, first, 9)
-    second = make_request("b", list(range(8)) + [50, 51, 52])
+    second = make_request("b", [*range(8), 50, 51, 52])
     hits, num_tokens = kv.get_computed_blocks(second)
     assert [b.block_id for b in kv.allocate_slots(second, 11 - num_tokens, hits)] == [3]
     assert kv.block_ids("b") == [0, 1, 3]

@@ -101,7 +101,7 @@ def test_a_load_that_never_arrives_times_out_into_a_recompute(llama_reference, s
 
 
 def test_steps_that_do_not_read_a_pending_load_never_wait(llama_reference, stored):
-    cold, keys, _, _ = stored
+    _cold, keys, _, _ = stored
     engine = LLMEngine(EngineConfig(str(llama_reference[0]), device="cpu", num_kv_blocks=32, served_name="m"))
     load = engine.loads.begin(root_hash("m"), keys, PROMPT[: 16 * len(keys)])  # nobody writes it
     other = [5, 6, 7] * 10

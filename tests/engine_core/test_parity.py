@@ -36,12 +36,12 @@ def reference_logits(model, prompt: list[int]) -> torch.Tensor:
 
 def check_against_reference(llm: LLM, model, prompts: list[list[int]]) -> None:
     ours = prefill_logits(llm, prompts)
-    for row, prompt in zip(ours, prompts):
+    for row, prompt in zip(ours, prompts, strict=True):
         torch.testing.assert_close(row, reference_logits(model, prompt)[-1], atol=ATOL, rtol=0)
 
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     outputs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         with torch.no_grad():
             expected = model.generate(
                 torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False, min_new_tokens=NUM_NEW
@@ -51,7 +51,7 @@ def check_against_reference(llm: LLM, model, prompts: list[list[int]]) -> None:
         for step, entry in enumerate(out.logprobs):
             row = reference[len(prompt) - 1 + step]
             assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=ATOL)
-            top_ids, top_values = zip(*entry.top)
+            top_ids, top_values = zip(*entry.top, strict=True)
             torch.testing.assert_close(torch.tensor(top_values), row[list(top_ids)], atol=ATOL, rtol=0)
 
 
@@ -77,7 +77,7 @@ def test_llama_gqa_matches_transformers(llama_reference):
 
 
 def test_chunked_prefill_and_prefix_reuse_change_nothing(deepseek_reference):
-    path, model = deepseek_reference
+    path, _model = deepseek_reference
     prompts = random_prompts(512, (37, 45))
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     whole = LLM(str(path), device="cpu", num_kv_blocks=64).generate(prompts, params)

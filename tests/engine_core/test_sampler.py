@@ -17,7 +17,7 @@ def logits_row(seed=0):
 
 def sample(params_list, rows=None, outputs=None, sampler=None):
     requests = [make_request(f"r{i}", [1, 2, 3], p) for i, p in enumerate(params_list)]
-    for request, tokens in zip(requests, outputs or [[]] * len(requests)):
+    for request, tokens in zip(requests, outputs or [[]] * len(requests), strict=True):
         for t in tokens:
             request.append_output_token(t)
     logits = torch.stack(rows or [logits_row(i) for i in range(len(requests))])

@@ -68,9 +68,9 @@ def start_mesh(log_path: Path, env_extra: dict[str, str] | None = None, **plan_a
         mesh.wait_ready(timeout_s=300)
         wait_until(lambda: all(ready(c.http_port) for c in mesh.children), 120, "every child ready")
         time.sleep(1.5)  # three heartbeats: every worker is in the balancer's pools
-    except Exception:
+    except Exception as exc:
         mesh.stop()
-        raise RuntimeError(f"mesh did not start; see {log_path}:\n" + log_path.read_text()[-4000:])
+        raise RuntimeError(f"mesh did not start; see {log_path}:\n" + log_path.read_text()[-4000:]) from exc
     return mesh
 
 

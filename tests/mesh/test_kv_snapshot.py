@@ -69,7 +69,7 @@ def holdings(index: GlobalKVIndex) -> dict[str, dict[bytes, tuple[int, int]]]:
     """Worker -> key -> (fragment, tier mask): everything a read can see, without the batch numbering."""
     snapshot = index.to_snapshot(0)
     return {
-        w.worker_id: dict(zip(w.block_hashes, zip(w.fragment_indices, w.tier_masks)))
+        w.worker_id: dict(zip(w.block_hashes, zip(w.fragment_indices, w.tier_masks, strict=True), strict=True))
         for w in snapshot.workers
         if w.block_hashes
     }

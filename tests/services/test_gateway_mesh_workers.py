@@ -47,7 +47,7 @@ async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size() -> N
                 lambda load=load: load,
                 0.2,
             )
-            for (name, load), port in zip(loads.items(), (7101, 7102))
+            for (name, load), port in zip(loads.items(), (7101, 7102), strict=True)
         ]
         balancer = BalancerSettings(grpc_port=free_port(), worker_id="balancer-v", **common)
         async with serving(serve_balancer, balancer):
