@@ -2,21 +2,26 @@
 and kvmesh's Gateway gRPC API, and drives each request through the mesh: route (balancer) -> prefill ->
 decode stream, detokenizing as tokens arrive.
 
-    config.py          GatewaySettings (KVMESH_*)
-    auth.py            API keys, held as SHA-256 digests
-    errors.py          GatewayError and the one mapping to HTTP statuses, OpenAI/Anthropic bodies, gRPC codes
-    catalog.py         the models whose tokenizers the gateway holds: chat templates, context lengths
-    sampling.py        request fields -> the wire's SamplingParams, validated by the engine's rules
-    schema_support.py  which JSON Schemas the grammar enforces (a 400 naming any other feature)
-    tool_calls.py      tool-call formats (DeepSeek's tokens, Hermes): prompt, grammar, streaming parser
-    chat.py            one chat turn for every API: prompt, grammar, n generations -> events
-    openai_api.py      Chat Completions bodies -> ChatRequest; completions, chunks and errors -> JSON
-    detokenizer.py     incremental detokenization and stop strings
-    mesh_view.py       what the heartbeats say: live balancers, served models, readiness
-    mesh_workers.py    GET /v1/mesh/workers: pools, worker loads and recommended sizes from a balancer
-    pipeline.py        one generation's life: route, prefill (with retries), decode stream
-    telemetry.py       metrics and the one log line per finished request
-    http_app.py        the REST app (keys, errors, SSE); openai_http.py, responses_api.py (+ response_store.py,
-                       NATS JetStream KV), anthropic_api.py the APIs; openapi.py its OpenAPI document
-    grpc_api.py        the Gateway servicer; server.py wires them up
+    config.py            GatewaySettings (KVMESH_*)
+    auth.py              API keys, held as SHA-256 digests
+    errors.py            GatewayError and the one mapping to HTTP statuses, OpenAI/Anthropic bodies, gRPC codes
+    catalog.py           the models whose tokenizers the gateway holds: chat templates, context lengths
+    sampling.py          request fields -> the wire's SamplingParams, validated by the engine's rules
+    schema_support.py    which JSON Schemas the grammar enforces (a 400 naming any other feature)
+    tool_calls.py        tool-call formats (DeepSeek's tokens, Hermes): prompt, grammar, streaming parser
+    chat.py              one chat turn for every API: prompt, grammar, n generations -> events
+    detokenizer.py       incremental detokenization and stop strings
+    mesh_view.py         what the heartbeats say: live balancers, served models, readiness
+    mesh_workers.py      GET /v1/mesh/workers: pools, worker loads and recommended sizes from a balancer
+    pipeline.py          one generation's life: route, prefill (with retries), decode stream
+    telemetry.py         metrics and the one log line per finished request
+    rest.py              what every REST API shares: API key, request ids, JSON body, error bodies, admission, SSE
+    openai_shapes.py     OpenAI's shapes several APIs share: typed fields, messages, stop, tool_choice, usage, SSE
+    chat_completions.py  /v1/chat/completions: body -> ChatRequest, completions and chunks -> JSON
+    completions.py       /v1/completions (legacy): prompt -> ChatTurn, text_completion objects
+    responses_api.py     /v1/responses (+ response_store.py: stored responses in NATS JetStream KV)
+    messages_api.py      /v1/messages: Anthropic's Messages API
+    plain_routes.py      /v1/models, /openapi.json, /healthz, /readyz, /metrics; openapi.py the OpenAPI document
+    http_app.py          builds the REST app: the route table, start_http
+    grpc_api.py          the Gateway servicer; server.py wires them up
 """

@@ -32,7 +32,7 @@ from services.gateway.chat import (
 from services.gateway.core import GatewayCore, new_request_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.images import ImagePart
-from services.gateway.openai_api import MAX_STOP_STRINGS, parse_message, tool_call_message
+from services.gateway.openai_shapes import MAX_STOP_STRINGS, parse_message, tool_call_message
 from services.gateway.sampling import check_wire
 from services.gateway.schema_support import checked_grammar, json_schema_output
 from services.gateway.telemetry import RequestRecord

@@ -26,7 +26,7 @@ from mesh.discovery import ROLE_NAMES
 from mesh.logging import get_logger
 from mesh.pb import balancer_pb2, balancer_pb2_grpc
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.http_app import CORE_KEY
+from services.gateway.rest import CORE_KEY
 
 MESH_WORKERS_PATH = "/v1/mesh/workers"
 log = get_logger(__name__)

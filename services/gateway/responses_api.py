@@ -30,17 +30,8 @@ from services.gateway.chat import (
     collect,
 )
 from services.gateway.errors import ErrorKind, GatewayError, invalid
-from services.gateway.http_app import (
-    STORE_KEY,
-    admitted,
-    dumps,
-    json_body,
-    served_headers,
-    start_turn,
-    stream_response,
-)
 from services.gateway.images import ImagePart, check_text
-from services.gateway.openai_api import (
+from services.gateway.openai_shapes import (
     content_text,
     field_of,
     parse_response_format,
@@ -48,6 +39,7 @@ from services.gateway.openai_api import (
     tool_call_message,
 )
 from services.gateway.pipeline import Usage
+from services.gateway.rest import STORE_KEY, admitted, dumps, json_body, served_headers, start_turn, stream_response
 from services.gateway.sampling import openai_to_wire
 from services.gateway.tool_calls import Tool, parse_tool
 

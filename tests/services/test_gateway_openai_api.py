@@ -15,15 +15,15 @@ from mesh.discovery import KnownWorker
 from mesh.pb import common_pb2
 from mesh.rpc import Channels
 from mesh.service import Lifecycle
-from services.gateway import openai_api
 from services.gateway.auth import KeyRing
 from services.gateway.catalog import ModelCatalog
 from services.gateway.chat import ChoiceResult
+from services.gateway.chat_completions import ChunkShape, completion_body, parse_chat_request
 from services.gateway.core import GatewayCore
 from services.gateway.errors import ErrorKind, GatewayError, from_rpc_error
 from services.gateway.http_app import create_app
 from services.gateway.mesh_view import MeshView
-from services.gateway.openai_api import ChunkShape, parse_chat_request
+from services.gateway.openai_shapes import SSE_DONE, sse
 from services.gateway.pipeline import Pipeline, Usage
 from services.gateway.sampling import check_wire
 
@@ -238,7 +238,7 @@ USAGE_BODY = {
 
 def test_completion_body() -> None:
     result = ChoiceResult(0, text="Hello", finish_reason="length")
-    assert openai_api.completion_body("chatcmpl-r1", 1700000000, "deepseek-tiny", [result], USAGE) == {
+    assert completion_body("chatcmpl-r1", 1700000000, "deepseek-tiny", [result], USAGE) == {
         "id": "chatcmpl-r1",
         "object": "chat.completion",
         "created": 1700000000,
@@ -294,8 +294,8 @@ def test_chunks_without_include_usage_have_no_usage_field() -> None:
 
 
 def test_sse_framing() -> None:
-    assert openai_api.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
-    assert openai_api.SSE_DONE == b"data: [DONE]\n\n"
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert SSE_DONE == b"data: [DONE]\n\n"
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -29,10 +29,10 @@ from services.gateway.chat import (
     collect,
 )
 from services.gateway.errors import GatewayError, invalid
-from services.gateway.http_app import admitted, dumps, json_body, served_headers, start_turn, stream_response
 from services.gateway.images import IMAGE_MARKER, ImagePart, check_text
-from services.gateway.openai_api import field_of, parse_stop, tool_call_message
+from services.gateway.openai_shapes import field_of, parse_stop, tool_call_message
 from services.gateway.pipeline import Usage
+from services.gateway.rest import admitted, dumps, json_body, served_headers, start_turn, stream_response
 from services.gateway.sampling import openai_to_wire
 from services.gateway.tool_calls import Tool, ToolChoice, parse_tool
 

@@ -1,4 +1,6 @@
-"""OpenAI's Chat Completions and (legacy) Completions endpoints: parse (openai_api), run (chat), shape back."""
+"""OpenAI's legacy Completions (/v1/completions): a prompt (text or token ids) -> a ChatTurn with no messages,
+run as chat.py runs every API, and `text_completion` objects back, whole or streamed; `echo` and the legacy
+`logprobs` (token strings, offsets, top alternatives as a dict) included."""
 
 from __future__ import annotations
 
@@ -8,10 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway import openai_api
 from services.gateway.chat import (
-    ArgsEvent,
-    CallStartEvent,
     ChatRun,
     ChatTurn,
     ChoiceResult,
@@ -21,69 +20,15 @@ from services.gateway.chat import (
     TokensEvent,
     collect,
 )
-from services.gateway.errors import GatewayError, invalid
-from services.gateway.http_app import (
-    REQUEST_ID,
-    admitted,
-    dumps,
-    json_body,
-    served_headers,
-    start_turn,
-    stream_response,
-)
-from services.gateway.openai_api import ChatRequest, ChunkShape, field_of, sse
+from services.gateway.errors import invalid
+from services.gateway.openai_shapes import SSE_DONE, error_frame, field_of, parse_stop, parse_stream, sse, usage_body
 from services.gateway.pipeline import Usage
+from services.gateway.rest import REQUEST_ID, admitted, dumps, json_body, served_headers, start_turn, stream_response
 from services.gateway.sampling import openai_to_wire
 
-CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-CHAT_API = "chat.completions"
 COMPLETIONS_API = "completions"
 MAX_LEGACY_LOGPROBS = 5
-
-
-def openai_error_frame(error: GatewayError) -> bytes:
-    return sse(error.body())  # the SDKs raise on a data frame carrying "error"
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    async with admitted(request, CHAT_API) as record:
-        chat = openai_api.parse_chat_request(await json_body(request))
-        run = await start_turn(request, chat.turn(), record)
-        try:
-            if chat.stream:
-                shape = ChunkShape(f"chatcmpl-{request[REQUEST_ID]}", int(time.time()), chat.model, chat.include_usage)
-                return await stream_response(request, run, record, _chat_chunks(chat, run, shape), openai_error_frame)
-            results = await collect(run)
-            body = openai_api.completion_body(
-                f"chatcmpl-{request[REQUEST_ID]}", int(time.time()), chat.model, results, run.usage, chat.logprobs
-            )
-            record.finish(200)
-            return web.json_response(body, headers=served_headers(request, run), dumps=dumps)
-        finally:
-            run.close()
-
-
-async def _chat_chunks(chat: ChatRequest, run: ChatRun, shape: ChunkShape) -> AsyncIterator[bytes]:
-    for choice in run.choices:
-        yield sse(shape.role(choice.index))
-    async for event in run.events():
-        if isinstance(event, TextEvent):
-            yield sse(shape.content(event.text, event.choice))
-        elif isinstance(event, TokensEvent) and event.tokens:
-            yield sse(shape.logprobs(event.tokens, event.choice))
-        elif isinstance(event, CallStartEvent):
-            yield sse(shape.tool_call_start(event.call_index, event.call_id, event.name, event.choice))
-        elif isinstance(event, ArgsEvent):
-            yield sse(shape.tool_call_args(event.call_index, event.delta, event.choice))
-        elif isinstance(event, FinishEvent):
-            yield sse(shape.finish(event.finish_reason, event.choice))
-    if chat.include_usage:
-        yield sse(shape.usage(run.usage))
-    yield openai_api.SSE_DONE
-
-
-# ---- legacy completions ---------------------------------------------------------------------------------
 
 
 def _parse_prompt(raw: Any) -> str | list[int]:
@@ -112,7 +57,7 @@ def parse_completion_request(body: Any) -> tuple[ChatTurn, bool, bool, bool, int
     logprobs = field_of(body, "logprobs", "integer")
     if logprobs is not None and not 0 <= logprobs <= MAX_LEGACY_LOGPROBS:
         raise invalid("logprobs", f"'logprobs' must be between 0 and {MAX_LEGACY_LOGPROBS}")
-    stream, include_usage = openai_api.parse_stream(body)
+    stream, include_usage = parse_stream(body)
     sampling = openai_to_wire(
         temperature=field_of(body, "temperature", "number", 1.0),
         top_p=field_of(body, "top_p", "number", 1.0),
@@ -131,7 +76,7 @@ def parse_completion_request(body: Any) -> tuple[ChatTurn, bool, bool, bool, int
         messages=[],
         sampling=sampling,
         max_tokens_param="max_tokens",
-        stop=openai_api.parse_stop(body),
+        stop=parse_stop(body),
         n=field_of(body, "n", "integer", 1),
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
@@ -172,11 +117,11 @@ def _completion(completion_id: str, model: str, choices: list[dict[str, Any]], u
         "choices": choices,
     }
     if usage is not None:
-        body["usage"] = openai_api.usage_body(usage)
+        body["usage"] = usage_body(usage)
     return body
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
+async def create_completion(request: web.Request) -> web.StreamResponse:
     async with admitted(request, COMPLETIONS_API) as record:
         turn, stream, include_usage, echo, logprobs = parse_completion_request(await json_body(request))
         run = await start_turn(request, turn, record)
@@ -189,7 +134,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     run,
                     record,
                     _completion_chunks(completion_id, turn.model, run, prefix, include_usage),
-                    openai_error_frame,
+                    error_frame,
                 )
             results: list[ChoiceResult] = await collect(run)
             choices = [
@@ -217,7 +162,7 @@ async def _completion_chunks(
     def chunk(choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
         body = _completion(completion_id, model, choices, None)
         if include_usage:
-            body["usage"] = openai_api.usage_body(usage) if usage is not None else None
+            body["usage"] = usage_body(usage) if usage is not None else None
         return sse(body)
 
     if prefix:
@@ -232,4 +177,4 @@ async def _completion_chunks(
             yield chunk([_completion_choice(event.choice, "", event.finish_reason, None)])
     if include_usage:
         yield chunk([], run.usage)
-    yield openai_api.SSE_DONE
+    yield SSE_DONE
