@@ -22,8 +22,10 @@ up: models  ## the whole mesh on this machine: http://127.0.0.1:8080 (prints an 
 typecheck: install
 	$(BIN)/mypy
 
-test: install typecheck  ## the whole suite (type check, generated-code check, unit, parity, kernels, mesh)
+test: install typecheck  ## the whole suite (type check, generated-code check, lint, format, unit, parity, kernels, mesh)
 	$(BIN)/python -m mesh.protogen --check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 bench-engine: install models
