@@ -111,6 +111,10 @@ class ServiceError(Exception):
         self.trailing_metadata = trailing_metadata
 
 
+class UnknownModelError(LookupError):
+    """A request named a model this worker does not serve (each role's status mapping makes it NOT_FOUND)."""
+
+
 @contextlib.contextmanager
 def status_on_error() -> Iterator[None]:
     """Inside a handler: map library exceptions to status codes (raised as ServiceError)."""

@@ -25,13 +25,10 @@ from engine_core.images import ImageLimits, decode_image, image_hash
 from engine_core.loader import hf
 from engine_core.vision import EMBEDDING_DTYPES, VisionConfig, VisionEncoder, encode_images, load_encoder
 from mesh.logging import get_logger
+from mesh.rpc import UnknownModelError
 
 log = get_logger(__name__)
 CacheKey = tuple[str, bytes]  # (model, image hash)
-
-
-class UnknownModelError(LookupError):
-    """A model this worker does not encode images for."""
 
 
 @dataclass(frozen=True)

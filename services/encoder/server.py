@@ -19,9 +19,10 @@ from engine_core.vision import embeddings_to_bytes
 from mesh import metrics, rpc
 from mesh.logging import bind_request_id, get_logger
 from mesh.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
+from mesh.rpc import UnknownModelError
 from mesh.service import Lifecycle, ServiceRuntime
 from services.encoder.config import EncoderSettings
-from services.encoder.encoder import EncodedImage, ImageEncoder, UnknownModelError, load_encoders
+from services.encoder.encoder import EncodedImage, ImageEncoder, load_encoders
 
 log = get_logger(__name__)
 

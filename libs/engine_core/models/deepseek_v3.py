@@ -23,7 +23,7 @@ from engine_core.models.batch import ForwardBatch, write_cache
 from engine_core.models.experts import ExpertCounters, PhysicalExperts
 from engine_core.models.layers import CausalLM, CosSin, DecoderLayer, GatedMLP, RMSNorm
 from engine_core.models.loading import Target
-from engine_core.models.rope import RotaryEmbedding, _yarn_mscale
+from engine_core.models.rope import RotaryEmbedding, yarn_mscale
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -31,7 +31,7 @@ def softmax_scale(config: ModelConfig) -> float:
     scale = (config.mla.qk_nope_head_dim + config.mla.qk_rope_head_dim) ** -0.5
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
-        mscale = _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+        mscale = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
         scale *= mscale * mscale
     return scale
 

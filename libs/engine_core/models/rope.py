@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -24,9 +24,9 @@ def _yarn(dim: int, base: float, scaling: dict[str, Any], max_positions: int) ->
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))

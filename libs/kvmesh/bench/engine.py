@@ -52,7 +52,7 @@ PROMPT_TEXT = (
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class EngineBenchConfig:
     concurrencies: tuple[int, ...]
     prompt_lens: tuple[int, int]  # inclusive range each prompt's length is drawn from
     output_lens: tuple[int, int]  # inclusive range each output's length is drawn from
@@ -73,10 +73,10 @@ class BenchConfig:
 # Outputs up to 64 (not 128), and transformers one request at a time run once above C=1 (it is the costliest
 # measurement, not part of the goal, and one run already spans C separate generate calls), keep the default
 # run near 10 minutes on 2 idle CPU cores. The rule depends on the workload, not on a (noisy) first run.
-DEFAULT = BenchConfig(
+DEFAULT = EngineBenchConfig(
     concurrencies=(1, 8, 32), prompt_lens=(32, 256), output_lens=(16, 64), repeats=3, max_repeated_sequential=1
 )
-QUICK = BenchConfig(
+QUICK = EngineBenchConfig(
     concurrencies=(1, 4), prompt_lens=(8, 32), output_lens=(4, 12), repeats=1, max_repeated_sequential=1
 )
 
@@ -109,7 +109,7 @@ class Workload:
 
 
 def make_workload(
-    num_requests: int, config: BenchConfig, source_ids: list[int] | None, vocab_size: int, rng: random.Random
+    num_requests: int, config: EngineBenchConfig, source_ids: list[int] | None, vocab_size: int, rng: random.Random
 ) -> Workload:
     """Prompts are slices of `source_ids` at random offsets, or uniform random ids when it is None."""
     prompts, output_lens = [], []
@@ -127,7 +127,7 @@ def make_workload(
 class OurSystem:
     """One `LLM` for the whole benchmark; prefix caching off because the same prompts run repeatedly."""
 
-    def __init__(self, model: str, device: str, config: BenchConfig) -> None:
+    def __init__(self, model: str, device: str, config: EngineBenchConfig) -> None:
         # A KV cache that holds the largest workload whole: a preemption would measure the cache size instead.
         max_blocks_per_request = -(-(config.prompt_lens[1] + config.output_lens[1]) // BLOCK_SIZE)
         num_requests = max(config.concurrencies)
@@ -271,7 +271,7 @@ def _speedup(ours_s: float, theirs_s: float) -> float:
     return round(theirs_s / ours_s, 3)
 
 
-def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config: BenchConfig) -> dict[str, Any]:
+def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config: EngineBenchConfig) -> dict[str, Any]:
     stats_before = ours.llm.engine.stats()
     measurements: dict[str, Callable[[], float | Run]] = {
         "ours_prefill": lambda: ours.prefill(workload),
@@ -339,11 +339,11 @@ def bench_config(
     max_prompt_tokens: int | None,
     max_output_tokens: int | None,
     repeats: int | None,
-) -> BenchConfig:
+) -> EngineBenchConfig:
     base = QUICK if quick else DEFAULT
     prompt_max = max_prompt_tokens or base.prompt_lens[1]
     output_max = max_output_tokens or base.output_lens[1]
-    return BenchConfig(
+    return EngineBenchConfig(
         concurrencies=tuple(concurrencies or base.concurrencies),
         prompt_lens=(min(base.prompt_lens[0], prompt_max), prompt_max),
         output_lens=(min(base.output_lens[0], output_max), output_max),
@@ -393,7 +393,7 @@ def run_engine_bench(
     }
 
 
-def _describe(config: BenchConfig, seed: int, is_text: bool) -> dict[str, Any]:
+def _describe(config: EngineBenchConfig, seed: int, is_text: bool) -> dict[str, Any]:
     prompts = (
         "slices of a fixed English paragraph, tokenized by the model's tokenizer"
         if is_text

@@ -18,12 +18,9 @@ from mesh.bus import Bus
 from mesh.compute.experts import ExpertSync
 from mesh.compute.settings import WorkerSettings
 from mesh.logging import get_logger
+from mesh.rpc import UnknownModelError
 
 log = get_logger(__name__)
-
-
-class UnknownModelError(LookupError):
-    """A request named a model this worker does not serve."""
 
 
 class ModelEngines:

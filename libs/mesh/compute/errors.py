@@ -11,7 +11,7 @@ import grpc.aio
 
 from engine_core.async_engine import EngineFailure
 from mesh import rpc
-from mesh.compute.engines import UnknownModelError
+from mesh.rpc import UnknownModelError
 
 
 class UnknownRequestError(LookupError):
