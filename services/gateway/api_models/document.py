@@ -1,0 +1,184 @@
+"""The OpenAPI 3.1 document of the gateway's REST surface (served at /openapi.json), generated from the request
+models that parse the bodies, so the two cannot disagree. The error bodies are models too; the success bodies
+are the shapes the OpenAI and Anthropic SDKs parse (objects, or an event stream when `stream` is true)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from services.gateway.api_models.anthropic import MessagesRequest
+from services.gateway.api_models.openai import ChatCompletionRequest, CompletionRequest
+from services.gateway.api_models.responses import RESPONSE_ID, ResponsesRequest
+
+OBJECT = {"type": "object"}
+STRING = {"type": "string"}
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None  # the client's field it is about: messages[1].content, max_tokens
+    code: str | None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str  # starts with the field it is about
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    MessagesRequest,
+    OpenAIError,
+    AnthropicError,
+)
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _tidy(node: Any) -> Any:
+    """Without pydantic's titles; a field that is not required also takes null (RequestModel reads null as
+    absent), as the server does."""
+    if isinstance(node, list):
+        return [_tidy(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _tidy(value) for key, value in node.items() if key != "title" or not isinstance(value, str)}
+    properties = node.get("properties")
+    if node.get("type") == "object" and isinstance(properties, dict):
+        required = set(node.get("required", ()))
+        node["properties"] = {
+            name: schema if name in required or _takes_null(schema) else _nullable(schema)
+            for name, schema in properties.items()
+        }
+    return node
+
+
+def _takes_null(schema: dict[str, Any]) -> bool:
+    return schema.get("type") == "null" or any(member.get("type") == "null" for member in schema.get("anyOf", ()))
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    described: dict[str, Any] = {key: schema[key] for key in ("default", "description") if key in schema}
+    inner = {key: value for key, value in schema.items() if key not in described}
+    return {"anyOf": [inner, {"type": "null"}], **described}
+
+
+@functools.cache
+def schemas() -> dict[str, Any]:
+    """components.schemas: every model, and the models they use."""
+    _, top = models_json_schema(
+        [(model, "validation") for model in MODELS], ref_template="#/components/schemas/{model}"
+    )
+    return dict(_tidy(top["$defs"]))
+
+
+def _errors(model: type[BaseModel], statuses: tuple[str, ...]) -> dict[str, Any]:
+    content = {"application/json": {"schema": _ref(model)}}
+    return {status: {"description": "an error", "content": content} for status in statuses}
+
+
+def _post(summary: str, request: type[BaseModel], error: type[BaseModel] = OpenAIError) -> dict[str, Any]:
+    overloaded = "529" if error is AnthropicError else "429"
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}, {"apiKey": []}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {
+                "200": {
+                    "description": "the result, or a text/event-stream when `stream` is true",
+                    "content": {"application/json": {"schema": OBJECT}, "text/event-stream": {"schema": STRING}},
+                },
+                **_errors(error, ("400", "401", "404", "413", overloaded, "503", "504")),
+            },
+        }
+    }
+
+
+def _get(summary: str, description: str, errors: tuple[str, ...], security: bool = True) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "responses": {
+            "200": {"description": description, "content": {"application/json": {"schema": OBJECT}}},
+            **_errors(OpenAIError, errors),
+        },
+    }
+    if security:
+        operation["security"] = [{"bearer": []}, {"apiKey": []}]
+    return {"get": operation}
+
+
+def _stored_response() -> dict[str, Any]:
+    response_id = {
+        "name": "response_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": f"^{RESPONSE_ID.pattern}$"},
+    }
+    responses = {
+        "200": {"description": "the response object", "content": {"application/json": {"schema": OBJECT}}},
+        **_errors(OpenAIError, ("401", "404")),
+    }
+    return {
+        "parameters": [response_id],
+        "get": {"summary": "a stored response", "security": [{"bearer": []}], "responses": responses},
+        "delete": {"summary": "delete a stored response", "security": [{"bearer": []}], "responses": responses},
+    }
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kvmesh gateway",
+            "version": "1",
+            "description": "OpenAI Chat Completions, Completions and Responses; Anthropic Messages.",
+        },
+        "components": {
+            "schemas": schemas(),
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
+        },
+        "paths": {
+            "/v1/chat/completions": _post("OpenAI Chat Completions", ChatCompletionRequest),
+            "/v1/completions": _post("OpenAI Completions (legacy)", CompletionRequest),
+            "/v1/responses": _post("OpenAI Responses", ResponsesRequest),
+            "/v1/responses/{response_id}": _stored_response(),
+            "/v1/messages": _post("Anthropic Messages", MessagesRequest, AnthropicError),
+            "/v1/models": _get("the served models", "a list of models", ("401",)),
+            "/v1/mesh/workers": _get(
+                "each pool's workers with load, KV usage and cache size, and recommended pool sizes",
+                "pools of workers",
+                ("401", "503"),
+            ),
+            "/healthz": {"get": {"summary": "liveness", "responses": {"200": {"description": "ok"}}}},
+            "/readyz": {
+                "get": {
+                    "summary": "readiness",
+                    "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
+                }
+            },
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}},
+        },
+    }

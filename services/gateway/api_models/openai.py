@@ -1,0 +1,275 @@
+"""OpenAI's Chat Completions and (legacy) Completions request bodies, and the parts the Responses API shares
+with them (text and image parts, tool_choice, response_format's JSON Schema)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, Tag, model_validator
+
+from services.gateway.api_models.base import (
+    Bool,
+    Int,
+    JsonObject,
+    NonEmptyStr,
+    Refused,
+    RequestModel,
+    Str,
+    by_shape,
+    reported_whole,
+    tag_by_type,
+)
+from services.gateway.api_models.sampling import MaxTokens, SamplingFields
+from services.gateway.chat import MAX_N
+from services.gateway.tool_calls import TOOL_NAME
+
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+MAX_LEGACY_LOGPROBS = 5
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+IMAGE_PART_TYPES = ("image_url", "input_image")
+
+
+# ---- content -------------------------------------------------------------------------------------------
+
+
+class TextPart(RequestModel):
+    type: Literal["text", "input_text", "output_text"]
+    text: Str
+
+
+class ImageUrl(RequestModel):
+    url: NonEmptyStr
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+IMAGE_SHAPE = 'must be {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}'
+
+
+class ImagePart(RequestModel):
+    """Chat Completions' image_url part ({"url": ...}, or the URL alone), or the Responses API's input_image."""
+
+    type: Literal["image_url", "input_image"]
+    image_url: Annotated[
+        Annotated[NonEmptyStr, Tag("Url")] | Annotated[ImageUrl, Tag("ImageUrl")],
+        by_shape(lambda v: "Url" if isinstance(v, str) else "ImageUrl", "must be {'url': ...}"),
+    ]
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+Part = Annotated[
+    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, reported_whole(IMAGE_SHAPE), Tag("ImagePart")],
+    by_shape(
+        lambda v: tag_by_type(
+            v, {**dict.fromkeys(TEXT_PART_TYPES, "TextPart"), **dict.fromkeys(IMAGE_PART_TYPES, "ImagePart")}
+        ),
+        'must be a text or image_url part: {"type": "text", "text": ...}',
+    ),
+]
+Content = Annotated[
+    Annotated[Str, Tag("Text")] | Annotated[list[Part], Tag("Parts")],
+    by_shape(
+        lambda v: "Text" if isinstance(v, str) else "Parts" if isinstance(v, list) else None,
+        "must be a string or a list of text parts",
+    ),
+]
+
+
+class FunctionCall(RequestModel):
+    name: Str
+    arguments: Str = "{}"
+
+
+class ToolCall(RequestModel):
+    """A past tool call, in an assistant message."""
+
+    id: Str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = None  # null: an assistant's message with only tool calls
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: Str | None = None  # what a `tool` message answers
+
+
+# ---- tools and formats -----------------------------------------------------------------------------------
+
+ToolName = Annotated[Str, Field(pattern=f"^{TOOL_NAME.pattern}$")]
+JsonSchema = Annotated[
+    Annotated[
+        Annotated[JsonObject, Field(description="a JSON Schema (the subset structured output enforces)")], Tag("Schema")
+    ]
+    | Annotated[Bool, Tag("Boolean")],
+    by_shape(
+        lambda v: "Schema" if isinstance(v, dict) else "Boolean" if isinstance(v, bool) else None,
+        "must be a JSON Schema object",
+    ),
+]
+
+
+class FunctionDefinition(RequestModel):
+    name: ToolName
+    description: Str | None = None
+    parameters: JsonObject | None = None  # a JSON Schema; none: no arguments
+    strict: Bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(RequestModel):
+    """{"type": "function", "function": {"name": ...}}, or the Responses API's {"type": "function", "name": ...}."""
+
+    type: Literal["function"]
+    function: NamedFunction | None = None
+    name: NonEmptyStr | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> NamedToolChoice:
+        if self.function is None and self.name is None:
+            raise ValueError("names no function")
+        return self
+
+    @property
+    def function_name(self) -> str:
+        return self.function.name if self.function is not None else self.name or ""
+
+
+TOOL_CHOICE_SHAPE = 'must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+ToolChoiceField = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("Mode")]
+    | Annotated[NamedToolChoice, reported_whole(TOOL_CHOICE_SHAPE), Tag("Named")],
+    by_shape(
+        lambda v: "Mode" if v in ("none", "auto", "required") else "Named" if isinstance(v, dict) else None,
+        TOOL_CHOICE_SHAPE,
+    ),
+]
+
+
+class JsonSchemaSpec(RequestModel):
+    name: Str
+    schema_: JsonSchema = Field(default_factory=dict, alias="schema")
+    description: Str | None = None
+    strict: Bool | None = None
+
+
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: Annotated[JsonSchemaSpec, reported_whole("must be an object with a 'name' and a 'schema'")]
+
+
+ResponseFormat = Annotated[
+    Annotated[TextFormat, Tag("Text")]
+    | Annotated[JsonObjectFormat, Tag("JsonObject")]
+    | Annotated[JsonSchemaFormat, Tag("JsonSchema")],
+    by_shape(
+        lambda v: tag_by_type(v, {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}),
+        "must be {\"type\": 'text', 'json_object' or 'json_schema'}",
+    ),
+]
+
+
+# ---- shared fields -----------------------------------------------------------------------------------------
+
+
+def _stop_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "One"
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return "Many"
+    return None
+
+
+Stop = Annotated[
+    Annotated[Str, Tag("One")] | Annotated[list[Str], Field(max_length=MAX_STOP_STRINGS), Tag("Many")],
+    by_shape(_stop_kind, "must be a string or an array of strings"),
+]
+
+
+class StreamOptions(RequestModel):
+    include_usage: Bool = False
+
+
+class OpenAIRequest(SamplingFields):
+    """What Chat Completions and Completions share."""
+
+    model: NonEmptyStr
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
+    stop: Stop | None = None
+    stream: Bool = False
+    stream_options: StreamOptions | None = None  # only with stream: true
+    cache_salt: Str = Field("", description="enters every KV block's key: differently salted prompts share no KV")
+    logit_bias: Refused = None
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    functions: Refused = None
+    function_call: Refused = None
+    audio: Refused = None
+    modalities: Refused = None
+    prediction: Refused = None
+    tools: tuple[ChatTool, ...] = ()
+    tool_choice: ToolChoiceField | None = None  # none: auto with tools, else none
+    parallel_tool_calls: Bool = True
+    max_completion_tokens: MaxTokens | None = None  # wins over max_tokens
+    max_tokens: MaxTokens | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # needs logprobs: true
+    response_format: ResponseFormat | None = None
+
+
+def _prompt_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "Text"
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        return "OneText" if isinstance(value[0], str) else "OneTokenIds"  # a batch of one
+    return "TokenIds" if isinstance(value, list) else None
+
+
+TokenIds = Annotated[list[Int], Field(min_length=1)]
+PROMPT_SHAPE = "must be a string or an array of token ids (one prompt per request)"
+Prompt = Annotated[
+    Annotated[Str, Tag("Text")]
+    | Annotated[TokenIds, reported_whole(PROMPT_SHAPE), Tag("TokenIds")]
+    | Annotated[list[Str], Field(min_length=1, max_length=1), Tag("OneText")]
+    | Annotated[
+        Annotated[list[TokenIds], Field(min_length=1, max_length=1), reported_whole(PROMPT_SHAPE)], Tag("OneTokenIds")
+    ],
+    by_shape(_prompt_kind, PROMPT_SHAPE),
+]
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: Prompt
+    suffix: Refused = None
+    best_of: Annotated[Int, Field(ge=1, le=1, description="only 1")] = 1
+    max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LEGACY_LOGPROBS)] | None = None
+    echo: Bool = False
+
+    @property
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt (a batch of one unwrapped)."""
+        prompt = self.prompt
+        return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else prompt
