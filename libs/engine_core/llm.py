@@ -63,7 +63,7 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
         outputs: dict[str, GenerationOutput] = {}
-        for prompt, params in zip(prompt_list, params_list):
+        for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = f"gen-{next(self._ids)}"
             request = self.engine.add_request(request_id, prompt, params)
             outputs[request_id] = GenerationOutput(request_id, list(request.prompt_token_ids))

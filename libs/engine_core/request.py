@@ -110,9 +110,10 @@ class Request:
         """Whether the last appended token ends the request, and how."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.min_tokens and (
+            (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if self.num_tokens >= self.max_total_tokens:
