@@ -15,7 +15,8 @@ from kvmesh.bench.route_trace import TraceRequest, block_key, ideal_hit_rate, lo
 from kvmesh.cli import main
 from mesh.routing import POLICIES, CostModel
 
-CONVERSATION = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
+# the first 300 requests of the Mooncake conversation trace (tests/data/README.md)
+CONVERSATION = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "conversation_trace_first300.jsonl"
 # a token costs 1 ms; KV moves for free
 COST = CostModel(
     prefill_tokens_per_s=1000.0,
@@ -132,7 +133,6 @@ def test_every_policy_side_by_side(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.skipif(not CONVERSATION.exists(), reason="the Mooncake traces are not on this machine")
 def test_command_line_on_the_conversation_trace(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "route", "--trace", str(CONVERSATION), "--limit", "300", "--policy", "kvmesh", "--json"]) == 0
     fields = json.loads(capsys.readouterr().out)

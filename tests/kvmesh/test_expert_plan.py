@@ -11,7 +11,7 @@ from kvmesh.bench.expert import run_expert_bench
 from kvmesh.cli import build_parser, main
 from kvmesh.up import Mesh, MeshPlan
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "eplb" / "eplb_readme_example.json"
+EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "eplb" / "eplb_readme_example.json"  # tests/data/README.md
 
 
 def plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict:

@@ -12,7 +12,7 @@ import pytest
 from kvmesh.bench import eplb_reference
 from mesh.eplb import PlanOptions, Topology, balancedness, gpu_loads, pack, rebalance, replicate
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "eplb" / "eplb_readme_example.json"
+EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "eplb" / "eplb_readme_example.json"  # tests/data/README.md
 EPLB_MAX_LOADS = [156.0, 179.5]  # what EPLB's README placement puts on its heaviest GPU, per layer
 
 

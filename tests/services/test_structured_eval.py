@@ -4,18 +4,31 @@ schema, and every completed output for a supported jsonschemabench schema valida
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvmesh.bench.structured import bfcl_matches, bfcl_schema, run_bfcl, run_jsonschemabench
+
+DATA = Path(__file__).resolve().parents[1] / "data"  # the samples: tests/data/README.md
 
 
 def test_bfcl_sample_calls_parse_and_validate(smollm2_llm) -> None:
-    report = run_bfcl("smollm2-135m", ("simple_python", "parallel"), limit=3, max_tokens=200, llm=smollm2_llm)
+    report = run_bfcl(
+        DATA / "bfcl", "smollm2-135m", ("simple_python", "parallel"), limit=3, max_tokens=200, llm=smollm2_llm
+    )
     for category in report["categories"].values():
         assert category["generated"] == 3 and category["calls"] >= 3
         assert category["all_calls_valid"], category["failures"]
 
 
 def test_jsonschemabench_sample_outputs_validate(smollm2_llm) -> None:
-    report = run_jsonschemabench("smollm2-135m", limit=60, generate=6, max_tokens=160, llm=smollm2_llm)
+    report = run_jsonschemabench(
+        DATA / "jsonschemabench" / "glaiveai2k_with_tests.jsonl",
+        "smollm2-135m",
+        limit=60,
+        generate=6,
+        max_tokens=160,
+        llm=smollm2_llm,
+    )
     assert report["supported"] >= 50
     assert report["completed"] >= 3
     assert report["all_completed_valid"], report["invalid"]

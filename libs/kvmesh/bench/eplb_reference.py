@@ -1,5 +1,6 @@
 """BASELINE, not used by the mesh: DeepSeek EPLB's `rebalance_experts`, re-implemented from its published
-description (deepseek-ai/EPLB README, and ../shared/ANCHORS.md) so the expert benchmark can compare against it.
+description (deepseek-ai/EPLB README; its example is tests/data/eplb/eplb_readme_example.json) so the
+expert benchmark can compare against it.
 
 Its steps, as published:
 - balanced packing: items sorted by weight, heaviest first, each into the lightest pack that still has room

@@ -14,7 +14,12 @@ def add_parser(bench_commands: Any) -> None:
     route = bench_commands.add_parser(
         "route", help="routing policies on a trace in the simulator: hit rate, balance, TTFT, TPOT, goodput"
     )
-    route.add_argument("--trace", required=True, help="Mooncake JSON lines (hash_ids) or an Azure LLM CSV")
+    route.add_argument(
+        "--trace",
+        required=True,
+        help="Mooncake JSON lines (hash_ids; FAST25-release/traces/ in kvcache-ai/Mooncake on GitHub) or an Azure "
+        "LLM inference CSV (data/ in Azure/AzurePublicDataset on GitHub)",
+    )
     route.add_argument("--prefill-workers", type=int, default=8)
     route.add_argument("--decode-workers", type=int, default=8)
     route.add_argument("--policy", default="kvmesh", help="a policy name, or all (side by side, with plots)")

@@ -1,6 +1,7 @@
 """Traces for `kvmesh bench route`: Mooncake JSON lines (timestamp ms, input_length, output_length, hash_ids of
 512-token blocks) and Azure LLM inference CSVs (TIMESTAMP, ContextTokens, GeneratedTokens; no prefix hashes, so every
-block is its own). Read from where they lie (../shared/data), never copied."""
+block is its own). The full traces: FAST25-release/traces/ in kvcache-ai/Mooncake and data/ in
+Azure/AzurePublicDataset (both on GitHub); tests/data/mooncake holds the first 300 requests of one."""
 
 from __future__ import annotations
 

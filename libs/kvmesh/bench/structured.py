@@ -9,14 +9,14 @@
 
 The gateway's own pieces do the work (tool formats, prompt rendering, grammars, the parser, the schema
 checks) over an in-process engine, so a run needs no mesh. `bench/tools_bfcl.py` and
-`bench/jsonschemabench.py` print the JSON.
+`bench/jsonschemabench.py` print the JSON for the full public sets (their --help says where to get them);
+tests/data holds the samples the tests run.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import time
 from collections import Counter
@@ -35,12 +35,6 @@ from services.gateway.schema_support import json_schema_output
 from services.gateway.tool_calls import ParsedCallEnd, ParsedCallStart, Tool, ToolCallParser, ToolChoice, parse_tool
 
 BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array"}
-
-
-def data_dir() -> Path:
-    """../shared/data beside the repository (KVMESH_SHARED_DATA overrides)."""
-    override = os.environ.get("KVMESH_SHARED_DATA")
-    return Path(override) if override else Path(__file__).resolve().parents[3].parent / "shared" / "data"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -77,7 +71,7 @@ def _equal(value: Any, accepted: Any) -> bool:
     if isinstance(accepted, str) and isinstance(value, str):
         return _norm(value) == _norm(accepted)
     if isinstance(accepted, list) and isinstance(value, list):
-        return len(value) == len(accepted) and all(_equal(v, a) for v, a in zip(value, accepted))
+        return len(value) == len(accepted) and all(_equal(v, a) for v, a in zip(value, accepted, strict=True))
     if isinstance(accepted, dict) and isinstance(value, dict):
         return _arguments_match(value, {k: v if isinstance(v, list) else [v] for k, v in accepted.items()})
     return bool(value == accepted)
@@ -103,7 +97,7 @@ def bfcl_matches(calls: Sequence[tuple[str, dict[str, Any]]], ground_truth: Sequ
     return any(
         all(
             name == truth_name and _arguments_match(args, spec)
-            for (name, args), (truth_name, spec) in zip(calls, order)
+            for (name, args), (truth_name, spec) in zip(calls, order, strict=True)
         )
         for order in itertools.permutations(truths)
     )
@@ -122,7 +116,7 @@ def check_calls(model: ServedModel, tools: Sequence[Tool], text: str) -> CallChe
     events = parser.push(text) + parser.finish()
     names = [e.name for e in events if isinstance(e, ParsedCallStart)]
     ends = [e.arguments for e in events if isinstance(e, ParsedCallEnd)]
-    check = CallCheck(list(zip(names, ends)))
+    check = CallCheck(list(zip(names, ends, strict=False)))  # a cut-off output may end inside its last call
     schemas = {tool.name: tool.parameters for tool in tools}
     if len(ends) < len(names):
         check.failures.append("a call was cut off")
@@ -138,6 +132,7 @@ def check_calls(model: ServedModel, tools: Sequence[Tool], text: str) -> CallChe
 
 
 def run_bfcl(
+    data_dir: Path,
     model_name: str = "smollm2-135m",
     categories: Iterable[str] = ("simple_python", "parallel"),
     limit: int | None = None,
@@ -145,6 +140,7 @@ def run_bfcl(
     llm: LLM | None = None,
     batch_size: int = 16,
 ) -> dict[str, Any]:
+    """`data_dir`: BFCL v4's data folder (BFCL_v4_<category>.json and possible_answer_BFCL_v4_<category>.json)."""
     model = load_model(model_name)
     llm = llm or LLM(model_name, device="cpu", num_kv_blocks=2048, max_num_seqs=batch_size)
     report: dict[str, Any] = {
@@ -155,10 +151,9 @@ def run_bfcl(
     }
     started = time.monotonic()
     for category in categories:
-        questions = read_jsonl(data_dir() / "bfcl" / f"BFCL_v4_{category}.json")[:limit]
+        questions = read_jsonl(data_dir / f"BFCL_v4_{category}.json")[:limit]
         answers = {
-            a["id"]: a["ground_truth"]
-            for a in read_jsonl(data_dir() / "bfcl" / f"possible_answer_BFCL_v4_{category}.json")
+            a["id"]: a["ground_truth"] for a in read_jsonl(data_dir / f"possible_answer_BFCL_v4_{category}.json")
         }
         report["categories"][category] = _bfcl_category(
             model, llm, category, questions, answers, max_tokens, batch_size
@@ -199,7 +194,7 @@ def _bfcl_category(
     outputs = _generate(llm, [(prompt, grammar) for _, _, prompt, grammar in jobs], max_tokens, batch_size)
     num_calls = num_valid = matched = truncated = 0
     failures = []
-    for (question, tools, _, _), (text, finish_reason) in zip(jobs, outputs):
+    for (question, tools, _, _), (text, finish_reason) in zip(jobs, outputs, strict=True):
         check = check_calls(model, tools, text)
         truncated += finish_reason == "length"
         num_calls += len(check.calls)
@@ -247,6 +242,7 @@ def _feature(message: str) -> str:
 
 
 def run_jsonschemabench(
+    path: Path,
     model_name: str = "smollm2-135m",
     limit: int | None = None,
     generate: int | None = 100,
@@ -254,8 +250,10 @@ def run_jsonschemabench(
     llm: LLM | None = None,
     batch_size: int = 16,
 ) -> dict[str, Any]:
-    """`limit` schemas checked for support; of the supported, the first `generate` (None: all) generated."""
-    rows = read_jsonl(data_dir() / "jsonschemabench" / "glaiveai2k_with_tests.jsonl")[:limit]
+    """`path`: Glaiveai2K as JSON Lines, one schema with its tests a line (jsonschemabench's
+    maskbench/data/Glaiveai2K, one file per line). `limit` schemas are checked for support; of the supported, the
+    first `generate` (None: all) are generated."""
+    rows = read_jsonl(path)[:limit]
     model = load_model(model_name)
     supported, reasons = [], Counter[str]()
     started = time.monotonic()
@@ -304,7 +302,7 @@ def _generate_and_validate(
     outputs = _generate(llm, [(prompt, grammar) for _, prompt, grammar in jobs], max_tokens, batch_size)
     completed = valid = 0
     invalid, truncated = [], 0
-    for (row, _, _), (text, finish_reason) in zip(jobs, outputs):
+    for (row, _, _), (text, finish_reason) in zip(jobs, outputs, strict=True):
         if finish_reason == "length":
             truncated += 1  # cut off by max_tokens: a prefix of a valid output, not judged
             continue
