@@ -232,7 +232,8 @@ async def test_include_usage_is_one_last_chunk_with_no_choices(mesh: ApiMesh) ->
 
 
 async def test_tool_results_go_back_through_the_template(mesh: ApiMesh) -> None:
-    messages: list[Any] = ASK + [
+    messages: list[Any] = [
+        *ASK,
         {
             "role": "assistant",
             "content": None,
@@ -295,7 +296,7 @@ async def test_an_engine_failure_mid_stream_raises_in_the_sdk(mesh: ApiMesh) -> 
     )
     decoder = mesh.decode.decoder  # type: ignore[attr-defined]
     with pytest.raises(openai.APIError) as caught:
-        async for chunk in stream:
+        async for _chunk in stream:
             for request_id in list(decoder._following):
                 await decoder.abort(request_id)
     assert "retry" in caught.value.message

@@ -168,13 +168,16 @@ async def test_message_stream_has_named_events_in_order(mesh: ApiMesh) -> None:
     assert events[1] == "content_block_start" and "content_block_delta" in events
     assert events[-3:-1] == ["content_block_stop", "message_delta"]
     assert final.stop_reason == "max_tokens"
-    async with aiohttp.ClientSession() as session:  # every frame has an `event:` line, and a ping is sent
-        async with session.post(
+    # every frame has an `event:` line, and a ping is sent
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
             f"{mesh.base_url}/v1/messages",
             headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
             json={"model": SMOL, "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "Hi"}]},
-        ) as response:
-            frames = (await response.text()).strip().split("\n\n")
+        ) as response,
+    ):
+        frames = (await response.text()).strip().split("\n\n")
     assert all(frame.startswith("event: ") for frame in frames)
     assert frames[1].startswith("event: ping")
 

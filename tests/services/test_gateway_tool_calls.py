@@ -47,13 +47,13 @@ def parse(syntax: ToolSyntax, pieces: list[str]) -> tuple[str, list[tuple[str, s
             deltas[event.call_index].append(event.delta)
     ends = [e.arguments for e in events if isinstance(e, ParsedCallEnd)]
     assert ends == ["".join(d) for d in deltas][: len(ends)]  # the end repeats exactly what was streamed
-    return text, list(zip(names, ["".join(d) for d in deltas])), deltas
+    return text, list(zip(names, ["".join(d) for d in deltas], strict=True)), deltas
 
 
 def random_split(text: str, seed: int) -> list[str]:
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 40))))
-    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
 @pytest.mark.parametrize("syntax", [DEEPSEEK, HERMES])
@@ -72,7 +72,7 @@ def test_text_that_only_looks_like_a_marker_is_text() -> None:
 
 
 def test_a_call_cut_off_keeps_its_partial_arguments() -> None:
-    text, calls, _ = parse(HERMES, [HERMES.call_text("f", '{"a": 1}')[:-14]])
+    _text, calls, _ = parse(HERMES, [HERMES.call_text("f", '{"a": 1}')[:-14]])
     assert calls == [("f", '{"a": 1}')]
 
 
@@ -216,13 +216,16 @@ def test_the_traffic_class_is_the_clients_else_agent_with_tools_else_chat() -> N
 
 
 def test_integers_past_the_wire_width_are_a_400_naming_the_clients_field() -> None:
-    from services.gateway.sampling import openai_to_wire
+    from services.gateway.api_models.base import validated
+    from services.gateway.api_models.responses import ResponsesRequest
 
     # found by the fuzz test: 2**31 output tokens passed the engine's checks and overflowed the proto's int32
+    body = {"model": "m", "input": "Hi"}
     with pytest.raises(GatewayError) as caught:
-        openai_to_wire(max_tokens=2**31, param_names={"max_tokens": "max_output_tokens"})
+        validated(ResponsesRequest, {**body, "max_output_tokens": 2**31})
     assert (caught.value.http_status, caught.value.param) == (400, "max_output_tokens")
     with pytest.raises(GatewayError) as caught:
-        openai_to_wire(seed=2**63)
+        validated(ResponsesRequest, {**body, "seed": 2**63})
     assert caught.value.param == "seed"
-    assert openai_to_wire(max_tokens=2**31 - 1, seed=2**63 - 1).max_tokens == 2**31 - 1
+    widest = validated(ResponsesRequest, {**body, "max_output_tokens": 2**31 - 1, "seed": 2**63 - 1})
+    assert (widest.max_output_tokens, widest.seed) == (2**31 - 1, 2**63 - 1)
