@@ -1,8 +1,12 @@
 """An `LLMEngine` on its own thread, driven from asyncio (the services' event loops).
 
-The engine thread is the only one that touches the engine. asyncio code runs engine operations between
-steps with `await call(fn)` and receives each request's outputs on its own queue. Steps run back to back
-while there is work; when idle the thread sleeps until a call arrives.
+The engine thread is the only one that touches the engine: the `LLMEngine` is private to `AsyncEngine`, and its
+`engine` accessor raises anywhere but on that thread. asyncio code runs engine operations between steps with
+`await call(fn)` and receives each request's outputs on its own queue; it reads the engine's state only through
+what this class offers: facts fixed at load (`kv_layout`, `max_model_len`, ...), snapshots the engine thread
+replaces after each step and call (`stats`, `num_expert_steps`), and the few engine parts built to be used from
+any thread (layer loads, grammar compilation, preparing an expert placement). Steps run back to back while there
+is work; when idle the thread sleeps until a call arrives.
 """
 
 from __future__ import annotations
@@ -10,11 +14,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from engine_core.engine import EngineStats, LLMEngine
+from engine_core.expert_parallel import ExpertLayout, PreparedPlacement
+from engine_core.kv_cache.block_hash import KeySpan
 from engine_core.kv_cache.events import KVCacheEvent
+from engine_core.kv_load import LayerLoad
+from engine_core.kv_transfer import KVLayout
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import RequestOutput
 from engine_core.structured_output import GrammarError
@@ -33,17 +41,40 @@ class EngineFailure(RuntimeError):
     """The engine failed while computing a request (not the request's fault); it was aborted."""
 
 
+class WrongThreadError(RuntimeError):
+    """The inner engine was touched from a thread other than its own."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_kv_events: KVEventHook | None = None, name: str = "engine") -> None:
-        self.engine = engine
+        self._engine = engine  # touched only by the engine thread (and here, before it starts)
         self.on_kv_events = on_kv_events
-        self.stats: EngineStats = engine.stats()  # replaced (never mutated) by the engine thread: each step, call
+        # Fixed at load, never written again: read from any thread.
+        self.kv_layout: KVLayout = engine.kv_layout
+        self.max_model_len: int = engine.max_model_len
+        self.served_name: str = engine.served_name
+        self.vocab_size: int = engine.model_config.vocab_size
+        self.expert_layout: ExpertLayout | None = engine.expert_layout  # None without MoE layers
+        # Snapshots replaced (never mutated) by the engine thread after each step and each call.
+        self.stats: EngineStats = engine.stats()
+        self.num_expert_steps = 0  # steps counted towards the next expert load report
         self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], asyncio.Future[Any]]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The inner engine, for code already on the engine thread (a `call`ed function gets it as its argument;
+        this is for debugging and tests). Raises WrongThreadError on any other thread."""
+        if threading.current_thread() is not self._thread:
+            raise WrongThreadError(
+                f"the engine is owned by thread {self._thread.name!r}: use AsyncEngine.call, not .engine, "
+                f"from {threading.current_thread().name!r}"
+            )
+        return self._engine
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -72,12 +103,35 @@ class AsyncEngine:
         """Compile the request's grammar, if any, on a worker thread (the engine thread only finds it in the
         cache then). Past `timeout_s` it fails with GrammarError; the compile runs on but the request is refused."""
         structured = params.structured_output
-        if structured is None or self.engine.grammars.is_cached(structured):
+        grammars = self._engine.grammars  # a compile cache built for any thread (it locks)
+        if structured is None or grammars.is_cached(structured):
             return
         try:
-            await asyncio.wait_for(asyncio.to_thread(self.engine.grammars.compile, structured), timeout_s)
+            await asyncio.wait_for(asyncio.to_thread(grammars.compile, structured), timeout_s)
         except asyncio.TimeoutError:
             raise GrammarError(f"the {structured.kind} grammar took over {timeout_s:g} s to compile") from None
+
+    def prompt_block_hashes(
+        self, prompt_token_ids: list[int], cache_salt: str | None = None, key_spans: Sequence[KeySpan] = ()
+    ) -> list[bytes]:
+        """The keys of the prompt's full blocks (LLMEngine.prompt_block_hashes): a function of the block size and
+        served name only, both fixed at load, so any thread may call it."""
+        return self._engine.prompt_block_hashes(prompt_token_ids, cache_salt, key_spans)
+
+    # -- layer-by-layer loads (engine_core.kv_load): begun on the engine thread, written from any thread ---------
+    def write_layer(self, load: LayerLoad, layer: int, pieces: Sequence[bytes | bytearray | memoryview]) -> None:
+        """One layer of every block of a load begun by a `call` (LayerLoads.write_layer, which locks)."""
+        self._engine.loads.write_layer(load, layer, pieces)
+
+    def fail_load(self, load: LayerLoad) -> None:
+        """The load's data will not come: the engine recomputes its blocks (LayerLoads.fail, which locks)."""
+        self._engine.loads.fail(load)
+
+    # -- expert placements (engine_core.expert_parallel) ----------------------------------------------------------
+    async def prepare_expert_placement(self, phy2log: Sequence[Sequence[int]], version: int) -> PreparedPlacement:
+        """Build a placement's weights on a worker thread while the engine keeps stepping (it reads weights that
+        change only when a placement is applied, which happens on the engine thread with `call`)."""
+        return await asyncio.to_thread(self._engine.prepare_expert_placement, phy2log, version)
 
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
         """The queue that will receive the request's outputs; open it before the request can produce any."""
@@ -121,22 +175,22 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._run_calls()
-            if not self.engine.has_unfinished_requests():
-                self.stats = self.engine.stats()
+            if not self._engine.has_unfinished_requests():
+                self._snapshot()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._engine.step()
             except Exception as exc:  # a bug or a device fault: fail what was running, keep serving
                 self._fail_all(exc)
                 continue
-            self.stats = self.engine.stats()
+            self._snapshot()
             if outputs:  # first: the hook below may copy megabytes, and tokens should not wait for it
                 self._post(self._deliver, outputs)
-            events = self.engine.take_kv_events()
+            events = self._engine.take_kv_events()
             if events and self.on_kv_events is not None:
-                self.on_kv_events(self.engine, events)
+                self.on_kv_events(self._engine, events)
 
     def _run_calls(self) -> None:
         while True:
@@ -145,18 +199,23 @@ class AsyncEngine:
             except queue.Empty:
                 return
             try:
-                outcome: tuple[Callable[..., None], Any] = (_set_result, fn(self.engine))
+                outcome: tuple[Callable[..., None], Any] = (_set_result, fn(self._engine))
             except BaseException as exc:
                 outcome = (_set_exception, exc)
-            self.stats = self.engine.stats()  # so a caller that awaited the call sees what it changed
+            self._snapshot()  # so a caller that awaited the call sees what it changed
             self._post(outcome[0], future, outcome[1])
 
+    def _snapshot(self) -> None:
+        self.stats = self._engine.stats()
+        experts = self._engine.experts
+        self.num_expert_steps = 0 if experts is None else experts.num_steps
+
     def _fail_all(self, exc: Exception) -> None:
-        scheduler = self.engine.scheduler
+        scheduler = self._engine.scheduler
         request_ids = [r.request_id for r in list(scheduler.running) + list(scheduler.waiting)]
         for request_id in request_ids:
-            self.engine.abort_request(request_id)
-        self.engine.step()  # collect the abort outputs so the scheduler forgets them
+            self._engine.abort_request(request_id)
+        self._engine.step()  # collect the abort outputs so the scheduler forgets them
         failure = EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}")
         self._post(self._fail_streams, request_ids, failure)
 

@@ -248,19 +248,19 @@ class Prefiller:
         recomputes) unless every layer was written."""
         if hit is None or hit.stream is None or load is None or load.num_blocks == 0:
             return None
-        stream, layout, loads = hit.stream, self.engines.layout(job.model), engine.engine.loads
+        stream, layout = hit.stream, self.engines.layout(job.model)
 
         async def feed() -> None:
             is_complete = False
             try:
                 is_complete = await stream.run(
-                    layout, load.num_blocks, lambda layer, pieces: loads.write_layer(load, layer, pieces)
+                    layout, load.num_blocks, lambda layer, pieces: engine.write_layer(load, layer, pieces)
                 )
             except Exception:
                 log.warning("KV store stream failed; its blocks are recomputed", exc_info=True)
             finally:
                 if not is_complete:
-                    loads.fail(load)
+                    engine.fail_load(load)
 
         return asyncio.create_task(feed())
 
@@ -287,12 +287,11 @@ class Prefiller:
     # -- the KV store ---------------------------------------------------------------------------------
     async def _fetch_from_store(self, engine: AsyncEngine, job: PrefillJob) -> _StoreHit | None:
         """The blocks right after the locally cached ones that the store holds; None when there are none."""
-        if self.store is None or not self.store.is_available() or not _is_valid_prompt(engine.engine, job):
+        if self.store is None or not self.store.is_available() or not _is_valid_prompt(engine, job):
             return None
         block_size = self.engines.layout(job.model).block_size
-        # prompt_block_hashes reads only immutable config (block size, served name): safe off the engine thread.
         # The last prompt token is always computed (its logits give the first token), so its block never helps.
-        hashes = engine.engine.prompt_block_hashes(
+        hashes = engine.prompt_block_hashes(
             job.prompt_token_ids, job.cache_salt, [image.key_span for image in job.images]
         )
         self.store.note_traffic_class(hashes, job.traffic_class)
@@ -301,7 +300,7 @@ class Prefiller:
         if num_local == len(hashes):
             return None
         wanted = hashes[num_local:]
-        parent = hashes[num_local - 1] if num_local else root_hash(engine.engine.served_name, job.cache_salt)
+        parent = hashes[num_local - 1] if num_local else root_hash(engine.served_name, job.cache_salt)
         stream = self.store.plan_stream(job.model, wanted)
         if stream is not None:
             count = len(stream.block_hashes)
@@ -330,11 +329,10 @@ def _num_store_tokens(num_cached_tokens: int, hit: _StoreHit | None, num_injecte
     return max(0, min(beyond_local, num_injected * block_size))
 
 
-def _is_valid_prompt(engine: LLMEngine, job: PrefillJob) -> bool:
+def _is_valid_prompt(engine: AsyncEngine, job: PrefillJob) -> bool:
     """Whether the prompt can be hashed and admitted; if not, skip the store and let the engine say why."""
     prompt = job.prompt_token_ids
-    vocab = engine.model_config.vocab_size  # immutable after load
-    return 0 < len(prompt) < engine.max_model_len and all(0 <= t < vocab for t in prompt)
+    return 0 < len(prompt) < engine.max_model_len and all(0 <= t < engine.vocab_size for t in prompt)
 
 
 def _usable_prefix(blocks: list[StoreBlock], wanted: list[bytes], layout: KVLayout) -> list[StoreBlock]:

@@ -3,7 +3,7 @@ import asyncio
 import pytest
 
 from engine_core import EngineConfig, LLMEngine, SamplingParams
-from engine_core.async_engine import AsyncEngine, EngineFailure
+from engine_core.async_engine import AsyncEngine, EngineFailure, WrongThreadError
 
 
 @pytest.fixture
@@ -68,5 +68,24 @@ async def test_bad_input_raises_to_the_caller_and_a_failing_step_fails_only_its_
             await collect(async_engine, "doomed", [5, 6], SamplingParams(max_tokens=3))
         engine.runner.execute = original
         assert len(await collect(async_engine, "fine", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))) == 3
+    finally:
+        await async_engine.stop()
+
+
+async def test_only_the_engine_thread_touches_the_inner_engine(engine):
+    async_engine = AsyncEngine(engine, name="engine-under-test")
+    with pytest.raises(WrongThreadError, match="owned by thread 'engine-under-test'"):
+        async_engine.engine  # noqa: B018 -- the access itself is what must raise
+    await async_engine.start()
+    try:
+        with pytest.raises(WrongThreadError):  # the event loop's thread
+            async_engine.engine  # noqa: B018 -- the access itself is what must raise
+        with pytest.raises(WrongThreadError):  # any other thread
+            await asyncio.to_thread(lambda: async_engine.engine)
+        # on the engine thread it is the engine itself: the one `call` passes
+        assert await async_engine.call(lambda e: async_engine.engine is e is engine)
+        # what the event loop may read instead: facts fixed at load, the same as the engine's
+        assert async_engine.kv_layout == engine.kv_layout and async_engine.max_model_len == engine.max_model_len
+        assert async_engine.prompt_block_hashes(list(range(40))) == engine.prompt_block_hashes(list(range(40)))
     finally:
         await async_engine.stop()

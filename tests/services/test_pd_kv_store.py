@@ -80,7 +80,7 @@ async def test_the_store_writer_drops_what_its_queue_cannot_hold_and_batches_the
 async def test_blocks_go_to_the_store_and_come_back_to_an_empty_device_cache(mesh: Mesh):
     model, prompt = mesh.llama, prompt_of(50, seed=7)
     engine = mesh.prefill.engines.get(model)
-    keys = engine.engine.prompt_block_hashes(prompt)
+    keys = engine.prompt_block_hashes(prompt)
     assert len(keys) == 3
     batches: list[events_pb2.KVEventBatch] = []
 
@@ -147,7 +147,7 @@ async def test_a_failing_or_foreign_store_block_is_a_miss_never_a_failure(mesh: 
         nodes = [*mesh.stores, "kvcache-dead"]
         # a prompt whose first block the dead node owns, and one whose first block a live node owns
         prompts = [prompt_of(40, seed=100 + i) for i in range(40)]
-        owners = [rendezvous_owner(engine.engine.prompt_block_hashes(p)[0], nodes) for p in prompts]
+        owners = [rendezvous_owner(engine.prompt_block_hashes(p)[0], nodes) for p in prompts]
         to_dead = prompts[owners.index("kvcache-dead")]
         to_live, live_owner = next((p, o) for p, o in zip(prompts, owners, strict=True) if o != "kvcache-dead")
 
@@ -159,7 +159,7 @@ async def test_a_failing_or_foreign_store_block_is_a_miss_never_a_failure(mesh: 
         await mesh.decode_stub.Abort(decode_pb2.AbortRequest(request_id="dead-store"))
 
         # a block the store holds in another layout (another build of the model) is skipped, not injected
-        key = engine.engine.prompt_block_hashes(to_live)[0]
+        key = engine.prompt_block_hashes(to_live)[0]
         wrong = layout_to_proto(dataclasses.replace(mesh.prefill.engines.layout(model), layer_shape=(1, 2, 3)))
         mesh.stores[live_owner].blocks[key] = _block(key, root_hash(model), wrong, bytes(24))
         response = await mesh.prefill_stub.Prefill(mesh.request("foreign", model, to_live, GREEDY))
@@ -175,8 +175,8 @@ async def test_one_tenant_never_gets_another_tenants_kv_through_the_store(mesh: 
     model, prompt = mesh.llama, prompt_of(50, seed=11)
     engine = mesh.prefill.engines.get(model)
     one_token = dataclasses.replace(GREEDY, max_tokens=1)
-    keys_a = engine.engine.prompt_block_hashes(prompt, "tenant-a")
-    keys_b = engine.engine.prompt_block_hashes(prompt, "tenant-b")
+    keys_a = engine.prompt_block_hashes(prompt, "tenant-a")
+    keys_b = engine.prompt_block_hashes(prompt, "tenant-b")
     assert len(keys_a) == 3 and not set(keys_a) & set(keys_b)  # the salt enters every key: same tokens, other keys
     await mesh.prefill_stub.Prefill(mesh.request("tenant-a", model, prompt, one_token, cache_salt="tenant-a"))
     await wait_until(

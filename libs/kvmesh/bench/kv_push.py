@@ -23,13 +23,14 @@ from typing import Any
 
 from engine_core import LLMEngine, SamplingParams
 from engine_core.kv_cache.manager import cdiv
-from engine_core.kv_transfer import KVChunk, KVExport, KVLayout
+from engine_core.kv_transfer import KVChunk, KVExport
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import rpc
 from mesh.bus import Bus
 from mesh.compute.settings import WorkerSettings
 from mesh.config import load_settings
 from mesh.discovery import WorkerRegistry
+from mesh.kv_blocks import KVLayout
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.prefill.decode_client import DecodePusher
 from services.prefill.prefiller import PrefillJob

@@ -24,11 +24,11 @@ import sys
 import time
 from typing import Any
 
-from engine_core.kv_transfer import KVLayout
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import rpc
 from mesh.bus import Bus
 from mesh.discovery import WorkerRegistry
+from mesh.kv_blocks import KVLayout
 from mesh.pb import common_pb2
 from services.prefill.prefiller import StoreBlock
 from services.prefill.store_client import StoreClient

@@ -13,10 +13,10 @@ import torch
 
 from engine_core import EngineStats, LLMEngine
 from engine_core.async_engine import AsyncEngine, KVEventHook
-from engine_core.kv_transfer import KVLayout
 from mesh.bus import Bus
 from mesh.compute.experts import ExpertSync
 from mesh.compute.settings import WorkerSettings
+from mesh.kv_blocks import KVLayout
 from mesh.logging import get_logger
 from mesh.rpc import UnknownModelError
 
@@ -26,7 +26,6 @@ log = get_logger(__name__)
 class ModelEngines:
     def __init__(self, engines: dict[str, AsyncEngine]) -> None:
         self._engines = engines
-        self._layouts = {name: e.engine.kv_layout for name, e in engines.items()}
         self._expert_sync: ExpertSync | None = None  # set once at start (start_expert_sync)
 
     @classmethod
@@ -71,11 +70,10 @@ class ModelEngines:
         return engine
 
     def layout(self, model: str) -> KVLayout:
-        self.get(model)
-        return self._layouts[model]
+        return self.get(model).kv_layout
 
     def max_model_len(self, model: str) -> int:
-        return self.get(model).engine.max_model_len  # set at load, never written again
+        return self.get(model).max_model_len
 
     def items(self) -> Iterator[tuple[str, AsyncEngine]]:
         return iter(self._engines.items())

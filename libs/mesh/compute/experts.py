@@ -59,14 +59,14 @@ def plan_rows(plan: expert_lb_pb2.ExpertPlan, layout: ExpertLayout) -> list[list
 
 
 class ExpertSync:
-    """Written only on the event loop; the engines' state only through their threads (`call`) and `prepare`."""
+    """Written only on the event loop; the engines' state only through AsyncEngine (`call`, its snapshots)."""
 
     def __init__(self, engines: dict[str, AsyncEngine], bus: Bus, worker_id: str, report_steps: int) -> None:
         assert report_steps > 0
         self.bus = bus
         self.worker_id = worker_id
         self.report_steps = report_steps
-        self.engines = {m: e for m, e in engines.items() if e.engine.expert_layout is not None}
+        self.engines = {m: e for m, e in engines.items() if e.expert_layout is not None}
         self.num_reports = dict.fromkeys(self.engines, 0)
         self.applied_version = dict.fromkeys(self.engines, 0)
         self._locks = {model: asyncio.Lock() for model in self.engines}
@@ -110,15 +110,14 @@ class ExpertSync:
         """Publish the model's counts if enough steps ran; whether it did."""
         engine = self.engines[model]
         steps = self.report_steps if min_steps is None else min_steps
-        experts = engine.engine.experts
-        # a peek at a counter only the engine thread writes: a stale value delays the report by one poll, and an
+        # the engine thread's snapshot of its step counter: a stale value delays the report by one poll, and an
         # idle engine is not woken 20 times a second; counts wait while the bus is down (or closing)
-        if experts is None or experts.num_steps < steps or not self.bus.is_connected:
+        if engine.num_expert_steps < steps or not self.bus.is_connected:
             return False
         report = await engine.call(lambda e: e.take_expert_report(steps))
         if report is None:
             return False
-        layout = engine.engine.expert_layout  # set at load, never written again
+        layout = engine.expert_layout
         assert layout is not None
         self.num_reports[model] += 1
         await self.bus.publish(
@@ -129,7 +128,7 @@ class ExpertSync:
     async def apply(self, model: str, plan: expert_lb_pb2.ExpertPlan) -> bool:
         """Prepare the plan's weights off the engine thread, then switch between two steps; whether it did."""
         engine = self.engines[model]
-        layout = engine.engine.expert_layout
+        layout = engine.expert_layout
         assert layout is not None
         rows = plan_rows(plan, layout)
         if rows is None:
@@ -146,8 +145,7 @@ class ExpertSync:
         async with self._locks[model]:  # one plan at a time: a burst of plans costs one copy each, in order
             if plan.version <= self.applied_version[model]:
                 return False
-            loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(None, engine.engine.prepare_expert_placement, rows, plan.version)
+            prepared = await engine.prepare_expert_placement(rows, plan.version)
             applied = await engine.call(lambda e: e.apply_expert_placement(prepared))
             if applied:
                 self.applied_version[model] = plan.version
