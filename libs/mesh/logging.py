@@ -1,5 +1,6 @@
 """structlog for every service: JSON lines when not on a terminal, the request id bound per request and
-carried across gRPC metadata (`x-request-id`) and NATS headers."""
+carried across gRPC metadata (`x-request-id`) and NATS headers. Logs go to stderr, always: stdout belongs to the
+commands that print results (`kvmesh bench ... --json`), also when they start services in-process."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from typing import Any
 import structlog
 
 REQUEST_ID_KEY = "x-request-id"
+
+if not structlog.is_configured():
+    # before a service configures logging (or where none does), structlog's default prints to stdout
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 
 def configure_logging(level: str = "info", fmt: str = "auto", **context: Any) -> None:

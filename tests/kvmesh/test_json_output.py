@@ -1,0 +1,52 @@
+"""Every `--json` command prints one line of JSON on stdout and nothing else (logs go to stderr, also from the
+services a bench starts in its own process): each command's smoke form runs as a subprocess and its whole stdout
+parses with json.loads, so `| jq` works."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data/README.md
+TRACE = str(DATA / "mooncake" / "conversation_trace_first300.jsonl")
+TINY = ("--model", "deepseek-tiny")
+# the command line, and a key its report must have
+COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "engine": (("bench", "engine", *TINY, "--quick", "--concurrency", "1", "--max-prompt-tokens", "16"), "results"),
+    "expert": (("bench", "expert", "--quick"), "results"),
+    "kvcache": (("bench", "kvcache", "--trace", TRACE), "hit_rate"),
+    "kv-transfer": (("bench", "kv-transfer", "--megabytes", "4", "--block-kib", "256", "--repeats", "1"), "store_gbps"),
+    "kv-push": (("bench", "kv-push", *TINY, "--prompt-tokens", "64", "--repeats", "1"), "by_prompt_tokens"),
+    "kv-index": (("bench", "kv-index", "--batches", "200"), "restored_index_equal"),
+    "kv-ttft": (("bench", "kv-ttft", *TINY, "--prompt-tokens", "64"), "speedup"),
+    "route": (("bench", "route", "--trace", TRACE, "--limit", "50"), "hit_rate"),
+    "serve": (("bench", "serve", *TINY, "--requests", "2", "--concurrency", "1", "--max-tokens", "2"), "ttft_p50_ms"),
+    "expert-plan": (("expert-plan", "--input", str(DATA / "eplb" / "eplb_readme_example.json")), "phy2log"),
+}
+
+
+def run(args: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "kvmesh", *args, "--json"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every command once, three at a time: most of their time is starting processes and loading models."""
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = pool.map(run, (args for args, _ in COMMANDS.values()))
+        return dict(zip(COMMANDS, results, strict=True))
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_stdout_is_one_line_of_json(outputs: dict[str, subprocess.CompletedProcess[str]], name: str) -> None:
+    result = outputs[name]
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert COMMANDS[name][1] in report
+    assert result.stdout.count("\n") == 1 and result.stdout.endswith("}\n")
