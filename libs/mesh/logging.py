@@ -15,8 +15,9 @@ import structlog
 REQUEST_ID_KEY = "x-request-id"
 
 if not structlog.is_configured():
-    # before a service configures logging (or where none does), structlog's default prints to stdout
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    # before a service configures logging (or where none does), structlog's default prints to stdout; the stream
+    # is looked up when a logger is made, as the default does (tests swap sys.stderr)
+    structlog.configure(logger_factory=lambda *args: structlog.PrintLogger(sys.stderr))
 
 
 def configure_logging(level: str = "info", fmt: str = "auto", **context: Any) -> None:
