@@ -165,6 +165,7 @@ def _bench(args: argparse.Namespace) -> int:
             args.max_tokens,
             url=args.url,
             seed=args.seed,
+            api_key=args.api_key,
         )
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
@@ -225,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument("--prompt-words", type=int, default=64, help="words per prompt (plus a short preamble)")
     serve_bench.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (EOS ignored)")
     serve_bench.add_argument("--url", default=None, help="an already running gateway (default: start a mesh)")
+    serve_bench.add_argument(
+        "--api-key",
+        default=os.environ.get("KVMESH_API_KEY"),
+        help="the gateway's API key (default: $KVMESH_API_KEY, else the key of the mesh started here)",
+    )
     serve_bench.add_argument("--seed", type=int, default=0)
     serve_bench.add_argument("--json", action="store_true", help="one line of JSON")
 

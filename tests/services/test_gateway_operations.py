@@ -1,4 +1,5 @@
-"""What operators rely on: request ids echoed, /v1/models, health and readiness, metrics, and draining.
+"""What operators rely on: request ids echoed, /v1/models, health and readiness, metrics, draining, and
+`kvmesh bench serve --url` measuring a deployment with its own API key.
 
 The gateway runs over real loopback gRPC and a real NATS, against scripted test doubles of the balancer, prefill
 and decode contracts: the `mesh` and `script` fixtures of tests/services/gateway_harness.py. The real mesh is
@@ -7,10 +8,13 @@ tested in tests/integration/.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
 import pytest
+
+from kvmesh.cli import main
 
 from . import gateway_harness
 from .gateway_harness import KEY, MODEL, Mesh, Script, post
@@ -62,3 +66,24 @@ async def test_draining_refuses_new_requests(mesh: Mesh, script: Script) -> None
         lifecycle.draining = False
     assert (status, json.loads(raw)["error"]["code"], ready_status) == (503, "service_unavailable", 503)
     assert script.routes == []
+
+
+async def test_bench_serve_measures_a_running_gateway_with_its_api_key(
+    mesh: Mesh, script: Script, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def bench(*key: str) -> int:  # asyncio.run inside: on a thread, off this test's loop
+        argv = ["bench", "serve", "--url", mesh.base_url, *key, "--model", MODEL, "--requests", "1"]
+        return main([*argv, "--concurrency", "1", "--max-tokens", "4", "--prompt-words", "4", "--json"])
+
+    refused = f"kvmesh: error: the gateway at {mesh.base_url} refused the API key: pass its key with --api-key or"
+    monkeypatch.setenv("KVMESH_API_KEY", "sk-wrong")  # the default, read when the command line is parsed
+    assert await asyncio.to_thread(bench) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"{refused} KVMESH_API_KEY"
+    assert await asyncio.to_thread(bench, "--api-key", "sk-wrong-too") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"{refused} KVMESH_API_KEY"
+    assert script.prefills == []
+
+    assert await asyncio.to_thread(bench, "--api-key", "sk-other") == 0  # the flag wins over the variable
+    report = json.loads(capsys.readouterr().out)
+    assert (report["model"], report["requests"], report["concurrency"]) == (MODEL, 1, 1)
+    assert len(script.prefills) == 3  # two warm-up requests, then the one measured

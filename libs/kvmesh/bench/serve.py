@@ -1,17 +1,20 @@
 """`kvmesh bench serve`: the mesh under load, through its REST API, against the same engine run in-process.
 
-Starts its own mesh (one prefill, one decode, one KV store; `kvmesh up`'s launcher) unless --url is given,
-then sends `requests` streamed chat completions with `concurrency` in flight. Per request it records the time
-to the first token, the gaps between tokens, and the prefill engine's own time (the gateway's
-`server-timing: prefill;dur=...` header), so that TTFT - prefill time is what the mesh adds: HTTP, tokenizing,
-routing, gRPC, and pushing the KV to decode. The in-process baseline runs the same prompts through one
-`LLMEngine` with the same batch limit, so the throughput ratio prices disaggregation on this machine.
+Starts its own mesh (one prefill, one decode, one KV store; `kvmesh up`'s launcher) unless --url is given (with
+--api-key, or KVMESH_API_KEY, for that deployment's key), then sends `requests` streamed chat completions with
+`concurrency` in flight. Per request it records the time to the first token, the gaps between tokens, and the
+prefill engine's own time (the gateway's `server-timing: prefill;dur=...` header), so that TTFT - prefill time is
+what the mesh adds: HTTP, tokenizing, routing, gRPC, and pushing the KV to decode. The in-process baseline runs
+the same prompts through one `LLMEngine` with the same batch limit, so the throughput ratio prices disaggregation
+on this machine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import random
 import statistics
 import time
@@ -44,7 +47,11 @@ WORDS = [
     "glacier",
     "ribbon",
 ]
-API_KEY = "sk-kvmesh-bench"
+API_KEY = "sk-kvmesh-bench"  # the key of the mesh the bench starts itself
+
+
+class KeyRefusedError(ValueError):
+    """The gateway refused the API key (HTTP 401): the command line says which key to pass."""
 
 
 @dataclass
@@ -67,10 +74,12 @@ def _percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int) -> Sample:
+async def _one(
+    session: aiohttp.ClientSession, url: str, api_key: str, model: str, prompt: str, max_tokens: int
+) -> Sample:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -84,8 +93,12 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: str
     start = time.perf_counter()
     last = start
     async with session.post(
-        f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+        f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}
     ) as response:
+        if response.status == 401:
+            raise KeyRefusedError(
+                f"the gateway at {url} refused the API key: pass its key with --api-key or KVMESH_API_KEY"
+            )
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
         timing = response.headers.get("server-timing", "prefill;dur=0")
@@ -110,7 +123,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: str
 
 
 async def _load(
-    url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int
+    url: str, api_key: str, model: str, prompts: list[str], concurrency: int, max_tokens: int
 ) -> tuple[list[Sample], float]:
     semaphore = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=1800)
@@ -118,7 +131,7 @@ async def _load(
 
         async def bounded(prompt: str) -> Sample:
             async with semaphore:
-                return await _one(session, url, model, prompt, max_tokens)
+                return await _one(session, url, api_key, model, prompt, max_tokens)
 
         await asyncio.gather(*(bounded(p) for p in prompts[:2]))  # warm-up: first calls load lazy paths
         start = time.perf_counter()
@@ -162,32 +175,32 @@ def run_serve_bench(
     max_tokens: int,
     url: str | None = None,
     seed: int = 0,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
+    """`api_key`: the gateway's key (default: the built-in key of the mesh started here)."""
+    api_key = api_key or API_KEY
     prompts = _prompts(num_requests + 2, prompt_words, seed)
-    mesh = None
-    if url is None:
-        from kvmesh.nats_server import free_port
-        from kvmesh.up import Mesh, MeshPlan
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            from kvmesh.nats_server import free_port
+            from kvmesh.up import Mesh, MeshPlan
 
-        plan = MeshPlan(
-            prefill=1,
-            decode=1,
-            kvcache=1,
-            models=(model,),
-            http_port=free_port(),
-            grpc_port=free_port(),
-            api_keys=(API_KEY,),
-            env={"KVMESH_LOG_LEVEL": "warning", "KVMESH_MAX_NUM_SEQS": str(concurrency)},
-        )
-        mesh = Mesh(plan, out=open("/dev/null", "w"))
-        mesh.start()
-        mesh.wait_ready()
-        url = mesh.base_url
-    try:
-        samples, seconds = asyncio.run(_load(url, model, prompts, concurrency, max_tokens))
-    finally:
-        if mesh is not None:
-            mesh.stop()
+            plan = MeshPlan(
+                prefill=1,
+                decode=1,
+                kvcache=1,
+                models=(model,),
+                http_port=free_port(),
+                grpc_port=free_port(),
+                api_keys=(api_key,),
+                env={"KVMESH_LOG_LEVEL": "warning", "KVMESH_MAX_NUM_SEQS": str(concurrency)},
+            )
+            mesh = Mesh(plan, out=stack.enter_context(open(os.devnull, "w")))
+            stack.callback(mesh.stop)
+            mesh.start()
+            mesh.wait_ready()
+            url = mesh.base_url
+        samples, seconds = asyncio.run(_load(url, api_key, model, prompts, concurrency, max_tokens))
     baseline = _in_process(model, prompts, concurrency, max_tokens)
     ttft = [s.ttft_s for s in samples]
     overhead = [s.ttft_s - s.prefill_s for s in samples]
