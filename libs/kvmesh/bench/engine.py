@@ -155,7 +155,7 @@ class OurSystem:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
         generated = dict.fromkeys((f"bench-{next(self.ids)}" for _ in params), 0)
         start = time.perf_counter()
-        for request_id, prompt, param in zip(generated, workload.prompts, params):
+        for request_id, prompt, param in zip(generated, workload.prompts, params, strict=True):
             engine.add_request(request_id, prompt, param)
         all_started_at, tokens_then = None, 0
         while engine.has_unfinished_requests():
@@ -220,7 +220,7 @@ class HFSystem:
         return replace(run, decode_tokens=workload.num_output_tokens - workload.num_requests)
 
     def sequential(self, workload: Workload) -> float:
-        return sum(self._generate([p], n).seconds for p, n in zip(workload.prompts, workload.output_lens))
+        return sum(self._generate([p], n).seconds for p, n in zip(workload.prompts, workload.output_lens, strict=True))
 
 
 class _FirstTokenClock:

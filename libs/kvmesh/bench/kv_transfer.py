@@ -9,8 +9,8 @@ each is reported. `store_gbps` is the read path prefill uses (the layer-major st
 feeds an engine while it computes, over the node's bulk lane, mesh.lane; every block checked; the engine's own
 writes left out); `ratio` = store / raw. `store_grpc_stream_gbps` is the same stream over gRPC (KVCache.Get, what
 a node without a lane answers). `store_fetch_gbps` is the other read path (whole blocks, over the lane; used
-without the index or when parity must be decoded), `store_put_gbps` the write path (over the lane; every block checked by
-the node, written to host memory, events acked by JetStream).
+without the index or when parity must be decoded), `store_put_gbps` the write path (over the lane; every block checked
+by the node, written to host memory, events acked by JetStream).
 """
 
 from __future__ import annotations

@@ -134,7 +134,10 @@ def replay(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int, po
         store.get(keys[:num_hits], LAYOUT.model)
         parents = [ROOT, *keys[:-1]]
         store.put(
-            [Block(k, p, LAYOUT, DATA, checksum=DATA_CHECKSUM) for k, p in zip(keys[num_hits:], parents[num_hits:])]
+            [
+                Block(k, p, LAYOUT, DATA, checksum=DATA_CHECKSUM)
+                for k, p in zip(keys[num_hits:], parents[num_hits:], strict=True)
+            ]
         )
         hits += num_hits
         total += len(keys)
@@ -187,7 +190,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
 
     traces = sorted({r["trace"] for r in rows})
     figure, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.2), squeeze=False)
-    for axis, trace in zip(axes[0], traces):
+    for axis, trace in zip(axes[0], traces, strict=True):
         ours = [r for r in rows if r["trace"] == trace]
         for policy in sorted({r["policy"] for r in ours}):
             line = sorted((r["capacity_fraction"], r["hit_rate"]) for r in ours if r["policy"] == policy)

@@ -20,7 +20,7 @@ import functools
 import math
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvmesh.bench.route_sim import SimConfig, SimResult, simulate
@@ -51,7 +51,7 @@ class BenchConfig:
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.1
     num_bisections: int = 4
-    sim: SimConfig = SimConfig()
+    sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
         if not self.load > 0:
@@ -71,7 +71,7 @@ def compute_s(
     """Each request's prefill seconds alone: its prompt less its ideally cached prefix (or the whole prompt)."""
     hits = ideal_leading_hits(requests) if basis == "ideal" else [0] * len(requests)
     seconds = []
-    for num_hits, request in zip(hits, requests):
+    for num_hits, request in zip(hits, requests, strict=True):
         cached = min(num_hits * block_tokens, request.num_prompt_tokens)
         seconds.append(cost.prefill_s(cached, request.num_prompt_tokens - cached))
     return seconds
@@ -114,7 +114,7 @@ class LoadScale:
 def attainment(result: SimResult, config: BenchConfig) -> float:
     met = sum(
         ttft <= config.ttft_slo_s and (tpot is None or tpot <= config.tpot_slo_s)
-        for ttft, tpot in zip(result.ttft_s, result.tpot_s)
+        for ttft, tpot in zip(result.ttft_s, result.tpot_s, strict=True)
     )
     return met / max(len(result.ttft_s), 1)
 
@@ -199,7 +199,7 @@ def run_route_bench(policy: str, config: BenchConfig, plot_dir: str | None = Non
             runs = list(pool.map(run_policy, names, [config] * len(names), [with_series] * len(names)))
     else:
         runs = [run_policy(name, config, with_series) for name in names]
-    by_policy = dict(zip(names, runs))
+    by_policy = dict(zip(names, runs, strict=True))
     if plot_dir is not None:
         from kvmesh.bench.route_plot import plot_all
 

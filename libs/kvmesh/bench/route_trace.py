@@ -6,6 +6,7 @@ Azure/AzurePublicDataset (both on GitHub); tests/data/mooncake holds the first 3
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -44,9 +45,9 @@ def load_trace(path: str | Path, limit: int | None = None, spread: bool = True) 
 
 def spread_bursts(requests: Sequence[TraceRequest]) -> list[TraceRequest]:
     stamps = sorted({r.arrival_s for r in requests})
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
     last_gap = sorted(gaps)[len(gaps) // 2] if gaps else 0.0  # the last bucket spreads over a typical gap
-    next_stamp = dict(zip(stamps, [*stamps[1:], stamps[-1] + last_gap]))
+    next_stamp = dict(zip(stamps, [*stamps[1:], stamps[-1] + last_gap], strict=True))
     group_sizes: dict[float, int] = {}
     for request in requests:
         group_sizes[request.arrival_s] = group_sizes.get(request.arrival_s, 0) + 1
