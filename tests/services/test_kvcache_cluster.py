@@ -26,6 +26,7 @@ from services.kvcache.config import KVCacheSettings
 from services.kvcache.server import serve
 from services.prefill.prefiller import StoreBlock
 from services.prefill.store_client import StoreClient
+from services.prefill.store_reads import Source, plan_reads
 
 from .harness import serving, wait_until
 
@@ -286,3 +287,20 @@ async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad
     stub = client.stub(info.address)
     for keys, num_hits in (([b.block_hash for b in good], 2), ([other.block_hash], 1), ([bytes([9]) * 32], 0)):
         assert (await stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=keys, model="m"))).num_hits == num_hits
+
+
+def test_a_read_plan_takes_data_fragments_then_host_memory_and_ends_at_the_first_short_key() -> None:
+    a_ssd, a_host, b_parity, c_data = (
+        Source("a", 0, False),
+        Source("a", 1, True),
+        Source("b", 2, True),
+        Source("c", 1, False),
+    )
+    sources = [
+        [b_parity, a_ssd, a_host],  # 2+1: both data fragments, parity unread
+        [b_parity, c_data, Source("d", 1, True)],  # fragment 1 twice: the one in host memory; parity fills in
+        [Source("e", 0, True)],  # one fragment of a 2+1 block: unreadable, so the plan ends before it
+        [a_host, c_data],
+    ]
+    assert plan_reads(sources, [2, 2, 2, 2]) == [[a_host, a_ssd], [Source("d", 1, True), b_parity]]
+    assert plan_reads([[b_parity, a_ssd]], [1]) == [[a_ssd]]  # data on SSD before parity in host memory: no decoding
