@@ -6,7 +6,8 @@ decode stream, detokenizing as tokens arrive.
     auth.py              API keys, held as SHA-256 digests
     errors.py            GatewayError and the one mapping to HTTP statuses, OpenAI/Anthropic bodies, gRPC codes
     catalog.py           the models whose tokenizers the gateway holds: chat templates, context lengths
-    sampling.py          request fields -> the wire's SamplingParams, validated by the engine's rules
+    api_models/          one pydantic model per request type: parsing, errors naming the field, the sampling
+                         fields and their mapping to the wire (sampling.py), /openapi.json (document.py)
     schema_support.py    which JSON Schemas the grammar enforces (a 400 naming any other feature)
     tool_calls.py        tool-call formats (DeepSeek's tokens, Hermes): prompt, grammar, streaming parser
     chat.py              one chat turn for every API: prompt, grammar, n generations -> events
@@ -16,12 +17,12 @@ decode stream, detokenizing as tokens arrive.
     pipeline.py          one generation's life: route, prefill (with retries), decode stream
     telemetry.py         metrics and the one log line per finished request
     rest.py              what every REST API shares: API key, request ids, JSON body, error bodies, admission, SSE
-    openai_shapes.py     OpenAI's shapes several APIs share: typed fields, messages, stop, tool_choice, usage, SSE
+    openai_shapes.py     OpenAI's shapes several APIs share: messages, stop, tool_choice, usage, SSE
     chat_completions.py  /v1/chat/completions: body -> ChatRequest, completions and chunks -> JSON
     completions.py       /v1/completions (legacy): prompt -> ChatTurn, text_completion objects
     responses_api.py     /v1/responses (+ response_store.py: stored responses in NATS JetStream KV)
     messages_api.py      /v1/messages: Anthropic's Messages API
-    plain_routes.py      /v1/models, /openapi.json, /healthz, /readyz, /metrics; openapi.py the OpenAPI document
+    plain_routes.py      /v1/models, /openapi.json, /healthz, /readyz, /metrics
     http_app.py          builds the REST app: the route table, start_http
     grpc_api.py          the Gateway servicer; server.py wires them up
 """

@@ -19,6 +19,7 @@ from typing import Any
 import jsonschema
 
 from engine_core.structured_output import StructuredOutput
+from mesh.compute.convert import structured_to_proto
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, encoder_pb2
 from services.gateway.catalog import ServedModel
@@ -27,7 +28,6 @@ from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.image_encoding import place_images
 from services.gateway.images import ImagePart, with_image_tokens
 from services.gateway.pipeline import NOT_FINISHED, Delta, GenerationStream, Placement, Usage
-from services.gateway.sampling import structured_to_wire
 from services.gateway.tool_calls import (
     AUTO_TOOLS,
     ParsedArgs,
@@ -279,7 +279,7 @@ def turn_sampling(turn: ChatTurn, grammar: StructuredOutput | None, choice: int)
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(turn.sampling)
     if grammar is not None:
-        sampling.structured_output.CopyFrom(structured_to_wire(grammar))
+        sampling.structured_output.CopyFrom(structured_to_proto(grammar))
     if turn.logprobs:
         sampling.logprobs = turn.top_logprobs
     if choice > 0 and sampling.HasField("seed"):  # each choice its own draws, reproducibly

@@ -16,8 +16,10 @@ from aiohttp import web
 
 from engine_core.structured_output import StructuredOutput
 from mesh.pb import common_pb2
+from services.gateway.api_models.base import validated
+from services.gateway.api_models.openai import ChatCompletionRequest
+from services.gateway.api_models.sampling import to_wire
 from services.gateway.chat import (
-    MAX_N,
     ArgsEvent,
     CallStartEvent,
     ChatRun,
@@ -33,27 +35,22 @@ from services.gateway.errors import invalid
 from services.gateway.images import ImagePart
 from services.gateway.openai_shapes import (
     SSE_DONE,
+    chat_message,
     error_frame,
-    field_of,
-    parse_message,
-    parse_response_format,
-    parse_stop,
-    parse_stream,
-    parse_tool_choice,
     sse,
+    stop_strings,
+    stream_flags,
+    structured_output_of,
     tool_call_message,
+    tool_choice_of,
     usage_body,
 )
 from services.gateway.pipeline import Usage
 from services.gateway.rest import REQUEST_ID, admitted, dumps, json_body, served_headers, start_turn, stream_response
-from services.gateway.sampling import openai_to_wire
 from services.gateway.tool_calls import NO_TOOLS, Tool, ToolChoice, parse_tool
 
 CHAT_PATH = "/v1/chat/completions"
 CHAT_API = "chat.completions"
-MAX_TOP_LOGPROBS = 20
-# Fields we cannot honour: refused by name rather than silently ignored.
-UNSUPPORTED = ("functions", "function_call", "logit_bias", "audio", "modalities", "prediction")
 
 
 @dataclass(frozen=True)
@@ -95,102 +92,50 @@ class ChatRequest:
         )
 
 
-def parse_messages(raw: Any, images: list[ImagePart] | None = None) -> list[dict[str, Any]]:
-    if not isinstance(raw, list):
-        raise invalid("messages", "'messages' must be an array")
-    if not raw:
-        raise invalid("messages", "'messages' must not be empty")
-    return [parse_message(message, f"messages[{index}]", images) for index, message in enumerate(raw)]
+def _tools(request: ChatCompletionRequest) -> tuple[Tool, ...]:
+    return tuple(
+        parse_tool(tool.function.name, tool.function.description, tool.function.parameters, f"tools[{index}].function")
+        for index, tool in enumerate(request.tools)
+    )
 
 
-def _check_unsupported(body: dict[str, Any]) -> None:
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, False, [], {}):
-            raise invalid(name, f"'{name}' is not supported by this server")
-
-
-def _parse_tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
-    raw = field_of(body, "tools", "array", [])
-    tools = []
-    for index, tool in enumerate(raw):
-        param = f"tools[{index}]"
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type", "function") != "function"
-            or not isinstance(tool.get("function"), dict)
-        ):
-            raise invalid(param, f'\'{param}\' must be {{"type": "function", "function": {{...}}}}')
-        function = tool["function"]
-        tools.append(
-            parse_tool(
-                function.get("name"), function.get("description"), function.get("parameters"), f"{param}.function"
-            )
-        )
-    return tuple(tools), parse_tool_choice(body.get("tool_choice"), bool(tools))
-
-
-def _parse_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
-    logprobs = bool(field_of(body, "logprobs", "boolean", False))
-    top = field_of(body, "top_logprobs", "integer")
-    if top is None:
-        return logprobs, 0
-    if not logprobs:
+def _top_logprobs(request: ChatCompletionRequest) -> int:
+    if request.top_logprobs is None:
+        return 0
+    if not request.logprobs:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise invalid("top_logprobs", f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
-    return logprobs, top
+    return request.top_logprobs
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
-    """Check a decoded JSON body field by field; the first bad field raises GatewayError naming it."""
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model", "'model' must be a non-empty string")
+    """A decoded JSON body, checked (api_models.openai.ChatCompletionRequest); the first bad field raises
+    GatewayError naming it."""
+    request = validated(ChatCompletionRequest, body)
     images: list[ImagePart] = []
-    messages = parse_messages(body.get("messages"), images)
-    _check_unsupported(body)
-    n = field_of(body, "n", "integer", 1)
-    if not 1 <= n <= MAX_N:
-        raise invalid("n", f"'n' must be between 1 and {MAX_N}, got {n}")
-    tools, tool_choice = _parse_tools(body)
-    max_completion_tokens = field_of(body, "max_completion_tokens", "integer")
-    max_tokens_param = "max_tokens" if max_completion_tokens is None else "max_completion_tokens"
-    max_tokens = field_of(body, "max_tokens", "integer") if max_completion_tokens is None else max_completion_tokens
-    stream, include_usage = parse_stream(body)
-    logprobs, top_logprobs = _parse_logprobs(body)
-    sampling = openai_to_wire(
-        temperature=field_of(body, "temperature", "number", 1.0),
-        top_p=field_of(body, "top_p", "number", 1.0),
-        max_tokens=max_tokens,
-        seed=field_of(body, "seed", "integer"),
-        presence_penalty=field_of(body, "presence_penalty", "number", 0.0),
-        frequency_penalty=field_of(body, "frequency_penalty", "number", 0.0),
-        top_k=field_of(body, "top_k", "integer", 0),
-        min_p=field_of(body, "min_p", "number", 0.0),
-        repetition_penalty=field_of(body, "repetition_penalty", "number", 1.0),
-        min_tokens=field_of(body, "min_tokens", "integer", 0),
-        ignore_eos=field_of(body, "ignore_eos", "boolean", False),
-        param_names={"max_tokens": max_tokens_param},
-    )
+    messages = [chat_message(message, f"messages[{index}]", images) for index, message in enumerate(request.messages)]
+    tools = _tools(request)
+    if request.max_completion_tokens is None:
+        max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
+    else:
+        max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
+    stream, include_usage = stream_flags(request.stream, request.stream_options)
     return ChatRequest(
-        model=model,
+        model=request.model,
         messages=messages,
-        sampling=sampling,
+        sampling=to_wire(request, max_tokens, max_tokens_param),
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
-        stop=parse_stop(body),
+        stop=stop_strings(request.stop),
         stream=stream,
         include_usage=include_usage,
-        cache_salt=field_of(body, "cache_salt", "string", ""),
+        cache_salt=request.cache_salt,
         tools=tools,
-        tool_choice=tool_choice,
-        parallel_tool_calls=bool(field_of(body, "parallel_tool_calls", "boolean", True)),
-        response_format=parse_response_format(body.get("response_format")),
-        n=n,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
+        tool_choice=tool_choice_of(request.tool_choice, bool(tools)),
+        parallel_tool_calls=request.parallel_tool_calls,
+        response_format=structured_output_of(request.response_format),
+        n=request.n,
+        logprobs=request.logprobs,
+        top_logprobs=_top_logprobs(request),
         images=tuple(images),
     )
 

@@ -10,6 +10,9 @@ from typing import Any
 
 from aiohttp import web
 
+from services.gateway.api_models.base import validated
+from services.gateway.api_models.openai import CompletionRequest
+from services.gateway.api_models.sampling import to_wire
 from services.gateway.chat import (
     ChatRun,
     ChatTurn,
@@ -20,72 +23,33 @@ from services.gateway.chat import (
     TokensEvent,
     collect,
 )
-from services.gateway.errors import invalid
-from services.gateway.openai_shapes import SSE_DONE, error_frame, field_of, parse_stop, parse_stream, sse, usage_body
+from services.gateway.openai_shapes import SSE_DONE, error_frame, sse, stop_strings, stream_flags, usage_body
 from services.gateway.pipeline import Usage
 from services.gateway.rest import REQUEST_ID, admitted, dumps, json_body, served_headers, start_turn, stream_response
-from services.gateway.sampling import openai_to_wire
 
 COMPLETIONS_PATH = "/v1/completions"
 COMPLETIONS_API = "completions"
-MAX_LEGACY_LOGPROBS = 5
-
-
-def _parse_prompt(raw: Any) -> str | list[int]:
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
-        raw = raw[0]  # a batch of one
-    if isinstance(raw, str):
-        return raw
-    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        return raw
-    raise invalid("prompt", "'prompt' must be a string or an array of token ids (one prompt per request)")
 
 
 def parse_completion_request(body: Any) -> tuple[ChatTurn, bool, bool, bool, int | None]:
-    """(turn, stream, include_usage, echo, logprobs)."""
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model", "'model' must be a non-empty string")
-    prompt = _parse_prompt(body.get("prompt"))
-    for name in ("suffix", "logit_bias"):
-        if body.get(name) not in (None, "", {}):
-            raise invalid(name, f"'{name}' is not supported by this server")
-    if field_of(body, "best_of", "integer", 1) != 1:
-        raise invalid("best_of", "only best_of=1 is supported")
-    logprobs = field_of(body, "logprobs", "integer")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LEGACY_LOGPROBS:
-        raise invalid("logprobs", f"'logprobs' must be between 0 and {MAX_LEGACY_LOGPROBS}")
-    stream, include_usage = parse_stream(body)
-    sampling = openai_to_wire(
-        temperature=field_of(body, "temperature", "number", 1.0),
-        top_p=field_of(body, "top_p", "number", 1.0),
-        max_tokens=field_of(body, "max_tokens", "integer", 16),
-        seed=field_of(body, "seed", "integer"),
-        presence_penalty=field_of(body, "presence_penalty", "number", 0.0),
-        frequency_penalty=field_of(body, "frequency_penalty", "number", 0.0),
-        top_k=field_of(body, "top_k", "integer", 0),
-        min_p=field_of(body, "min_p", "number", 0.0),
-        repetition_penalty=field_of(body, "repetition_penalty", "number", 1.0),
-        min_tokens=field_of(body, "min_tokens", "integer", 0),
-        ignore_eos=field_of(body, "ignore_eos", "boolean", False),
-    )
+    """(turn, stream, include_usage, echo, logprobs), from the body checked as api_models.openai.CompletionRequest."""
+    request = validated(CompletionRequest, body)
+    stream, include_usage = stream_flags(request.stream, request.stream_options)
     turn = ChatTurn(
-        model=model,
+        model=request.model,
         messages=[],
-        sampling=sampling,
+        sampling=to_wire(request, request.max_tokens, "max_tokens"),
         max_tokens_param="max_tokens",
-        stop=parse_stop(body),
-        n=field_of(body, "n", "integer", 1),
-        logprobs=logprobs is not None,
-        top_logprobs=logprobs or 0,
-        cache_salt=field_of(body, "cache_salt", "string", ""),
+        stop=stop_strings(request.stop),
+        n=request.n,
+        logprobs=request.logprobs is not None,
+        top_logprobs=request.logprobs or 0,
+        cache_salt=request.cache_salt,
         traffic_class="",
         prompt_param="prompt",
-        prompt=prompt,
+        prompt=request.prompt_value,
     )
-    return turn, stream, include_usage, bool(field_of(body, "echo", "boolean", False)), logprobs
+    return turn, stream, include_usage, request.echo, request.logprobs
 
 
 def _legacy_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]:

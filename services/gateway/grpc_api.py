@@ -14,9 +14,13 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from engine_core.sampling_params import SamplingParamsError
 from engine_core.structured_output import StructuredOutput
+from mesh.compute.convert import sampling_from_proto
 from mesh.logging import REQUEST_ID_KEY, bind_request_id, get_logger
 from mesh.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.api_models.base import validated_part
+from services.gateway.api_models.openai import CHAT_MESSAGE, MAX_STOP_STRINGS
 from services.gateway.auth import bearer_key
 from services.gateway.chat import (
     ArgsEvent,
@@ -32,8 +36,7 @@ from services.gateway.chat import (
 from services.gateway.core import GatewayCore, new_request_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.images import ImagePart
-from services.gateway.openai_shapes import MAX_STOP_STRINGS, parse_message, tool_call_message
-from services.gateway.sampling import check_wire
+from services.gateway.openai_shapes import chat_message, tool_call_message
 from services.gateway.schema_support import checked_grammar, json_schema_output
 from services.gateway.telemetry import RequestRecord
 from services.gateway.tool_calls import Tool, ToolChoice, parse_tool
@@ -65,8 +68,31 @@ def _messages(request: gateway_pb2.GenerateRequest, images: list[ImagePart]) -> 
             raw["tool_calls"] = [tool_call_message(c.id, c.name, c.arguments) for c in message.tool_calls]
         if message.tool_call_id:
             raw["tool_call_id"] = message.tool_call_id
-        messages.append(parse_message(raw, param, images, content_field="parts" if message.parts else "content"))
+        field = "parts" if message.parts else "content"
+        try:
+            checked = validated_part(CHAT_MESSAGE, raw, param)
+        except GatewayError as error:  # the REST shape's `content` is this message's `parts`
+            raise _renamed(error, f"{param}.content", f"{param}.{field}") from None
+        messages.append(chat_message(checked, param, images, content_field=field))
     return messages
+
+
+def _renamed(error: GatewayError, old: str, new: str) -> GatewayError:
+    if error.param is None or not error.param.startswith(old):
+        return error
+    return GatewayError(error.kind, error.message.replace(old, new), new + error.param[len(old) :])
+
+
+def check_sampling(sampling: common_pb2.SamplingParams) -> None:
+    """A caller's SamplingParams, read as the engine reads them (mesh.compute.convert): a bad value is a 400
+    naming the parameter, before routing. The grammar is not read here: response_format sets it."""
+    without_grammar = common_pb2.SamplingParams()
+    without_grammar.CopyFrom(sampling)
+    without_grammar.ClearField("structured_output")
+    try:
+        sampling_from_proto(without_grammar)
+    except SamplingParamsError as exc:
+        raise invalid(exc.param, str(exc)) from None
 
 
 def _part(part: gateway_pb2.ContentPart, param: str) -> dict[str, Any]:
@@ -147,7 +173,7 @@ def to_turn(core: GatewayCore, request: gateway_pb2.GenerateRequest) -> ChatTurn
     images: list[ImagePart] = []
     messages, prompt, prompt_param = _prompt(request, images)
     sampling = request.sampling if request.HasField("sampling") else common_pb2.SamplingParams()
-    check_wire(sampling)
+    check_sampling(sampling)
     if len(request.stop) > MAX_STOP_STRINGS:
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
     tools = _tools(request)

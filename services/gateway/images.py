@@ -37,15 +37,6 @@ class ImageSettings:
     fetch_timeout_s: float
 
 
-def parse_image_part(part: dict[str, Any], param: str) -> ImagePart:
-    """{"type": "image_url", "image_url": {"url": ..., "detail": ...}} (or the url as a plain string)."""
-    raw = part.get("image_url")
-    url = raw.get("url") if isinstance(raw, dict) else raw
-    if not isinstance(url, str) or not url:
-        raise invalid(param, f'\'{param}.image_url\' must be {{"url": "data:image/png;base64,..."}}')
-    return ImagePart(param, url)
-
-
 def check_text(text: str, param: str) -> None:
     if IMAGE_MARKER in text:
         raise invalid(param, f"'{param}' must not contain {IMAGE_MARKER!r}")

@@ -17,6 +17,19 @@ from typing import Any
 
 from aiohttp import web
 
+from services.gateway.api_models.anthropic import (
+    AnthropicModeChoice,
+    AnthropicNamedChoice,
+    AssistantTurn,
+    ImageBlock,
+    MessagesRequest,
+    TextBlock,
+    ToolUseBlock,
+    UnknownTurn,
+    UserTurn,
+)
+from services.gateway.api_models.base import validated
+from services.gateway.api_models.sampling import to_wire
 from services.gateway.chat import (
     ArgsEvent,
     CallEndEvent,
@@ -28,99 +41,59 @@ from services.gateway.chat import (
     TextEvent,
     collect,
 )
-from services.gateway.errors import GatewayError, invalid
+from services.gateway.errors import GatewayError
 from services.gateway.images import IMAGE_MARKER, ImagePart, check_text
-from services.gateway.openai_shapes import field_of, parse_stop, tool_call_message
+from services.gateway.openai_shapes import stop_strings, tool_call_message
 from services.gateway.pipeline import Usage
 from services.gateway.rest import admitted, dumps, json_body, served_headers, start_turn, stream_response
-from services.gateway.sampling import openai_to_wire
-from services.gateway.tool_calls import Tool, ToolChoice, parse_tool
+from services.gateway.tool_calls import AUTO_TOOLS, NO_TOOLS, Tool, ToolChoice, parse_tool
 
 MESSAGES_PATH = "/v1/messages"
 MESSAGES_API = "messages"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def _text_of(blocks: Any, param: str) -> str:
+def _text_of(blocks: str | list[TextBlock], param: str) -> str:
     if isinstance(blocks, str):
         check_text(blocks, param)
         return blocks
-    if not isinstance(blocks, list):
-        raise invalid(param, f"'{param}' must be a string or an array of text blocks")
-    texts = []
     for index, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise invalid(f"{param}[{index}]", f"'{param}[{index}]' must be a text block")
-        check_text(block["text"], f"{param}[{index}].text")
-        texts.append(block["text"])
-    return "\n".join(texts)
+        check_text(block.text, f"{param}[{index}].text")
+    return "\n".join(block.text for block in blocks)
 
 
-def _image(block: dict[str, Any], param: str) -> ImagePart:
-    """{"type": "image", "source": {"type": "base64", "media_type": ..., "data": ...}} or a "url" source."""
-    source = block.get("source")
-    if not isinstance(source, dict):
-        source = {}
-    kind = source.get("type")
-    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
-        return ImagePart(param, f"data:{source['media_type']};base64,{source['data']}")
-    if kind == "url" and isinstance(source.get("url"), str):
-        return ImagePart(param, source["url"])
-    raise invalid(
-        f"{param}.source",
-        f'\'{param}.source\' must be {{"type": "base64", "media_type": '
-        '"image/png", "data": ...} or {"type": "url", "url": ...}',
-    )
-
-
-def _message(message: Any, param: str, images: list[ImagePart]) -> list[dict[str, Any]]:
+def _message(
+    message: UserTurn | AssistantTurn | UnknownTurn, param: str, images: list[ImagePart]
+) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: tool_result blocks become `tool` turns before the user's text; an
-    image block stands in the user's text as IMAGE_MARKER and joins `images`."""
-    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-        raise invalid(f"{param}.role", f"'{param}.role' must be 'user' or 'assistant'")
-    role, content = message["role"], message.get("content")
+    image block stands in the user's text as IMAGE_MARKER and joins `images`. Which blocks each role may send is
+    the model's (api_models.anthropic)."""
+    assert not isinstance(message, UnknownTurn), "refused when checked"
+    role, content = message.role, message.content
     if isinstance(content, str):
         check_text(content, f"{param}.content")
         return [{"role": role, "content": content}]
-    if not isinstance(content, list):
-        raise invalid(f"{param}.content", f"'{param}.content' must be a string or an array of content blocks")
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for index, block in enumerate(content):
         block_param = f"{param}.content[{index}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            check_text(block["text"], f"{block_param}.text")
-            texts.append(block["text"])
-        elif kind == "image" and role == "user":
-            images.append(_image(block, block_param))
+        if isinstance(block, TextBlock):
+            check_text(block.text, f"{block_param}.text")
+            texts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            images.append(ImagePart(block_param, block.url))
             texts.append(IMAGE_MARKER)
-        elif (
-            kind == "tool_use"
-            and role == "assistant"
-            and isinstance(block.get("name"), str)
-            and isinstance(block.get("input", {}), dict)
-        ):
-            calls.append(
-                tool_call_message(
-                    str(block.get("id", "")), block["name"], json.dumps(block.get("input", {}), ensure_ascii=False)
-                )
-            )
-        elif kind == "tool_result" and role == "user" and isinstance(block.get("tool_use_id"), str):
-            output = _text_of(block.get("content", ""), f"{block_param}.content")
+        elif isinstance(block, ToolUseBlock):
+            calls.append(tool_call_message(block.id, block.name, json.dumps(block.input, ensure_ascii=False)))
+        else:
+            output = _text_of(block.content, f"{block_param}.content")
             results.append(
                 {
                     "role": "tool",
-                    "content": f"Error: {output}" if block.get("is_error") else output,
-                    "tool_call_id": block["tool_use_id"],
+                    "content": f"Error: {output}" if block.is_error else output,
+                    "tool_call_id": block.tool_use_id,
                 }
-            )
-        else:
-            raise invalid(
-                block_param,
-                f"'{block_param}' must be a text block, an image or tool_result block (user) "
-                "or a tool_use block (assistant)",
             )
     out: list[dict[str, Any]] = list(results)
     if role == "assistant":
@@ -130,64 +103,42 @@ def _message(message: Any, param: str, images: list[ImagePart]) -> list[dict[str
     return out
 
 
-def _tool_choice(raw: Any, tools: tuple[Tool, ...]) -> tuple[ToolChoice, bool]:
+def _tool_choice(
+    choice: AnthropicModeChoice | AnthropicNamedChoice | None, tools: tuple[Tool, ...]
+) -> tuple[ToolChoice, bool]:
     """(choice, parallel tool calls allowed)."""
-    if raw is None:
-        return ToolChoice("auto" if tools else "none"), True
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    parallel = not (isinstance(raw, dict) and raw.get("disable_parallel_tool_use") is True)
-    if kind in ("auto", "none"):
-        return ToolChoice(kind), parallel
-    if kind == "any":
-        return ToolChoice("required"), parallel
-    if kind == "tool" and isinstance(raw.get("name"), str):
-        return ToolChoice("named", raw["name"]), parallel
-    raise invalid(
-        "tool_choice", '\'tool_choice\' must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}'
-    )
+    if choice is None:
+        return (AUTO_TOOLS if tools else NO_TOOLS), True
+    parallel = not choice.disable_parallel_tool_use
+    if isinstance(choice, AnthropicNamedChoice):
+        return ToolChoice("named", choice.name), parallel
+    return ToolChoice("required" if choice.type == "any" else choice.type), parallel
 
 
 def parse_messages_request(body: Any) -> tuple[ChatTurn, bool]:
-    """(turn, stream)."""
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model", "'model' must be a non-empty string")
-    max_tokens = body.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-        raise invalid("max_tokens", "'max_tokens' is required and must be an integer")
-    raw_messages = body.get("messages")
-    if not isinstance(raw_messages, list) or not raw_messages:
-        raise invalid("messages", "'messages' must be a non-empty array")
+    """(turn, stream), from the body checked as api_models.anthropic.MessagesRequest."""
+    request = validated(MessagesRequest, body)
     images: list[ImagePart] = []
-    messages = [m for i, raw in enumerate(raw_messages) for m in _message(raw, f"messages[{i}]", images)]
-    if body.get("system") is not None:
-        messages.insert(0, {"role": "system", "content": _text_of(body["system"], "system")})
-    tools = []
-    for index, tool in enumerate(field_of(body, "tools", "array", [])):
-        if not isinstance(tool, dict):
-            raise invalid(f"tools[{index}]", f"'tools[{index}]' must be an object")
-        tools.append(parse_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), f"tools[{index}]"))
-    choice, parallel = _tool_choice(body.get("tool_choice"), tuple(tools))
-    sampling = openai_to_wire(
-        temperature=field_of(body, "temperature", "number", 1.0),
-        top_p=field_of(body, "top_p", "number", 1.0),
-        max_tokens=max_tokens,
-        top_k=field_of(body, "top_k", "integer", 0),
+    messages = [m for i, raw in enumerate(request.messages) for m in _message(raw, f"messages[{i}]", images)]
+    if request.system is not None:
+        messages.insert(0, {"role": "system", "content": _text_of(request.system, "system")})
+    tools = tuple(
+        parse_tool(tool.name, tool.description, tool.input_schema, f"tools[{index}]")
+        for index, tool in enumerate(request.tools)
     )
+    choice, parallel = _tool_choice(request.tool_choice, tools)
     turn = ChatTurn(
-        model=model,
+        model=request.model,
         messages=messages,
-        sampling=sampling,
+        sampling=to_wire(request, request.max_tokens, "max_tokens"),
         max_tokens_param="max_tokens",
-        stop=parse_stop(body, "stop_sequences"),
-        tools=tuple(tools),
+        stop=stop_strings(request.stop_sequences),
+        tools=tools,
         tool_choice=choice,
         parallel_tool_calls=parallel,
         images=tuple(images),
     )
-    return turn, bool(field_of(body, "stream", "boolean", False))
+    return turn, request.stream
 
 
 def _usage(usage: Usage, num_output_tokens: int | None = None) -> dict[str, Any]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.gateway.api_models.document import openapi_document
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.openapi import openapi_document
 from services.gateway.rest import CORE_KEY, STARTED_AT_KEY
 
 

@@ -10,7 +10,6 @@ response.completed (or response.incomplete when max_output_tokens cut it short).
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +18,21 @@ from typing import Any
 
 from aiohttp import web
 
+from engine_core.structured_output import StructuredOutput
+from services.gateway.api_models.base import validated
+from services.gateway.api_models.openai import JsonObjectFormat
+from services.gateway.api_models.responses import (
+    RESPONSE_ID,
+    AssistantInput,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    InputMessage,
+    InstructionMessage,
+    JsonSchemaTextFormat,
+    ResponsesRequest,
+)
+from services.gateway.api_models.sampling import to_wire
 from services.gateway.chat import (
     ArgsEvent,
     CallEndEvent,
@@ -29,23 +43,16 @@ from services.gateway.chat import (
     TextEvent,
     collect,
 )
-from services.gateway.errors import ErrorKind, GatewayError, invalid
+from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.images import ImagePart, check_text
-from services.gateway.openai_shapes import (
-    content_text,
-    field_of,
-    parse_response_format,
-    parse_tool_choice,
-    tool_call_message,
-)
+from services.gateway.openai_shapes import content_text, tool_call_message, tool_choice_of
 from services.gateway.pipeline import Usage
 from services.gateway.rest import STORE_KEY, admitted, dumps, json_body, served_headers, start_turn, stream_response
-from services.gateway.sampling import openai_to_wire
-from services.gateway.tool_calls import Tool, parse_tool
+from services.gateway.schema_support import json_schema_output
+from services.gateway.tool_calls import parse_tool
 
 RESPONSES_PATH = "/v1/responses"
 RESPONSES_API = "responses"
-RESPONSE_ID = re.compile(r"resp_[A-Za-z0-9]{1,64}")
 INPUT_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
@@ -74,126 +81,87 @@ class ResponseRequest:
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
 
 
-def _input_messages(raw: Any, images: list[ImagePart]) -> list[dict[str, Any]]:
+def _input_messages(raw: str | list[InputItem], images: list[ImagePart]) -> list[dict[str, Any]]:
     if isinstance(raw, str):
         check_text(raw, "input")
         return [{"role": "user", "content": raw}]
-    if not isinstance(raw, list) or not raw:
-        raise invalid("input", "'input' must be a string or a non-empty array of input items")
     messages: list[dict[str, Any]] = []
     for index, item in enumerate(raw):
         param = f"input[{index}]"
-        if not isinstance(item, dict):
-            raise invalid(param, f"'{param}' must be an object")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in INPUT_ROLES:
-                raise invalid(f"{param}.role", f"'{param}.role' must be one of user, system, developer, assistant")
-            messages.append(
-                {
-                    "role": INPUT_ROLES[role],
-                    "content": content_text(item.get("content"), role, f"{param}.content", images),
-                }
-            )
-        elif kind == "function_call":
-            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
-            if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
-                raise invalid(param, f"'{param}' needs string 'call_id', 'name' and 'arguments'")
+        if isinstance(item, (InputMessage, InstructionMessage, AssistantInput)):
+            content = content_text(item.content, f"{param}.content", images)
+            messages.append({"role": INPUT_ROLES[item.role], "content": content})
+        elif isinstance(item, FunctionCallItem):
             if not messages or messages[-1]["role"] != "assistant":
                 messages.append({"role": "assistant", "content": ""})
-            messages[-1].setdefault("tool_calls", []).append(tool_call_message(call_id, name, arguments))
-        elif kind == "function_call_output":
-            call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str) or not isinstance(output, str):
-                raise invalid(param, f"'{param}' needs string 'call_id' and 'output'")
-            check_text(output, f"{param}.output")
-            messages.append({"role": "tool", "content": output, "tool_call_id": call_id})
+            call = tool_call_message(item.call_id, item.name, item.arguments)
+            messages[-1].setdefault("tool_calls", []).append(call)
         else:
-            raise invalid(f"{param}.type", f"input items of type {str(kind)[:40]!r} are not supported")
+            assert isinstance(item, FunctionCallOutputItem), "other roles are refused when checked"
+            check_text(item.output, f"{param}.output")
+            messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
     return messages
 
 
-def _tools(body: dict[str, Any]) -> tuple[Tool, ...]:
-    tools = []
-    for index, tool in enumerate(field_of(body, "tools", "array", [])):
-        param = f"tools[{index}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise invalid(param, f'\'{param}\' must be a function tool: {{"type": "function", "name": ...}}')
-        tools.append(parse_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), param))
-    return tuple(tools)
+def _text_format(request: ResponsesRequest) -> StructuredOutput | None:
+    fmt = request.text.format
+    if isinstance(fmt, JsonSchemaTextFormat):
+        return json_schema_output(fmt.schema_, "text.format.schema")
+    return StructuredOutput("json_object", "") if isinstance(fmt, JsonObjectFormat) else None
 
 
-def _text_format(body: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    text = field_of(body, "text", "object", {})
-    fmt = text.get("format")
-    if fmt is None:
-        return None, {"format": {"type": "text"}}
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # flat here, nested in Chat Completions
-        wrapped = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-        return parse_response_format(wrapped, "text.format"), {"format": fmt}
-    return parse_response_format(fmt, "text.format"), {"format": fmt}
-
-
-def parse_response_request(body: Any, history: Conversation | None = None) -> ResponseRequest:
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model", "'model' must be a non-empty string")
+def parse_response_request(
+    request: ResponsesRequest, body: dict[str, Any], history: Conversation | None = None
+) -> ResponseRequest:
+    """The checked body (`body` as sent, for the fields the response repeats), continuing `history`: the stored
+    conversation of its previous_response_id."""
     history = history or Conversation()
     # the stored conversation's images first: their markers come first in the prompt
     images = [ImagePart(f"previous_response_id (its image {n})", url) for n, url in enumerate(history.image_urls)]
-    new_messages = _input_messages(body.get("input"), images)
-    instructions = field_of(body, "instructions", "string")
-    if instructions:
-        check_text(instructions, "instructions")
-    tools = _tools(body)
-    response_format, text = _text_format(body)
-    max_tokens = field_of(body, "max_output_tokens", "integer")
-    sampling = openai_to_wire(
-        temperature=field_of(body, "temperature", "number", 1.0),
-        top_p=field_of(body, "top_p", "number", 1.0),
-        max_tokens=max_tokens,
-        seed=field_of(body, "seed", "integer"),
-        top_k=field_of(body, "top_k", "integer", 0),
-        param_names={"max_tokens": "max_output_tokens"},
+    new_messages = _input_messages(request.input, images)
+    if request.instructions:
+        check_text(request.instructions, "instructions")
+    tools = tuple(
+        parse_tool(tool.name, tool.description, tool.parameters, f"tools[{index}]")
+        for index, tool in enumerate(request.tools)
     )
-    system = [{"role": "system", "content": instructions}] if instructions else []
-    parallel = bool(field_of(body, "parallel_tool_calls", "boolean", True))
+    sampling = to_wire(request, request.max_output_tokens, "max_output_tokens")
+    system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     turn = ChatTurn(
-        model=model,
+        model=request.model,
         messages=system + history.messages + new_messages,
         sampling=sampling,
         max_tokens_param="max_output_tokens",
         tools=tools,
-        tool_choice=parse_tool_choice(body.get("tool_choice"), bool(tools)),
-        parallel_tool_calls=parallel,
-        response_format=response_format,
-        cache_salt=field_of(body, "cache_salt", "string", ""),
+        tool_choice=tool_choice_of(request.tool_choice, bool(tools)),
+        parallel_tool_calls=request.parallel_tool_calls,
+        response_format=_text_format(request),
+        cache_salt=request.cache_salt,
         prompt_param="input",
         images=tuple(images),
     )
+    # the fields the response object repeats, as the client sent them
+    fmt = (body.get("text") or {}).get("format")
     echo = {
-        "instructions": instructions,
-        "max_output_tokens": max_tokens,
-        "parallel_tool_calls": parallel,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "parallel_tool_calls": request.parallel_tool_calls,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "text": text,
+        "text": {"format": {"type": "text"} if fmt is None else fmt},
         "tool_choice": body.get("tool_choice", "auto" if tools else "none"),
         "tools": body.get("tools") or [],
-        "metadata": field_of(body, "metadata", "object", {}),
-        "user": field_of(body, "user", "string"),
+        "metadata": request.metadata,
+        "user": request.user,
     }
     return ResponseRequest(
         turn,
         new_messages,
         history.messages,
-        instructions,
-        stream=bool(field_of(body, "stream", "boolean", False)),
-        store=bool(field_of(body, "store", "boolean", True)),
-        previous_response_id=field_of(body, "previous_response_id", "string"),
+        request.instructions,
+        stream=request.stream,
+        store=request.store,
+        previous_response_id=request.previous_response_id,
         echo=echo,
     )
 
@@ -266,12 +234,9 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- handlers --------------------------------------------------------------------------------------------
 
 
-async def _history(request: web.Request, body: Any) -> Conversation:
-    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+async def _history(request: web.Request, previous: str | None) -> Conversation:
     if previous is None:
         return Conversation()
-    if not isinstance(previous, str) or not RESPONSE_ID.fullmatch(previous):
-        raise invalid("previous_response_id", "'previous_response_id' must be a response id (resp_...)")
     record = await request.app[STORE_KEY].get(previous)
     if record is None:
         raise GatewayError(ErrorKind.NOT_FOUND, f"no stored response {previous!r}", "previous_response_id")
@@ -281,7 +246,8 @@ async def _history(request: web.Request, body: Any) -> Conversation:
 async def create_response(request: web.Request) -> web.StreamResponse:
     async with admitted(request, RESPONSES_API) as record:
         body = await json_body(request)
-        req = parse_response_request(body, await _history(request, body))
+        checked = validated(ResponsesRequest, body)
+        req = parse_response_request(checked, body, await _history(request, checked.previous_response_id))
         run = await start_turn(request, req.turn, record)
         response_id, created = _new_id("resp_"), int(time.time())
         try:

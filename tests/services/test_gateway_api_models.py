@@ -15,7 +15,7 @@ from mesh.pb import common_pb2
 from services.gateway.api_models.anthropic import MessagesRequest
 from services.gateway.api_models.base import param_of, validated
 from services.gateway.api_models.document import openapi_document
-from services.gateway.api_models.openai import ChatCompletionRequest, CompletionRequest
+from services.gateway.api_models.openai import TOOL_CHOICE_SHAPE, ChatCompletionRequest, CompletionRequest
 from services.gateway.api_models.responses import ResponsesRequest
 from services.gateway.api_models.sampling import SamplingFields, to_wire
 from services.gateway.errors import GatewayError
@@ -102,7 +102,7 @@ def test_the_generic_conversion_round_trips() -> None:
         (
             {"tool_choice": {"type": "function"}},
             "tool_choice",
-            "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            "'tool_choice' " + TOOL_CHOICE_SHAPE,
         ),
     ],
 )
@@ -141,20 +141,29 @@ def schema_of(doc: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def test_the_document_says_what_the_server_checks() -> None:
-    """The disagreements schemathesis found, each now in the document."""
+    """The disagreements schemathesis found, each now in the document (OpenAPI 3.0: an integer is written
+    without a fraction there, as the server reads it)."""
     doc = openapi_document()
+    assert doc["openapi"] == "3.0.3"
     chat, responses = schema_of(doc, "ChatCompletionRequest"), schema_of(doc, "ResponsesRequest")
     messages = schema_of(doc, "MessagesRequest")
     assert chat["properties"]["model"] == {"type": "string", "minLength": 1}
-    assert chat["properties"]["top_p"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
-    assert messages["properties"]["top_p"]["anyOf"][1] == {"type": "null"}  # the server reads null as unset
+    top_p = {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True}
+    assert chat["properties"]["top_p"] == top_p
+    assert messages["properties"]["top_p"] == top_p  # the server reads null as unset
     assert messages["properties"]["max_tokens"] == {
         "type": "integer",
         "minimum": 1,
         "maximum": 2**31 - 1,
         "description": "unset: until the context is full",
     }
-    previous = responses["properties"]["previous_response_id"]["anyOf"][0]
-    assert previous == {"type": "string", "pattern": "^resp_[A-Za-z0-9]{1,64}$"}
+    previous = responses["properties"]["previous_response_id"]
+    assert previous == {"type": "string", "pattern": "^resp_[A-Za-z0-9]{1,64}$", "nullable": True}
     assert "logit_bias" not in chat["properties"]  # refused by name: nothing to send
     assert set(messages["required"]) == {"model", "max_tokens", "messages"}
+    tool = schema_of(doc, "ToolMessage")  # a tool message needs the id of the call it answers
+    assert (set(tool["required"]), tool["properties"]["tool_call_id"]) == (
+        {"role", "content", "tool_call_id"},
+        {"type": "string", "minLength": 1},
+    )
+    assert not [name for name in doc["components"]["schemas"] if name.startswith("Unknown")]

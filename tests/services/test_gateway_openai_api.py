@@ -21,11 +21,11 @@ from services.gateway.chat import ChoiceResult
 from services.gateway.chat_completions import ChunkShape, completion_body, parse_chat_request
 from services.gateway.core import GatewayCore
 from services.gateway.errors import ErrorKind, GatewayError, from_rpc_error
+from services.gateway.grpc_api import check_sampling
 from services.gateway.http_app import create_app
 from services.gateway.mesh_view import MeshView
 from services.gateway.openai_shapes import SSE_DONE, sse
 from services.gateway.pipeline import Pipeline, Usage
-from services.gateway.sampling import check_wire
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -218,12 +218,12 @@ def test_accepted_no_op_fields() -> None:
 
 
 def test_grpc_sampling_checked_as_the_engine_reads_it() -> None:
-    check_wire(common_pb2.SamplingParams())  # all defaults: greedy, top_p 0 read as 1
+    check_sampling(common_pb2.SamplingParams())  # all defaults: greedy, top_p 0 read as 1
     with pytest.raises(GatewayError) as caught:
-        check_wire(common_pb2.SamplingParams(max_tokens=0))
+        check_sampling(common_pb2.SamplingParams(max_tokens=0))
     assert caught.value.param == "max_tokens"
     with pytest.raises(GatewayError) as caught:
-        check_wire(common_pb2.SamplingParams(logprobs=50))
+        check_sampling(common_pb2.SamplingParams(logprobs=50))
     assert caught.value.param == "logprobs"
 
 

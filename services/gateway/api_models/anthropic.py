@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, Tag, model_validator
+from pydantic import Field, Tag
+from pydantic.json_schema import SkipJsonSchema
 
 from services.gateway.api_models.base import (
     Bool,
@@ -14,6 +15,7 @@ from services.gateway.api_models.base import (
     Str,
     by_shape,
     reported_whole,
+    tag_by_field,
     tag_by_type,
 )
 from services.gateway.api_models.openai import Stop, ToolName
@@ -68,6 +70,10 @@ class ToolUseBlock(RequestModel):
     input: JsonObject = Field(default_factory=dict)
 
 
+def _text_or_blocks(value: Any) -> str | None:
+    return "Text" if isinstance(value, str) else "Blocks" if isinstance(value, list) else None
+
+
 TextBlocks = Annotated[
     Annotated[Str, Tag("Text")] | Annotated[list[TextBlock], Tag("Blocks")],
     by_shape(
@@ -87,29 +93,63 @@ class ToolResultBlock(RequestModel):
 
 
 BLOCK_SHAPE = "must be a text block, an image or tool_result block (user) or a tool_use block (assistant)"
-Block = Annotated[
-    Annotated[TextBlock, Tag("Text")]
-    | Annotated[ImageBlock, Tag("Image")]
-    | Annotated[ToolUseBlock, Tag("ToolUse")]
-    | Annotated[ToolResultBlock, Tag("ToolResult")],
+
+
+def _block_tag(value: Any) -> str | None:
+    return tag_by_type(value, {"text": "Text", "image": "Image", "tool_use": "ToolUse", "tool_result": "ToolResult"})
+
+
+class UserTurn(RequestModel):
+    role: Literal["user"]
+    content: Annotated[
+        Annotated[Str, Tag("Text")]
+        | Annotated[
+            list[
+                Annotated[
+                    Annotated[TextBlock, Tag("Text")]
+                    | Annotated[ImageBlock, Tag("Image")]
+                    | Annotated[ToolResultBlock, Tag("ToolResult")],
+                    by_shape(lambda v: None if _block_tag(v) == "ToolUse" else _block_tag(v), BLOCK_SHAPE),
+                ]
+            ],
+            Tag("Blocks"),
+        ],
+        by_shape(_text_or_blocks, "must be a string or an array of content blocks"),
+    ]
+
+
+class AssistantTurn(RequestModel):
+    role: Literal["assistant"]
+    content: Annotated[
+        Annotated[Str, Tag("Text")]
+        | Annotated[
+            list[
+                Annotated[
+                    Annotated[TextBlock, Tag("Text")] | Annotated[ToolUseBlock, Tag("ToolUse")],
+                    by_shape(lambda v: _block_tag(v) if _block_tag(v) in ("Text", "ToolUse") else None, BLOCK_SHAPE),
+                ]
+            ],
+            Tag("Blocks"),
+        ],
+        by_shape(_text_or_blocks, "must be a string or an array of content blocks"),
+    ]
+
+
+class UnknownTurn(RequestModel):
+    """Not in the document: a message whose role is neither, refused at its `role`."""
+
+    role: Literal["user", "assistant"]
+
+
+AnthropicMessage = Annotated[
+    Annotated[UserTurn, Tag("User")]
+    | Annotated[AssistantTurn, Tag("Assistant")]
+    | SkipJsonSchema[Annotated[UnknownTurn, Tag("Unknown")]],
     by_shape(
-        lambda v: tag_by_type(
-            v, {"text": "Text", "image": "Image", "tool_use": "ToolUse", "tool_result": "ToolResult"}
-        ),
-        BLOCK_SHAPE,
+        lambda v: tag_by_field(v, "role", {"user": "User", "assistant": "Assistant"}, unknown="Unknown"),
+        "must be an object",
     ),
 ]
-
-
-class AnthropicMessage(RequestModel):
-    role: Literal["user", "assistant"]
-    content: Annotated[
-        Annotated[Str, Tag("Text")] | Annotated[list[Block], Tag("Blocks")],
-        by_shape(
-            lambda v: "Text" if isinstance(v, str) else "Blocks" if isinstance(v, list) else None,
-            "must be a string or an array of content blocks",
-        ),
-    ]
 
 
 class AnthropicTool(RequestModel):
@@ -121,16 +161,24 @@ class AnthropicTool(RequestModel):
 TOOL_CHOICE_SHAPE = 'must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}'
 
 
-class AnthropicToolChoice(RequestModel):
-    type: Literal["auto", "any", "none", "tool"]
-    name: NonEmptyStr | None = None  # the tool, with type "tool"
+class AnthropicModeChoice(RequestModel):
+    type: Literal["auto", "any", "none"]
     disable_parallel_tool_use: Bool = False
 
-    @model_validator(mode="after")
-    def _named(self) -> AnthropicToolChoice:
-        if self.type == "tool" and self.name is None:
-            raise ValueError("names no tool")
-        return self
+
+class AnthropicNamedChoice(RequestModel):
+    type: Literal["tool"]
+    name: NonEmptyStr
+    disable_parallel_tool_use: Bool = False
+
+
+AnthropicToolChoice = Annotated[
+    Annotated[AnthropicModeChoice, reported_whole(TOOL_CHOICE_SHAPE), Tag("Any")]
+    | Annotated[AnthropicNamedChoice, reported_whole(TOOL_CHOICE_SHAPE), Tag("Named")],
+    by_shape(
+        lambda v: tag_by_type(v, {"auto": "Any", "any": "Any", "none": "Any", "tool": "Named"}), TOOL_CHOICE_SHAPE
+    ),
+]
 
 
 class MessagesRequest(CoreSampling):
@@ -141,4 +189,4 @@ class MessagesRequest(CoreSampling):
     stop_sequences: Stop | None = None
     stream: Bool = False
     tools: tuple[AnthropicTool, ...] = ()
-    tool_choice: Annotated[AnthropicToolChoice, reported_whole(TOOL_CHOICE_SHAPE)] | None = None
+    tool_choice: AnthropicToolChoice | None = None

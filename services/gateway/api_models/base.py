@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    TypeAdapter,
     ValidationError,
     WrapValidator,
     model_validator,
@@ -55,12 +56,20 @@ def by_shape(choose: Callable[[Any], str | None], message: str) -> Discriminator
     return Discriminator(choose, custom_error_type="no_member", custom_error_message=message)
 
 
-def tag_by_type(value: Any, tags: dict[str, str], default: str | None = None) -> str | None:
-    """For `by_shape`: the tag of an object by its `type` field (`default` when it has none)."""
+def tag_by_field(
+    value: Any, field: str, tags: dict[str, str], default: str | None = None, unknown: str | None = None
+) -> str | None:
+    """For `by_shape`: the tag of an object by one of its fields (`default` when unset, `unknown` for a value
+    not in `tags`); None, refusing the value, when it is no object."""
     if not isinstance(value, dict):
         return None
-    kind = value.get("type", default)
-    return tags.get(kind) if isinstance(kind, str) else None
+    kind = value.get(field)
+    kind = default if kind is None else kind  # null is absent
+    return tags[kind] if isinstance(kind, str) and kind in tags else unknown
+
+
+def tag_by_type(value: Any, tags: dict[str, str], default: str | None = None) -> str | None:
+    return tag_by_field(value, "type", tags, default)
 
 
 def _refuse(value: Any) -> Any:
@@ -104,10 +113,10 @@ _NOUNS = {
 }
 
 
-def param_of(loc: tuple[int | str, ...]) -> str | None:
+def param_of(loc: tuple[int | str, ...], at: str = "") -> str | None:
     """pydantic's location as the client's field: ('messages', 1, 'content') -> messages[1].content. Union
     member tags (CamelCase or pydantic's type names) are not fields and are left out."""
-    param = ""
+    param = at
     for part in loc:
         if isinstance(part, int):
             param += f"[{part}]"
@@ -141,21 +150,31 @@ def _message(error: ErrorDetails, param: str | None) -> str:
     return f"'{name}' {error['msg']}" if kind in ("no_member", "shape", "unsupported") else f"{name}: {error['msg']}"
 
 
-def gateway_error(error: ValidationError) -> GatewayError:
-    """The first error (fields are checked in the order the model declares them), as a 400 naming the field."""
+def gateway_error(error: ValidationError, at: str = "") -> GatewayError:
+    """The first error (fields are checked in the order the model declares them), as a 400 naming the field
+    (under `at`, where the model is part of a larger request)."""
     first = error.errors(include_url=False)[0]
-    param = param_of(first["loc"])
+    param = param_of(first["loc"], at)
     return invalid(param, _message(first, param))
 
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 def validated(model: type[M], body: Any) -> M:
-    """The body as `model`, or a GatewayError naming the first bad field."""
+    """The request body as `model`, or a GatewayError naming the first bad field."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         raise gateway_error(exc) from None
+
+
+def validated_part(adapter: TypeAdapter[T], value: Any, at: str) -> T:
+    """A part of a larger request (its location `at`, e.g. messages[2]) as `adapter` reads it."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        raise gateway_error(exc, at) from None

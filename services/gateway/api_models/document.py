@@ -1,4 +1,4 @@
-"""The OpenAPI 3.1 document of the gateway's REST surface (served at /openapi.json), generated from the request
+"""The OpenAPI 3.0 document of the gateway's REST surface (served at /openapi.json), generated from the request
 models that parse the bodies, so the two cannot disagree. The error bodies are models too; the success bodies
 are the shapes the OpenAI and Anthropic SDKs parse (objects, or an event stream when `stream` is true)."""
 
@@ -54,13 +54,13 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 
 def _tidy(node: Any) -> Any:
-    """Without pydantic's titles; a field that is not required also takes null (RequestModel reads null as
-    absent), as the server does."""
+    """pydantic's JSON Schema as the document says it: no titles, no defaults (the descriptions say what unset
+    means), and a field that is not required also takes null (RequestModel reads null as absent)."""
     if isinstance(node, list):
         return [_tidy(item) for item in node]
     if not isinstance(node, dict):
         return node
-    node = {key: _tidy(value) for key, value in node.items() if key != "title" or not isinstance(value, str)}
+    node = {key: _tidy(value) for key, value in node.items() if key not in ("title", "default")}
     properties = node.get("properties")
     if node.get("type") == "object" and isinstance(properties, dict):
         required = set(node.get("required", ()))
@@ -76,9 +76,35 @@ def _takes_null(schema: dict[str, Any]) -> bool:
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    described: dict[str, Any] = {key: schema[key] for key in ("default", "description") if key in schema}
+    described: dict[str, Any] = {key: schema[key] for key in ("description",) if key in schema}
     inner = {key: value for key, value in schema.items() if key not in described}
     return {"anyOf": [inner, {"type": "null"}], **described}
+
+
+def _openapi_30(node: Any) -> Any:
+    """JSON Schema 2020-12 (pydantic's) in OpenAPI 3.0's dialect: null as `nullable`, `const` as a one-value
+    enum, exclusive bounds as flags. 3.0 because its integers are written without a fraction, as the server
+    reads them (1.0 is refused where an integer belongs); in 2020-12, 1.0 is an integer."""
+    if isinstance(node, list):
+        return [_openapi_30(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _openapi_30(value) for key, value in node.items()}
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    for bound, flag in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(bound), (int, float)) and not isinstance(node[bound], bool):
+            node[flag], node[bound] = node[bound], True
+    members = node.get("anyOf")
+    if isinstance(members, list) and {"type": "null"} in members:
+        rest = [member for member in members if member != {"type": "null"}]
+        del node["anyOf"]
+        if len(rest) == 1 and "$ref" not in rest[0]:
+            node.update(rest[0])
+        else:
+            node["allOf" if len(rest) == 1 else "anyOf"] = rest
+        node["nullable"] = True
+    return node
 
 
 @functools.cache
@@ -87,7 +113,18 @@ def schemas() -> dict[str, Any]:
     _, top = models_json_schema(
         [(model, "validation") for model in MODELS], ref_template="#/components/schemas/{model}"
     )
-    return dict(_tidy(top["$defs"]))
+    defined = _openapi_30(_tidy(top["$defs"]))
+    used = _referenced(defined) | {model.__name__ for model in MODELS}
+    return {name: schema for name, schema in defined.items() if name in used}  # not the undocumented members
+
+
+def _referenced(node: Any) -> set[str]:
+    if isinstance(node, list):
+        return set().union(*map(_referenced, node)) if node else set()
+    if not isinstance(node, dict):
+        return set()
+    names = {node["$ref"].rsplit("/", 1)[1]} if isinstance(node.get("$ref"), str) else set()
+    return names.union(*map(_referenced, node.values()))
 
 
 def _errors(model: type[BaseModel], statuses: tuple[str, ...]) -> dict[str, Any]:
@@ -147,7 +184,7 @@ def _stored_response() -> dict[str, Any]:
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     return {
-        "openapi": "3.1.0",
+        "openapi": "3.0.3",
         "info": {
             "title": "kvmesh gateway",
             "version": "1",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Tag, model_validator
+from pydantic import ConfigDict, Field, Tag, TypeAdapter
+from pydantic.json_schema import SkipJsonSchema
 
 from services.gateway.api_models.base import (
     Bool,
@@ -17,6 +18,7 @@ from services.gateway.api_models.base import (
     Str,
     by_shape,
     reported_whole,
+    tag_by_field,
     tag_by_type,
 )
 from services.gateway.api_models.sampling import MaxTokens, SamplingFields
@@ -46,7 +48,7 @@ class ImageUrl(RequestModel):
 IMAGE_SHAPE = 'must be {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}'
 
 
-class ImagePart(RequestModel):
+class ImageUrlPart(RequestModel):
     """Chat Completions' image_url part ({"url": ...}, or the URL alone), or the Responses API's input_image."""
 
     type: Literal["image_url", "input_image"]
@@ -61,7 +63,7 @@ class ImagePart(RequestModel):
 
 
 Part = Annotated[
-    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, reported_whole(IMAGE_SHAPE), Tag("ImagePart")],
+    Annotated[TextPart, Tag("TextPart")] | Annotated[ImageUrlPart, reported_whole(IMAGE_SHAPE), Tag("ImagePart")],
     by_shape(
         lambda v: tag_by_type(
             v, {**dict.fromkeys(TEXT_PART_TYPES, "TextPart"), **dict.fromkeys(IMAGE_PART_TYPES, "ImagePart")}
@@ -91,11 +93,60 @@ class ToolCall(RequestModel):
     function: FunctionCall
 
 
-class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Content | None = None  # null: an assistant's message with only tool calls
+TEXT_PART_SHAPE = 'must be a text part: {"type": "text", "text": ...} (images are taken in user messages only)'
+TextContent = Annotated[
+    Annotated[Str, Tag("Text")] | Annotated[list[Annotated[TextPart, reported_whole(TEXT_PART_SHAPE)]], Tag("Parts")],
+    by_shape(
+        lambda v: "Text" if isinstance(v, str) else "Parts" if isinstance(v, list) else None,
+        "must be a string or a list of text parts",
+    ),
+]
+
+
+class SystemMessage(RequestModel):
+    role: Literal["system", "developer"]
+    content: TextContent
+
+
+class UserMessage(RequestModel):
+    role: Literal["user"]
+    content: Content  # images in user messages only
+
+
+class AssistantMessage(RequestModel):
+    role: Literal["assistant"]
+    content: TextContent | None = None  # none: only tool calls
     tool_calls: tuple[ToolCall, ...] = ()
-    tool_call_id: Str | None = None  # what a `tool` message answers
+
+
+class ToolMessage(RequestModel):
+    role: Literal["tool"]
+    content: TextContent
+    tool_call_id: NonEmptyStr  # the call it answers
+
+
+class UnknownRole(RequestModel):
+    """Not in the document: a message whose role is none of ROLES, refused at its `role`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+
+
+def _role_tag(value: Any) -> str | None:
+    tags = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
+    return tag_by_field(value, "role", tags, unknown="UnknownRole")
+
+
+ChatMessage = Annotated[
+    Annotated[SystemMessage, Tag("System")]
+    | Annotated[UserMessage, Tag("User")]
+    | Annotated[AssistantMessage, Tag("Assistant")]
+    | Annotated[ToolMessage, Tag("Tool")]
+    | SkipJsonSchema[Annotated[UnknownRole, Tag("UnknownRole")]],
+    by_shape(_role_tag, "must be an object"),
+]
+CHAT_MESSAGE: TypeAdapter[SystemMessage | UserMessage | AssistantMessage | ToolMessage | UnknownRole] = TypeAdapter(
+    ChatMessage
+)
 
 
 # ---- tools and formats -----------------------------------------------------------------------------------
@@ -105,7 +156,7 @@ JsonSchema = Annotated[
     Annotated[
         Annotated[JsonObject, Field(description="a JSON Schema (the subset structured output enforces)")], Tag("Schema")
     ]
-    | Annotated[Bool, Tag("Boolean")],
+    | Annotated[Literal[True], Tag("Boolean")],  # false admits nothing: no grammar can follow it
     by_shape(
         lambda v: "Schema" if isinstance(v, dict) else "Boolean" if isinstance(v, bool) else None,
         "must be a JSON Schema object",
@@ -130,31 +181,43 @@ class NamedFunction(RequestModel):
 
 
 class NamedToolChoice(RequestModel):
-    """{"type": "function", "function": {"name": ...}}, or the Responses API's {"type": "function", "name": ...}."""
+    """{"type": "function", "function": {"name": ...}}."""
 
     type: Literal["function"]
-    function: NamedFunction | None = None
-    name: NonEmptyStr | None = None
-
-    @model_validator(mode="after")
-    def _named(self) -> NamedToolChoice:
-        if self.function is None and self.name is None:
-            raise ValueError("names no function")
-        return self
+    function: NamedFunction
 
     @property
     def function_name(self) -> str:
-        return self.function.name if self.function is not None else self.name or ""
+        return self.function.name
+
+
+class FlatNamedToolChoice(RequestModel):
+    """The Responses API's {"type": "function", "name": ...}."""
+
+    type: Literal["function"]
+    name: NonEmptyStr
+
+    @property
+    def function_name(self) -> str:
+        return self.name
 
 
 TOOL_CHOICE_SHAPE = 'must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+
+
+def _tool_choice_tag(value: Any) -> str | None:
+    if value in ("none", "auto", "required"):
+        return "Mode"
+    if isinstance(value, dict):
+        return "Named" if "function" in value else "FlatNamed"
+    return None
+
+
 ToolChoiceField = Annotated[
     Annotated[Literal["none", "auto", "required"], Tag("Mode")]
-    | Annotated[NamedToolChoice, reported_whole(TOOL_CHOICE_SHAPE), Tag("Named")],
-    by_shape(
-        lambda v: "Mode" if v in ("none", "auto", "required") else "Named" if isinstance(v, dict) else None,
-        TOOL_CHOICE_SHAPE,
-    ),
+    | Annotated[NamedToolChoice, reported_whole(TOOL_CHOICE_SHAPE), Tag("Named")]
+    | Annotated[FlatNamedToolChoice, reported_whole(TOOL_CHOICE_SHAPE), Tag("FlatNamed")],
+    by_shape(_tool_choice_tag, TOOL_CHOICE_SHAPE),
 ]
 
 
@@ -210,8 +273,24 @@ class StreamOptions(RequestModel):
     include_usage: Bool = False
 
 
+def _only_with(field: str, needs: str) -> dict[str, Any]:
+    """A rule the server checks across fields, in the document: `field` set (not null) needs `needs`: true."""
+    return {
+        "anyOf": [
+            {"required": [needs], "properties": {needs: {"type": "boolean", "enum": [True]}}},
+            {"properties": {field: {"enum": [None], "nullable": True}}},  # absent or null
+        ]
+    }
+
+
+STREAM_OPTIONS_RULE = _only_with("stream_options", "stream")
+TOP_LOGPROBS_RULE = _only_with("top_logprobs", "logprobs")
+
+
 class OpenAIRequest(SamplingFields):
     """What Chat Completions and Completions share."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_RULE]})
 
     model: NonEmptyStr
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
@@ -223,6 +302,8 @@ class OpenAIRequest(SamplingFields):
 
 
 class ChatCompletionRequest(OpenAIRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_RULE, TOP_LOGPROBS_RULE]})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     functions: Refused = None
     function_call: Refused = None

@@ -6,6 +6,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, Tag
+from pydantic.json_schema import SkipJsonSchema
 
 from services.gateway.api_models.base import (
     Bool,
@@ -15,12 +16,14 @@ from services.gateway.api_models.base import (
     Str,
     by_shape,
     reported_whole,
+    tag_by_field,
     tag_by_type,
 )
 from services.gateway.api_models.openai import (
     Content,
     JsonObjectFormat,
     JsonSchema,
+    TextContent,
     TextFormat,
     ToolChoiceField,
     ToolName,
@@ -32,8 +35,37 @@ RESPONSE_ID = re.compile(r"resp_[A-Za-z0-9]{1,64}")
 
 class InputMessage(RequestModel):
     type: Literal["message"] = "message"
+    role: Literal["user"]
+    content: Content  # images in user messages only
+
+
+class InstructionMessage(RequestModel):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer"]
+    content: TextContent
+
+
+class AssistantInput(RequestModel):
+    """A past turn of the model's."""
+
+    type: Literal["message"] = "message"
+    role: Literal["assistant"]
+    content: TextContent | None = None  # none: nothing said
+
+
+class UnknownInputRole(RequestModel):
+    """Not in the document: a message whose role is none of the above, refused at its `role`."""
+
     role: Literal["user", "system", "developer", "assistant"]
-    content: Content | None = None  # null: an assistant's turn with nothing said
+
+
+def _item_tag(value: Any) -> str | None:
+    items = {"message": "Message", "function_call": "Call", "function_call_output": "Output"}
+    kind = tag_by_type(value, items, "message")
+    if kind != "Message":
+        return kind
+    roles = {"user": "User", "system": "Instruction", "developer": "Instruction", "assistant": "Assistant"}
+    return tag_by_field(value, "role", roles, unknown="UnknownRole")
 
 
 class FunctionCallItem(RequestModel):
@@ -52,19 +84,17 @@ class FunctionCallOutputItem(RequestModel):
 
 
 InputItem = Annotated[
-    Annotated[InputMessage, Tag("Message")]
+    Annotated[InputMessage, Tag("User")]
+    | Annotated[InstructionMessage, Tag("Instruction")]
+    | Annotated[AssistantInput, Tag("Assistant")]
+    | SkipJsonSchema[Annotated[UnknownInputRole, Tag("UnknownRole")]]
     | Annotated[
         Annotated[FunctionCallItem, reported_whole("needs string 'call_id', 'name' and 'arguments'")], Tag("Call")
     ]
     | Annotated[
         Annotated[FunctionCallOutputItem, reported_whole("needs string 'call_id' and 'output'")], Tag("Output")
     ],
-    by_shape(
-        lambda v: tag_by_type(
-            v, {"message": "Message", "function_call": "Call", "function_call_output": "Output"}, "message"
-        ),
-        "must be a message, function_call or function_call_output item",
-    ),
+    by_shape(_item_tag, "must be a message, function_call or function_call_output item"),
 ]
 Input = Annotated[
     Annotated[Str, Tag("Text")] | Annotated[list[InputItem], Field(min_length=1), Tag("Items")],

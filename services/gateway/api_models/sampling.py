@@ -37,7 +37,9 @@ class SamplingFields(SeededSampling):
     presence_penalty: Annotated[Number, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[Number, Field(gt=0, le=10)] = 1.0
-    min_tokens: Annotated[Int, Field(ge=0, le=INT32_MAX, description="EOS and stop tokens wait this long")] = 0
+    min_tokens: Annotated[
+        Int, Field(ge=0, le=INT32_MAX, description="EOS and stop tokens wait this long; at most max_tokens")
+    ] = 0
     ignore_eos: Bool = False
 
 
