@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Tag
+from pydantic import Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
 from services.gateway.api_models.base import (
@@ -48,10 +48,7 @@ class ImageBlock(RequestModel):
     source: Annotated[
         Annotated[Base64Source, reported_whole(SOURCE_SHAPE), Tag("Base64")]
         | Annotated[UrlSource, reported_whole(SOURCE_SHAPE), Tag("Url")],
-        by_shape(
-            lambda v: tag_by_type(v, {"base64": "Base64", "url": "Url"}),
-            SOURCE_SHAPE,
-        ),
+        by_shape(lambda v: tag_by_type(v, {"base64": "Base64", "url": "Url"}), SOURCE_SHAPE),
     ]
 
     @property
@@ -76,10 +73,7 @@ def _text_or_blocks(value: Any) -> str | None:
 
 TextBlocks = Annotated[
     Annotated[Str, Tag("Text")] | Annotated[list[TextBlock], Tag("Blocks")],
-    by_shape(
-        lambda v: "Text" if isinstance(v, str) else "Blocks" if isinstance(v, list) else None,
-        "must be a string or an array of text blocks",
-    ),
+    by_shape(_text_or_blocks, "must be a string or an array of text blocks"),
 ]
 
 
@@ -93,45 +87,39 @@ class ToolResultBlock(RequestModel):
 
 
 BLOCK_SHAPE = "must be a text block, an image or tool_result block (user) or a tool_use block (assistant)"
+BLOCK_TAGS = {"text": "Text", "image": "Image", "tool_use": "ToolUse", "tool_result": "ToolResult"}
 
 
-def _block_tag(value: Any) -> str | None:
-    return tag_by_type(value, {"text": "Text", "image": "Image", "tool_use": "ToolUse", "tool_result": "ToolResult"})
+def _block_of(*allowed: str) -> Discriminator:
+    """The blocks a role may send; any other is refused with BLOCK_SHAPE."""
+    return by_shape(lambda v: kind if (kind := tag_by_type(v, BLOCK_TAGS)) in allowed else None, BLOCK_SHAPE)
+
+
+UserBlock = Annotated[
+    Annotated[TextBlock, Tag("Text")]
+    | Annotated[ImageBlock, Tag("Image")]
+    | Annotated[ToolResultBlock, Tag("ToolResult")],
+    _block_of("Text", "Image", "ToolResult"),
+]
+AssistantBlock = Annotated[
+    Annotated[TextBlock, Tag("Text")] | Annotated[ToolUseBlock, Tag("ToolUse")], _block_of("Text", "ToolUse")
+]
+CONTENT_SHAPE = "must be a string or an array of content blocks"
 
 
 class UserTurn(RequestModel):
     role: Literal["user"]
     content: Annotated[
-        Annotated[Str, Tag("Text")]
-        | Annotated[
-            list[
-                Annotated[
-                    Annotated[TextBlock, Tag("Text")]
-                    | Annotated[ImageBlock, Tag("Image")]
-                    | Annotated[ToolResultBlock, Tag("ToolResult")],
-                    by_shape(lambda v: None if _block_tag(v) == "ToolUse" else _block_tag(v), BLOCK_SHAPE),
-                ]
-            ],
-            Tag("Blocks"),
-        ],
-        by_shape(_text_or_blocks, "must be a string or an array of content blocks"),
+        Annotated[Str, Tag("Text")] | Annotated[list[UserBlock], Tag("Blocks")],
+        by_shape(_text_or_blocks, CONTENT_SHAPE),
     ]
 
 
 class AssistantTurn(RequestModel):
     role: Literal["assistant"]
     content: Annotated[
-        Annotated[Str, Tag("Text")]
-        | Annotated[
-            list[
-                Annotated[
-                    Annotated[TextBlock, Tag("Text")] | Annotated[ToolUseBlock, Tag("ToolUse")],
-                    by_shape(lambda v: _block_tag(v) if _block_tag(v) in ("Text", "ToolUse") else None, BLOCK_SHAPE),
-                ]
-            ],
-            Tag("Blocks"),
-        ],
-        by_shape(_text_or_blocks, "must be a string or an array of content blocks"),
+        Annotated[Str, Tag("Text")] | Annotated[list[AssistantBlock], Tag("Blocks")],
+        by_shape(_text_or_blocks, CONTENT_SHAPE),
     ]
 
 

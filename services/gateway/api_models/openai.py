@@ -153,9 +153,7 @@ CHAT_MESSAGE: TypeAdapter[SystemMessage | UserMessage | AssistantMessage | ToolM
 
 ToolName = Annotated[Str, Field(pattern=f"^{TOOL_NAME.pattern}$")]
 JsonSchema = Annotated[
-    Annotated[
-        Annotated[JsonObject, Field(description="a JSON Schema (the subset structured output enforces)")], Tag("Schema")
-    ]
+    Annotated[JsonObject, Field(description="a JSON Schema (the subset structured output enforces)"), Tag("Schema")]
     | Annotated[Literal[True], Tag("Boolean")],  # false admits nothing: no grammar can follow it
     by_shape(
         lambda v: "Schema" if isinstance(v, dict) else "Boolean" if isinstance(v, bool) else None,

@@ -88,12 +88,8 @@ InputItem = Annotated[
     | Annotated[InstructionMessage, Tag("Instruction")]
     | Annotated[AssistantInput, Tag("Assistant")]
     | SkipJsonSchema[Annotated[UnknownInputRole, Tag("UnknownRole")]]
-    | Annotated[
-        Annotated[FunctionCallItem, reported_whole("needs string 'call_id', 'name' and 'arguments'")], Tag("Call")
-    ]
-    | Annotated[
-        Annotated[FunctionCallOutputItem, reported_whole("needs string 'call_id' and 'output'")], Tag("Output")
-    ],
+    | Annotated[FunctionCallItem, reported_whole("needs string 'call_id', 'name' and 'arguments'"), Tag("Call")]
+    | Annotated[FunctionCallOutputItem, reported_whole("needs string 'call_id' and 'output'"), Tag("Output")],
     by_shape(_item_tag, "must be a message, function_call or function_call_output item"),
 ]
 Input = Annotated[
@@ -123,21 +119,19 @@ class JsonSchemaTextFormat(RequestModel):
     strict: Bool | None = None
 
 
-def _format_kind(value: Any) -> str | None:
-    kinds = {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}
-    return tag_by_type(value, kinds)
+TextFormatField = Annotated[
+    Annotated[TextFormat, Tag("Text")]
+    | Annotated[JsonObjectFormat, Tag("JsonObject")]
+    | Annotated[JsonSchemaTextFormat, Tag("JsonSchema")],
+    by_shape(
+        lambda v: tag_by_type(v, {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}),
+        "must be {\"type\": 'text', 'json_object' or 'json_schema'}",
+    ),
+]
 
 
 class TextConfig(RequestModel):
-    format: (
-        Annotated[
-            Annotated[TextFormat, Tag("Text")]
-            | Annotated[JsonObjectFormat, Tag("JsonObject")]
-            | Annotated[JsonSchemaTextFormat, Tag("JsonSchema")],
-            by_shape(_format_kind, "must be {\"type\": 'text', 'json_object' or 'json_schema'}"),
-        ]
-        | None
-    ) = None
+    format: TextFormatField | None = None  # none: text
 
 
 class ResponsesRequest(SeededSampling):
