@@ -5,6 +5,8 @@ The checker reads the source with `ast` and imports nothing, so it runs in a fra
 - no `from module import _private` across modules;
 - no module under services/<a> imports services/<b>, and libs/ imports services/ only under libs/kvmesh
   (the CLI, `kvmesh up` and the benchmarks drive whole services);
+- the engine (engine_core, devices) imports nothing of the service layer but the KV block format it shares
+  with the store (mesh.kv_blocks): the engine runs alone (`kvmesh generate`, the parity tests);
 - no two classes share a name.
 Generated protobuf code (libs/mesh/pb) is left out. The checker is tested on a tiny tree first, so the checks
 on the real tree cannot pass vacuously.
@@ -25,6 +27,8 @@ ROOTS = ((REPO / "libs", ""), (REPO / "services", "services"))
 EXCLUDED = ("mesh.pb",)
 # libs/ may import services/ only here: the CLI, `kvmesh up` and the benchmarks start and drive services.
 LIBS_MAY_IMPORT_SERVICES = ("kvmesh",)
+ENGINE = ("engine_core", "devices")
+ENGINE_MAY_IMPORT = ("mesh.kv_blocks", "mesh.pb")  # the block format (torch-free, so a store node needs no torch)
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,18 @@ def layer_violations(modules: dict[str, Module], imports: list[Import]) -> list[
     return found
 
 
+def engine_violations(modules: dict[str, Module], imports: list[Import]) -> list[str]:
+    """Imports from the engine (ENGINE) into the service layer (mesh, kvmesh, services) beyond ENGINE_MAY_IMPORT."""
+    found = []
+    for imp in imports:
+        target = _resolve(imp.target, modules)
+        if target is None or not _within(imp.source, ENGINE) or _within(target, ENGINE):
+            continue
+        if not _within(target, ENGINE_MAY_IMPORT):
+            found.append(f"{imp.source}:{imp.line} imports {target}")
+    return found
+
+
 def duplicate_classes(modules: dict[str, Module]) -> dict[str, list[str]]:
     where: dict[str, list[str]] = {}
     for module in modules.values():
@@ -268,6 +284,22 @@ def test_checker_finds_imports_across_services_and_from_libs(tiny_tree: dict[str
     ]
 
 
+def test_checker_finds_engine_imports_of_the_service_layer(tmp_path: Path) -> None:
+    _write(
+        tmp_path / "libs",
+        {
+            "engine_core/__init__.py": "",
+            "engine_core/ok.py": "from mesh.kv_blocks import KVLayout\nfrom engine_core import bad\n",
+            "engine_core/bad.py": "def f():\n    from mesh.bus import Bus\n    return Bus\n",
+            "mesh/__init__.py": "",
+            "mesh/kv_blocks.py": "class KVLayout:\n    pass\n",
+            "mesh/bus.py": "class Bus:\n    pass\n",
+        },
+    )
+    modules = collect_modules(((tmp_path / "libs", ""),))
+    assert engine_violations(modules, collect_imports(modules)) == ["engine_core.bad:2 imports mesh.bus"]
+
+
 def test_checker_finds_duplicate_class_names(tiny_tree: dict[str, Module]) -> None:
     assert duplicate_classes(tiny_tree) == {"Thing": ["core.a", "other.bad"]}
 
@@ -305,6 +337,12 @@ def test_no_private_imports_across_modules(tree: tuple[dict[str, Module], list[I
 def test_services_import_no_other_service(tree: tuple[dict[str, Module], list[Import]]) -> None:
     modules, imports = tree
     found = layer_violations(modules, imports)
+    assert found == [], "\n".join(found)
+
+
+def test_the_engine_stays_below_the_service_layer(tree: tuple[dict[str, Module], list[Import]]) -> None:
+    modules, imports = tree
+    found = engine_violations(modules, imports)
     assert found == [], "\n".join(found)
 
 
