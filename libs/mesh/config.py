@@ -47,6 +47,12 @@ OTHER_VARIABLES = (
         "`~/.cache/kvmesh/models`",
         "where known models are stored, one directory per name (`engine_core.model_store`)",
     ),
+    EnvVariable(
+        "KVMESH_API_KEY",
+        "`kvmesh bench serve`",
+        "(none: the key of the mesh it starts)",
+        "the API key to send to a gateway given by `--url` (`--api-key` wins); never printed",
+    ),
 )
 
 
