@@ -95,6 +95,16 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
             block_size=16,
         )
 
+    async def serve(self) -> grpc.aio.Server:
+        """Start one gRPC server on a free local port playing every worker; `address` is where it listens."""
+        server = rpc.create_server()
+        balancer_pb2_grpc.add_BalancerServicer_to_server(self, server)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(self, server)
+        decode_pb2_grpc.add_DecodeServicer_to_server(self, server)
+        self.address = f"127.0.0.1:{rpc.bind(server, '127.0.0.1', 0)}"
+        await server.start()
+        return server
+
     async def Route(self, request: balancer_pb2.RouteRequest, context: Any) -> balancer_pb2.RouteResponse:
         self.script.routes.append(request)
         prefill = next((w for w in PREFILLS if w not in request.exclude_worker_ids), None)
@@ -189,12 +199,7 @@ async def mesh() -> AsyncIterator[Mesh]:
     catalog = ModelCatalog([model, ServedModel(IDLE_MODEL, model.tokenizer, 4096)])
     with EmbeddedNats() as nats:
         fakes = Fakes()
-        server = rpc.create_server()
-        balancer_pb2_grpc.add_BalancerServicer_to_server(fakes, server)
-        prefill_pb2_grpc.add_PrefillServicer_to_server(fakes, server)
-        decode_pb2_grpc.add_DecodeServicer_to_server(fakes, server)
-        fakes.address = f"127.0.0.1:{rpc.bind(server, '127.0.0.1', 0)}"
-        await server.start()
+        server = await fakes.serve()
         bus = await Bus.connect(nats.url, name="fake-workers")
         workers = (
             [("balancer-0", common_pb2.ROLE_BALANCER)]

@@ -19,10 +19,9 @@ from hypothesis import strategies as st
 
 from engine_core import model_store
 from kvmesh.nats_server import EmbeddedNats
-from mesh import rpc
 from mesh.bus import Bus
 from mesh.discovery import Announcer
-from mesh.pb import balancer_pb2_grpc, common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from mesh.pb import common_pb2
 from services.gateway.catalog import ModelCatalog, ServedModel, load_model
 from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
@@ -58,12 +57,7 @@ class Gateway:
             with EmbeddedNats() as nats:
                 fakes = self.fakes
                 fakes.script = Script(token_ids=model.tokenizer.encode("Hello there", add_special_tokens=False))
-                server = rpc.create_server()
-                balancer_pb2_grpc.add_BalancerServicer_to_server(fakes, server)
-                prefill_pb2_grpc.add_PrefillServicer_to_server(fakes, server)
-                decode_pb2_grpc.add_DecodeServicer_to_server(fakes, server)
-                fakes.address = f"127.0.0.1:{rpc.bind(server, '127.0.0.1', 0)}"
-                await server.start()
+                server = await fakes.serve()
                 bus = await Bus.connect(nats.url, name="fuzz-workers")
                 announcers = [
                     Announcer(bus, fakes.info(worker, role), common_pb2.WorkerLoad, 0.5)
