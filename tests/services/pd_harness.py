@@ -1,5 +1,7 @@
 """In-process prefill and decode workers over loopback gRPC and a real NATS (the `mesh` fixture: each test
-file that takes it starts its own), what the tests read from them, and a test double of the KV store."""
+file that takes it starts its own), what the tests read from them, and a test double of the KV store.
+
+The workers run in this process (their `start()`/`stop()` are what `serve()` runs), on one module-wide loop."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """A chat completion through the gateway, as the OpenAI SDK and raw HTTP see it (whole and streamed, with and
 without usage), and what the gateway asks the balancer, prefill and decode for it.
 
-The gateway runs over real loopback gRPC and a real NATS, against scripted test doubles of the balancer, prefill
-and decode contracts: the `mesh` and `script` fixtures of tests/services/gateway_harness.py. The real mesh is
-tested in tests/integration/.
+Harness: the `mesh` and `script` fixtures of tests/services/gateway_harness.py (scripted workers).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The gateway's own gRPC API (Generate, ListModels): text and token-id prompts, cache salts, and status codes.
 
-The gateway runs over real loopback gRPC and a real NATS, against scripted test doubles of the balancer, prefill
-and decode contracts: the `mesh` and `script` fixtures of tests/services/gateway_harness.py. The real mesh is
-tested in tests/integration/.
+Harness: the `mesh` and `script` fixtures of tests/services/gateway_harness.py (scripted workers).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """What operators rely on: request ids echoed, /v1/models, health and readiness, metrics, draining, and
 `kvmesh bench serve --url` measuring a deployment with its own API key.
 
-The gateway runs over real loopback gRPC and a real NATS, against scripted test doubles of the balancer, prefill
-and decode contracts: the `mesh` and `script` fixtures of tests/services/gateway_harness.py. The real mesh is
-tested in tests/integration/.
+Harness: the `mesh` and `script` fixtures of tests/services/gateway_harness.py (scripted workers).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Requests the gateway refuses before routing: an unknown model, a missing or wrong key, bad fields; each gets
 the OpenAI error body with the client's `param` and code, and no worker is asked.
 
-The gateway runs over real loopback gRPC and a real NATS, against scripted test doubles of the balancer, prefill
-and decode contracts: the `mesh` and `script` fixtures of tests/services/gateway_harness.py. The real mesh is
-tested in tests/integration/.
+Harness: the `mesh` and `script` fixtures of tests/services/gateway_harness.py (scripted workers).
 """
 
 from __future__ import annotations

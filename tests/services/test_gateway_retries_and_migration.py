@@ -1,9 +1,7 @@
 """A failing worker: the gateway retries without it, maps what cannot be retried to the client's status, and
 migrates a request whose decode fails mid-stream so the output goes on.
 
-The gateway runs over real loopback gRPC and a real NATS, against scripted test doubles of the balancer, prefill
-and decode contracts: the `mesh` and `script` fixtures of tests/services/gateway_harness.py. The real mesh is
-tested in tests/integration/.
+Harness: the `mesh` and `script` fixtures of tests/services/gateway_harness.py (scripted workers).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A request that ends early frees the workers: a stop string cancels or skips decode, a prefill that finishes
 the request skips decode, and a client that leaves cancels the prefill or the decode stream.
 
-The gateway runs over real loopback gRPC and a real NATS, against scripted test doubles of the balancer, prefill
-and decode contracts: the `mesh` and `script` fixtures of tests/services/gateway_harness.py. The real mesh is
-tested in tests/integration/.
+Harness: the `mesh` and `script` fixtures of tests/services/gateway_harness.py (scripted workers).
 """
 
 from __future__ import annotations

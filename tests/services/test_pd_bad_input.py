@@ -1,8 +1,7 @@
 """Bad prefill requests, bad KV pushes and bad settings get the right status codes and messages, and a rejected
 push frees its blocks.
 
-The workers run in this process (their `start()`/`stop()` are what `serve()` runs), on one module-wide loop: the
-`mesh` fixture of tests/services/pd_harness.py.
+Harness: the `mesh` fixture of tests/services/pd_harness.py (in-process workers).
 """
 
 from __future__ import annotations

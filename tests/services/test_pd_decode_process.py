@@ -1,7 +1,6 @@
 """`python -m services.decode` as a real process: it announces itself on NATS and stops gracefully on SIGTERM.
 
-The workers run in this process (their `start()`/`stop()` are what `serve()` runs), on one module-wide loop: the
-`mesh` fixture of tests/services/pd_harness.py.
+Harness: the `mesh` fixture of tests/services/pd_harness.py (in-process workers).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 decode stream gives exactly the tokens and logprobs of one engine, and a request that ends at its first token
 pushes nothing.
 
-The workers run in this process (their `start()`/`stop()` are what `serve()` runs), on one module-wide loop: the
-`mesh` fixture of tests/services/pd_harness.py.
+Harness: the `mesh` fixture of tests/services/pd_harness.py (in-process workers).
 """
 
 from __future__ import annotations

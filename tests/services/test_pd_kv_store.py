@@ -1,8 +1,7 @@
 """Prefill and the KV store: blocks are written to their rendezvous owners and read back into an empty device
 cache; a failing or foreign block is a miss, never a failure; one tenant never reads another's KV.
 
-The workers run in this process (their `start()`/`stop()` are what `serve()` runs), on one module-wide loop: the
-`mesh` fixture of tests/services/pd_harness.py.
+Harness: the `mesh` fixture of tests/services/pd_harness.py (in-process workers).
 """
 
 from __future__ import annotations

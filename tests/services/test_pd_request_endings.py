@@ -1,8 +1,7 @@
 """How a request leaves a decode worker: a cancelled stream, an abort, a stream nobody follows; each frees its
 KV blocks, and each departure is announced on NATS with its KV length.
 
-The workers run in this process (their `start()`/`stop()` are what `serve()` runs), on one module-wide loop: the
-`mesh` fixture of tests/services/pd_harness.py.
+Harness: the `mesh` fixture of tests/services/pd_harness.py (in-process workers).
 """
 
 from __future__ import annotations

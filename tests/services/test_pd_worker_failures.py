@@ -1,8 +1,7 @@
 """A decode worker that is full, unreachable or stalled fails the prefill naming it, and frees every block on
 both sides.
 
-The workers run in this process (their `start()`/`stop()` are what `serve()` runs), on one module-wide loop: the
-`mesh` fixture of tests/services/pd_harness.py.
+Harness: the `mesh` fixture of tests/services/pd_harness.py (in-process workers).
 """
 
 from __future__ import annotations
