@@ -125,6 +125,14 @@ def param_of(loc: tuple[int | str, ...], at: str = "") -> str | None:
     return param or None
 
 
+# a numeric bound's error type -> (its key in the error's ctx, how the message words it)
+_BOUNDS = {
+    "greater_than_equal": ("ge", "at least"),
+    "greater_than": ("gt", "greater than"),
+    "less_than_equal": ("le", "at most"),
+}
+
+
 def _message(error: ErrorDetails, param: str | None) -> str:
     name = param or "the request body"
     kind, ctx = error["type"], error.get("ctx") or {}
@@ -133,12 +141,9 @@ def _message(error: ErrorDetails, param: str | None) -> str:
         return f"'{name}' must be {_NOUNS[kind]}"
     if kind == "missing":
         return f"'{name}' is required"
-    if kind == "greater_than_equal":
-        return f"{name}: must be at least {ctx['ge']}, got {got}"
-    if kind == "greater_than":
-        return f"{name}: must be greater than {ctx['gt']}, got {got}"
-    if kind == "less_than_equal":
-        return f"{name}: must be at most {ctx['le']}, got {got}"
+    if kind in _BOUNDS:
+        bound, relation = _BOUNDS[kind]
+        return f"{name}: must be {relation} {ctx[bound]}, got {got}"
     if kind in ("string_too_short", "too_short") and ctx.get("min_length") == 1:
         return f"'{name}' must not be empty"
     if kind == "too_long":

@@ -239,14 +239,16 @@ class JsonSchemaFormat(RequestModel):
     json_schema: Annotated[JsonSchemaSpec, reported_whole("must be an object with a 'name' and a 'schema'")]
 
 
+# an output format's three kinds, by `type`: here and in the Responses API's text.format (whose json_schema is flat)
+FORMAT_BY_TYPE = by_shape(
+    lambda v: tag_by_type(v, {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}),
+    "must be {\"type\": 'text', 'json_object' or 'json_schema'}",
+)
 ResponseFormat = Annotated[
     Annotated[TextFormat, Tag("Text")]
     | Annotated[JsonObjectFormat, Tag("JsonObject")]
     | Annotated[JsonSchemaFormat, Tag("JsonSchema")],
-    by_shape(
-        lambda v: tag_by_type(v, {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}),
-        "must be {\"type\": 'text', 'json_object' or 'json_schema'}",
-    ),
+    FORMAT_BY_TYPE,
 ]
 
 

@@ -20,6 +20,7 @@ from services.gateway.api_models.base import (
     tag_by_type,
 )
 from services.gateway.api_models.openai import (
+    FORMAT_BY_TYPE,
     Content,
     JsonObjectFormat,
     JsonSchema,
@@ -123,10 +124,7 @@ TextFormatField = Annotated[
     Annotated[TextFormat, Tag("Text")]
     | Annotated[JsonObjectFormat, Tag("JsonObject")]
     | Annotated[JsonSchemaTextFormat, Tag("JsonSchema")],
-    by_shape(
-        lambda v: tag_by_type(v, {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}),
-        "must be {\"type\": 'text', 'json_object' or 'json_schema'}",
-    ),
+    FORMAT_BY_TYPE,
 ]
 
 
