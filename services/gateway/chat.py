@@ -59,7 +59,7 @@ class ChatTurn:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
-    cache_salt: str = ""
+    cache_salt: str = ""  # vLLM's extension: enters every block key, so differently salted prompts never share KV
     traffic_class: str = ""  # the KV store's TTL class (agent | chat | ...); empty: agent with tools, else chat
     prompt_param: str = "messages"
     prompt: str | list[int] | None = None  # a raw prompt (legacy completions) instead of messages

@@ -14,8 +14,6 @@ from typing import Any
 
 from aiohttp import web
 
-from engine_core.structured_output import StructuredOutput
-from mesh.pb import common_pb2
 from services.gateway.api_models.base import validated
 from services.gateway.api_models.openai import ChatCompletionRequest
 from services.gateway.api_models.sampling import to_wire
@@ -47,7 +45,7 @@ from services.gateway.openai_shapes import (
 )
 from services.gateway.pipeline import Usage
 from services.gateway.rest import REQUEST_ID, admitted, dumps, json_body, served_headers, start_turn, stream_response
-from services.gateway.tool_calls import NO_TOOLS, Tool, ToolChoice, parse_tool
+from services.gateway.tool_calls import Tool, parse_tool
 
 CHAT_PATH = "/v1/chat/completions"
 CHAT_API = "chat.completions"
@@ -55,41 +53,12 @@ CHAT_API = "chat.completions"
 
 @dataclass(frozen=True)
 class ChatRequest:
-    model: str
-    messages: list[dict[str, Any]]  # role, content (flattened to text), tool_calls / tool_call_id; roles normalized
-    sampling: common_pb2.SamplingParams
-    max_tokens: int | None  # None: until the context is full
-    max_tokens_param: str  # the field the client set it with, for errors: max_tokens | max_completion_tokens
-    stop: tuple[str, ...]
+    """A checked body: the turn chat.py runs, and what only this API's answer needs."""
+
+    turn: ChatTurn
+    max_tokens: int | None  # None: until the context is full (also in turn.sampling where set)
     stream: bool
     include_usage: bool  # stream_options.include_usage
-    cache_salt: str  # vLLM's extension: enters every block key, so differently salted prompts never share KV
-    tools: tuple[Tool, ...] = ()
-    tool_choice: ToolChoice = NO_TOOLS
-    parallel_tool_calls: bool = True
-    response_format: StructuredOutput | None = None
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int = 0
-    images: tuple[ImagePart, ...] = ()  # image_url parts in order (their markers are in the messages' content)
-
-    def turn(self) -> ChatTurn:
-        return ChatTurn(
-            model=self.model,
-            messages=self.messages,
-            sampling=self.sampling,
-            max_tokens_param=self.max_tokens_param,
-            stop=self.stop,
-            tools=self.tools,
-            tool_choice=self.tool_choice,
-            parallel_tool_calls=self.parallel_tool_calls,
-            response_format=self.response_format,
-            n=self.n,
-            logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs,
-            cache_salt=self.cache_salt,
-            images=self.images,
-        )
 
 
 def _tools(request: ChatCompletionRequest) -> tuple[Tool, ...]:
@@ -119,16 +88,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
     else:
         max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
     stream, include_usage = stream_flags(request.stream, request.stream_options)
-    return ChatRequest(
+    turn = ChatTurn(
         model=request.model,
         messages=messages,
         sampling=to_wire(request, max_tokens, max_tokens_param),
-        max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
         stop=stop_strings(request.stop),
-        stream=stream,
-        include_usage=include_usage,
-        cache_salt=request.cache_salt,
         tools=tools,
         tool_choice=tool_choice_of(request.tool_choice, bool(tools)),
         parallel_tool_calls=request.parallel_tool_calls,
@@ -136,8 +101,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
         n=request.n,
         logprobs=request.logprobs,
         top_logprobs=_top_logprobs(request),
+        cache_salt=request.cache_salt,
         images=tuple(images),
     )
+    return ChatRequest(turn, max_tokens, stream, include_usage)
 
 
 # ---- the bodies ----------------------------------------------------------------------------------------
@@ -251,14 +218,21 @@ class ChunkShape:
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     async with admitted(request, CHAT_API) as record:
         chat = parse_chat_request(await json_body(request))
-        run = await start_turn(request, chat.turn(), record)
+        run = await start_turn(request, chat.turn, record)
         try:
             if chat.stream:
-                shape = ChunkShape(f"chatcmpl-{request[REQUEST_ID]}", int(time.time()), chat.model, chat.include_usage)
+                shape = ChunkShape(
+                    f"chatcmpl-{request[REQUEST_ID]}", int(time.time()), chat.turn.model, chat.include_usage
+                )
                 return await stream_response(request, run, record, _chat_chunks(chat, run, shape), error_frame)
             results = await collect(run)
             body = completion_body(
-                f"chatcmpl-{request[REQUEST_ID]}", int(time.time()), chat.model, results, run.usage, chat.logprobs
+                f"chatcmpl-{request[REQUEST_ID]}",
+                int(time.time()),
+                chat.turn.model,
+                results,
+                run.usage,
+                chat.turn.logprobs,
             )
             record.finish(200)
             return web.json_response(body, headers=served_headers(request, run), dumps=dumps)

@@ -36,9 +36,9 @@ def body(**fields: Any) -> dict[str, Any]:
 
 def test_minimal_request_takes_openai_defaults() -> None:
     chat = parse_chat_request(body())
-    assert chat.model == "deepseek-tiny"
-    assert chat.messages == [{"role": "user", "content": "Hi"}]
-    assert (chat.stream, chat.include_usage, chat.stop, chat.max_tokens, chat.cache_salt) == (
+    assert chat.turn.model == "deepseek-tiny"
+    assert chat.turn.messages == [{"role": "user", "content": "Hi"}]
+    assert (chat.stream, chat.include_usage, chat.turn.stop, chat.max_tokens, chat.turn.cache_salt) == (
         False,
         False,
         (),
@@ -46,8 +46,8 @@ def test_minimal_request_takes_openai_defaults() -> None:
         "",
     )
     # temperature and top_p are on the wire even when defaulted: an unset proto float would read as greedy
-    assert chat.sampling.temperature == 1.0 and chat.sampling.top_p == 1.0
-    assert not chat.sampling.HasField("max_tokens") and not chat.sampling.HasField("seed")
+    assert chat.turn.sampling.temperature == 1.0 and chat.turn.sampling.top_p == 1.0
+    assert not chat.turn.sampling.HasField("max_tokens") and not chat.turn.sampling.HasField("seed")
 
 
 def test_sampling_fields_reach_the_wire() -> None:
@@ -64,7 +64,7 @@ def test_sampling_fields_reach_the_wire() -> None:
             n=1,
         )
     )
-    assert chat.sampling == common_pb2.SamplingParams(
+    assert chat.turn.sampling == common_pb2.SamplingParams(
         temperature=0.0,
         top_p=0.5,
         max_tokens=7,
@@ -73,15 +73,15 @@ def test_sampling_fields_reach_the_wire() -> None:
         frequency_penalty=-0.5,
         repetition_penalty=1.0,
     )
-    assert chat.stop == ("END",)
-    assert (chat.max_tokens, chat.max_tokens_param) == (7, "max_tokens")
+    assert chat.turn.stop == ("END",)
+    assert (chat.max_tokens, chat.turn.max_tokens_param) == (7, "max_tokens")
 
 
 def test_vllm_extensions_reach_the_wire() -> None:
     chat = parse_chat_request(
         body(top_k=-1, min_p=0.1, repetition_penalty=1.2, min_tokens=3, ignore_eos=True, max_tokens=9)
     )
-    assert chat.sampling == common_pb2.SamplingParams(
+    assert chat.turn.sampling == common_pb2.SamplingParams(
         temperature=1.0,
         top_p=1.0,
         max_tokens=9,
@@ -95,7 +95,11 @@ def test_vllm_extensions_reach_the_wire() -> None:
 
 def test_max_completion_tokens_wins_and_is_named_in_errors() -> None:
     chat = parse_chat_request(body(max_tokens=100, max_completion_tokens=5))
-    assert (chat.max_tokens, chat.max_tokens_param, chat.sampling.max_tokens) == (5, "max_completion_tokens", 5)
+    assert (chat.max_tokens, chat.turn.max_tokens_param, chat.turn.sampling.max_tokens) == (
+        5,
+        "max_completion_tokens",
+        5,
+    )
     with pytest.raises(GatewayError) as caught:
         parse_chat_request(body(max_completion_tokens=0))
     assert caught.value.param == "max_completion_tokens"
@@ -116,7 +120,7 @@ def test_messages_are_normalized() -> None:
             ]
         )
     )
-    assert chat.messages == [
+    assert chat.turn.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": ""},
@@ -214,7 +218,7 @@ def test_body_must_be_an_object() -> None:
 
 def test_accepted_no_op_fields() -> None:
     chat = parse_chat_request(body(response_format={"type": "text"}, logprobs=False, tools=[], stop=["", "x"]))
-    assert chat.stop == ("x",)
+    assert chat.turn.stop == ("x",)
 
 
 def test_grpc_sampling_checked_as_the_engine_reads_it() -> None:
@@ -338,8 +342,14 @@ def test_tools_tool_choice_and_response_format_are_parsed() -> None:
         },
     }
     chat = parse_chat_request(body(tools=[weather], n=2, logprobs=True, top_logprobs=3, parallel_tool_calls=False))
-    assert [t.name for t in chat.tools] == ["get_weather"]
-    assert (chat.tool_choice.mode, chat.parallel_tool_calls, chat.n, chat.logprobs, chat.top_logprobs) == (
+    assert [t.name for t in chat.turn.tools] == ["get_weather"]
+    assert (
+        chat.turn.tool_choice.mode,
+        chat.turn.parallel_tool_calls,
+        chat.turn.n,
+        chat.turn.logprobs,
+        chat.turn.top_logprobs,
+    ) == (
         "auto",
         False,
         2,
@@ -349,8 +359,8 @@ def test_tools_tool_choice_and_response_format_are_parsed() -> None:
     named = parse_chat_request(
         body(tools=[weather], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     )
-    assert (named.tool_choice.mode, named.tool_choice.name) == ("named", "get_weather")
-    assert parse_chat_request(body()).tool_choice.mode == "none"
+    assert (named.turn.tool_choice.mode, named.turn.tool_choice.name) == ("named", "get_weather")
+    assert parse_chat_request(body()).turn.tool_choice.mode == "none"
     fmt = parse_chat_request(
         body(
             response_format={
@@ -358,11 +368,11 @@ def test_tools_tool_choice_and_response_format_are_parsed() -> None:
                 "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
             }
         )
-    ).response_format
+    ).turn.response_format
     assert (
         fmt is not None and fmt.kind == "json_schema" and json.loads(fmt.spec)["properties"]["a"]["type"] == "integer"
     )
-    assert parse_chat_request(body(response_format={"type": "json_object"})).response_format.kind == "json_object"  # type: ignore[union-attr]
+    assert parse_chat_request(body(response_format={"type": "json_object"})).turn.response_format.kind == "json_object"  # type: ignore[union-attr]
 
 
 def test_tool_messages_are_kept_for_the_template() -> None:
@@ -379,12 +389,12 @@ def test_tool_messages_are_kept_for_the_template() -> None:
             ]
         )
     )
-    assert chat.messages[1] == {
+    assert chat.turn.messages[1] == {
         "role": "assistant",
         "content": "",
         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}],
     }
-    assert chat.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    assert chat.turn.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
 
 
 class NoWorkers:
