@@ -5,7 +5,7 @@ bad pushes, blocks freed when the pusher goes away or stalls, and PushKV when th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -15,7 +15,7 @@ import torch
 
 from engine_core import SamplingParams
 from engine_core.kv_cache.manager import cdiv
-from kvmesh.nats_server import EmbeddedNats, free_port
+from kvmesh.nats_server import free_port
 from mesh import lane, rpc
 from mesh.compute.convert import layout_to_proto, sampling_to_proto
 from mesh.config import SettingError, load_settings
@@ -26,9 +26,12 @@ from services.decode.server import DecodeService
 from services.prefill.config import PrefillSettings
 from services.prefill.server import PrefillService
 
+from . import pd_harness
 from .pd_harness import reference_outputs, wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+nats_url = pd_harness.nats_url  # fixture: this file starts its own NATS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 LLAMA_BLOCK_BYTES = 3 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head size * fp32
@@ -78,12 +81,6 @@ class Pair:
             num_blocks=cdiv(num_tokens, 16),
         )
         return decode_pb2.KVPushHeader(**{**values, **fields})
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNats() as nats:
-        yield nats.url
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
