@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -270,8 +271,9 @@ def sse_events(raw: bytes) -> list[Any]:
     ]
 
 
-async def wait_for(condition: Any, timeout_s: float = 3.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if condition():
-            return
+async def wait_for(condition: Any, timeout_s: float = 10.0) -> None:
+    """Until `condition()` holds or `timeout_s` of wall time passed (the caller's assert says what was missing).
+    A deadline, not a count of sleeps: on a loaded machine each sleep can take far longer than asked."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
