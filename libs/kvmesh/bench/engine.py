@@ -311,9 +311,9 @@ def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config:
         "hf_sequential": sequential,
         "ours_vs_hf_batched": _speedup(med["ours_e2e"], med["hf_batched_e2e"]),
         "ours_vs_hf_sequential": _speedup(med["ours_e2e"], med["hf_sequential"]),
-        "seconds": {name: [round(_seconds(run), 4) for run in values] for name, values in runs.items()},
+        "seconds": {name: [round(_seconds(run), 6) for run in values] for name, values in runs.items()},
         "decode_seconds": {
-            name: [round(run.decode_seconds, 4) for run in values if isinstance(run, Run)]
+            name: [round(run.decode_seconds, 6) for run in values if isinstance(run, Run)]
             for name, values in runs.items()
             if name.endswith("e2e")
         },
