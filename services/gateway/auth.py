@@ -7,6 +7,8 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 
+from services.gateway.tenancy.principal import DEFAULT_TENANT, Principal
+
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
@@ -21,13 +23,21 @@ class KeyRing:
         return f"KeyRing(num_keys={len(self._digests)})"
 
     def is_valid(self, key: str | None) -> bool:
+        return self.resolve(key) is not None
+
+    def resolve(self, key: str | None) -> Principal | None:
+        """The principal of a KVMESH_API_KEYS key: the default tenant, the key named by its position in the
+        list (never by the key). None for a missing or unknown key."""
         if not key:
-            return False
+            return None
         presented = _digest(key)
-        matched = False
-        for digest in self._digests:  # no early exit: the time taken does not depend on which key matched
-            matched |= hmac.compare_digest(presented, digest)
-        return matched
+        matched = -1
+        for index, digest in enumerate(self._digests):  # no early exit: the time taken does not depend on the key
+            if hmac.compare_digest(presented, digest):
+                matched = index
+        if matched < 0:
+            return None
+        return Principal(DEFAULT_TENANT, DEFAULT_TENANT, f"key_env_{matched}", f"KVMESH_API_KEYS[{matched}]")
 
 
 def bearer_key(authorization: str | None) -> str | None:

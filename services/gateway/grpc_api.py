@@ -39,6 +39,7 @@ from services.gateway.images import ImagePart
 from services.gateway.openai_shapes import chat_message, tool_call_message
 from services.gateway.schema_support import checked_grammar, json_schema_output
 from services.gateway.telemetry import RequestRecord
+from services.gateway.tenancy.principal import Principal
 from services.gateway.tool_calls import Tool, ToolChoice, parse_tool
 
 GENERATE_API = "grpc.generate"
@@ -242,9 +243,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        if not self.core.keys.is_valid(bearer_key(_metadata(context, "authorization"))):
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> Principal:
+        principal = self.core.authenticate(bearer_key(_metadata(context, "authorization")))
+        if principal is None:
             raise GatewayError(ErrorKind.INVALID_API_KEY, "missing or incorrect API key in 'authorization' metadata")
+        return principal
 
     async def Generate(
         self,

@@ -25,6 +25,7 @@ from services.gateway.core import GatewayCore, echoed_request_id, new_request_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.response_store import ResponseStore
 from services.gateway.telemetry import RequestRecord
+from services.gateway.tenancy.principal import Principal
 
 log = get_logger(__name__)
 
@@ -33,6 +34,7 @@ STORE_KEY = web.AppKey("response_store", ResponseStore)
 STARTED_AT_KEY = web.AppKey("started_at", float)  # the `created` of every model in /v1/models
 REQUEST_ID = web.RequestKey("request_id", str)  # the id the mesh knows the request by
 ECHOED_ID = web.RequestKey("echoed_request_id", str)  # what x-request-id says back
+PRINCIPAL = web.RequestKey("principal", Principal)  # who sent it: set for every request with a valid key
 MAX_BODY_BYTES = 8 * 2**20
 TRAFFIC_CLASS_HEADER = "x-kvmesh-traffic-class"  # agent | chat | ...: the TTL class of the request's KV in the store
 CLIENT_GONE = 499  # the metrics' code for a client that left before the end (nginx's convention)
@@ -85,7 +87,10 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
     request[REQUEST_ID] = new_request_id(client_id)
     request[ECHOED_ID] = echoed_request_id(client_id, request[REQUEST_ID])
     with bind_request_id(request[REQUEST_ID]):
-        if request.path.startswith("/v1/") and not request.app[CORE_KEY].keys.is_valid(presented_key(request)):
+        principal = request.app[CORE_KEY].authenticate(presented_key(request))
+        if principal is not None:
+            request[PRINCIPAL] = principal
+        elif request.path.startswith("/v1/"):
             error = GatewayError(
                 ErrorKind.INVALID_API_KEY,
                 "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key'.",
