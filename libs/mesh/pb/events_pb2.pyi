@@ -122,3 +122,43 @@ class BlockCoding(_message.Message):
     num_data: int
     num_total: int
     def __init__(self, num_data: _Optional[int] = ..., num_total: _Optional[int] = ...) -> None: ...
+
+class UsageRecord(_message.Message):
+    __slots__ = ("request_id", "tenant_id", "key_id", "model", "api", "status", "http_status", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "e2e_ms", "prefill_worker", "decode_worker", "cost", "price_plan", "started_at_ms", "ended_at_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    E2E_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PLAN_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str
+    api: str
+    status: str
+    http_status: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_ms: float
+    e2e_ms: float
+    prefill_worker: str
+    decode_worker: str
+    cost: str
+    price_plan: str
+    started_at_ms: int
+    ended_at_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., key_id: _Optional[str] = ..., model: _Optional[str] = ..., api: _Optional[str] = ..., status: _Optional[str] = ..., http_status: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., cost: _Optional[str] = ..., price_plan: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ...) -> None: ...
