@@ -41,6 +41,20 @@ class GatewaySettings(ServiceSettings):
         False, "fetch http(s) image URLs (no redirects; size and time limits): the gateway fetches any address"
     )
     image_fetch_timeout_s: float = setting(10.0, "seconds to fetch one remote image")
+    # tenancy (services/gateway/tenancy/): tenants, keys, prices and the usage ledger live in one database
+    database_url: str = setting(
+        "", "the tenancy database: postgresql://... (asyncpg) or sqlite:///path (empty: SQLite kvmesh.db in state_dir)"
+    )
+    state_dir: str = setting("~/.local/share/kvmesh", "the gateway's files: the SQLite database, the server secret")
+    server_secret: str = setting(
+        "",
+        "HMAC secret for stored API key digests and KV cache roots; replicas must share it "
+        "(empty: one generated once in <state_dir>/server_secret)",
+        secret=True,
+    )
+    admin_key: str = setting(
+        "", "the key of /admin/v1/ (`kvmesh up` generates one when unset; empty: admin routes are off)", secret=True
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

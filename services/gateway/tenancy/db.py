@@ -1,0 +1,89 @@
+"""The tenancy database: one async SQLAlchemy engine over SQLite (the default: `kvmesh.db` under state_dir, so
+`make up` needs nothing) or PostgreSQL (`database_url=postgresql://...`, through asyncpg), with the Alembic
+migrations in migrations/versions/ applied at open. Every gateway replica opens it; the migration is
+serialized (a PostgreSQL advisory lock), so replicas may start together.
+
+    database = await open_database(settings)
+    async with database.engine.begin() as connection:
+        await connection.execute(schema.tenants.insert().values(...))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event, make_url
+from sqlalchemy.engine import URL, Connection
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from services.gateway.config import GatewaySettings
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+_MIGRATION_LOCK = 0x6B766D65  # "kvme": the advisory lock that serializes replicas migrating one PostgreSQL
+_DRIVERS = {"postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg", "sqlite": "sqlite+aiosqlite"}
+
+
+class DatabaseError(ValueError):
+    """A database_url that cannot be used; the message names the setting, never a password."""
+
+
+@dataclass(frozen=True)
+class Database:
+    engine: AsyncEngine
+    url: str  # for logs: the password hidden
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+
+def database_url(settings: GatewaySettings) -> URL:
+    """The async URL the settings name: database_url with its driver made async, or the SQLite default."""
+    if not settings.database_url:
+        state_dir = Path(settings.state_dir).expanduser()
+        state_dir.mkdir(parents=True, exist_ok=True)
+        return make_url(f"sqlite+aiosqlite:///{state_dir / 'kvmesh.db'}")
+    try:
+        url = make_url(settings.database_url)
+    except Exception:
+        raise DatabaseError("KVMESH_DATABASE_URL: not a database URL (postgresql://... or sqlite:///...)") from None
+    backend = url.drivername.split("+")[0]
+    if backend not in _DRIVERS:
+        raise DatabaseError(f"KVMESH_DATABASE_URL: unsupported database {backend!r} (postgresql or sqlite)")
+    return url.set(drivername=_DRIVERS[backend])
+
+
+async def open_database(settings: GatewaySettings) -> Database:
+    """Connect and bring the schema to the newest migration."""
+    url = database_url(settings)
+    engine = create_async_engine(url, pool_pre_ping=url.get_backend_name() != "sqlite")
+    if url.get_backend_name() == "sqlite":
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    async with engine.begin() as connection:
+        await connection.run_sync(_migrate)
+    return Database(engine, url.render_as_string(hide_password=True))
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # WAL: readers (key lookups) never wait for the ledger's writer; busy_timeout: writers queue, not fail.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def _migrate(connection: Connection) -> None:
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")
