@@ -11,17 +11,25 @@ from typing import Any
 
 import grpc
 
+from services.gateway.tenancy.ratelimit_headers import RateLimitFacts
+
 
 class ErrorKind(enum.Enum):
     # (HTTP status, gRPC code, OpenAI error type, OpenAI error code)
     INVALID_REQUEST = (400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", None)
     CONTEXT_LENGTH = (400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", "context_length_exceeded")
     INVALID_API_KEY = (401, grpc.StatusCode.UNAUTHENTICATED, "invalid_request_error", "invalid_api_key")
+    PERMISSION_DENIED = (403, grpc.StatusCode.PERMISSION_DENIED, "permission_error", "permission_denied")
     MODEL_NOT_FOUND = (404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", "model_not_found")
     NOT_FOUND = (404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", "not_found")
     METHOD_NOT_ALLOWED = (405, grpc.StatusCode.UNIMPLEMENTED, "invalid_request_error", "method_not_allowed")
+    CONFLICT = (409, grpc.StatusCode.ALREADY_EXISTS, "invalid_request_error", "conflict")
     TOO_LARGE = (413, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", "request_too_large")
     RATE_LIMITED = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error", "rate_limit_exceeded")
+    # a tenant's or key's own limits (tenancy/limits.py); OpenAI names the exhausted kind in `type`
+    LIMIT_REQUESTS = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "requests", "rate_limit_exceeded")
+    LIMIT_TOKENS = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "tokens", "rate_limit_exceeded")
+    LIMIT_CONCURRENCY = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "requests", "concurrency_limit_exceeded")
     INTERNAL = (500, grpc.StatusCode.INTERNAL, "server_error", "internal_error")
     UPSTREAM = (502, grpc.StatusCode.INTERNAL, "server_error", "upstream_error")
     UNAVAILABLE = (503, grpc.StatusCode.UNAVAILABLE, "server_error", "service_unavailable")
@@ -41,11 +49,14 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
 class GatewayError(Exception):
-    def __init__(self, kind: ErrorKind, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, kind: ErrorKind, message: str, param: str | None = None, rate_limit: RateLimitFacts | None = None
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.param = param
+        self.rate_limit = rate_limit  # a tenant limit's refusal: what the headers tell the client
 
     @property
     def http_status(self) -> int:
@@ -57,7 +68,14 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": code}}
 
     def http_headers(self) -> dict[str, str]:
+        if self.rate_limit is not None:
+            return self.rate_limit.openai_headers()
         return {"retry-after": str(RETRY_AFTER_S)} if self.kind is ErrorKind.RATE_LIMITED else {}
+
+    def anthropic_headers(self) -> dict[str, str]:
+        if self.rate_limit is not None:
+            return self.rate_limit.anthropic_headers()
+        return self.http_headers()
 
     # -- Anthropic's shape (/v1/messages) -------------------------------------------------------------
     @property
@@ -87,9 +105,13 @@ _ANTHROPIC_TYPES = {
     ErrorKind.TOO_LARGE: "request_too_large",
     ErrorKind.METHOD_NOT_ALLOWED: "invalid_request_error",
     ErrorKind.INVALID_API_KEY: "authentication_error",
+    ErrorKind.PERMISSION_DENIED: "permission_error",
     ErrorKind.MODEL_NOT_FOUND: "not_found_error",
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.RATE_LIMITED: "overloaded_error",
+    ErrorKind.LIMIT_REQUESTS: "rate_limit_error",
+    ErrorKind.LIMIT_TOKENS: "rate_limit_error",
+    ErrorKind.LIMIT_CONCURRENCY: "rate_limit_error",
     ErrorKind.TIMEOUT: "timeout_error",
 }
 

@@ -1,0 +1,475 @@
+"""Limits per tenant and per key, exact across gateway replicas: admission RESERVES the prompt's tokens plus the
+completion ceiling (clamped to what is left) before any work starts, and the request's end SETTLES to the real
+usage, releasing the rest. Real usage never exceeds a reservation (the clamped ceiling is max_tokens), so the
+sum admitted never passes a limit, whatever the concurrency.
+
+The counters live in the NATS JetStream KV bucket KVMESH_LIMITS, shared by every replica: one entry per scope
+(`tenant.<id>`, `key.<id>`) holds all its windows (requests and tokens this minute, tokens today and this month,
+the concurrency slots), so admitting is one compare-and-set per limited scope (key first, then tenant). Each
+limiter caches the last entry it wrote with its revision and tries the CAS on it directly; a lost CAS (another
+replica wrote) re-reads and retries. A refusal decided on the cache is re-checked on a fresh read.
+
+Concurrency slots are leases: each slot holds an expiry (now + lease_s); the limiter that holds it renews its
+slots every lease_s / 3 (one CAS per scope), and any admission drops expired slots. A gateway that dies holding
+slots frees them within lease_s. When the store cannot be reached the limiter refuses with 503 (fail closed),
+unless `limits_fail_open`, when it admits uncounted and logs a warning.
+
+Windows are UTC: the minute, the day, the calendar month. Spend budgets (Limits.spend_*) are not enforced here yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from mesh.logging import get_logger
+from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.tenancy.principal import Limits, Principal
+from services.gateway.tenancy.ratelimit_headers import RateLimitFacts
+
+log = get_logger(__name__)
+R = TypeVar("R")
+
+BUCKET = "KVMESH_LIMITS"
+ENTRY_TTL_S = 35 * 86400.0  # an idle scope's entry outlives its longest window (a month), then goes
+STORE_TIMEOUT_S = 2.0  # one KV operation; past it the store counts as unreachable
+MAX_CAS_ATTEMPTS = 64
+CONCURRENCY_RETRY_S = 1.0  # what a refusal for concurrency tells the client to wait
+_KEY_PART = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class StoreUnavailable(Exception):
+    """The counter store did not answer (NATS down, timeout)."""
+
+
+# ---- windows and counters: pure, with the clock passed in -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WindowIds:
+    minute: int
+    day: int
+    month: int  # year * 12 + month - 1
+
+    @staticmethod
+    def at(now: float) -> WindowIds:
+        moment = datetime.datetime.fromtimestamp(now, tz=datetime.UTC)
+        return WindowIds(int(now // 60), int(now // 86400), moment.year * 12 + moment.month - 1)
+
+
+def seconds_to_month_end(now: float) -> float:
+    moment = datetime.datetime.fromtimestamp(now, tz=datetime.UTC)
+    year, month = divmod(moment.year * 12 + moment.month, 12)  # the next month, 0-based
+    return calendar.timegm((year, month + 1, 1, 0, 0, 0)) - now
+
+
+@dataclass
+class Counters:
+    """One scope's entry in the store. Written only by Limiter._transact's callbacks, on a copy."""
+
+    minute: int = 0
+    requests_minute: int = 0
+    tokens_minute: int = 0
+    day: int = 0
+    tokens_day: int = 0
+    month: int = 0
+    tokens_month: int = 0
+    slots: dict[str, float] = field(default_factory=dict)  # reservation id -> lease expiry (epoch seconds)
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> Counters:
+        return Counters(**json.loads(data)) if data else Counters()
+
+    def rolled(self, ids: WindowIds, now: float) -> Counters:
+        """A copy in the current windows: a past window's counts drop to 0; expired slots go."""
+        fresh = Counters(ids.minute, 0, 0, ids.day, 0, ids.month, 0)
+        if self.minute == ids.minute:
+            fresh.requests_minute, fresh.tokens_minute = self.requests_minute, self.tokens_minute
+        if self.day == ids.day:
+            fresh.tokens_day = self.tokens_day
+        if self.month == ids.month:
+            fresh.tokens_month = self.tokens_month
+        fresh.slots = {rid: expiry for rid, expiry in self.slots.items() if expiry > now}
+        return fresh
+
+    def token_room(self, limits: Limits, now: float) -> tuple[int | None, int | None, float]:
+        """(the tightest token limit, what is left of it, seconds until that window resets); (None, None, 0)
+        when no token limit is set."""
+        candidates = [
+            (limit, limit - used, reset)
+            for limit, used, reset in (
+                (limits.tokens_per_minute, self.tokens_minute, 60 - now % 60),
+                (limits.tokens_per_day, self.tokens_day, 86400 - now % 86400),
+                (limits.tokens_per_month, self.tokens_month, seconds_to_month_end(now)),
+            )
+            if limit is not None
+        ]
+        if not candidates:
+            return None, None, 0.0
+        limit, left, reset = min(candidates, key=lambda c: c[1])
+        return limit, max(0, left), reset
+
+    def facts(self, limits: Limits, now: float) -> RateLimitFacts:
+        limit_tokens, left_tokens, reset_tokens = self.token_room(limits, now)
+        rpm = limits.requests_per_minute
+        return RateLimitFacts(
+            now=now,
+            limit_requests=rpm,
+            remaining_requests=None if rpm is None else max(0, rpm - self.requests_minute),
+            reset_requests_s=None if rpm is None else 60 - now % 60,
+            limit_tokens=limit_tokens,
+            remaining_tokens=left_tokens,
+            reset_tokens_s=None if limit_tokens is None else reset_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one request asks for: its prompt once and up to `max_tokens` for each of `n` choices."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    n: int = 1
+
+    def tokens(self, max_tokens: int) -> int:
+        return self.prompt_tokens + self.n * max_tokens
+
+
+class Refusal(Exception):
+    def __init__(self, kind: ErrorKind, message: str, facts: RateLimitFacts) -> None:
+        super().__init__(message)
+        self.kind, self.message, self.facts = kind, message, facts
+
+
+def admit(state: Counters, limits: Limits, demand: Demand, now: float, lease_s: float) -> int:
+    """Reserve `demand` in `state` (already rolled to now); the completion ceiling granted per choice, at most
+    demand.max_tokens. Raises Refusal when not even one token per choice fits."""
+    facts = state.facts(limits, now)
+    if limits.requests_per_minute is not None and state.requests_minute >= limits.requests_per_minute:
+        retry = dataclasses.replace(facts, retry_after_s=facts.reset_requests_s)
+        raise Refusal(ErrorKind.LIMIT_REQUESTS, f"limit of {limits.requests_per_minute} requests per minute", retry)
+    if limits.max_concurrent is not None and len(state.slots) >= limits.max_concurrent:
+        retry = dataclasses.replace(facts, retry_after_s=CONCURRENCY_RETRY_S)
+        raise Refusal(ErrorKind.LIMIT_CONCURRENCY, f"limit of {limits.max_concurrent} concurrent requests", retry)
+    granted = demand.max_tokens
+    _, left, reset = state.token_room(limits, now)
+    if left is not None:
+        granted = min(granted, (left - demand.prompt_tokens) // demand.n)
+        if granted < 1:
+            message = (
+                f"limit of {facts.limit_tokens} tokens: {left} left, the request needs at least "
+                f"{demand.tokens(1)} ({demand.prompt_tokens} prompt + 1 per choice)"
+            )
+            raise Refusal(ErrorKind.LIMIT_TOKENS, message, dataclasses.replace(facts, retry_after_s=reset))
+    reserved = demand.tokens(granted)
+    state.requests_minute += 1
+    state.tokens_minute += reserved
+    state.tokens_day += reserved
+    state.tokens_month += reserved
+    if limits.max_concurrent is not None:
+        state.slots[demand.request_id] = now + lease_s
+    return granted
+
+
+def release(state: Counters, held: ScopeHold, used_tokens: int, *, uncount_request: bool = False) -> None:
+    """Give back what `held` reserved beyond `used_tokens`, in the windows it was reserved in (a window that has
+    rolled since no longer counts it), and free its slot."""
+    unused = max(0, held.reserved_tokens - used_tokens)
+    if state.minute == held.windows.minute:
+        state.tokens_minute = max(0, state.tokens_minute - unused)
+        if uncount_request:
+            state.requests_minute = max(0, state.requests_minute - 1)
+    if state.day == held.windows.day:
+        state.tokens_day = max(0, state.tokens_day - unused)
+    if state.month == held.windows.month:
+        state.tokens_month = max(0, state.tokens_month - unused)
+    state.slots.pop(held.request_id, None)
+
+
+# ---- reservations ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScopeHold:
+    """What one request holds in one scope."""
+
+    entry: str  # the store's key: tenant.<id> | key.<id>
+    request_id: str
+    reserved_tokens: int
+    windows: WindowIds
+    has_slot: bool
+
+
+@dataclass
+class Reservation:
+    """An admitted request's holds. `max_tokens` is the ceiling the request runs with; `facts` what the client
+    is told. Settled once (Limiter.settle)."""
+
+    demand: Demand
+    max_tokens: int
+    facts: RateLimitFacts | None  # None: no limit applies
+    holds: list[ScopeHold] = field(default_factory=list)
+    is_settled: bool = False
+
+    @property
+    def is_clamped(self) -> bool:
+        return self.max_tokens < self.demand.max_tokens
+
+
+def entry_name(kind: str, scope_id: str) -> str:
+    """A KV key for a scope: the id itself when it is plain, else its SHA-256 (KV keys take few characters)."""
+    if _KEY_PART.fullmatch(scope_id):
+        return f"{kind}.{scope_id}"
+    return f"{kind}.h{hashlib.sha256(scope_id.encode()).hexdigest()[:32]}"
+
+
+def _has_any(limits: Limits) -> bool:
+    return any(
+        value is not None
+        for value in (
+            limits.requests_per_minute,
+            limits.tokens_per_minute,
+            limits.max_concurrent,
+            limits.tokens_per_day,
+            limits.tokens_per_month,
+        )
+    )
+
+
+def _merge(a: RateLimitFacts | None, b: RateLimitFacts) -> RateLimitFacts:
+    """The tighter of two scopes' facts, kind by kind."""
+    if a is None:
+        return b
+    requests = min((a, b), key=lambda f: (f.remaining_requests is None, f.remaining_requests or 0))
+    tokens = min((a, b), key=lambda f: (f.remaining_tokens is None, f.remaining_tokens or 0))
+    return dataclasses.replace(
+        requests,
+        limit_tokens=tokens.limit_tokens,
+        remaining_tokens=tokens.remaining_tokens,
+        reset_tokens_s=tokens.reset_tokens_s,
+    )
+
+
+class Limiter:
+    """Admission and settlement against the shared counters. `client`: a connected nats.aio.client.Client.
+    One per gateway; its cache and renewal set are written only by its own methods."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        fail_open: bool = False,
+        lease_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        bucket: str = BUCKET,
+    ) -> None:
+        self._client = client
+        self._fail_open = fail_open
+        self._lease_s = lease_s
+        self._clock = clock
+        self._bucket = bucket
+        self._kv: Any = None
+        self._open_lock = asyncio.Lock()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._cache: dict[str, tuple[Counters, int]] = {}  # entry -> (what this limiter last wrote, revision)
+        self._slots: dict[str, set[str]] = {}  # entry -> request ids holding a slot through this limiter
+        self._settling: set[asyncio.Task[None]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+        if fail_open:
+            log.warning("limits fail open: when the counter store is unreachable, requests pass uncounted")
+
+    # -- lifecycle --
+    def start(self) -> None:
+        self._renewer = asyncio.ensure_future(self._renew_forever())
+
+    async def stop(self) -> None:
+        await self.drain()
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+
+    async def drain(self) -> None:
+        """Until every settlement started has been written."""
+        while self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    # -- admission --
+    async def reserve(self, principal: Principal, demand: Demand) -> Reservation:
+        """Hold `demand` against the key's limits, then the tenant's. Raises GatewayError: 429 with the facts
+        when a limit refuses, 503 when the store is unreachable (fail closed)."""
+        scopes = [
+            (entry_name("key", principal.key_id), principal.key_limits),
+            (entry_name("tenant", principal.tenant_id), principal.tenant_limits),
+        ]
+        reservation = Reservation(demand, demand.max_tokens, None)
+        try:
+            for entry, limits in scopes:
+                if _has_any(limits):
+                    await self._reserve_in(entry, limits, reservation)
+        except Refusal as refusal:
+            await self._release_all(reservation, 0, uncount_request=True)
+            raise GatewayError(
+                refusal.kind, f"Rate limit reached: {refusal.message}.", rate_limit=refusal.facts
+            ) from None
+        except StoreUnavailable as exc:
+            await self._release_all(reservation, 0, uncount_request=True)
+            if self._fail_open:
+                log.warning("limits store unreachable; admitting uncounted (limits_fail_open)", error=str(exc)[:200])
+                return Reservation(demand, demand.max_tokens, None)
+            raise GatewayError(
+                ErrorKind.UNAVAILABLE,
+                "the rate-limit counters (NATS JetStream KV) cannot be reached, so no request is admitted; "
+                "retry shortly",
+            ) from None
+        if reservation.is_clamped and reservation.facts is not None:
+            reservation.facts = dataclasses.replace(reservation.facts, max_tokens_clamped=reservation.max_tokens)
+        return reservation
+
+    async def _reserve_in(self, entry: str, limits: Limits, reservation: Reservation) -> None:
+        demand = dataclasses.replace(reservation.demand, max_tokens=reservation.max_tokens)
+        now = self._clock()
+
+        def apply(state: Counters) -> tuple[int, RateLimitFacts]:
+            granted = admit(state, limits, demand, now, self._lease_s)
+            return granted, state.facts(limits, now)
+
+        granted, facts = await self._transact(entry, apply, now)
+        has_slot = limits.max_concurrent is not None
+        reservation.holds.append(
+            ScopeHold(entry, demand.request_id, demand.tokens(granted), WindowIds.at(now), has_slot)
+        )
+        if has_slot:
+            self._slots.setdefault(entry, set()).add(demand.request_id)
+        reservation.max_tokens = granted
+        reservation.facts = _merge(reservation.facts, facts)
+
+    # -- settlement --
+    def settle_soon(self, reservation: Reservation, used_tokens: int) -> None:
+        """Settle in the background (a request ending by cancellation cannot await); `drain` waits for it."""
+        if reservation.is_settled or not reservation.holds:
+            reservation.is_settled = True
+            return
+        task = asyncio.ensure_future(self.settle(reservation, used_tokens))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+        """The request used `used_tokens` (prompt + every choice's completion): release the rest, free its slots."""
+        if reservation.is_settled:
+            return
+        reservation.is_settled = True
+        try:
+            await self._release_all(reservation, used_tokens)
+        except StoreUnavailable as exc:  # the minute window rolls anyway; slots expire with their lease
+            log.warning("settling a reservation failed", request_id=reservation.demand.request_id, error=str(exc)[:200])
+
+    async def _release_all(self, reservation: Reservation, used_tokens: int, *, uncount_request: bool = False) -> None:
+        for held in reservation.holds:
+            self._slots.get(held.entry, set()).discard(held.request_id)
+
+            def give_back(state: Counters, held: ScopeHold = held) -> None:
+                release(state, held, used_tokens, uncount_request=uncount_request)
+
+            await self._transact(held.entry, give_back, self._clock())
+        reservation.holds.clear()
+
+    # -- leases --
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease_s / 3)
+            for entry, request_ids in list(self._slots.items()):
+                if not request_ids:
+                    continue
+                now = self._clock()
+
+                def renew(state: Counters, ids: frozenset[str] = frozenset(request_ids), now: float = now) -> None:
+                    for request_id in ids & state.slots.keys():
+                        state.slots[request_id] = now + self._lease_s
+
+                try:
+                    await self._transact(entry, renew, now)
+                except StoreUnavailable as exc:
+                    log.warning("renewing concurrency leases failed", error=str(exc)[:200])
+
+    # -- the store --
+    async def _transact(self, entry: str, apply: Callable[[Counters], R], now: float) -> R:
+        """Read-modify-CAS one entry: `apply` changes a rolled copy (or raises Refusal, which writes nothing)."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        ids = WindowIds.at(now)
+        lock = self._locks.setdefault(entry, asyncio.Lock())
+        async with lock:
+            cached = self._cache.get(entry)
+            for _ in range(MAX_CAS_ATTEMPTS):
+                is_fresh = cached is None
+                state, revision = cached if cached is not None else await self._read(entry)
+                state = state.rolled(ids, now)
+                try:
+                    result = apply(state)
+                except Refusal:
+                    if is_fresh:
+                        raise
+                    cached = None  # decided on what this limiter last wrote: confirm on a fresh read
+                    continue
+                try:
+                    revision = await self._io(self._kv.update(entry, state.encode(), last=revision))
+                except KeyWrongLastSequenceError:
+                    cached = None
+                    continue
+                self._cache[entry] = (state, revision)
+                return result
+        raise StoreUnavailable(f"{MAX_CAS_ATTEMPTS} compare-and-set attempts lost on {entry}")
+
+    async def _read(self, entry: str) -> tuple[Counters, int]:
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+        await self._open()
+        try:
+            found = await self._io(self._kv.get(entry))
+        except KeyNotFoundError:
+            return Counters(), 0
+        except KeyDeletedError as exc:
+            return Counters(), exc.entry.revision if exc.entry is not None else 0
+        return Counters.decode(found.value or b""), found.revision
+
+    async def _open(self) -> None:
+        if self._kv is not None:
+            return
+        from nats.js.api import KeyValueConfig
+        from nats.js.errors import BucketNotFoundError
+
+        async with self._open_lock:
+            if self._kv is not None:
+                return
+            js = self._client.jetstream(timeout=STORE_TIMEOUT_S)
+            try:
+                self._kv = await self._io(js.key_value(self._bucket))
+            except BucketNotFoundError:
+                config = KeyValueConfig(bucket=self._bucket, history=1, ttl=ENTRY_TTL_S)
+                self._kv = await self._io(js.create_key_value(config))
+
+    async def _io(self, call: Any) -> Any:
+        """One store call; what is not an answer (timeout, closed connection, no responders) is StoreUnavailable."""
+        from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+
+        try:
+            return await asyncio.wait_for(call, STORE_TIMEOUT_S)
+        except (KeyWrongLastSequenceError, KeyNotFoundError, KeyDeletedError, BucketNotFoundError):
+            raise
+        except Exception as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
