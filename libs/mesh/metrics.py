@@ -73,6 +73,26 @@ GATEWAY_E2E = _histogram(
     "kvmesh_gateway_e2e_request_latency_seconds", "Arrival to last token", ["model"], buckets=_LATENCY, roles="gateway"
 )
 GATEWAY_IN_FLIGHT = _gauge("kvmesh_gateway_requests_in_flight", "Requests being served", ["model"], roles="gateway")
+USAGE_PUBLISHED = _counter(
+    "kvmesh_gateway_usage_records_published_total",
+    "Usage records acknowledged by the JetStream stream KVMESH_USAGE",
+    roles="gateway",
+)
+USAGE_DROPPED = _counter(
+    "kvmesh_gateway_usage_records_dropped_total",
+    "Usage records dropped unpublished: the queue was full while NATS was away, or the gateway stopped first",
+    roles="gateway",
+)
+USAGE_QUEUED = _gauge(
+    "kvmesh_gateway_usage_records_queued", "Usage records waiting to be published", roles="gateway"
+)
+USAGE_WRITTEN = _counter(
+    "kvmesh_gateway_usage_records_written_total",
+    "Usage records the ledger consumer wrote to the database, and those it found already there",
+    ["outcome"],
+    roles="gateway",
+    note="written, duplicate",
+)
 
 # prefill
 PREFILL_PROMPT_TOKENS = _counter(

@@ -172,8 +172,13 @@ class ServiceRuntime:
     async def wait_for_stop(self) -> None:
         await self._stop.wait()
 
-    async def shutdown(self, before_drain: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Deregister, stop taking work, let in-flight work finish (up to drain_timeout_s), then close."""
+    async def shutdown(
+        self,
+        before_drain: Callable[[], Awaitable[None]] | None = None,
+        after_drain: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Deregister, stop taking work, let in-flight work finish (up to drain_timeout_s), then close;
+        `after_drain` runs while NATS is still connected (e.g. to flush what the finished work published)."""
         log.info("stopping", in_flight=self.lifecycle.in_flight)
         if self._announcer is not None:
             await self._announcer.stop()
@@ -182,6 +187,8 @@ class ServiceRuntime:
         finished = await self.lifecycle.drain(self.settings.drain_timeout_s)
         if not finished:
             log.warning("drain timed out; cancelling in-flight requests", in_flight=self.lifecycle.in_flight)
+        if after_drain is not None:
+            await after_drain()
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self._status is not None:

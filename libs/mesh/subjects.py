@@ -43,3 +43,13 @@ def expert_plan(model: str) -> str:
 
 
 ALL_EXPERT_LOADS = f"{EXPERT_LOAD_PREFIX}.>"
+
+USAGE_PREFIX = "kvmesh.usage"
+
+
+def usage(tenant_id: str) -> str:
+    """UsageRecord of every request of one tenant (kept in the JetStream stream KVMESH_USAGE)."""
+    return f"{USAGE_PREFIX}.{_model_token(tenant_id)}"
+
+
+ALL_USAGE = f"{USAGE_PREFIX}.>"

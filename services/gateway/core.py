@@ -19,6 +19,7 @@ from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import MeshView
 from services.gateway.pipeline import Deadline, Generation, Pipeline
+from services.gateway.tenancy.ledger import UsagePublisher
 from services.gateway.tenancy.principal import Principal
 
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -48,6 +49,7 @@ class GatewayCore:
     lifecycle: Lifecycle
     request_timeout_s: float
     images: ImageEncoding | None = None  # None: images are refused
+    ledger: UsagePublisher | None = None  # None: no usage records (embedding, unit tests)
 
     def authenticate(self, key: str | None) -> Principal | None:
         """Who presents `key`; None for a missing, unknown, expired or revoked key (one answer for all: the

@@ -255,16 +255,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         request_id = new_request_id(_metadata(context, REQUEST_ID_KEY))
-        record = RequestRecord(GENERATE_API, request_id)
+        record = RequestRecord(GENERATE_API, request_id, ledger=self.core.ledger)
         with bind_request_id(request_id):
             try:
-                self._authenticate(context)
+                record.principal = self._authenticate(context)
                 if self.core.catalog.get(request.model) is not None:
                     record.admit(request.model)
                 with self.core.track():
                     turn = to_turn(self.core, request)
                     run = await start_chat(self.core, turn, request_id, record.on_tokens)
-                    record.stream = run.choices[0].stream
+                    record.run = run
                     try:
                         async for event in run.events():
                             response = _response(request_id, run, event)

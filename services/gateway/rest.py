@@ -138,7 +138,7 @@ async def json_body(request: web.Request) -> Any:
 @contextlib.asynccontextmanager
 async def admitted(request: web.Request, api: str) -> AsyncIterator[RequestRecord]:
     """Count the request as in flight (refused while draining) and record how it ended."""
-    record = RequestRecord(api, request[REQUEST_ID])
+    record = RequestRecord(api, request[REQUEST_ID], request.get(PRINCIPAL), request.app[CORE_KEY].ledger)
     try:
         with request.app[CORE_KEY].track():
             yield record
@@ -159,7 +159,7 @@ async def start_turn(request: web.Request, turn: ChatTurn, record: RequestRecord
         turn = dataclasses.replace(turn, traffic_class=request.headers[TRAFFIC_CLASS_HEADER])
     record.admit(core.catalog.require(turn.model).name)
     run = await start_chat(core, turn, request[REQUEST_ID], record.on_tokens)
-    record.stream = run.choices[0].stream
+    record.run = run
     return run
 
 

@@ -22,6 +22,7 @@ from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
 from services.gateway.pipeline import Pipeline
 from services.gateway.response_store import ResponseStore
+from services.gateway.tenancy.ledger import UsagePublisher
 
 log = get_logger(__name__)
 
@@ -37,6 +38,7 @@ class GatewayServer:
         self.core: GatewayCore | None = None
         self.http_port = 0
         self._http: web.AppRunner | None = None
+        self.ledger: UsagePublisher | None = None
 
     @property
     def grpc_port(self) -> int:
@@ -48,6 +50,8 @@ class GatewayServer:
         if catalog is None:  # opening a GGUF's metadata takes seconds: off the event loop
             catalog = await asyncio.to_thread(ModelCatalog.load, settings.models)
         bus = await self.runtime.connect_bus()
+        self.ledger = UsagePublisher(bus)
+        await self.ledger.start()
         self.registry = WorkerRegistry(bus, FOLLOWED_ROLES, settings.heartbeat_interval_s)
         await self.registry.start()
         mesh = MeshView(self.registry)
@@ -59,6 +63,7 @@ class GatewayServer:
             lifecycle=self.runtime.lifecycle,
             request_timeout_s=settings.request_timeout_s,
             images=ImageEncoding(settings.image_settings, self.registry, self.runtime.channels, settings.max_retries),
+            ledger=self.ledger,
         )
         app = create_app(self.core, ResponseStore(bus.client))
         self._http, self.http_port = await start_http(app, settings.host, settings.http_port)
@@ -80,7 +85,11 @@ class GatewayServer:
             if self.registry is not None:
                 await self.registry.stop()
 
-        await self.runtime.shutdown(before_drain=stop_following)
+        async def flush_usage() -> None:  # the finished requests' records, while NATS is still there
+            if self.ledger is not None:
+                await self.ledger.close()
+
+        await self.runtime.shutdown(before_drain=stop_following, after_drain=flush_usage)
         if self._http is not None:
             await self._http.cleanup()
 

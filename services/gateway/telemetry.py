@@ -1,5 +1,8 @@
-"""Metrics and the one log line per finished request, kept out of the pipeline: front ends report what
-happened to a RequestRecord, which exports it. Nothing here sees the API key or the prompt's text."""
+"""Metrics, the one log line and the one usage record per finished request, kept out of the pipeline: front ends
+report what happened to a RequestRecord, which exports it. Nothing here sees the API key or the prompt's text.
+
+A request whose key was accepted (it has a principal) ends in exactly one UsageRecord handed to the usage ledger
+(tenancy/ledger.py), whatever the way it ends: `finish` runs once."""
 
 from __future__ import annotations
 
@@ -7,19 +10,63 @@ import time
 
 from mesh.logging import get_logger
 from mesh.metrics import GATEWAY_E2E, GATEWAY_IN_FLIGHT, GATEWAY_ITL, GATEWAY_REQUESTS, GATEWAY_TTFT
-from services.gateway.pipeline import GenerationStream
+from mesh.pb import events_pb2
+from services.gateway.chat import ChatRun
+from services.gateway.pipeline import GenerationStream, Usage
+from services.gateway.tenancy.ledger import UsagePublisher
+from services.gateway.tenancy.principal import Principal
 
 log = get_logger("services.gateway.requests")
 UNKNOWN_MODEL = "unknown"  # the label for requests refused before their model was known (bounds cardinality)
+CLIENT_GONE = 499  # the code of a client that left before the end (nginx's convention)
+# a gRPC status's HTTP equivalent, for the usage record's http_status
+_GRPC_HTTP = {
+    "OK": 200,
+    "CANCELLED": CLIENT_GONE,
+    "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNIMPLEMENTED": 501,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+
+
+def http_status(code: int | str) -> int:
+    """An HTTP status, or a gRPC status name, as an HTTP status (an unknown gRPC status: 500)."""
+    return code if isinstance(code, int) else _GRPC_HTTP.get(code, 500)
+
+
+def usage_status(status: int) -> str:
+    """The ledger's word for how a request ended, from the HTTP status the client got."""
+    if status == 200:
+        return "finished"
+    if status == CLIENT_GONE:
+        return "client_gone"
+    if status == 504:
+        return "timeout"
+    return "refused" if 400 <= status < 500 else "failed"
 
 
 class RequestRecord:
-    def __init__(self, api: str, request_id: str) -> None:
+    def __init__(
+        self,
+        api: str,
+        request_id: str,
+        principal: Principal | None = None,
+        ledger: UsagePublisher | None = None,
+    ) -> None:
         self.api = api
         self.request_id = request_id
         self.model = UNKNOWN_MODEL
-        self.stream: GenerationStream | None = None
+        self.principal = principal  # None: no accepted key, so no usage record
+        self.run: ChatRun | None = None  # set once the turn started: its usage and workers
+        self._ledger = ledger
+        self._started_at = time.time()
         self._arrival = time.monotonic()
+        self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._is_admitted = False
         self._is_finished = False
@@ -35,12 +82,17 @@ class RequestRecord:
             return
         now = time.monotonic()
         if self._last_token_at is None:
+            self._first_token_at = now
             GATEWAY_TTFT.labels(self.model).observe(now - self._arrival)
         else:
             gap = (now - self._last_token_at) / num_tokens  # a batch of n tokens: n gaps of equal share
             for _ in range(num_tokens):
                 GATEWAY_ITL.labels(self.model).observe(gap)
         self._last_token_at = now
+
+    @property
+    def stream(self) -> GenerationStream | None:
+        return self.run.choices[0].stream if self.run is not None else None
 
     def finish(self, code: int | str) -> None:
         """Once per request: `code` is the HTTP status (or gRPC status name) the client got."""
@@ -67,3 +119,31 @@ class RequestRecord:
             cached_tokens=stream.num_cached_tokens if stream else None,
             completion_tokens=stream.num_completion_tokens if stream else None,
         )
+        if self._ledger is not None and self.principal is not None:
+            self._ledger.submit(self.usage_record(http_status(code), latency))
+
+    def usage_record(self, status: int, latency_s: float) -> events_pb2.UsageRecord:
+        """What the ledger keeps of this request: the usage of every choice as far as it got."""
+        assert self.principal is not None, "only a request with an accepted key is billed"
+        run = self.run
+        usage = run.usage if run is not None else Usage(0, 0, 0)
+        record = events_pb2.UsageRecord(
+            request_id=self.request_id,
+            tenant_id=self.principal.tenant_id,
+            key_id=self.principal.key_id,
+            model=self.model,
+            api=self.api,
+            status=usage_status(status),
+            http_status=status,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens,
+            e2e_ms=latency_s * 1000,
+            prefill_worker=run.placement.prefill_worker if run is not None else "",
+            decode_worker=run.placement.decode_worker if run is not None else "",
+            started_at_ms=int(self._started_at * 1000),
+            ended_at_ms=int((self._started_at + latency_s) * 1000),
+        )
+        if self._first_token_at is not None:
+            record.ttft_ms = (self._first_token_at - self._arrival) * 1000
+        return record

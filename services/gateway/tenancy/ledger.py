@@ -1,0 +1,309 @@
+"""The usage ledger: exactly one UsageRecord per request, from the gateway that served it to the usage_records table.
+
+    publisher = UsagePublisher(bus); await publisher.start()   # every gateway: telemetry.RequestRecord submits
+    consumer = LedgerConsumer(bus, database); await consumer.start()   # every gateway: they share one consumer
+
+1. A request ends (telemetry.RequestRecord.finish): its record goes into the publisher's bounded queue; `submit`
+   never blocks nor raises, so the client never waits for the ledger.
+2. The publisher sends it to the JetStream stream KVMESH_USAGE (file storage) with `Nats-Msg-Id` = request id,
+   retrying while NATS is away; a retry of a record NATS already stored is dropped by the stream's duplicate
+   window. Past the queue's bound a record is dropped, counted and logged; a graceful stop flushes the queue.
+3. The durable pull consumer `ledger` (one for all replicas: each message goes to one of them) prices each record
+   from the prices table (the tenant's price_plan and the model; Decimal), inserts it with ON CONFLICT DO NOTHING
+   on request_id (a redelivered record is written once) and acks only after the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from decimal import Decimal
+from typing import Any
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+from nats.js.errors import NoStreamResponseError, NotFoundError
+from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from mesh import subjects
+from mesh.bus import Bus
+from mesh.logging import get_logger
+from mesh.metrics import USAGE_DROPPED, USAGE_PUBLISHED, USAGE_QUEUED, USAGE_WRITTEN
+from mesh.pb import events_pb2
+from services.gateway.tenancy import schema
+from services.gateway.tenancy.db import Database
+
+STREAM = "KVMESH_USAGE"
+CONSUMER = "ledger"
+DUPLICATE_WINDOW_S = 300.0  # a retry within it is dropped by the stream; past it, by the table's primary key
+MSG_ID_HEADER = "Nats-Msg-Id"
+DEFAULT_PLAN = "default"  # a tenant without a row (the `default` tenant of KVMESH_API_KEYS) is priced by it
+STATUSES = ("finished", "client_gone", "failed", "timeout", "aborted", "refused")
+_MILLION = Decimal(1_000_000)
+_COST_QUANTUM = Decimal("1e-12")  # usage_records.cost is NUMERIC(24, 12)
+log = get_logger(__name__)
+
+
+async def ensure_usage_stream(js: JetStreamContext) -> None:
+    """Create KVMESH_USAGE if it does not exist (a work queue: a message leaves once the ledger acks it)."""
+    try:
+        await js.stream_info(STREAM)
+        return
+    except NotFoundError:
+        pass
+    config = StreamConfig(
+        name=STREAM,
+        subjects=[subjects.ALL_USAGE],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        duplicate_window=DUPLICATE_WINDOW_S,
+    )
+    try:
+        await js.add_stream(config)
+    except Exception:  # another replica created it in between: fine if it now exists
+        await js.stream_info(STREAM)
+
+
+# ---- publishing ----------------------------------------------------------------------------------------------
+
+
+class UsagePublisher:
+    """The only reader of its queue is its pump task; `submit` (on the same loop) is the only writer."""
+
+    def __init__(
+        self, bus: Bus, max_queued: int = 100_000, max_in_flight: int = 64, ack_timeout_s: float = 2.0
+    ) -> None:
+        self.bus = bus
+        self.max_queued = max_queued
+        self.max_in_flight = max_in_flight
+        self.ack_timeout_s = ack_timeout_s
+        self.num_published = 0
+        self.num_dropped = 0
+        self._queue: collections.deque[events_pb2.UsageRecord] = collections.deque()
+        self._num_in_flight = 0
+        self._wake = asyncio.Event()
+        self._pump: asyncio.Task[None] | None = None
+        self._is_closed = False
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue) + self._num_in_flight
+
+    def submit(self, record: events_pb2.UsageRecord) -> None:
+        """Queue one record; never blocks, never raises."""
+        if self._is_closed:
+            self._drop(1, "the usage publisher is closed", record.request_id)
+            return
+        if len(self._queue) >= self.max_queued:
+            self._drop(1, "the usage queue is full", record.request_id)
+            return
+        self._queue.append(record)
+        USAGE_QUEUED.set(self.num_queued)
+        self._wake.set()
+
+    async def start(self) -> None:
+        with contextlib.suppress(Exception):  # NATS away: the pump creates the stream once it is back
+            await ensure_usage_stream(self.bus.client.jetstream())
+        self._pump = asyncio.create_task(self._run(), name="usage-publisher")
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Flush what is queued (up to `timeout_s`), then stop; what is left is dropped, counted and logged."""
+        self._is_closed = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.num_queued and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        if self._queue:
+            self._drop(len(self._queue), "the gateway stopped before NATS took them", self._queue[0].request_id)
+            self._queue.clear()
+
+    def _drop(self, count: int, why: str, request_id: str) -> None:
+        self.num_dropped += count
+        USAGE_DROPPED.inc(count)
+        log.warning("usage records dropped", count=count, why=why, first_request_id=request_id)
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+            batch = [self._queue.popleft() for _ in range(min(self.max_in_flight, len(self._queue)))]
+            self._num_in_flight = len(batch)
+            results = await asyncio.gather(*(self._publish(record) for record in batch), return_exceptions=True)
+            failed = [record for record, result in zip(batch, results, strict=True) if result is not None]
+            self._queue.extendleft(reversed(failed))  # retried first, in their order
+            self._num_in_flight = 0
+            USAGE_QUEUED.set(self.num_queued)
+            if failed:
+                if any(isinstance(r, (nats.errors.NoRespondersError, NoStreamResponseError)) for r in results):
+                    with contextlib.suppress(Exception):  # a NATS without the stream (a new store): make it again
+                        await ensure_usage_stream(self.bus.client.jetstream())
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            else:
+                backoff = 0.05
+
+    async def _publish(self, record: events_pb2.UsageRecord) -> None:
+        await self.bus.client.jetstream().publish(
+            subjects.usage(record.tenant_id),
+            record.SerializeToString(),
+            timeout=self.ack_timeout_s,
+            headers={MSG_ID_HEADER: record.request_id},
+        )
+        self.num_published += 1
+        USAGE_PUBLISHED.inc()
+
+
+# ---- settlement ----------------------------------------------------------------------------------------------
+
+
+def cost(record: events_pb2.UsageRecord, price: Any | None) -> Decimal:
+    """Dollars: uncached prompt tokens at the input price, cached ones at the cached price, completion tokens at
+    the output price (each per million tokens). No price row: 0."""
+    if price is None:
+        return Decimal(0)
+    uncached = max(record.prompt_tokens - record.cached_tokens, 0)
+    total = (
+        uncached * Decimal(price.input_per_mtok)
+        + record.cached_tokens * Decimal(price.cached_input_per_mtok)
+        + record.completion_tokens * Decimal(price.output_per_mtok)
+    )
+    return (total / _MILLION).quantize(_COST_QUANTUM)
+
+
+def _time(ms: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
+
+
+def row(record: events_pb2.UsageRecord, plan: str, price: Any | None) -> dict[str, Any]:
+    """The usage_records row of a record, priced by `plan`."""
+    return {
+        "request_id": record.request_id,
+        "tenant_id": record.tenant_id,
+        "key_id": record.key_id,
+        "model": record.model,
+        "api": record.api,
+        "status": record.status,
+        "http_status": record.http_status,
+        "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
+        "completion_tokens": record.completion_tokens,
+        "ttft_ms": record.ttft_ms if record.HasField("ttft_ms") else None,
+        "e2e_ms": record.e2e_ms,
+        "prefill_worker": record.prefill_worker or None,
+        "decode_worker": record.decode_worker or None,
+        "cost": cost(record, price),
+        "price_plan": plan,
+        "started_at": _time(record.started_at_ms),
+        "ended_at": _time(record.ended_at_ms),
+    }
+
+
+async def settle(connection: AsyncConnection, records: Sequence[events_pb2.UsageRecord]) -> int:
+    """Price and insert `records` in the caller's transaction; returns how many were new (the rest were there)."""
+    unique = list({record.request_id: record for record in records}.values())
+    if not unique:
+        return 0
+    tenants = schema.tenants
+    tenant_ids = {record.tenant_id for record in unique}
+    result = await connection.execute(select(tenants.c.id, tenants.c.price_plan).where(tenants.c.id.in_(tenant_ids)))
+    plans: dict[str, str] = {tenant_id: plan for tenant_id, plan in result}
+    prices = schema.prices
+    price_rows = (
+        await connection.execute(select(prices).where(prices.c.plan.in_(set(plans.values()) | {DEFAULT_PLAN})))
+    ).all()
+    by_key = {(price.plan, price.model): price for price in price_rows}
+    rows = []
+    for record in unique:
+        plan = plans.get(record.tenant_id, DEFAULT_PLAN)
+        rows.append(row(record, plan, by_key.get((plan, record.model))))
+    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(schema.usage_records).values(rows).on_conflict_do_nothing(index_elements=["request_id"])
+    result = await connection.execute(statement)
+    return int(result.rowcount)
+
+
+# ---- the consumer --------------------------------------------------------------------------------------------
+
+
+class LedgerConsumer:
+    """Moves records from KVMESH_USAGE into usage_records; the only writer of that table."""
+
+    def __init__(self, bus: Bus, database: Database, batch_size: int = 256, ack_wait_s: float = 30.0) -> None:
+        self.bus = bus
+        self.database = database
+        self.batch_size = batch_size
+        self.ack_wait_s = ack_wait_s
+        self.num_written = 0
+        self.num_duplicates = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="ledger-consumer")
+
+    async def stop(self) -> None:
+        """Stop between batches' commits: a batch fetched but not committed is redelivered after ack_wait_s."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+        js = self.bus.client.jetstream()
+        await ensure_usage_stream(js)
+        config = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_ack_pending=-1)
+        return await js.pull_subscribe(subjects.ALL_USAGE, durable=CONSUMER, stream=STREAM, config=config)
+
+    async def _run(self) -> None:
+        subscription: JetStreamContext.PullSubscription | None = None
+        while True:
+            try:
+                if subscription is None:
+                    subscription = await self._subscribe()
+                try:
+                    messages = await subscription.fetch(self.batch_size, timeout=1.0)
+                except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                    continue
+                await self._write(messages)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # NATS or the database away: try again shortly, from a fresh subscription
+                log.warning("ledger consumer retrying", error=f"{type(exc).__name__}: {exc}")
+                if subscription is not None:
+                    with contextlib.suppress(Exception):
+                        await subscription.unsubscribe()
+                subscription = None
+                await asyncio.sleep(0.5)
+
+    async def _write(self, messages: Iterable[Msg]) -> None:
+        records, acks = [], []
+        for message in messages:
+            record = events_pb2.UsageRecord()
+            try:
+                record.ParseFromString(message.data)
+            except Exception:
+                log.warning("undecodable usage record dropped", subject=message.subject)
+                await message.term()
+                continue
+            records.append(record)
+            acks.append(message)
+        async with self.database.engine.begin() as connection:
+            num_new = await settle(connection, records)
+        for message in acks:  # only after the commit: a crash before this redelivers, and the insert skips them
+            await message.ack()
+        self.num_written += num_new
+        self.num_duplicates += len(records) - num_new
+        USAGE_WRITTEN.labels("written").inc(num_new)
+        USAGE_WRITTEN.labels("duplicate").inc(len(records) - num_new)
