@@ -27,7 +27,9 @@ from services.gateway.core import GatewayCore
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.image_encoding import place_images
 from services.gateway.images import ImagePart, with_image_tokens
-from services.gateway.pipeline import NOT_FINISHED, Delta, GenerationStream, Placement, Usage
+from services.gateway.pipeline import NOT_FINISHED, Delta, Generation, GenerationStream, Placement, Usage
+from services.gateway.tenancy.limits import Demand, Reservation
+from services.gateway.tenancy.principal import Principal
 from services.gateway.tool_calls import (
     AUTO_TOOLS,
     ParsedArgs,
@@ -211,6 +213,8 @@ class ChoiceRun:
 class ChatRun:
     choices: list[ChoiceRun]
     num_prompt_tokens: int
+    reservation: Reservation | None = None  # what admission holds against the caller's limits
+    on_close: Callable[[Usage], None] = lambda usage: None  # settles the reservation to the real usage
 
     @property
     def placement(self) -> Placement:
@@ -263,6 +267,8 @@ class ChatRun:
     def close(self) -> None:
         for choice in self.choices:
             choice.stream.close()
+        on_close, self.on_close = self.on_close, lambda usage: None  # once
+        on_close(self.usage)
 
 
 def turn_grammar(model: ServedModel, turn: ChatTurn) -> StructuredOutput | None:
@@ -329,10 +335,31 @@ async def render_with_images(
     return place_images(model, prompt, encoded, turn.prompt_param)
 
 
+async def reserve(
+    core: GatewayCore, principal: Principal | None, request_id: str, turn: ChatTurn, generations: list[Generation]
+) -> Reservation | None:
+    """Admission against the caller's limits, once the prompt is known and checked: the prompt plus max_tokens per
+    choice (or the rest of the context); a partly fitting request runs with the lower ceiling it was granted."""
+    first = generations[0]
+    asked = first.sampling.max_tokens if first.sampling.HasField("max_tokens") else None
+    num_prompt = len(first.prompt_token_ids)
+    demand = Demand(request_id, num_prompt, asked or first.model.context_len - num_prompt, turn.n)
+    reservation = await core.reserve(principal, demand)
+    if reservation is not None and reservation.is_clamped:
+        for generation in generations:
+            generation.sampling.max_tokens = reservation.max_tokens
+    return reservation
+
+
 async def start_chat(
-    core: GatewayCore, turn: ChatTurn, request_id: str, on_tokens: Callable[[int], None] = lambda num_tokens: None
+    core: GatewayCore,
+    turn: ChatTurn,
+    request_id: str,
+    on_tokens: Callable[[int], None] = lambda num_tokens: None,
+    principal: Principal | None = None,
 ) -> ChatRun:
-    """Render, check and start every choice (routing and prefill done: the serving workers are known)."""
+    """Render, check, admit against the principal's limits and start every choice (routing and prefill done:
+    the serving workers are known)."""
     if not 1 <= turn.n <= MAX_N:
         raise invalid("n", f"'n' must be between 1 and {MAX_N}, got {turn.n}")
     model = core.catalog.require(turn.model)
@@ -355,20 +382,31 @@ async def start_chat(
         )
         for i in range(turn.n)
     ]
+    reservation = await reserve(core, principal, request_id, turn, generations)
+
+    def settle(usage: Usage) -> None:
+        if reservation is not None and core.limiter is not None:
+            core.limiter.settle_soon(reservation, usage.prompt_tokens + usage.completion_tokens)
+
     deadline = core.deadline()
-    results = await asyncio.gather(*(core.pipeline.start(g, deadline) for g in generations), return_exceptions=True)
+    try:
+        results = await asyncio.gather(*(core.pipeline.start(g, deadline) for g in generations), return_exceptions=True)
+    except BaseException:
+        settle(Usage(0, 0, 0))
+        raise
     streams = [r for r in results if isinstance(r, GenerationStream)]
     failures = [r for r in results if not isinstance(r, GenerationStream)]
     if failures:
         for stream in streams:
             stream.close()
+        settle(Usage(sum(s.num_prompt_tokens for s in streams[:1]), sum(s.num_completion_tokens for s in streams), 0))
         raise failures[0]
     can_call = bool(turn.tools) and turn.tool_choice.mode != "none"
     choices = [
         ChoiceRun(i, stream, model, turn, ToolCallParser(model.tool_syntax) if can_call else None, on_tokens)
         for i, stream in enumerate(streams)
     ]
-    return ChatRun(choices, len(prompt))
+    return ChatRun(choices, len(prompt), reservation, settle)
 
 
 @dataclass

@@ -41,6 +41,13 @@ class GatewaySettings(ServiceSettings):
         False, "fetch http(s) image URLs (no redirects; size and time limits): the gateway fetches any address"
     )
     image_fetch_timeout_s: float = setting(10.0, "seconds to fetch one remote image")
+    # tenant and key limits (services/gateway/tenancy/limits.py), counted in the NATS KV bucket KVMESH_LIMITS
+    limits_fail_open: bool = setting(
+        False, "admit requests uncounted (logging a warning) when the limit counters cannot be reached; else a 503"
+    )
+    limits_lease_s: float = setting(
+        30.0, "a concurrency slot's lease: renewed while its request runs, freed this long after its gateway dies"
+    )
     # tenancy (services/gateway/tenancy/): tenants, keys, prices and the usage ledger live in one database
     database_url: str = setting(
         "", "the tenancy database: postgresql://... (asyncpg) or sqlite:///path (empty: SQLite kvmesh.db in state_dir)"
@@ -69,6 +76,7 @@ class GatewaySettings(ServiceSettings):
         require(self.block_size > 0, "block_size", self.block_size, "must be positive")
         require(self.max_retries >= 0, "max_retries", self.max_retries, "must not be negative")
         require(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be positive")
+        require(self.limits_lease_s >= 1, "limits_lease_s", self.limits_lease_s, "must be at least 1 second")
         for name in ("max_image_bytes", "max_image_side", "max_image_pixels", "image_fetch_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
         require(

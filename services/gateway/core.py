@@ -20,6 +20,7 @@ from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import MeshView
 from services.gateway.pipeline import Deadline, Generation, Pipeline
 from services.gateway.tenancy.ledger import UsagePublisher
+from services.gateway.tenancy.limits import Demand, Limiter, Reservation
 from services.gateway.tenancy.principal import Principal
 
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -49,12 +50,19 @@ class GatewayCore:
     lifecycle: Lifecycle
     request_timeout_s: float
     images: ImageEncoding | None = None  # None: images are refused
+    limiter: Limiter | None = None  # None: no limits are enforced (embedding, unit tests)
     ledger: UsagePublisher | None = None  # None: no usage records (embedding, unit tests)
 
     def authenticate(self, key: str | None) -> Principal | None:
         """Who presents `key`; None for a missing, unknown, expired or revoked key (one answer for all: the
         reply never tells a guesser which)."""
         return self.keys.resolve(key)
+
+    async def reserve(self, principal: Principal | None, demand: Demand) -> Reservation | None:
+        """Hold the request's tokens against its principal's limits (tenancy/limits.py); None: nothing to hold."""
+        if self.limiter is None or principal is None:
+            return None
+        return await self.limiter.reserve(principal, demand)
 
     def served_models(self) -> list[ServedModel]:
         """Models this gateway can tokenize that have a live prefill and a live decode worker."""

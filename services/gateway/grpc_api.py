@@ -263,7 +263,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     record.admit(request.model)
                 with self.core.track():
                     turn = to_turn(self.core, request)
-                    run = await start_chat(self.core, turn, request_id, record.on_tokens)
+                    run = await start_chat(self.core, turn, request_id, record.on_tokens, record.principal)
                     record.run = run
                     try:
                         async for event in run.events():
@@ -273,9 +273,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     finally:
                         run.close()
                 record.finish(grpc.StatusCode.OK.name)
+                facts = run.reservation.facts if run.reservation is not None else None
+                if facts is not None:  # what is left of the caller's limits, as the REST APIs' headers say
+                    context.set_trailing_metadata(tuple(facts.openai_headers().items()))
             except GatewayError as error:
                 record.finish(error.kind.grpc_code.name)
-                context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+                context.set_trailing_metadata(((REQUEST_ID_KEY, request_id), *error.http_headers().items()))
                 await context.abort(error.kind.grpc_code, error.message_naming_param)
             except asyncio.CancelledError:
                 record.finish(grpc.StatusCode.CANCELLED.name)

@@ -55,9 +55,10 @@ def is_anthropic(request: web.Request) -> bool:
 
 def error_response(request: web.Request, error: GatewayError) -> web.Response:
     """The error in the shape of the API the client called: OpenAI's, or Anthropic's on /v1/messages."""
-    headers = {"x-request-id": request[ECHOED_ID], **error.http_headers()}
     if is_anthropic(request):
+        headers = {"x-request-id": request[ECHOED_ID], **error.anthropic_headers()}
         return web.json_response(error.anthropic_body(), status=error.anthropic_status, headers=headers, dumps=dumps)
+    headers = {"x-request-id": request[ECHOED_ID], **error.http_headers()}
     return web.json_response(error.body(), status=error.http_status, headers=headers, dumps=dumps)
 
 
@@ -66,12 +67,17 @@ def dumps(obj: Any) -> str:
 
 
 def served_headers(request: web.Request, run: ChatRun) -> dict[str, str]:
+    facts = run.reservation.facts if run.reservation is not None else None
+    limit_headers = {}  # what is left of the caller's limits (tenancy/limits.py), in the API's own names
+    if facts is not None:
+        limit_headers = facts.anthropic_headers() if is_anthropic(request) else facts.openai_headers()
     return {
         "x-request-id": request[ECHOED_ID],
         "x-kvmesh-prefill-worker": run.placement.prefill_worker,
         "x-kvmesh-decode-worker": run.placement.decode_worker,
         # the engine's prefill time, so a client can tell the mesh's overhead from compute
         "server-timing": f"prefill;dur={run.prefill_seconds * 1000:.3f}",
+        **limit_headers,
     }
 
 
@@ -158,7 +164,7 @@ async def start_turn(request: web.Request, turn: ChatTurn, record: RequestRecord
     if TRAFFIC_CLASS_HEADER in request.headers:  # every REST API: the KV store's TTL class for this request
         turn = dataclasses.replace(turn, traffic_class=request.headers[TRAFFIC_CLASS_HEADER])
     record.admit(core.catalog.require(turn.model).name)
-    run = await start_chat(core, turn, request[REQUEST_ID], record.on_tokens)
+    run = await start_chat(core, turn, request[REQUEST_ID], record.on_tokens, request.get(PRINCIPAL))
     record.run = run
     return run
 

@@ -22,6 +22,7 @@ from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
 from services.gateway.pipeline import Pipeline
 from services.gateway.response_store import ResponseStore
+from services.gateway.tenancy.limits import Limiter
 from services.gateway.tenancy.ledger import UsagePublisher
 
 log = get_logger(__name__)
@@ -38,6 +39,7 @@ class GatewayServer:
         self.core: GatewayCore | None = None
         self.http_port = 0
         self._http: web.AppRunner | None = None
+        self.limiter: Limiter | None = None
         self.ledger: UsagePublisher | None = None
 
     @property
@@ -54,6 +56,8 @@ class GatewayServer:
         await self.ledger.start()
         self.registry = WorkerRegistry(bus, FOLLOWED_ROLES, settings.heartbeat_interval_s)
         await self.registry.start()
+        self.limiter = Limiter(bus.client, fail_open=settings.limits_fail_open, lease_s=settings.limits_lease_s)
+        self.limiter.start()
         mesh = MeshView(self.registry)
         self.core = GatewayCore(
             keys=KeyRing(settings.api_keys),
@@ -63,6 +67,7 @@ class GatewayServer:
             lifecycle=self.runtime.lifecycle,
             request_timeout_s=settings.request_timeout_s,
             images=ImageEncoding(settings.image_settings, self.registry, self.runtime.channels, settings.max_retries),
+            limiter=self.limiter,
             ledger=self.ledger,
         )
         app = create_app(self.core, ResponseStore(bus.client))
@@ -86,6 +91,8 @@ class GatewayServer:
                 await self.registry.stop()
 
         async def flush_usage() -> None:  # the finished requests' records, while NATS is still there
+            if self.limiter is not None:  # settlements first: they release what the finished requests held
+                await self.limiter.stop()
             if self.ledger is not None:
                 await self.ledger.close()
 
