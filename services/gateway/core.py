@@ -22,6 +22,7 @@ from services.gateway.pipeline import Deadline, Generation, Pipeline
 from services.gateway.tenancy.ledger import UsagePublisher
 from services.gateway.tenancy.limits import Demand, Limiter, Reservation
 from services.gateway.tenancy.principal import Principal
+from services.gateway.tenancy.store import KeyStore
 
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -41,6 +42,16 @@ def echoed_request_id(client_request_id: str | None, request_id: str) -> str:
     return request_id
 
 
+def check_scope(principal: Principal | None, api: str, model: str | None = None) -> None:
+    """A key scoped to some APIs or models: a 403 naming the field for any other."""
+    if principal is None:
+        return
+    if not principal.may_use_api(api):
+        raise GatewayError(ErrorKind.PERMISSION_DENIED, f"this key may not call the {api} API")
+    if model is not None and not principal.may_use_model(model):
+        raise GatewayError(ErrorKind.PERMISSION_DENIED, f"model: this key may not use the model {model!r}", "model")
+
+
 @dataclass(frozen=True)
 class GatewayCore:
     keys: KeyRing
@@ -50,13 +61,17 @@ class GatewayCore:
     lifecycle: Lifecycle
     request_timeout_s: float
     images: ImageEncoding | None = None  # None: images are refused
+    key_store: KeyStore | None = None  # tenants' keys (tenancy/store.py); None: only KVMESH_API_KEYS
     limiter: Limiter | None = None  # None: no limits are enforced (embedding, unit tests)
     ledger: UsagePublisher | None = None  # None: no usage records (embedding, unit tests)
 
-    def authenticate(self, key: str | None) -> Principal | None:
+    async def authenticate(self, key: str | None) -> Principal | None:
         """Who presents `key`; None for a missing, unknown, expired or revoked key (one answer for all: the
-        reply never tells a guesser which)."""
-        return self.keys.resolve(key)
+        reply never tells a guesser which). KVMESH_API_KEYS first (the default tenant), then tenants' keys."""
+        principal = self.keys.resolve(key)
+        if principal is None and self.key_store is not None:
+            principal = await self.key_store.resolve(key)
+        return principal
 
     async def reserve(self, principal: Principal | None, demand: Demand) -> Reservation | None:
         """Hold the request's tokens against its principal's limits (tenancy/limits.py); None: nothing to hold."""

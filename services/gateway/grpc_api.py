@@ -33,7 +33,7 @@ from services.gateway.chat import (
     TokensEvent,
     start_chat,
 )
-from services.gateway.core import GatewayCore, new_request_id
+from services.gateway.core import GatewayCore, check_scope, new_request_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.images import ImagePart
 from services.gateway.openai_shapes import chat_message, tool_call_message
@@ -243,10 +243,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> Principal:
-        principal = self.core.authenticate(bearer_key(_metadata(context, "authorization")))
+    async def _authenticate(self, context: grpc.aio.ServicerContext, model: str | None = None) -> Principal:
+        principal = await self.core.authenticate(bearer_key(_metadata(context, "authorization")))
         if principal is None:
             raise GatewayError(ErrorKind.INVALID_API_KEY, "missing or incorrect API key in 'authorization' metadata")
+        check_scope(principal, "grpc", model if self.core.catalog.get(model or "") is not None else None)
         return principal
 
     async def Generate(
@@ -258,7 +259,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         record = RequestRecord(GENERATE_API, request_id, ledger=self.core.ledger)
         with bind_request_id(request_id):
             try:
-                record.principal = self._authenticate(context)
+                record.principal = await self._authenticate(context, request.model)
                 if self.core.catalog.get(request.model) is not None:
                     record.admit(request.model)
                 with self.core.track():
@@ -294,7 +295,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         context: grpc.aio.ServicerContext,
     ) -> gateway_pb2.ListModelsResponse:
         try:
-            self._authenticate(context)
+            await self._authenticate(context)
         except GatewayError as error:
             await context.abort(error.kind.grpc_code, error.message)
         return gateway_pb2.ListModelsResponse(

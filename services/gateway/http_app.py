@@ -6,7 +6,8 @@ or the Decode.Stream call in flight.
     completions.py       /v1/completions (legacy)
     responses_api.py     /v1/responses (stored responses in NATS JetStream KV: response_store.py)
     messages_api.py      /v1/messages (Anthropic)
-    mesh_workers.py      /v1/mesh/workers
+    mesh_workers.py      /v1/mesh/workers (the admin key)
+    tenancy/admin_api.py /admin/v1/: tenants, keys, prices
     plain_routes.py      /v1/models, /openapi.json, /healthz, /readyz, /metrics
 """
 
@@ -20,13 +21,17 @@ from services.gateway import chat_completions, completions, mesh_workers, messag
 from services.gateway.core import GatewayCore
 from services.gateway.response_store import ResponseStore
 from services.gateway.rest import CORE_KEY, MAX_BODY_BYTES, STARTED_AT_KEY, STORE_KEY, api_middleware
+from services.gateway.tenancy import admin_api
 
 
-def create_app(core: GatewayCore, store: ResponseStore | None = None) -> web.Application:
+def create_app(
+    core: GatewayCore, store: ResponseStore | None = None, admin: admin_api.Admin | None = None
+) -> web.Application:
     app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)
     app[CORE_KEY] = core
     app[STORE_KEY] = store or ResponseStore(None)
     app[STARTED_AT_KEY] = time.time()
+    app[admin_api.ADMIN_KEY] = admin or admin_api.Admin()  # no admin key: the admin routes are off
     app.router.add_post(chat_completions.CHAT_PATH, chat_completions.create_chat_completion)
     app.router.add_post(completions.COMPLETIONS_PATH, completions.create_completion)
     app.router.add_post(responses_api.RESPONSES_PATH, responses_api.create_response)
@@ -36,6 +41,7 @@ def create_app(core: GatewayCore, store: ResponseStore | None = None) -> web.App
     app.router.add_get("/v1/models", plain_routes.list_models)
     app.router.add_get("/v1/models/{model}", plain_routes.get_model)
     app.router.add_get(mesh_workers.MESH_WORKERS_PATH, mesh_workers.list_mesh_workers)
+    admin_api.add_routes(app)
     app.router.add_get("/openapi.json", plain_routes.openapi_json)
     app.router.add_get("/healthz", plain_routes.healthz)
     app.router.add_get("/readyz", plain_routes.readyz)

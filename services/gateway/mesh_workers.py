@@ -1,4 +1,4 @@
-"""GET /v1/mesh/workers (API key required, like every /v1 route): each pool's workers with their load, KV usage
+"""GET /v1/mesh/workers (the admin key required: a tenant's key gets 403): each pool's workers with their load, KV usage
 and prefix-cache size, and the pool size the balancer recommends, as a balancer sees them (Balancer.ListWorkers;
 the first balancer that answers).
 
@@ -27,6 +27,7 @@ from mesh.logging import get_logger
 from mesh.pb import balancer_pb2, balancer_pb2_grpc
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.rest import CORE_KEY
+from services.gateway.tenancy.admin_api import require_admin
 
 MESH_WORKERS_PATH = "/v1/mesh/workers"
 log = get_logger(__name__)
@@ -74,6 +75,7 @@ def mesh_json(response: balancer_pb2.ListWorkersResponse, balancer_id: str) -> d
 
 
 async def list_mesh_workers(request: web.Request) -> web.Response:
+    require_admin(request)
     core = request.app[CORE_KEY]
     for balancer in core.mesh.balancers():
         stub = balancer_pb2_grpc.BalancerStub(core.pipeline.channels.get(balancer.info.address))

@@ -3,7 +3,8 @@
 nothing. Without NATS (embedding, unit tests) a process-local dict stands in.
 
 A record is the response object plus the conversation that led to it, as chat messages (instructions
-excluded: they do not carry over to a follow-up).
+excluded: they do not carry over to a follow-up), and the tenant it belongs to: another tenant's get or
+delete finds nothing, exactly as for an id that was never stored.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from mesh.logging import get_logger
 from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.tenancy.principal import DEFAULT_TENANT
 
 log = get_logger(__name__)
 
@@ -50,9 +52,9 @@ class ResponseStore:
                     )
         return self._kv
 
-    async def put(self, response_id: str, record: dict[str, Any]) -> bool:
-        """Store a record; False (logged) when it is too large or NATS fails: the response itself stands."""
-        data = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+    async def put(self, response_id: str, record: dict[str, Any], tenant_id: str = DEFAULT_TENANT) -> bool:
+        """Store a record of `tenant_id`; False (logged) when it is too large or NATS fails: the response stands."""
+        data = json.dumps({**record, "tenant_id": tenant_id}, ensure_ascii=False, separators=(",", ":")).encode()
         if len(data) > MAX_RECORD_BYTES:
             log.warning("response too large to store", response_id=response_id, num_bytes=len(data))
             return False
@@ -66,7 +68,14 @@ class ResponseStore:
             return False
         return True
 
-    async def get(self, response_id: str) -> dict[str, Any] | None:
+    async def get(self, response_id: str, tenant_id: str = DEFAULT_TENANT) -> dict[str, Any] | None:
+        """The record, if it exists and belongs to `tenant_id` (None otherwise: the same answer for both)."""
+        record = await self._get(response_id)
+        if record is None or record.get("tenant_id", DEFAULT_TENANT) != tenant_id:
+            return None
+        return record
+
+    async def _get(self, response_id: str) -> dict[str, Any] | None:
         if self._client is None:
             data = self._local.get(response_id)
             return None if data is None else dict(json.loads(data))
@@ -83,8 +92,8 @@ class ResponseStore:
             ) from None
         return None if not entry.value else dict(json.loads(entry.value))
 
-    async def delete(self, response_id: str) -> bool:
-        if await self.get(response_id) is None:
+    async def delete(self, response_id: str, tenant_id: str = DEFAULT_TENANT) -> bool:
+        if await self.get(response_id, tenant_id) is None:
             return False
         if self._client is None:
             self._local.pop(response_id, None)

@@ -47,8 +47,18 @@ from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.images import ImagePart, check_text
 from services.gateway.openai_shapes import content_text, tool_call_message, tool_choice_of
 from services.gateway.pipeline import Usage
-from services.gateway.rest import STORE_KEY, admitted, dumps, json_body, served_headers, start_turn, stream_response
+from services.gateway.rest import (
+    PRINCIPAL,
+    STORE_KEY,
+    admitted,
+    dumps,
+    json_body,
+    served_headers,
+    start_turn,
+    stream_response,
+)
 from services.gateway.schema_support import json_schema_output
+from services.gateway.tenancy.principal import DEFAULT_TENANT
 from services.gateway.tool_calls import parse_tool
 
 RESPONSES_PATH = "/v1/responses"
@@ -234,10 +244,16 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- handlers --------------------------------------------------------------------------------------------
 
 
+def _tenant(request: web.Request) -> str:
+    """Whose stored responses the request may see: its principal's tenant."""
+    principal = request.get(PRINCIPAL)
+    return principal.tenant_id if principal is not None else DEFAULT_TENANT
+
+
 async def _history(request: web.Request, previous: str | None) -> Conversation:
     if previous is None:
         return Conversation()
-    record = await request.app[STORE_KEY].get(previous)
+    record = await request.app[STORE_KEY].get(previous, _tenant(request))
     if record is None:
         raise GatewayError(ErrorKind.NOT_FOUND, f"no stored response {previous!r}", "previous_response_id")
     return Conversation(list(record["messages"]), list(record.get("image_urls", [])))
@@ -271,12 +287,14 @@ async def _store(request: web.Request, req: ResponseRequest, obj: dict[str, Any]
     if req.store:
         messages = req.history + req.new_messages + output_messages(obj["output"])
         image_urls = [image.url for image in req.turn.images]  # the conversation's, stored ones first
-        await request.app[STORE_KEY].put(obj["id"], {"response": obj, "messages": messages, "image_urls": image_urls})
+        stored = {"response": obj, "messages": messages, "image_urls": image_urls}
+        await request.app[STORE_KEY].put(obj["id"], stored, _tenant(request))
 
 
 async def get_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    record = await request.app[STORE_KEY].get(response_id) if RESPONSE_ID.fullmatch(response_id) else None
+    is_id = RESPONSE_ID.fullmatch(response_id)
+    record = await request.app[STORE_KEY].get(response_id, _tenant(request)) if is_id else None
     if record is None:
         raise GatewayError(ErrorKind.NOT_FOUND, f"no stored response {response_id!r}")
     return web.json_response(record["response"], dumps=dumps)
@@ -284,7 +302,7 @@ async def get_response(request: web.Request) -> web.Response:
 
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    if not (RESPONSE_ID.fullmatch(response_id) and await request.app[STORE_KEY].delete(response_id)):
+    if not (RESPONSE_ID.fullmatch(response_id) and await request.app[STORE_KEY].delete(response_id, _tenant(request))):
         raise GatewayError(ErrorKind.NOT_FOUND, f"no stored response {response_id!r}")
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 

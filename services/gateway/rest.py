@@ -21,7 +21,7 @@ from aiohttp import web
 from mesh.logging import bind_request_id, get_logger
 from services.gateway.auth import bearer_key
 from services.gateway.chat import ChatRun, ChatTurn, start_chat
-from services.gateway.core import GatewayCore, echoed_request_id, new_request_id
+from services.gateway.core import GatewayCore, check_scope, echoed_request_id, new_request_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.response_store import ResponseStore
 from services.gateway.telemetry import RequestRecord
@@ -45,6 +45,7 @@ API_NAMES = {
     "/v1/responses": "responses",
     "/v1/messages": "messages",
 }
+ADMIN_ONLY_PATHS = frozenset({"/v1/mesh/workers"})  # checked by their handlers: the admin key, no tenant key
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HTTP_ERRORS = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED, 413: ErrorKind.TOO_LARGE}
 
@@ -93,10 +94,10 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
     request[REQUEST_ID] = new_request_id(client_id)
     request[ECHOED_ID] = echoed_request_id(client_id, request[REQUEST_ID])
     with bind_request_id(request[REQUEST_ID]):
-        principal = request.app[CORE_KEY].authenticate(presented_key(request))
+        principal = await request.app[CORE_KEY].authenticate(presented_key(request))
         if principal is not None:
             request[PRINCIPAL] = principal
-        elif request.path.startswith("/v1/"):
+        elif request.path.startswith("/v1/") and request.path not in ADMIN_ONLY_PATHS:
             error = GatewayError(
                 ErrorKind.INVALID_API_KEY,
                 "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key'.",
@@ -164,6 +165,7 @@ async def start_turn(request: web.Request, turn: ChatTurn, record: RequestRecord
     if TRAFFIC_CLASS_HEADER in request.headers:  # every REST API: the KV store's TTL class for this request
         turn = dataclasses.replace(turn, traffic_class=request.headers[TRAFFIC_CLASS_HEADER])
     record.admit(core.catalog.require(turn.model).name)
+    check_scope(request.get(PRINCIPAL), API_NAMES.get(request.path, request.path), turn.model)
     run = await start_chat(core, turn, request[REQUEST_ID], record.on_tokens, request.get(PRINCIPAL))
     record.run = run
     return run

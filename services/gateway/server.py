@@ -22,8 +22,12 @@ from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
 from services.gateway.pipeline import Pipeline
 from services.gateway.response_store import ResponseStore
-from services.gateway.tenancy.limits import Limiter
+from services.gateway.tenancy.admin_api import Admin
+from services.gateway.tenancy.db import Database, open_database
+from services.gateway.tenancy.keys import server_secret
 from services.gateway.tenancy.ledger import UsagePublisher
+from services.gateway.tenancy.limits import Limiter
+from services.gateway.tenancy.store import KeyStore
 
 log = get_logger(__name__)
 
@@ -39,6 +43,7 @@ class GatewayServer:
         self.core: GatewayCore | None = None
         self.http_port = 0
         self._http: web.AppRunner | None = None
+        self.database: Database | None = None  # tenants, keys, prices, usage (tenancy/db.py)
         self.limiter: Limiter | None = None
         self.ledger: UsagePublisher | None = None
 
@@ -52,6 +57,10 @@ class GatewayServer:
         if catalog is None:  # opening a GGUF's metadata takes seconds: off the event loop
             catalog = await asyncio.to_thread(ModelCatalog.load, settings.models)
         bus = await self.runtime.connect_bus()
+        self.database = await open_database(settings)
+        secret = server_secret(settings)
+        key_store = KeyStore(self.database, secret)
+        await key_store.follow(bus.client)  # revocations from every replica
         self.ledger = UsagePublisher(bus)
         await self.ledger.start()
         self.registry = WorkerRegistry(bus, FOLLOWED_ROLES, settings.heartbeat_interval_s)
@@ -61,6 +70,7 @@ class GatewayServer:
         mesh = MeshView(self.registry)
         self.core = GatewayCore(
             keys=KeyRing(settings.api_keys),
+            key_store=key_store,
             catalog=catalog,
             mesh=mesh,
             pipeline=Pipeline(self.runtime.channels, mesh, settings.block_size, settings.max_retries),
@@ -70,7 +80,8 @@ class GatewayServer:
             limiter=self.limiter,
             ledger=self.ledger,
         )
-        app = create_app(self.core, ResponseStore(bus.client))
+        admin = Admin(settings.admin_key, self.database, secret, key_store, bus.client)
+        app = create_app(self.core, ResponseStore(bus.client), admin)
         self._http, self.http_port = await start_http(app, settings.host, settings.http_port)
         servicer = GatewayServicer(self.core)
         await self.runtime.start(
@@ -99,6 +110,8 @@ class GatewayServer:
         await self.runtime.shutdown(before_drain=stop_following, after_drain=flush_usage)
         if self._http is not None:
             await self._http.cleanup()
+        if self.database is not None:
+            await self.database.close()
 
 
 async def serve(settings: GatewaySettings) -> None:

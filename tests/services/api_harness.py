@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from services.prefill.server import PrefillService
 from .harness import serving
 
 KEY = "sk-api-test-4c1d"
+ADMIN_KEY = "sk-api-admin-9b7e"  # /admin/v1/ (tenants and keys of the tenancy tests)
 SMOL = "smollm2-135m"
 DEEPSEEK = "deepseek-tiny"
 MODELS = (SMOL, DEEPSEEK)
@@ -50,7 +52,7 @@ class ApiMesh:
 
 @contextlib.asynccontextmanager
 async def api_mesh(models: tuple[str, ...] = MODELS) -> AsyncIterator[ApiMesh]:
-    with EmbeddedNats() as nats:
+    with EmbeddedNats() as nats, tempfile.TemporaryDirectory() as state_dir:
         common = dict(nats_url=nats.url, heartbeat_interval_s=1.0, log_level="warning", drain_timeout_s=1.0)
         workers = dict(common, models=models, kv_cache_memory_bytes=16 * 2**20)
         balancer = load_settings(BalancerSettings, env={}, grpc_port=free_port(), worker_id="balancer-t", **common)
@@ -65,6 +67,8 @@ async def api_mesh(models: tuple[str, ...] = MODELS) -> AsyncIterator[ApiMesh]:
                     http_port=0,
                     grpc_port=0,
                     api_keys=(KEY,),
+                    admin_key=ADMIN_KEY,
+                    state_dir=state_dir,  # the tenancy database and server secret
                     models=models,
                     heartbeat_interval_s=1.0,
                     log_level="warning",

@@ -1,7 +1,9 @@
 """GET /v1/mesh/workers: a real gateway asks a real balancer (both on a real NATS) for the pools it sees, with
-workers made present by real Announcers. The key is required like on every /v1 route."""
+workers made present by real Announcers. Only the admin key may list them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import aiohttp
 
@@ -18,10 +20,11 @@ from services.gateway.server import GatewayServer
 from tests.services.harness import serving, wait_until
 
 KEY = "sk-mesh-view-5e2a"
+ADMIN_KEY = "sk-mesh-admin-81c0"
 MODEL = "deepseek-tiny"
 
 
-async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size() -> None:
+async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size(tmp_path: Path) -> None:
     catalog = ModelCatalog([load_model(str(model_store.ensure(MODEL)))])
     with EmbeddedNats() as nats:
         common = dict(nats_url=nats.url, heartbeat_interval_s=0.2, log_level="warning")
@@ -52,7 +55,16 @@ async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size() -> N
         balancer = BalancerSettings(grpc_port=free_port(), worker_id="balancer-v", **common)
         async with serving(serve_balancer, balancer):
             gateway = GatewayServer(
-                GatewaySettings(http_port=0, grpc_port=0, api_keys=(KEY,), models=(MODEL,), **common), catalog=catalog
+                GatewaySettings(
+                    http_port=0,
+                    grpc_port=0,
+                    api_keys=(KEY,),
+                    admin_key=ADMIN_KEY,
+                    state_dir=str(tmp_path),
+                    models=(MODEL,),
+                    **common,
+                ),
+                catalog=catalog,
             )
             await gateway.start()
             for announcer in announcers:
@@ -62,12 +74,15 @@ async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size() -> N
                 async with aiohttp.ClientSession() as session:
                     async with session.get(url) as response:
                         assert response.status == 401
+                    async with session.get(url, headers={"Authorization": f"Bearer {KEY}"}) as response:
+                        assert response.status == 403  # a tenant's key: the listing is for operators
+                        assert (await response.json())["error"]["type"] == "permission_error"
 
                     seen: list[dict] = []  # the listing that showed both workers: asking again could find one
                     # pruned already, when a loaded machine delays heartbeats past three intervals
 
                     async def both_listed() -> bool:
-                        async with session.get(url, headers={"Authorization": f"Bearer {KEY}"}) as response:
+                        async with session.get(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as response:
                             listing = await response.json()
                             if (
                                 response.status == 200

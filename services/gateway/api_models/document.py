@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from services.gateway.api_models.admin import ADMIN_MODELS, KeyCreate, PricesUpdate, TenantCreate, TenantUpdate
 from services.gateway.api_models.anthropic import MessagesRequest
 from services.gateway.api_models.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.api_models.responses import RESPONSE_ID, ResponsesRequest
@@ -46,6 +47,7 @@ MODELS: tuple[type[BaseModel], ...] = (
     MessagesRequest,
     OpenAIError,
     AnthropicError,
+    *ADMIN_MODELS,
 )
 
 
@@ -163,6 +165,48 @@ def _get(summary: str, description: str, errors: tuple[str, ...], security: bool
     return {"get": operation}
 
 
+def _admin(method: str, summary: str, body: type[BaseModel] | None = None, status: str = "200") -> dict[str, Any]:
+    """An /admin/v1/ operation: the admin key as bearer; 403 for a tenant's key, 404 for an unknown id (or when
+    no admin key is configured)."""
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "security": [{"bearer": []}],
+        "responses": {
+            status: {"description": summary, "content": {"application/json": {"schema": OBJECT}}},
+            **_errors(OpenAIError, ("400", "401", "403", "404", "409") if body else ("401", "403", "404")),
+        },
+    }
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
+    return {method: operation}
+
+
+def _admin_paths() -> dict[str, Any]:
+    tenant_id = [{"name": "tenant_id", "in": "path", "required": True, "schema": STRING}]
+    key_id = [{"name": "key_id", "in": "path", "required": True, "schema": STRING}]
+    tenant_query = [{"name": "tenant", "in": "query", "required": False, "schema": STRING}]
+    return {
+        "/admin/v1/tenants": {
+            **_admin("post", "create a tenant", TenantCreate, "201"),
+            **_admin("get", "every tenant"),
+        },
+        "/admin/v1/tenants/{tenant_id}": {
+            "parameters": tenant_id,
+            **_admin("get", "a tenant"),
+            **_admin("patch", "change a tenant's name, limits, price plan or cache group", TenantUpdate),
+        },
+        "/admin/v1/keys": {
+            **_admin("post", "create a key (the response is the only time the key is shown)", KeyCreate, "201"),
+            "get": {**_admin("get", "the keys, of one tenant with ?tenant=")["get"], "parameters": tenant_query},
+        },
+        "/admin/v1/keys/{key_id}": {"parameters": key_id, **_admin("delete", "revoke a key")},
+        "/admin/v1/prices": {
+            **_admin("get", "the price table"),
+            **_admin("put", "set prices per plan and model (dollars per million tokens)", PricesUpdate),
+        },
+    }
+
+
 def _stored_response() -> dict[str, Any]:
     response_id = {
         "name": "response_id",
@@ -205,9 +249,9 @@ def openapi_document() -> dict[str, Any]:
             "/v1/messages": _post("Anthropic Messages", MessagesRequest, AnthropicError),
             "/v1/models": _get("the served models", "a list of models", ("401",)),
             "/v1/mesh/workers": _get(
-                "each pool's workers with load, KV usage and cache size, and recommended pool sizes",
+                "each pool's workers with load, KV usage and cache size, and recommended pool sizes (admin key)",
                 "pools of workers",
-                ("401", "503"),
+                ("401", "403", "503"),
             ),
             "/healthz": {"get": {"summary": "liveness", "responses": {"200": {"description": "ok"}}}},
             "/readyz": {
@@ -217,5 +261,6 @@ def openapi_document() -> dict[str, Any]:
                 }
             },
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}},
+            **_admin_paths(),
         },
     }

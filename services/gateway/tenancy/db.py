@@ -10,6 +10,9 @@ serialized (a PostgreSQL advisory lock), so replicas may start together.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,9 +69,25 @@ async def open_database(settings: GatewaySettings) -> Database:
     engine = create_async_engine(url, pool_pre_ping=url.get_backend_name() != "sqlite")
     if url.get_backend_name() == "sqlite":
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-    async with engine.begin() as connection:
-        await connection.run_sync(_migrate)
+    with _file_lock(url):
+        async with engine.begin() as connection:
+            await connection.run_sync(_migrate)
     return Database(engine, url.render_as_string(hide_password=True))
+
+
+@contextlib.contextmanager
+def _file_lock(url: URL) -> Iterator[None]:
+    """SQLite: replicas (or test processes) sharing one file migrate one at a time (PostgreSQL: an advisory
+    lock in _migrate). Held for the milliseconds of a migration, so blocking the loop is fine."""
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        yield
+        return
+    with open(f"{url.database}.migrate-lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
