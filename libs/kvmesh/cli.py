@@ -105,6 +105,8 @@ def _up(args: argparse.Namespace) -> int:
         print(
             f"\nkvmesh is up: {mesh.base_url}  (gRPC on :{plan.grpc_port})\n"
             f"API key ({origin}): {key}\n"
+            f"Admin key ({'generated for this run' if mesh.is_admin_key_generated else 'from KVMESH_ADMIN_KEY'}): "
+            f"{mesh.admin_key}  (/admin/v1/ and `kvmesh admin`: tenants, keys, prices)\n"
             f"  curl {mesh.base_url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
             "-H 'Content-Type: application/json' "
             f'-d \'{{"model": "{plan.models[0]}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\'\n'
@@ -116,6 +118,12 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         mesh.stop()
     return 0
+
+
+def _admin(args: argparse.Namespace) -> int:
+    from kvmesh.admin_cli import run
+
+    return run(args)
 
 
 def _expert_plan(args: argparse.Namespace) -> int:
@@ -210,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.config_docs import add_parser as add_config_parser
 
     add_config_parser(commands)
+    from kvmesh.admin_cli import add_parser as add_admin_parser
+
+    add_admin_parser(commands)
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -282,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": _config,
         "bench": _bench,
         "expert-plan": _expert_plan,
+        "admin": _admin,
     }
     try:
         return handlers[args.command](args)

@@ -72,6 +72,9 @@ class Mesh:
         if not self.api_keys:
             self.generated_key = "sk-kvmesh-dev-" + secrets.token_urlsafe(18)
             self.api_keys = (self.generated_key,)
+        # the key of /admin/v1/ (tenants, keys, prices): KVMESH_ADMIN_KEY, or one made for this run
+        self.is_admin_key_generated = not os.environ.get("KVMESH_ADMIN_KEY")
+        self.admin_key = os.environ.get("KVMESH_ADMIN_KEY") or "sk-kvmesh-admin-" + secrets.token_urlsafe(18)
         self.nats: EmbeddedNats | None = None
         self.nats_url = plan.nats_url or ""
         self.children: list[Child] = []
@@ -110,6 +113,8 @@ class Mesh:
             }
         )
         env["KVMESH_HTTP_PORT"] = str(http_port)
+        if role == "gateway":
+            env["KVMESH_ADMIN_KEY"] = self.admin_key
         # workers take any free gRPC port and announce it; only the gateway's ports are fixed
         env["KVMESH_GRPC_PORT"] = str(self.plan.grpc_port) if role == "gateway" else "0"
         return env
