@@ -253,3 +253,40 @@ async def test_without_an_admin_key_the_admin_api_is_off(tmp_path: Path) -> None
         assert status == 404
         assert body["error"]["message"] == "the admin API is off: set KVMESH_ADMIN_KEY on the gateway"
         assert (await api.call("GET", "/v1/mesh/workers", key=ENV_KEY))[0] == 404
+
+
+async def test_the_admin_cli_speaks_to_the_admin_api(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvmesh.cli import main
+
+    async with gateway(tmp_path) as (api, _):
+
+        async def admin(*argv: str) -> tuple[int, Any]:
+            code = await asyncio.to_thread(main, ["admin", "--url", api.base, *argv])
+            out, err = capsys.readouterr()
+            return code, json.loads(out) if code == 0 else err
+
+        monkeypatch.setenv("KVMESH_ADMIN_KEY", ADMIN)
+        code, tenant = await admin("tenants", "create", "--name", "acme", "--limits", '{"requests_per_minute": 60}')
+        assert (code, tenant["name"], tenant["limits"]) == (0, "acme", {"requests_per_minute": 60})
+        code, changed = await admin("tenants", "update", tenant["id"], "--price-plan", "gold")
+        assert (code, changed["price_plan"], changed["limits"]) == (0, "gold", {"requests_per_minute": 60})
+        code, created = await admin("keys", "create", "--tenant", tenant["id"], "--name", "ci", "--models", "m1")
+        assert code == 0 and created["key"].startswith("sk-kvm-") and created["models"] == ["m1"]
+        code, listing = await admin("keys", "list", "--tenant", tenant["id"])
+        assert (code, [row["id"] for row in listing["data"]]) == (0, [created["id"]])
+        code, revoked = await admin("keys", "revoke", created["id"])
+        assert code == 0 and revoked["revoked_at"] is not None
+        args = ("--model", "m1", "--input", "0.15", "--cached-input", "0.075", "--output", "0.6")
+        code, table = await admin("prices", "set", *args)
+        assert (code, table["data"][0]["output_per_mtok"]) == (0, "0.6")
+        code, error = await admin("tenants", "create", "--name", "acme")
+        assert code == 1 and json.loads(error)["error"]["param"] == "name"  # the gateway's 409, on stderr
+        code, error = await admin("tenants", "get", "ten_missing")
+        assert code == 1 and json.loads(error)["error"]["param"] == "tenant_id"
+        monkeypatch.delenv("KVMESH_ADMIN_KEY")
+        code, error = await admin("tenants", "list")
+        assert (code, error) == (2, "kvmesh admin: no admin key: pass --admin-key or set KVMESH_ADMIN_KEY\n")
+        code, tenants = await admin("--admin-key", ADMIN, "tenants", "list")
+        assert code == 0 and [t["name"] for t in tenants["data"]] == ["acme"]
