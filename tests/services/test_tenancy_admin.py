@@ -250,9 +250,10 @@ async def test_bad_admin_input_is_a_4xx_naming_the_field_and_changes_nothing(bac
 async def test_without_an_admin_key_the_admin_api_is_off(tmp_path: Path) -> None:
     async with gateway(tmp_path, admin_key="") as (api, _):
         status, body = await api.call("GET", "/admin/v1/tenants", key=ENV_KEY)
-        assert status == 404
+        assert status == 403
         assert body["error"]["message"] == "the admin API is off: set KVMESH_ADMIN_KEY on the gateway"
-        assert (await api.call("GET", "/v1/mesh/workers", key=ENV_KEY))[0] == 404
+        assert (await api.call("GET", "/v1/mesh/workers", key=ENV_KEY))[0] == 403
+        assert (await api.call("GET", "/admin/v1/tenants", key=None))[0] == 401
 
 
 async def test_the_admin_cli_speaks_to_the_admin_api(

@@ -166,8 +166,8 @@ def _get(summary: str, description: str, errors: tuple[str, ...], security: bool
 
 
 def _admin(method: str, summary: str, body: type[BaseModel] | None = None, status: str = "200") -> dict[str, Any]:
-    """An /admin/v1/ operation: the admin key as bearer; 403 for a tenant's key, 404 for an unknown id (or when
-    no admin key is configured)."""
+    """An /admin/v1/ operation: the admin key as bearer; 403 for a tenant's key (or when no admin key is
+    configured), 404 for an unknown id."""
     operation: dict[str, Any] = {
         "summary": summary,
         "security": [{"bearer": []}],

@@ -1,9 +1,10 @@
 """The admin API, /admin/v1/: tenants, their keys and the price table (accounts.py does the work).
 
-Guarded by the admin key (gateway setting admin_key): without one configured every admin route answers 404
-"admin is off"; a tenant's key gets 403, anything else 401. /v1/mesh/workers is guarded the same way.
-Every change to a tenant or key is announced on TENANCY_CHANGED (ids only), so each replica's KeyStore
-forgets what it cached; a revoked key stops working on every replica within the NATS round trip.
+Guarded by the admin key (gateway setting admin_key): a request without a key gets 401; without an admin key
+configured every other answer is 403 "the admin API is off"; a tenant's key gets 403, any other key 401.
+/v1/mesh/workers is guarded the same way. Every change to a tenant or key is announced on TENANCY_CHANGED
+(ids only), so each replica's KeyStore forgets what it cached; a revoked key stops working on every replica
+within the NATS round trip.
 
     POST   /admin/v1/tenants              TenantCreate -> 201 the tenant
     GET    /admin/v1/tenants              every tenant
@@ -59,11 +60,15 @@ ADMIN_KEY = web.AppKey("admin", Admin)
 def require_admin(request: web.Request) -> Admin:
     """The admin state, if the request presents the admin key; otherwise the GatewayError to answer."""
     admin = request.app.get(ADMIN_KEY) or Admin()
-    if not admin.admin_key:
-        raise GatewayError(ErrorKind.NOT_FOUND, "the admin API is off: set KVMESH_ADMIN_KEY on the gateway")
     key = presented_key(request) or ""
-    if hmac.compare_digest(key.encode(), admin.admin_key.encode()):
+    if admin.admin_key and hmac.compare_digest(key.encode(), admin.admin_key.encode()):
         return admin
+    if not key:
+        raise GatewayError(
+            ErrorKind.INVALID_API_KEY, "this route needs the admin key: send 'Authorization: Bearer <key>'"
+        )
+    if not admin.admin_key:
+        raise GatewayError(ErrorKind.PERMISSION_DENIED, "the admin API is off: set KVMESH_ADMIN_KEY on the gateway")
     if PRINCIPAL in request:
         raise GatewayError(ErrorKind.PERMISSION_DENIED, "this route needs the admin key; a tenant's key may not use it")
     raise GatewayError(ErrorKind.INVALID_API_KEY, "this route needs the admin key: send 'Authorization: Bearer <key>'")
