@@ -94,7 +94,10 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
     request[REQUEST_ID] = new_request_id(client_id)
     request[ECHOED_ID] = echoed_request_id(client_id, request[REQUEST_ID])
     with bind_request_id(request[REQUEST_ID]):
-        principal = await request.app[CORE_KEY].authenticate(presented_key(request))
+        try:
+            principal = await request.app[CORE_KEY].authenticate(presented_key(request))
+        except GatewayError as unreadable:  # the key store cannot be read: a 503, never a 401 for a valid key
+            return error_response(request, unreadable)
         if principal is not None:
             request[PRINCIPAL] = principal
         elif request.path.startswith("/v1/") and request.path not in ADMIN_ONLY_PATHS:

@@ -12,15 +12,17 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from kvmesh.nats_server import EmbeddedNats
 from mesh.config import load_settings
 from services.gateway.api_models.admin import KeyCreate, LimitsBody, TenantCreate
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewaySettings
+from services.gateway.errors import GatewayError
 from services.gateway.server import GatewayServer
 from services.gateway.tenancy import accounts
-from services.gateway.tenancy.db import open_database
+from services.gateway.tenancy.db import Database, open_database
 from services.gateway.tenancy.keys import key_digest, limits_from_json, new_key, server_secret
 from services.gateway.tenancy.principal import Limits, Principal
 from services.gateway.tenancy.schema import api_keys
@@ -196,3 +198,15 @@ async def test_a_revocation_reaches_every_gateway_replica_within_a_second(tmp_pa
         finally:
             for gateway in gateways:
                 await gateway.stop()
+
+
+async def test_a_database_that_cannot_be_read_is_a_503_not_a_401(tmp_path: Path) -> None:
+    unreachable = Database(create_async_engine("postgresql+asyncpg://kvmesh@127.0.0.1:1/none"), "unreachable")
+    store = KeyStore(unreachable, SECRET)
+    with pytest.raises(GatewayError) as caught:
+        await store.resolve(new_key())
+    assert (caught.value.http_status, caught.value.message) == (
+        503,
+        "API keys cannot be checked right now; retry shortly",
+    )
+    await unreachable.close()

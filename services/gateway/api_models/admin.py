@@ -1,5 +1,5 @@
 """The admin API's request bodies (/admin/v1/, tenancy/admin_api.py): tenants, keys and prices. Unknown fields
-in `limits` are refused by name (a misspelt limit must not silently mean "no limit")."""
+are refused by name (a misspelt limit must not silently mean "no limit")."""
 
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ ApiName = Literal["chat.completions", "completions", "responses", "messages", "g
 Money = Annotated[Decimal, Field(ge=0, le=Decimal("1e9"), max_digits=18, decimal_places=9)]
 
 
-class LimitsBody(RequestModel):
+class AdminBody(RequestModel):
+    """An admin request body: an unknown field is refused by name (a misspelt field must not be ignored)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class LimitsBody(AdminBody):
     """What a tenant or a key may use; an absent or null field: no limit of that kind. Tokens are prompt +
     completion; spend is in micro-dollars."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     requests_per_minute: Count | None = None
     tokens_per_minute: Count | None = None
@@ -32,14 +36,14 @@ class LimitsBody(RequestModel):
     spend_per_month_micros: Count | None = None
 
 
-class TenantCreate(RequestModel):
+class TenantCreate(AdminBody):
     name: Name
     limits: LimitsBody = LimitsBody()
     price_plan: Name = "default"
     cache_group: Name | None = Field(None, description="tenants of one group may share KV; absent: own cache only")
 
 
-class TenantUpdate(RequestModel):
+class TenantUpdate(AdminBody):
     """Only the fields sent change; `cache_group: ""` clears the group."""
 
     name: Name | None = None
@@ -48,7 +52,7 @@ class TenantUpdate(RequestModel):
     cache_group: Annotated[str, Field(strict=True, max_length=200)] | None = None
 
 
-class KeyCreate(RequestModel):
+class KeyCreate(AdminBody):
     tenant: NonEmptyStr = Field(description="the tenant's id (ten_...)")
     name: Name
     models: list[NonEmptyStr] | None = Field(None, description="the models the key may use; absent: every model")
@@ -57,7 +61,7 @@ class KeyCreate(RequestModel):
     limits: LimitsBody = LimitsBody()
 
 
-class Price(RequestModel):
+class Price(AdminBody):
     plan: Name = "default"
     model: Name
     input_per_mtok: Money = Field(description="US dollars per million prompt tokens")
@@ -65,7 +69,7 @@ class Price(RequestModel):
     output_per_mtok: Money = Field(description="US dollars per million completion tokens")
 
 
-class PricesUpdate(RequestModel):
+class PricesUpdate(AdminBody):
     """PUT /admin/v1/prices: these rows are set (inserted or replaced); others stay."""
 
     prices: list[Price] = Field(min_length=1)

@@ -99,6 +99,8 @@ async def create_key(database: Database, secret: bytes, body: KeyCreate) -> tupl
     """The new key's row and the key itself: the only time it exists outside the client."""
     if body.expires_at is not None and body.expires_at.tzinfo is None:
         raise GatewayError(ErrorKind.INVALID_REQUEST, "expires_at: must carry a time zone (e.g. Z)", "expires_at")
+    if body.expires_at is not None and body.expires_at <= now():
+        raise GatewayError(ErrorKind.INVALID_REQUEST, "expires_at: must be in the future", "expires_at")
     key = new_key()
     values = {
         "id": new_id("key"),

@@ -4,7 +4,8 @@ A bounded LRU of resolved digests (a few thousand, each kept `ttl_s`) sits in fr
 reads the key's row and its tenant's. Every change to a key or tenant (revocation above all) is published on
 TENANCY_CHANGED with the ids only, and every replica drops the affected entries at once, so a revoked key
 stops working everywhere within the NATS round trip; the TTL bounds staleness should a message be lost.
-Unknown digests are cached too (as None), so guessing keys does not reach the database at request rate.
+Unknown digests are cached too (as None), so guessing keys does not reach the database at request rate. A
+database that cannot be read is a 503 (GatewayError), never a 401 for a valid key.
 
 One writer: the KeyStore owns its cache; resolve() and the NATS callback both run on the event loop.
 """
@@ -23,8 +24,10 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from mesh.logging import get_logger
+from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.tenancy.db import Database
 from services.gateway.tenancy.keys import is_tenant_key, key_digest, limits_from_json
 from services.gateway.tenancy.principal import Principal
@@ -92,8 +95,12 @@ class KeyStore:
             .join(tenants, tenants.c.id == api_keys.c.tenant_id)
             .where(api_keys.c.digest == digest)
         )
-        async with self.database.engine.connect() as connection:
-            row = (await connection.execute(query)).mappings().first()
+        try:
+            async with self.database.engine.connect() as connection:
+                row = (await connection.execute(query)).mappings().first()
+        except (SQLAlchemyError, OSError) as exc:  # not str(exc): SQLAlchemy's messages carry the digest
+            log.warning("the key store cannot be read", error=type(exc).__name__)
+            raise GatewayError(ErrorKind.UNAVAILABLE, "API keys cannot be checked right now; retry shortly") from None
         entry = _Entry(_principal(row, digest), utc(row["expires_at"]) if row else None, time.monotonic() + self._ttl_s)
         if generation == self._generation:
             self._cache[digest] = entry
