@@ -12,6 +12,7 @@ kvmesh bench engine --json          engine throughput against transformers
 kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store (also kv-transfer, kv-ttft)
 kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
 kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
+kvmesh bench admission --json       tenant limits: admission + settlement cost and decisions/s, 1 and 3 replicas
 kvmesh expert-plan --input FILE     an expert placement planned offline from a load matrix (JSON)
 kvmesh config --markdown            docs/configuration.md from the settings (--metrics-markdown: docs/metrics.md)
 """
@@ -145,6 +146,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.route_cli import run as run_route
 
         return run_route(args)
+    if args.bench_command == "admission":
+        from kvmesh.bench.admission import run as run_admission
+
+        return run_admission(args)
     if args.bench_command == "expert":
         from kvmesh.bench.expert import run_expert_bench
 
@@ -230,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.bench.route_cli import add_parser as add_route_bench_parser
 
     add_route_bench_parser(bench_commands)
+    from kvmesh.bench.admission import add_parser as add_admission_bench_parser
+
+    add_admission_bench_parser(bench_commands)
     serve_bench = bench_commands.add_parser("serve", help="the mesh under load through its REST API")
     serve_bench.add_argument("--concurrency", type=int, default=4)
     serve_bench.add_argument("--requests", type=int, default=32)

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "kv-index": (("bench", "kv-index", "--batches", "200"), "restored_index_equal"),
     "kv-ttft": (("bench", "kv-ttft", *TINY, "--prompt-tokens", "64"), "speedup"),
     "route": (("bench", "route", "--trace", TRACE, "--limit", "50"), "hit_rate"),
+    "admission": (("bench", "admission", "--smoke"), "results"),
     "serve": (("bench", "serve", *TINY, "--requests", "2", "--concurrency", "1", "--max-tokens", "2"), "ttft_p50_ms"),
     "expert-plan": (("expert-plan", "--input", str(DATA / "eplb" / "eplb_readme_example.json")), "phy2log"),
 }

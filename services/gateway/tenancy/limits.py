@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import random
 import re
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ BUCKET = "KVMESH_LIMITS"
 ENTRY_TTL_S = 35 * 86400.0  # an idle scope's entry outlives its longest window (a month), then goes
 STORE_TIMEOUT_S = 2.0  # one KV operation; past it the store counts as unreachable
 MAX_CAS_ATTEMPTS = 64
+CAS_BACKOFF_S = 0.0005  # the most a lost compare-and-set waits, times the attempts so far (up to 8)
 CONCURRENCY_RETRY_S = 1.0  # what a refusal for concurrency tells the client to wait
 _KEY_PART = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -75,7 +77,7 @@ def seconds_to_month_end(now: float) -> float:
 
 @dataclass
 class Counters:
-    """One scope's entry in the store. Written only by Limiter._transact's callbacks, on a copy."""
+    """One scope's entry in the store. Changed only by the callbacks a Limiter commits, on a fresh copy."""
 
     minute: int = 0
     requests_minute: int = 0
@@ -87,7 +89,7 @@ class Counters:
     slots: dict[str, float] = field(default_factory=dict)  # reservation id -> lease expiry (epoch seconds)
 
     def encode(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+        return json.dumps(self.__dict__, separators=(",", ":")).encode()  # the fields, flat (asdict is slow)
 
     @staticmethod
     def decode(data: bytes) -> Counters:
@@ -147,6 +149,14 @@ class Demand:
 
     def tokens(self, max_tokens: int) -> int:
         return self.prompt_tokens + self.n * max_tokens
+
+
+class _FailOpen(Exception):
+    """Carries the uncounted reservation out of _reserve when limits_fail_open lets a request pass."""
+
+    def __init__(self, reservation: Reservation) -> None:
+        super().__init__("admitted uncounted")
+        self.reservation = reservation
 
 
 class Refusal(Exception):
@@ -284,11 +294,14 @@ class Limiter:
         self._bucket = bucket
         self._kv: Any = None
         self._open_lock = asyncio.Lock()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._pending: dict[str, list[tuple[Callable[[Counters, float], Any], asyncio.Future[Any]]]] = {}
+        self._committers: dict[str, asyncio.Task[None]] = {}  # entry -> the task writing its batches
         self._cache: dict[str, tuple[Counters, int]] = {}  # entry -> (what this limiter last wrote, revision)
         self._slots: dict[str, set[str]] = {}  # entry -> request ids holding a slot through this limiter
         self._settling: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
+        self._watcher: Any = None  # the KV watch that feeds the cache (_follow)
+        self._follower: asyncio.Task[None] | None = None
         if fail_open:
             log.warning("limits fail open: when the counter store is unreachable, requests pass uncounted")
 
@@ -298,10 +311,14 @@ class Limiter:
 
     async def stop(self) -> None:
         await self.drain()
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+        for task in (self._renewer, self._follower):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
 
     async def drain(self) -> None:
         """Until every settlement started has been written."""
@@ -311,52 +328,75 @@ class Limiter:
     # -- admission --
     async def reserve(self, principal: Principal, demand: Demand) -> Reservation:
         """Hold `demand` against the key's limits, then the tenant's. Raises GatewayError: 429 with the facts
-        when a limit refuses, 503 when the store is unreachable (fail closed)."""
+        when a limit refuses, 503 when the store is unreachable (fail closed). A caller cancelled meanwhile
+        leaves nothing held: what was reserved for it is released when the store answers."""
+        task = asyncio.ensure_future(self._reserve(principal, demand))
+        try:
+            return await asyncio.shield(task)
+        except _FailOpen as passed:
+            return passed.reservation
+        except asyncio.CancelledError:
+            task.add_done_callback(self._release_orphan)
+            raise
+
+    def _release_orphan(self, task: asyncio.Future[Reservation]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.settle_soon(task.result(), 0)
+
+    async def _reserve(self, principal: Principal, demand: Demand) -> Reservation:
+        """Both scopes at once (one round trip, not two): each grants what it can; the request runs with the
+        smaller grant, and the scope that granted more holds the difference until settlement (never less)."""
         scopes = [
             (entry_name("key", principal.key_id), principal.key_limits),
             (entry_name("tenant", principal.tenant_id), principal.tenant_limits),
         ]
+        outcomes = await asyncio.gather(
+            *(self._hold(entry, limits, demand) for entry, limits in scopes if _has_any(limits)),
+            return_exceptions=True,
+        )
         reservation = Reservation(demand, demand.max_tokens, None)
-        try:
-            for entry, limits in scopes:
-                if _has_any(limits):
-                    await self._reserve_in(entry, limits, reservation)
-        except Refusal as refusal:
-            await self._release_all(reservation, 0, uncount_request=True)
-            raise GatewayError(
-                refusal.kind, f"Rate limit reached: {refusal.message}.", rate_limit=refusal.facts
-            ) from None
-        except StoreUnavailable as exc:
-            await self._release_all(reservation, 0, uncount_request=True)
-            if self._fail_open:
-                log.warning("limits store unreachable; admitting uncounted (limits_fail_open)", error=str(exc)[:200])
-                return Reservation(demand, demand.max_tokens, None)
-            raise GatewayError(
-                ErrorKind.UNAVAILABLE,
-                "the rate-limit counters (NATS JetStream KV) cannot be reached, so no request is admitted; "
-                "retry shortly",
-            ) from None
+        for outcome in outcomes:
+            if not isinstance(outcome, BaseException):
+                held, granted, facts = outcome
+                reservation.holds.append(held)
+                reservation.max_tokens = min(reservation.max_tokens, granted)
+                reservation.facts = _merge(reservation.facts, facts)
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failures:
+            with contextlib.suppress(StoreUnavailable):
+                await self._release_all(reservation, 0, uncount_request=True)
+            raise self._refusal(demand, failures)
         if reservation.is_clamped and reservation.facts is not None:
             reservation.facts = dataclasses.replace(reservation.facts, max_tokens_clamped=reservation.max_tokens)
         return reservation
 
-    async def _reserve_in(self, entry: str, limits: Limits, reservation: Reservation) -> None:
-        demand = dataclasses.replace(reservation.demand, max_tokens=reservation.max_tokens)
-        now = self._clock()
-
-        def apply(state: Counters) -> tuple[int, RateLimitFacts]:
-            granted = admit(state, limits, demand, now, self._lease_s)
-            return granted, state.facts(limits, now)
-
-        granted, facts = await self._transact(entry, apply, now)
-        has_slot = limits.max_concurrent is not None
-        reservation.holds.append(
-            ScopeHold(entry, demand.request_id, demand.tokens(granted), WindowIds.at(now), has_slot)
+    def _refusal(self, demand: Demand, failures: list[BaseException]) -> BaseException:
+        refusal = next((f for f in failures if isinstance(f, Refusal)), None)
+        if refusal is not None:
+            return GatewayError(refusal.kind, f"Rate limit reached: {refusal.message}.", rate_limit=refusal.facts)
+        unavailable = next((f for f in failures if isinstance(f, StoreUnavailable)), None)
+        if unavailable is None:
+            return failures[0]
+        if self._fail_open:
+            log.warning(
+                "limits store unreachable; admitting uncounted (limits_fail_open)", error=str(unavailable)[:200]
+            )
+            return _FailOpen(Reservation(demand, demand.max_tokens, None))
+        return GatewayError(
+            ErrorKind.UNAVAILABLE,
+            "the rate-limit counters (NATS JetStream KV) cannot be reached, so no request is admitted; retry shortly",
         )
+
+    async def _hold(self, entry: str, limits: Limits, demand: Demand) -> tuple[ScopeHold, int, RateLimitFacts]:
+        def apply(state: Counters, now: float) -> tuple[int, RateLimitFacts, WindowIds]:
+            granted = admit(state, limits, demand, now, self._lease_s)
+            return granted, state.facts(limits, now), WindowIds.at(now)
+
+        granted, facts, windows = await self._transact(entry, apply)
+        has_slot = limits.max_concurrent is not None
         if has_slot:
             self._slots.setdefault(entry, set()).add(demand.request_id)
-        reservation.max_tokens = granted
-        reservation.facts = _merge(reservation.facts, facts)
+        return ScopeHold(entry, demand.request_id, demand.tokens(granted), windows, has_slot), granted, facts
 
     # -- settlement --
     def settle_soon(self, reservation: Reservation, used_tokens: int) -> None:
@@ -379,14 +419,21 @@ class Limiter:
             log.warning("settling a reservation failed", request_id=reservation.demand.request_id, error=str(exc)[:200])
 
     async def _release_all(self, reservation: Reservation, used_tokens: int, *, uncount_request: bool = False) -> None:
-        for held in reservation.holds:
+        """Every scope at once; StoreUnavailable if any could not be written."""
+
+        async def give_back(held: ScopeHold) -> None:
             self._slots.get(held.entry, set()).discard(held.request_id)
 
-            def give_back(state: Counters, held: ScopeHold = held) -> None:
+            def apply(state: Counters, now: float) -> None:
                 release(state, held, used_tokens, uncount_request=uncount_request)
 
-            await self._transact(held.entry, give_back, self._clock())
-        reservation.holds.clear()
+            await self._transact(held.entry, apply)
+
+        holds, reservation.holds = reservation.holds, []
+        outcomes = await asyncio.gather(*(give_back(held) for held in holds), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     # -- leases --
     async def _renew_forever(self) -> None:
@@ -395,45 +442,100 @@ class Limiter:
             for entry, request_ids in list(self._slots.items()):
                 if not request_ids:
                     continue
-                now = self._clock()
 
-                def renew(state: Counters, ids: frozenset[str] = frozenset(request_ids), now: float = now) -> None:
+                def renew(state: Counters, now: float, ids: frozenset[str] = frozenset(request_ids)) -> None:
                     for request_id in ids & state.slots.keys():
                         state.slots[request_id] = now + self._lease_s
 
                 try:
-                    await self._transact(entry, renew, now)
+                    await self._transact(entry, renew)
                 except StoreUnavailable as exc:
                     log.warning("renewing concurrency leases failed", error=str(exc)[:200])
 
-    # -- the store --
-    async def _transact(self, entry: str, apply: Callable[[Counters], R], now: float) -> R:
-        """Read-modify-CAS one entry: `apply` changes a rolled copy (or raises Refusal, which writes nothing)."""
+    # -- the store: one writer per entry in this limiter, batching what queues behind it --
+    async def _transact(self, entry: str, apply: Callable[[Counters, float], R]) -> R:
+        """Apply `apply` to the entry (rolled to now) and compare-and-set it. While one CAS on an entry is in
+        flight, what arrives for it queues and goes in the next CAS together, each applied in order: one round
+        trip for a batch, so the rate grows with the load instead of queueing one round trip per request."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(entry, []).append((apply, future))
+        if entry not in self._committers:
+            self._committers[entry] = asyncio.ensure_future(self._commit_all(entry))
+        result: R = await future
+        return result
+
+    async def _commit_all(self, entry: str) -> None:
+        try:
+            while self._pending.get(entry):
+                batch = self._pending.pop(entry)
+                try:
+                    outcomes = await self._commit(entry, [apply for apply, _ in batch])
+                except StoreUnavailable as exc:
+                    outcomes = [exc] * len(batch)
+                except Exception as exc:  # never leave a caller waiting
+                    outcomes = [StoreUnavailable(f"{type(exc).__name__}: {exc}")] * len(batch)
+                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(outcome, BaseException):
+                        future.set_exception(outcome)
+                    else:
+                        future.set_result(outcome)
+        finally:
+            del self._committers[entry]
+
+    async def _commit(self, entry: str, applies: list[Callable[[Counters, float], Any]]) -> list[Any]:
+        """One batch: each apply's result, or its Refusal. A refusal decided on what this limiter last wrote is
+        re-decided on a fresh read; a lost CAS re-reads and re-applies the whole batch."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        ids = WindowIds.at(now)
-        lock = self._locks.setdefault(entry, asyncio.Lock())
-        async with lock:
-            cached = self._cache.get(entry)
-            for _ in range(MAX_CAS_ATTEMPTS):
-                is_fresh = cached is None
-                state, revision = cached if cached is not None else await self._read(entry)
-                state = state.rolled(ids, now)
+        cached = self._cache.get(entry)
+        for attempt in range(MAX_CAS_ATTEMPTS):
+            is_fresh = cached is None
+            state, revision = cached if cached is not None else await self._read(entry)
+            now = self._clock()
+            state = state.rolled(WindowIds.at(now), now)
+            outcomes: list[Any] = []
+            for apply in applies:
                 try:
-                    result = apply(state)
-                except Refusal:
-                    if is_fresh:
-                        raise
-                    cached = None  # decided on what this limiter last wrote: confirm on a fresh read
-                    continue
-                try:
-                    revision = await self._io(self._kv.update(entry, state.encode(), last=revision))
-                except KeyWrongLastSequenceError:
-                    cached = None
-                    continue
-                self._cache[entry] = (state, revision)
-                return result
+                    outcomes.append(apply(state, now))
+                except Refusal as refusal:  # admit() refuses before changing anything
+                    outcomes.append(refusal)
+            if not is_fresh and any(isinstance(outcome, Refusal) for outcome in outcomes):
+                cached = None
+                continue
+            try:
+                revision = await self._io(self._kv.update(entry, state.encode(), last=revision))
+            except KeyWrongLastSequenceError:  # another replica wrote: back off a little (no livelock), re-read
+                cached = None
+                await asyncio.sleep(random.uniform(0, CAS_BACKOFF_S * min(attempt + 1, 8)))
+                continue
+            self._remember(entry, state, revision)
+            return outcomes
         raise StoreUnavailable(f"{MAX_CAS_ATTEMPTS} compare-and-set attempts lost on {entry}")
+
+    def _remember(self, entry: str, state: Counters, revision: int) -> None:
+        cached = self._cache.get(entry)
+        if cached is None or revision > cached[1]:
+            self._cache[entry] = (state, revision)
+
+    async def _follow(self, watcher: Any) -> None:
+        """Every replica's writes, as they happen, into the cache: the next CAS starts from the latest revision
+        and seldom loses. Only a speed-up: a stale cache costs a lost CAS and a read, never a wrong count."""
+        from nats.errors import TimeoutError as NatsTimeout
+
+        try:
+            while True:
+                try:
+                    update = await watcher.updates(timeout=3600)
+                except NatsTimeout:
+                    continue
+                if update is not None and update.value:
+                    self._remember(update.key, Counters.decode(update.value), update.revision)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("following the limit counters stopped", error=str(exc)[:200])
 
     async def _read(self, entry: str) -> tuple[Counters, int]:
         from nats.js.errors import KeyDeletedError, KeyNotFoundError
@@ -458,17 +560,20 @@ class Limiter:
                 return
             js = self._client.jetstream(timeout=STORE_TIMEOUT_S)
             try:
-                self._kv = await self._io(js.key_value(self._bucket))
+                kv = await self._io(js.key_value(self._bucket))
             except BucketNotFoundError:
                 config = KeyValueConfig(bucket=self._bucket, history=1, ttl=ENTRY_TTL_S)
-                self._kv = await self._io(js.create_key_value(config))
+                kv = await self._io(js.create_key_value(config))
+            self._watcher = await self._io(kv.watchall())
+            self._follower = asyncio.ensure_future(self._follow(self._watcher))
+            self._kv = kv
 
     async def _io(self, call: Any) -> Any:
         """One store call; what is not an answer (timeout, closed connection, no responders) is StoreUnavailable."""
         from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 
         try:
-            return await asyncio.wait_for(call, STORE_TIMEOUT_S)
+            return await call  # bounded by the JetStream context's timeout (STORE_TIMEOUT_S)
         except (KeyWrongLastSequenceError, KeyNotFoundError, KeyDeletedError, BucketNotFoundError):
             raise
         except Exception as exc:
