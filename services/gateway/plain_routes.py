@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.api_models.document import openapi_document
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.rest import CORE_KEY, STARTED_AT_KEY
+from services.gateway.rest import CORE_KEY, PRINCIPAL, STARTED_AT_KEY
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -23,6 +23,7 @@ async def list_models(request: web.Request) -> web.Response:
             "max_model_len": model.context_len,
         }
         for model in core.served_models()
+        if PRINCIPAL not in request or request[PRINCIPAL].may_use_model(model.name)  # a scoped key: its own
     ]
     return web.json_response({"object": "list", "data": data})
 
@@ -32,6 +33,8 @@ async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name not in {model.name for model in core.served_models()}:
         raise GatewayError(ErrorKind.MODEL_NOT_FOUND, f"the model {name!r} does not exist", "model")
+    if PRINCIPAL in request and not request[PRINCIPAL].may_use_model(name):
+        raise GatewayError(ErrorKind.PERMISSION_DENIED, f"model: this key may not use the model {name!r}", "model")
     model = core.catalog.require(name)
     return web.json_response(
         {

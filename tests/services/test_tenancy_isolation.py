@@ -65,6 +65,9 @@ async def test_a_stored_response_is_invisible_to_another_tenant(mesh: ApiMesh) -
 async def test_a_scoped_key_gets_403_for_another_model_or_api(mesh: ApiMesh) -> None:
     key = await _tenant_key(mesh, models=[SMOL], apis=["chat.completions", "messages", "grpc"])
     client = mesh.openai(key)
+    assert [model.id async for model in client.models.list()] == [SMOL]  # it sees only its own models
+    with pytest.raises(openai.PermissionDeniedError):
+        await client.models.retrieve(DEEPSEEK)
     done = await client.chat.completions.create(
         model=SMOL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
     )
