@@ -276,3 +276,22 @@ async def test_three_replicas_admit_exactly_the_limit_under_200_concurrent_reque
     finally:
         for client in clients:
             await client.close()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_reservation_whose_caller_left_is_released(nats_url: str) -> None:
+    client = await connect(nats_url)
+    limiter = Limiter(client, clock=Clock(1_000_040.0))
+    caller = principal(Limits(tokens_per_minute=100, max_concurrent=1))
+    try:
+        leaving = asyncio.ensure_future(limiter.reserve(caller, Demand("gone", 10, 90)))
+        await asyncio.sleep(0)  # the reservation is under way
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        await asyncio.sleep(0.2)  # the store answers; the orphan's release is queued
+        await limiter.drain()
+        held = await limiter.reserve(caller, Demand("next", 10, 90))
+        assert held.max_tokens == 90  # all 100 tokens and the one slot came back
+    finally:
+        await client.close()
