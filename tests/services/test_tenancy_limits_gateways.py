@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from services.gateway.tenancy.principal import Limits, Principal
 from .gateway_harness import DECODES, KEY, MODEL, PREFILLS, Fakes, Script
 
 NUM_REPLICAS = 3
+ADMIN_KEY = "sk-admin-limits-5c1e"
 COMPLETION_IDS = list(range(1000, 1040))  # the fake completion: up to 40 tokens, cut at max_tokens
 PRINCIPALS = {
     "sk-tokens": Limits(tokens_per_minute=2000),
@@ -107,7 +109,7 @@ def limited_authenticate(original: Any) -> Any:
 async def replicas() -> AsyncIterator[Replicas]:
     loaded = load_model(str(model_store.ensure(MODEL)))
     model = ServedModel(MODEL, loaded.tokenizer, loaded.context_len)
-    with EmbeddedNats() as nats, pytest.MonkeyPatch.context() as patch:
+    with EmbeddedNats() as nats, pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as state_dir:
         patch.setattr(GatewayCore, "authenticate", limited_authenticate(GatewayCore.authenticate))
         fakes = CountingFakes()
         server = await fakes.serve()
@@ -123,6 +125,8 @@ async def replicas() -> AsyncIterator[Replicas]:
             http_port=0,
             grpc_port=0,
             api_keys=(KEY,),
+            admin_key=ADMIN_KEY,
+            state_dir=state_dir,  # one tenancy database (SQLite) for the 3 replicas, as a shared PostgreSQL would be
             models=(MODEL,),
             heartbeat_interval_s=0.5,
             log_level="warning",
@@ -262,3 +266,23 @@ async def test_grpc_refusal_is_resource_exhausted_with_the_facts(replicas: Repli
     assert failed.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     trailing = dict(failed.value.trailing_metadata() or ())
     assert trailing["x-ratelimit-limit-tokens"] == "30" and trailing["x-ratelimit-remaining-tokens"] == "30"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_limits_set_through_the_admin_api_hold_on_every_replica(replicas: Replicas, script: Script) -> None:
+    await not_near_a_minute_end()
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with aiohttp.ClientSession() as session:
+        tenant_body = {"name": "rpm-two", "limits": {"requests_per_minute": 2}}
+        async with session.post(f"{replicas.url(0)}/admin/v1/tenants", json=tenant_body, headers=admin) as response:
+            assert response.status in (200, 201), await response.text()
+            tenant = await response.json()
+        key_body = {"tenant": tenant["id"], "name": "k"}
+        async with session.post(f"{replicas.url(0)}/admin/v1/keys", json=key_body, headers=admin) as response:
+            assert response.status in (200, 201), await response.text()
+            key = (await response.json())["key"]
+    first, second, third = [await post(replicas.url(i), key, chat(2)) for i in range(3)]
+    assert (first[0], second[0], third[0]) == (200, 200, 429)
+    assert first[1]["x-ratelimit-limit-requests"] == "2" and first[1]["x-ratelimit-remaining-requests"] == "1"
+    assert second[1]["x-ratelimit-remaining-requests"] == "0"
+    assert third[1]["x-ratelimit-remaining-requests"] == "0" and third[2]["error"]["type"] == "requests"
