@@ -44,6 +44,7 @@ PRINCIPALS = {
     "sk-small": Limits(requests_per_minute=100, tokens_per_minute=30),
     "sk-messages": Limits(tokens_per_minute=30),
     "sk-grpc": Limits(tokens_per_minute=30),
+    "sk-grpc-ok": Limits(tokens_per_minute=1000),
 }
 
 
@@ -266,6 +267,23 @@ async def test_grpc_refusal_is_resource_exhausted_with_the_facts(replicas: Repli
     assert failed.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     trailing = dict(failed.value.trailing_metadata() or ())
     assert trailing["x-ratelimit-limit-tokens"] == "30" and trailing["x-ratelimit-remaining-tokens"] == "30"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_grpc_success_tells_what_is_left_in_trailing_metadata(replicas: Replicas, script: Script) -> None:
+    await not_near_a_minute_end()
+    request = gateway_pb2.GenerateRequest(
+        model=MODEL, prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=4)
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{replicas.gateways[1].grpc_port}") as channel:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+            request, metadata=(("authorization", "Bearer sk-grpc-ok"),)
+        )
+        responses = [response async for response in call]
+        trailing = dict(await call.trailing_metadata() or ())
+    assert await call.code() is grpc.StatusCode.OK and responses[-1].usage.completion_tokens == 4
+    assert trailing["x-ratelimit-limit-tokens"] == "1000"
+    assert trailing["x-ratelimit-remaining-tokens"] == str(1000 - 3 - 4)  # what this request reserved
 
 
 @pytest.mark.asyncio(loop_scope="module")
