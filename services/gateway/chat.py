@@ -28,7 +28,8 @@ from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.image_encoding import place_images
 from services.gateway.images import ImagePart, with_image_tokens
 from services.gateway.pipeline import NOT_FINISHED, Delta, Generation, GenerationStream, Placement, Usage
-from services.gateway.tenancy.limits import Demand, Reservation
+from services.gateway.tenancy.limit_counters import Demand
+from services.gateway.tenancy.limits import Reservation
 from services.gateway.tenancy.principal import Principal
 from services.gateway.tool_calls import (
     AUTO_TOOLS,

@@ -20,7 +20,8 @@ from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import MeshView
 from services.gateway.pipeline import Deadline, Generation, Pipeline
 from services.gateway.tenancy.ledger import UsagePublisher
-from services.gateway.tenancy.limits import Demand, Limiter, Reservation
+from services.gateway.tenancy.limit_counters import Demand
+from services.gateway.tenancy.limits import Limiter, Reservation
 from services.gateway.tenancy.principal import Principal
 from services.gateway.tenancy.store import KeyStore
 

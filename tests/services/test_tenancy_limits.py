@@ -16,18 +16,17 @@ from nats.aio.client import Client
 
 from kvmesh.nats_server import EmbeddedNats
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.tenancy.limits import (
+from services.gateway.tenancy.limit_counters import (
     Counters,
     Demand,
-    Limiter,
     Refusal,
     ScopeHold,
     WindowIds,
     admit,
-    entry_name,
     release,
     seconds_to_month_end,
 )
+from services.gateway.tenancy.limits import Limiter, entry_name
 from services.gateway.tenancy.principal import Limits, Principal
 from services.gateway.tenancy.ratelimit_headers import RateLimitFacts, duration
 

@@ -120,7 +120,7 @@ def _latency_samples(url: str, tag: str, name: str, num_requests: int, pace_s: f
 
 
 async def _latency_loop(url: str, tag: str, name: str, num_requests: int, pace_s: float) -> tuple[list[float], ...]:
-    from services.gateway.tenancy.limits import Demand
+    from services.gateway.tenancy.limit_counters import Demand
 
     clients, [limiter] = await _limiters(url, 1, "BENCH_LATENCY")
     principal = _principal(tag)
@@ -143,7 +143,7 @@ async def _latency_loop(url: str, tag: str, name: str, num_requests: int, pace_s
 
 
 async def _throughput(url: str, num_limiters: int, num_decisions: int, concurrency: int) -> dict[str, Any]:
-    from services.gateway.tenancy.limits import Demand
+    from services.gateway.tenancy.limit_counters import Demand
 
     clients, limiters = await _limiters(url, num_limiters, f"BENCH_THROUGHPUT_{num_limiters}")
     principal = _principal(f"throughput{num_limiters}")

@@ -1,31 +1,29 @@
 """Limits per tenant and per key, exact across gateway replicas: admission RESERVES the prompt's tokens plus the
 completion ceiling (clamped to what is left) before any work starts, and the request's end SETTLES to the real
 usage, releasing the rest. Real usage never exceeds a reservation (the clamped ceiling is max_tokens), so the
-sum admitted never passes a limit, whatever the concurrency.
+sum admitted never passes a limit, whatever the concurrency. The windows and what a request does to them are
+limit_counters.py (pure); this module stores them and keeps the reservations.
 
 The counters live in the NATS JetStream KV bucket KVMESH_LIMITS, shared by every replica: one entry per scope
 (`tenant.<id>`, `key.<id>`) holds all its windows (requests and tokens this minute, tokens today and this month,
-the concurrency slots), so admitting is one compare-and-set per limited scope (key first, then tenant). Each
-limiter caches the last entry it wrote with its revision and tries the CAS on it directly; a lost CAS (another
-replica wrote) re-reads and retries. A refusal decided on the cache is re-checked on a fresh read.
+the concurrency slots), updated by compare-and-set; the key's and the tenant's entries are written at once.
+Each limiter writes what queues for an entry in one CAS (group commit), starting from its cache of the entry,
+which a KV watch keeps at the latest revision every replica wrote; a lost CAS backs off, re-reads and retries.
+A refusal decided on the cache is re-checked on a fresh read.
 
 Concurrency slots are leases: each slot holds an expiry (now + lease_s); the limiter that holds it renews its
 slots every lease_s / 3 (one CAS per scope), and any admission drops expired slots. A gateway that dies holding
 slots frees them within lease_s. When the store cannot be reached the limiter refuses with 503 (fail closed),
-unless `limits_fail_open`, when it admits uncounted and logs a warning.
-
-Windows are UTC: the minute, the day, the calendar month. Spend budgets (Limits.spend_*) are not enforced here yet.
+unless `limits_fail_open`, when it admits uncounted and logs a warning. Spend budgets (Limits.spend_*) are not
+enforced here yet.
 """
 
 from __future__ import annotations
 
 import asyncio
-import calendar
 import contextlib
 import dataclasses
-import datetime
 import hashlib
-import json
 import random
 import re
 import time
@@ -35,6 +33,15 @@ from typing import Any, TypeVar
 
 from mesh.logging import get_logger
 from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.tenancy.limit_counters import (
+    Counters,
+    Demand,
+    Refusal,
+    ScopeHold,
+    WindowIds,
+    admit,
+    release,
+)
 from services.gateway.tenancy.principal import Limits, Principal
 from services.gateway.tenancy.ratelimit_headers import RateLimitFacts
 
@@ -46,109 +53,11 @@ ENTRY_TTL_S = 35 * 86400.0  # an idle scope's entry outlives its longest window 
 STORE_TIMEOUT_S = 2.0  # one KV operation; past it the store counts as unreachable
 MAX_CAS_ATTEMPTS = 64
 CAS_BACKOFF_S = 0.0005  # the most a lost compare-and-set waits, times the attempts so far (up to 8)
-CONCURRENCY_RETRY_S = 1.0  # what a refusal for concurrency tells the client to wait
 _KEY_PART = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class StoreUnavailable(Exception):
     """The counter store did not answer (NATS down, timeout)."""
-
-
-# ---- windows and counters: pure, with the clock passed in -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WindowIds:
-    minute: int
-    day: int
-    month: int  # year * 12 + month - 1
-
-    @staticmethod
-    def at(now: float) -> WindowIds:
-        moment = datetime.datetime.fromtimestamp(now, tz=datetime.UTC)
-        return WindowIds(int(now // 60), int(now // 86400), moment.year * 12 + moment.month - 1)
-
-
-def seconds_to_month_end(now: float) -> float:
-    moment = datetime.datetime.fromtimestamp(now, tz=datetime.UTC)
-    year, month = divmod(moment.year * 12 + moment.month, 12)  # the next month, 0-based
-    return calendar.timegm((year, month + 1, 1, 0, 0, 0)) - now
-
-
-@dataclass
-class Counters:
-    """One scope's entry in the store. Changed only by the callbacks a Limiter commits, on a fresh copy."""
-
-    minute: int = 0
-    requests_minute: int = 0
-    tokens_minute: int = 0
-    day: int = 0
-    tokens_day: int = 0
-    month: int = 0
-    tokens_month: int = 0
-    slots: dict[str, float] = field(default_factory=dict)  # reservation id -> lease expiry (epoch seconds)
-
-    def encode(self) -> bytes:
-        return json.dumps(self.__dict__, separators=(",", ":")).encode()  # the fields, flat (asdict is slow)
-
-    @staticmethod
-    def decode(data: bytes) -> Counters:
-        return Counters(**json.loads(data)) if data else Counters()
-
-    def rolled(self, ids: WindowIds, now: float) -> Counters:
-        """A copy in the current windows: a past window's counts drop to 0; expired slots go."""
-        fresh = Counters(ids.minute, 0, 0, ids.day, 0, ids.month, 0)
-        if self.minute == ids.minute:
-            fresh.requests_minute, fresh.tokens_minute = self.requests_minute, self.tokens_minute
-        if self.day == ids.day:
-            fresh.tokens_day = self.tokens_day
-        if self.month == ids.month:
-            fresh.tokens_month = self.tokens_month
-        fresh.slots = {rid: expiry for rid, expiry in self.slots.items() if expiry > now}
-        return fresh
-
-    def token_room(self, limits: Limits, now: float) -> tuple[int | None, int | None, float]:
-        """(the tightest token limit, what is left of it, seconds until that window resets); (None, None, 0)
-        when no token limit is set."""
-        candidates = [
-            (limit, limit - used, reset)
-            for limit, used, reset in (
-                (limits.tokens_per_minute, self.tokens_minute, 60 - now % 60),
-                (limits.tokens_per_day, self.tokens_day, 86400 - now % 86400),
-                (limits.tokens_per_month, self.tokens_month, seconds_to_month_end(now)),
-            )
-            if limit is not None
-        ]
-        if not candidates:
-            return None, None, 0.0
-        limit, left, reset = min(candidates, key=lambda c: c[1])
-        return limit, max(0, left), reset
-
-    def facts(self, limits: Limits, now: float) -> RateLimitFacts:
-        limit_tokens, left_tokens, reset_tokens = self.token_room(limits, now)
-        rpm = limits.requests_per_minute
-        return RateLimitFacts(
-            now=now,
-            limit_requests=rpm,
-            remaining_requests=None if rpm is None else max(0, rpm - self.requests_minute),
-            reset_requests_s=None if rpm is None else 60 - now % 60,
-            limit_tokens=limit_tokens,
-            remaining_tokens=left_tokens,
-            reset_tokens_s=None if limit_tokens is None else reset_tokens,
-        )
-
-
-@dataclass(frozen=True)
-class Demand:
-    """What one request asks for: its prompt once and up to `max_tokens` for each of `n` choices."""
-
-    request_id: str
-    prompt_tokens: int
-    max_tokens: int
-    n: int = 1
-
-    def tokens(self, max_tokens: int) -> int:
-        return self.prompt_tokens + self.n * max_tokens
 
 
 class _FailOpen(Exception):
@@ -159,69 +68,7 @@ class _FailOpen(Exception):
         self.reservation = reservation
 
 
-class Refusal(Exception):
-    def __init__(self, kind: ErrorKind, message: str, facts: RateLimitFacts) -> None:
-        super().__init__(message)
-        self.kind, self.message, self.facts = kind, message, facts
-
-
-def admit(state: Counters, limits: Limits, demand: Demand, now: float, lease_s: float) -> int:
-    """Reserve `demand` in `state` (already rolled to now); the completion ceiling granted per choice, at most
-    demand.max_tokens. Raises Refusal when not even one token per choice fits."""
-    facts = state.facts(limits, now)
-    if limits.requests_per_minute is not None and state.requests_minute >= limits.requests_per_minute:
-        retry = dataclasses.replace(facts, retry_after_s=facts.reset_requests_s)
-        raise Refusal(ErrorKind.LIMIT_REQUESTS, f"limit of {limits.requests_per_minute} requests per minute", retry)
-    if limits.max_concurrent is not None and len(state.slots) >= limits.max_concurrent:
-        retry = dataclasses.replace(facts, retry_after_s=CONCURRENCY_RETRY_S)
-        raise Refusal(ErrorKind.LIMIT_CONCURRENCY, f"limit of {limits.max_concurrent} concurrent requests", retry)
-    granted = demand.max_tokens
-    _, left, reset = state.token_room(limits, now)
-    if left is not None:
-        granted = min(granted, (left - demand.prompt_tokens) // demand.n)
-        if granted < 1:
-            message = (
-                f"limit of {facts.limit_tokens} tokens: {left} left, the request needs at least "
-                f"{demand.tokens(1)} ({demand.prompt_tokens} prompt + 1 per choice)"
-            )
-            raise Refusal(ErrorKind.LIMIT_TOKENS, message, dataclasses.replace(facts, retry_after_s=reset))
-    reserved = demand.tokens(granted)
-    state.requests_minute += 1
-    state.tokens_minute += reserved
-    state.tokens_day += reserved
-    state.tokens_month += reserved
-    if limits.max_concurrent is not None:
-        state.slots[demand.request_id] = now + lease_s
-    return granted
-
-
-def release(state: Counters, held: ScopeHold, used_tokens: int, *, uncount_request: bool = False) -> None:
-    """Give back what `held` reserved beyond `used_tokens`, in the windows it was reserved in (a window that has
-    rolled since no longer counts it), and free its slot."""
-    unused = max(0, held.reserved_tokens - used_tokens)
-    if state.minute == held.windows.minute:
-        state.tokens_minute = max(0, state.tokens_minute - unused)
-        if uncount_request:
-            state.requests_minute = max(0, state.requests_minute - 1)
-    if state.day == held.windows.day:
-        state.tokens_day = max(0, state.tokens_day - unused)
-    if state.month == held.windows.month:
-        state.tokens_month = max(0, state.tokens_month - unused)
-    state.slots.pop(held.request_id, None)
-
-
 # ---- reservations ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ScopeHold:
-    """What one request holds in one scope."""
-
-    entry: str  # the store's key: tenant.<id> | key.<id>
-    request_id: str
-    reserved_tokens: int
-    windows: WindowIds
-    has_slot: bool
 
 
 @dataclass
@@ -327,7 +174,7 @@ class Limiter:
 
     # -- admission --
     async def reserve(self, principal: Principal, demand: Demand) -> Reservation:
-        """Hold `demand` against the key's limits, then the tenant's. Raises GatewayError: 429 with the facts
+        """Hold `demand` against the key's limits and the tenant's. Raises GatewayError: 429 with the facts
         when a limit refuses, 503 when the store is unreachable (fail closed). A caller cancelled meanwhile
         leaves nothing held: what was reserved for it is released when the store answers."""
         task = asyncio.ensure_future(self._reserve(principal, demand))
