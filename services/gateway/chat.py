@@ -344,7 +344,7 @@ async def reserve(
     first = generations[0]
     asked = first.sampling.max_tokens if first.sampling.HasField("max_tokens") else None
     num_prompt = len(first.prompt_token_ids)
-    demand = Demand(request_id, num_prompt, asked or first.model.context_len - num_prompt, turn.n)
+    demand = Demand(request_id, num_prompt, asked or first.model.context_len - num_prompt, turn.n, first.model.name)
     reservation = await core.reserve(principal, demand)
     if reservation is not None and reservation.is_clamped:
         for generation in generations:
@@ -387,7 +387,9 @@ async def start_chat(
 
     def settle(usage: Usage) -> None:
         if reservation is not None and core.limiter is not None:
-            core.limiter.settle_soon(reservation, usage.prompt_tokens + usage.completion_tokens)
+            price = reservation.demand.price
+            micros = price.micros(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) if price else 0
+            core.limiter.settle_soon(reservation, usage.prompt_tokens + usage.completion_tokens, micros)
 
     deadline = core.deadline()
     try:

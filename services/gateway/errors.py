@@ -30,6 +30,7 @@ class ErrorKind(enum.Enum):
     LIMIT_REQUESTS = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "requests", "rate_limit_exceeded")
     LIMIT_TOKENS = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "tokens", "rate_limit_exceeded")
     LIMIT_CONCURRENCY = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "requests", "concurrency_limit_exceeded")
+    LIMIT_SPEND = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "insufficient_quota", "insufficient_quota")
     INTERNAL = (500, grpc.StatusCode.INTERNAL, "server_error", "internal_error")
     UPSTREAM = (502, grpc.StatusCode.INTERNAL, "server_error", "upstream_error")
     UNAVAILABLE = (503, grpc.StatusCode.UNAVAILABLE, "server_error", "service_unavailable")
@@ -112,6 +113,7 @@ _ANTHROPIC_TYPES = {
     ErrorKind.LIMIT_REQUESTS: "rate_limit_error",
     ErrorKind.LIMIT_TOKENS: "rate_limit_error",
     ErrorKind.LIMIT_CONCURRENCY: "rate_limit_error",
+    ErrorKind.LIMIT_SPEND: "rate_limit_error",
     ErrorKind.TIMEOUT: "timeout_error",
 }
 

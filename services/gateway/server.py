@@ -27,6 +27,7 @@ from services.gateway.tenancy.db import Database, open_database
 from services.gateway.tenancy.keys import server_secret
 from services.gateway.tenancy.ledger import UsagePublisher
 from services.gateway.tenancy.limits import Limiter
+from services.gateway.tenancy.spend import PriceBook
 from services.gateway.tenancy.store import KeyStore
 
 log = get_logger(__name__)
@@ -45,6 +46,7 @@ class GatewayServer:
         self._http: web.AppRunner | None = None
         self.database: Database | None = None  # tenants, keys, prices, usage (tenancy/db.py)
         self.limiter: Limiter | None = None
+        self.prices: PriceBook | None = None
         self.ledger: UsagePublisher | None = None
 
     @property
@@ -65,7 +67,11 @@ class GatewayServer:
         await self.ledger.start()
         self.registry = WorkerRegistry(bus, FOLLOWED_ROLES, settings.heartbeat_interval_s)
         await self.registry.start()
-        self.limiter = Limiter(bus.client, fail_open=settings.limits_fail_open, lease_s=settings.limits_lease_s)
+        self.prices = PriceBook(self.database)  # spend budgets' prices at admission
+        await self.prices.start()
+        self.limiter = Limiter(
+            bus.client, fail_open=settings.limits_fail_open, lease_s=settings.limits_lease_s, prices=self.prices
+        )
         self.limiter.start()
         mesh = MeshView(self.registry)
         self.core = GatewayCore(
@@ -104,6 +110,8 @@ class GatewayServer:
         async def flush_usage() -> None:  # the finished requests' records, while NATS is still there
             if self.limiter is not None:  # settlements first: they release what the finished requests held
                 await self.limiter.stop()
+            if self.prices is not None:
+                await self.prices.stop()
             if self.ledger is not None:
                 await self.ledger.close()
 

@@ -21,6 +21,7 @@ from services.gateway.tenancy.limit_counters import (
     Demand,
     Refusal,
     ScopeHold,
+    TokenPrice,
     WindowIds,
     admit,
     release,
@@ -294,3 +295,24 @@ async def test_a_reservation_whose_caller_left_is_released(nats_url: str) -> Non
         assert held.max_tokens == 90  # all 100 tokens and the one slot came back
     finally:
         await client.close()
+
+
+def test_a_spend_budget_clamps_to_what_the_price_allows_and_settles_to_the_real_cost() -> None:
+    now = 1_000_040.0
+    ids = WindowIds.at(now)
+    price = TokenPrice(input=2.0, cached_input=0.5, output=10.0)  # micro-dollars per token
+    limits = Limits(spend_per_day_micros=1000)
+    state = Counters(ids.minute, 0, 0, ids.day, 0, ids.month, 0)
+    demand = Demand("r", 100, 100, price=price)
+    assert admit(state, limits, demand, now, 30.0) == 80  # 200 for the prompt + 80 x 10 = 1000
+    assert (state.spend_day, state.spend_month) == (1000, 1000)
+    with pytest.raises(Refusal) as refused:
+        admit(state, limits, Demand("r2", 1, 1, price=price), now, 30.0)
+    assert refused.value.kind is ErrorKind.LIMIT_SPEND and refused.value.facts.retry_after_s == 86400 - now % 86400
+    used = price.micros(100, 40, 30)  # 60 x 2 + 40 x 0.5 + 30 x 10
+    assert used == 440
+    release(state, ScopeHold("key.a", "r", 180, ids, False, demand.spend(limits, 80)), 130, used)
+    assert (state.spend_day, state.spend_month, state.tokens_day) == (440, 440, 130)
+    no_price = Counters(ids.minute, 0, 0, ids.day, 0, ids.month, 0)
+    assert admit(no_price, limits, Demand("r3", 100, 100), now, 30.0) == 100  # no price: the budget cannot count it
+    assert no_price.spend_day == 0

@@ -45,6 +45,7 @@ PRINCIPALS = {
     "sk-messages": Limits(tokens_per_minute=30),
     "sk-grpc": Limits(tokens_per_minute=30),
     "sk-grpc-ok": Limits(tokens_per_minute=1000),
+    "sk-spend": Limits(spend_per_day_micros=30_000),
 }
 
 
@@ -304,3 +305,25 @@ async def test_limits_set_through_the_admin_api_hold_on_every_replica(replicas: 
     assert first[1]["x-ratelimit-limit-requests"] == "2" and first[1]["x-ratelimit-remaining-requests"] == "1"
     assert second[1]["x-ratelimit-remaining-requests"] == "0"
     assert third[1]["x-ratelimit-remaining-requests"] == "0" and third[2]["error"]["type"] == "requests"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_spend_budget_holds_at_the_price_set_through_the_admin_api(replicas: Replicas, script: Script) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    price = {"plan": "default", "model": MODEL, "input_per_mtok": 1000, "cached_input_per_mtok": 1000}
+    body = {"prices": [{**price, "output_per_mtok": 1000}]}  # $1,000 per million tokens: 1,000 micro-dollars each
+    async with (
+        aiohttp.ClientSession() as session,
+        session.put(f"{replicas.url(0)}/admin/v1/prices", json=body, headers=admin) as response,
+    ):
+        assert response.status == 200, await response.text()
+    for gateway in replicas.gateways:  # what the price book's next refresh would read
+        assert gateway.prices is not None
+        await gateway.prices.refresh()
+    num_prompt = len(replicas.model.render_chat([{"role": "user", "content": "Hi"}]))
+    status, headers, answer = await post(replicas.url(1), "sk-spend", chat(100))
+    assert status == 200 and headers["x-kvmesh-max-tokens-clamped"] == str(30 - num_prompt)
+    assert answer["usage"]["completion_tokens"] == 30 - num_prompt  # the whole budget: 30 tokens at 1,000 each
+    status, headers, answer = await post(replicas.url(2), "sk-spend", chat(1))
+    assert status == 429 and answer["error"]["type"] == "insufficient_quota"
+    assert 1 <= int(headers["retry-after"]) <= 86400

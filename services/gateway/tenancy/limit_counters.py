@@ -8,6 +8,7 @@ import calendar
 import dataclasses
 import datetime
 import json
+import math
 from dataclasses import dataclass, field
 
 from services.gateway.errors import ErrorKind
@@ -47,6 +48,8 @@ class Counters:
     month: int = 0
     tokens_month: int = 0
     slots: dict[str, float] = field(default_factory=dict)  # reservation id -> lease expiry (epoch seconds)
+    spend_day: int = 0  # micro-dollars
+    spend_month: int = 0
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__, separators=(",", ":")).encode()  # the fields, flat (asdict is slow)
@@ -61,9 +64,9 @@ class Counters:
         if self.minute == ids.minute:
             fresh.requests_minute, fresh.tokens_minute = self.requests_minute, self.tokens_minute
         if self.day == ids.day:
-            fresh.tokens_day = self.tokens_day
+            fresh.tokens_day, fresh.spend_day = self.tokens_day, self.spend_day
         if self.month == ids.month:
-            fresh.tokens_month = self.tokens_month
+            fresh.tokens_month, fresh.spend_month = self.tokens_month, self.spend_month
         fresh.slots = {rid: expiry for rid, expiry in self.slots.items() if expiry > now}
         return fresh
 
@@ -84,6 +87,18 @@ class Counters:
         limit, left, reset = min(candidates, key=lambda c: c[1])
         return limit, max(0, left), reset
 
+    def spend_room(self, limits: Limits, now: float) -> tuple[int, int, float] | None:
+        """(the tightest spend budget, micro-dollars left of it, seconds until it resets); None: no budget."""
+        candidates = [
+            (limit, max(0, limit - used), reset)
+            for limit, used, reset in (
+                (limits.spend_per_day_micros, self.spend_day, 86400 - now % 86400),
+                (limits.spend_per_month_micros, self.spend_month, seconds_to_month_end(now)),
+            )
+            if limit is not None
+        ]
+        return min(candidates, key=lambda c: c[1]) if candidates else None
+
     def facts(self, limits: Limits, now: float) -> RateLimitFacts:
         limit_tokens, left_tokens, reset_tokens = self.token_room(limits, now)
         rpm = limits.requests_per_minute
@@ -99,6 +114,24 @@ class Counters:
 
 
 @dataclass(frozen=True)
+class TokenPrice:
+    """Micro-dollars per token (the same number as dollars per million tokens)."""
+
+    input: float
+    cached_input: float
+    output: float
+
+    def most_micros(self, num_prompt: int, num_completion: int) -> int:
+        """The most a request can cost: every prompt token uncached."""
+        return math.ceil(num_prompt * self.input + num_completion * self.output)
+
+    def micros(self, num_prompt: int, num_cached: int, num_completion: int) -> int:
+        """What a request cost, as the ledger prices it (cached prompt tokens at the cached price)."""
+        uncached = num_prompt - num_cached
+        return math.ceil(uncached * self.input + num_cached * self.cached_input + num_completion * self.output)
+
+
+@dataclass(frozen=True)
 class Demand:
     """What one request asks for: its prompt once and up to `max_tokens` for each of `n` choices."""
 
@@ -106,9 +139,17 @@ class Demand:
     prompt_tokens: int
     max_tokens: int
     n: int = 1
+    model: str = ""
+    price: TokenPrice | None = None  # None: spend budgets cannot count this request (no price for its model)
 
     def tokens(self, max_tokens: int) -> int:
         return self.prompt_tokens + self.n * max_tokens
+
+    def spend(self, limits: Limits, max_tokens: int) -> int:
+        """Micro-dollars reserved for `max_tokens` per choice where a spend budget applies (0 elsewhere)."""
+        if self.price is None or (limits.spend_per_day_micros is None and limits.spend_per_month_micros is None):
+            return 0
+        return self.price.most_micros(self.prompt_tokens, self.n * max_tokens)
 
 
 class Refusal(Exception):
@@ -137,7 +178,11 @@ def admit(state: Counters, limits: Limits, demand: Demand, now: float, lease_s: 
                 f"{demand.tokens(1)} ({demand.prompt_tokens} prompt + 1 per choice)"
             )
             raise Refusal(ErrorKind.LIMIT_TOKENS, message, dataclasses.replace(facts, retry_after_s=reset))
+    granted = _within_spend(state, limits, demand, granted, now, facts)
     reserved = demand.tokens(granted)
+    spend = demand.spend(limits, granted)
+    state.spend_day += spend
+    state.spend_month += spend
     state.requests_minute += 1
     state.tokens_minute += reserved
     state.tokens_day += reserved
@@ -147,18 +192,43 @@ def admit(state: Counters, limits: Limits, demand: Demand, now: float, lease_s: 
     return granted
 
 
-def release(state: Counters, held: ScopeHold, used_tokens: int, *, uncount_request: bool = False) -> None:
-    """Give back what `held` reserved beyond `used_tokens`, in the windows it was reserved in (a window that has
-    rolled since no longer counts it), and free its slot."""
+def _within_spend(
+    state: Counters, limits: Limits, demand: Demand, granted: int, now: float, facts: RateLimitFacts
+) -> int:
+    """`granted` lowered until its most possible cost fits the spend budgets left; Refusal when one token does
+    not. A request without a price passes the budgets uncounted."""
+    room = state.spend_room(limits, now)
+    if room is None or demand.price is None:
+        return granted
+    limit, left, reset = room
+    price = demand.price
+    if price.output > 0:
+        granted = min(granted, math.floor((left - demand.prompt_tokens * price.input) / (demand.n * price.output)))
+    while granted >= 1 and demand.spend(limits, granted) > left:  # float rounding: at most a step or two
+        granted -= 1
+    if granted < 1:
+        message = f"spend budget of {limit} micro-dollars: {left} left, less than this request's least cost"
+        raise Refusal(ErrorKind.LIMIT_SPEND, message, dataclasses.replace(facts, retry_after_s=reset))
+    return granted
+
+
+def release(
+    state: Counters, held: ScopeHold, used_tokens: int, used_micros: int = 0, *, uncount_request: bool = False
+) -> None:
+    """Give back what `held` reserved beyond `used_tokens` (and `used_micros`), in the windows it was reserved in
+    (a window that has rolled since no longer counts it), and free its slot."""
     unused = max(0, held.reserved_tokens - used_tokens)
+    unused_micros = max(0, held.reserved_micros - used_micros)
     if state.minute == held.windows.minute:
         state.tokens_minute = max(0, state.tokens_minute - unused)
         if uncount_request:
             state.requests_minute = max(0, state.requests_minute - 1)
     if state.day == held.windows.day:
         state.tokens_day = max(0, state.tokens_day - unused)
+        state.spend_day = max(0, state.spend_day - unused_micros)
     if state.month == held.windows.month:
         state.tokens_month = max(0, state.tokens_month - unused)
+        state.spend_month = max(0, state.spend_month - unused_micros)
     state.slots.pop(held.request_id, None)
 
 
@@ -171,3 +241,4 @@ class ScopeHold:
     reserved_tokens: int
     windows: WindowIds
     has_slot: bool
+    reserved_micros: int = 0  # spend reserved, where a budget applies

@@ -14,8 +14,8 @@ A refusal decided on the cache is re-checked on a fresh read.
 Concurrency slots are leases: each slot holds an expiry (now + lease_s); the limiter that holds it renews its
 slots every lease_s / 3 (one CAS per scope), and any admission drops expired slots. A gateway that dies holding
 slots frees them within lease_s. When the store cannot be reached the limiter refuses with 503 (fail closed),
-unless `limits_fail_open`, when it admits uncounted and logs a warning. Spend budgets (Limits.spend_*) are not
-enforced here yet.
+unless `limits_fail_open`, when it admits uncounted and logs a warning. Spend budgets reserve the request's most
+possible cost at its model's price (spend.py: PriceBook) and settle to its real cost.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from services.gateway.tenancy.limit_counters import (
 )
 from services.gateway.tenancy.principal import Limits, Principal
 from services.gateway.tenancy.ratelimit_headers import RateLimitFacts
+from services.gateway.tenancy.spend import PriceBook
 
 log = get_logger(__name__)
 R = TypeVar("R")
@@ -103,6 +104,8 @@ def _has_any(limits: Limits) -> bool:
             limits.max_concurrent,
             limits.tokens_per_day,
             limits.tokens_per_month,
+            limits.spend_per_day_micros,
+            limits.spend_per_month_micros,
         )
     )
 
@@ -133,12 +136,14 @@ class Limiter:
         lease_s: float = 30.0,
         clock: Callable[[], float] = time.time,
         bucket: str = BUCKET,
+        prices: PriceBook | None = None,
     ) -> None:
         self._client = client
         self._fail_open = fail_open
         self._lease_s = lease_s
         self._clock = clock
         self._bucket = bucket
+        self._prices = prices  # None: spend budgets count nothing (no prices known)
         self._kv: Any = None
         self._open_lock = asyncio.Lock()
         self._pending: dict[str, list[tuple[Callable[[Counters, float], Any], asyncio.Future[Any]]]] = {}
@@ -193,6 +198,8 @@ class Limiter:
     async def _reserve(self, principal: Principal, demand: Demand) -> Reservation:
         """Both scopes at once (one round trip, not two): each grants what it can; the request runs with the
         smaller grant, and the scope that granted more holds the difference until settlement (never less)."""
+        if self._prices is not None and demand.model:
+            demand = dataclasses.replace(demand, price=self._prices.price(principal.tenant_id, demand.model))
         scopes = [
             (entry_name("key", principal.key_id), principal.key_limits),
             (entry_name("tenant", principal.tenant_id), principal.tenant_limits),
@@ -243,36 +250,42 @@ class Limiter:
         has_slot = limits.max_concurrent is not None
         if has_slot:
             self._slots.setdefault(entry, set()).add(demand.request_id)
-        return ScopeHold(entry, demand.request_id, demand.tokens(granted), windows, has_slot), granted, facts
+        held = ScopeHold(
+            entry, demand.request_id, demand.tokens(granted), windows, has_slot, demand.spend(limits, granted)
+        )
+        return held, granted, facts
 
     # -- settlement --
-    def settle_soon(self, reservation: Reservation, used_tokens: int) -> None:
+    def settle_soon(self, reservation: Reservation, used_tokens: int, used_micros: int = 0) -> None:
         """Settle in the background (a request ending by cancellation cannot await); `drain` waits for it."""
         if reservation.is_settled or not reservation.holds:
             reservation.is_settled = True
             return
-        task = asyncio.ensure_future(self.settle(reservation, used_tokens))
+        task = asyncio.ensure_future(self.settle(reservation, used_tokens, used_micros))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
-        """The request used `used_tokens` (prompt + every choice's completion): release the rest, free its slots."""
+    async def settle(self, reservation: Reservation, used_tokens: int, used_micros: int = 0) -> None:
+        """The request used `used_tokens` (prompt + every choice's completion) costing `used_micros`: release the
+        rest, free its slots."""
         if reservation.is_settled:
             return
         reservation.is_settled = True
         try:
-            await self._release_all(reservation, used_tokens)
+            await self._release_all(reservation, used_tokens, used_micros)
         except StoreUnavailable as exc:  # the minute window rolls anyway; slots expire with their lease
             log.warning("settling a reservation failed", request_id=reservation.demand.request_id, error=str(exc)[:200])
 
-    async def _release_all(self, reservation: Reservation, used_tokens: int, *, uncount_request: bool = False) -> None:
+    async def _release_all(
+        self, reservation: Reservation, used_tokens: int, used_micros: int = 0, *, uncount_request: bool = False
+    ) -> None:
         """Every scope at once; StoreUnavailable if any could not be written."""
 
         async def give_back(held: ScopeHold) -> None:
             self._slots.get(held.entry, set()).discard(held.request_id)
 
             def apply(state: Counters, now: float) -> None:
-                release(state, held, used_tokens, uncount_request=uncount_request)
+                release(state, held, used_tokens, used_micros, uncount_request=uncount_request)
 
             await self._transact(held.entry, apply)
 
