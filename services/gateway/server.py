@@ -25,7 +25,7 @@ from services.gateway.response_store import ResponseStore
 from services.gateway.tenancy.admin_api import Admin
 from services.gateway.tenancy.db import Database, open_database
 from services.gateway.tenancy.keys import server_secret
-from services.gateway.tenancy.ledger import UsagePublisher
+from services.gateway.tenancy.ledger import LedgerConsumer, UsagePublisher
 from services.gateway.tenancy.limits import Limiter
 from services.gateway.tenancy.spend import PriceBook
 from services.gateway.tenancy.store import KeyStore
@@ -48,6 +48,7 @@ class GatewayServer:
         self.limiter: Limiter | None = None
         self.prices: PriceBook | None = None
         self.ledger: UsagePublisher | None = None
+        self.ledger_consumer: LedgerConsumer | None = None  # one of the replicas' shared `ledger` consumer
 
     @property
     def grpc_port(self) -> int:
@@ -65,6 +66,8 @@ class GatewayServer:
         await key_store.follow(bus.client)  # revocations from every replica
         self.ledger = UsagePublisher(bus)
         await self.ledger.start()
+        self.ledger_consumer = LedgerConsumer(bus, self.database)
+        await self.ledger_consumer.start()
         self.registry = WorkerRegistry(bus, FOLLOWED_ROLES, settings.heartbeat_interval_s)
         await self.registry.start()
         self.prices = PriceBook(self.database)  # spend budgets' prices at admission
@@ -114,6 +117,8 @@ class GatewayServer:
                 await self.prices.stop()
             if self.ledger is not None:
                 await self.ledger.close()
+            if self.ledger_consumer is not None:  # after the flush: this replica may write its own last records
+                await self.ledger_consumer.stop()
 
         await self.runtime.shutdown(before_drain=stop_following, after_drain=flush_usage)
         if self._http is not None:

@@ -86,6 +86,7 @@ class UsagePublisher:
         self.ack_timeout_s = ack_timeout_s
         self.num_published = 0
         self.num_dropped = 0
+        self.num_retries = 0  # publishes that failed (NATS away, no ack in time) and went back in the queue
         self._queue: collections.deque[events_pb2.UsageRecord] = collections.deque()
         self._num_in_flight = 0
         self._wake = asyncio.Event()
@@ -146,6 +147,7 @@ class UsagePublisher:
             self._num_in_flight = 0
             USAGE_QUEUED.set(self.num_queued)
             if failed:
+                self.num_retries += len(failed)
                 if any(isinstance(r, (nats.errors.NoRespondersError, NoStreamResponseError)) for r in results):
                     with contextlib.suppress(Exception):  # a NATS without the stream (a new store): make it again
                         await ensure_usage_stream(self.bus.client.jetstream())
@@ -248,17 +250,30 @@ class LedgerConsumer:
         self.num_written = 0
         self.num_duplicates = 0
         self._task: asyncio.Task[None] | None = None
+        self._subscription: JetStreamContext.PullSubscription | None = None  # only the task replaces it
+        self._is_stopping = False
 
     async def start(self) -> None:
+        self._is_stopping = False
+        try:
+            self._subscription = await self._subscribe()
+        except Exception as exc:  # NATS away: the task subscribes once it is back
+            log.warning("ledger consumer not subscribed yet", error=f"{type(exc).__name__}: {exc}")
         self._task = asyncio.create_task(self._run(), name="ledger-consumer")
 
-    async def stop(self) -> None:
-        """Stop between batches' commits: a batch fetched but not committed is redelivered after ack_wait_s."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop after the batch in hand is committed and acked (up to `grace_s`; 0: at once, as a crash would).
+        A batch fetched but not committed is redelivered, to any replica, after ack_wait_s."""
+        if self._task is None:
+            return
+        self._is_stopping = True
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self._task), grace_s if grace_s > 0 else 0.0)
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        await self._unsubscribe()
 
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
         js = self.bus.client.jetstream()
@@ -266,14 +281,20 @@ class LedgerConsumer:
         config = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_ack_pending=-1)
         return await js.pull_subscribe(subjects.ALL_USAGE, durable=CONSUMER, stream=STREAM, config=config)
 
+    async def _unsubscribe(self) -> None:
+        """Leaves the durable consumer on the server (the other replicas go on with it)."""
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()
+            self._subscription = None
+
     async def _run(self) -> None:
-        subscription: JetStreamContext.PullSubscription | None = None
-        while True:
+        while not self._is_stopping:
             try:
-                if subscription is None:
-                    subscription = await self._subscribe()
+                if self._subscription is None:
+                    self._subscription = await self._subscribe()
                 try:
-                    messages = await subscription.fetch(self.batch_size, timeout=1.0)
+                    messages = await self._subscription.fetch(self.batch_size, timeout=1.0)
                 except (asyncio.TimeoutError, nats.errors.TimeoutError):
                     continue
                 await self._write(messages)
@@ -281,10 +302,7 @@ class LedgerConsumer:
                 raise
             except Exception as exc:  # NATS or the database away: try again shortly, from a fresh subscription
                 log.warning("ledger consumer retrying", error=f"{type(exc).__name__}: {exc}")
-                if subscription is not None:
-                    with contextlib.suppress(Exception):
-                        await subscription.unsubscribe()
-                subscription = None
+                await self._unsubscribe()
                 await asyncio.sleep(0.5)
 
     async def _write(self, messages: Iterable[Msg]) -> None:
