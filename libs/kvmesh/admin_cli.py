@@ -6,6 +6,7 @@ and exits 1. The admin key comes from --admin-key or KVMESH_ADMIN_KEY and is nev
     kvmesh admin keys create --tenant ten_... --name ci --models smollm2-135m
     kvmesh admin keys revoke key_...
     kvmesh admin prices set --model smollm2-135m --input 0.15 --cached-input 0.075 --output 0.6
+    kvmesh admin usage --tenant ten_... --since 2026-12-01 --format csv     # totals by day and model
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def call(url: str, admin_key: str, method: str, path: str, body: Any = None) -> 
         request.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            return json.loads(response.read())
+            raw = response.read()
+            if response.headers.get_content_type() == "text/csv":  # a usage report's totals: text as it is
+                return raw.decode()
+            return json.loads(raw)
     except urllib.error.HTTPError as exc:
         raise AdminError(exc.code, exc.read().decode(errors="replace")) from None
 
@@ -91,7 +95,12 @@ def add_parser(commands: Any) -> None:
     price.add_argument("--input", required=True, help="per million prompt tokens")
     price.add_argument("--cached-input", required=True, help="per million prompt tokens served from cache")
     price.add_argument("--output", required=True, help="per million completion tokens")
-    # `kvmesh admin usage` (the ledger's reports, GET /admin/v1/usage) registers here: add_usage_parser(areas)
+    report = areas.add_parser("usage", help="a tenant's usage: totals by day and model, and its records")
+    report.add_argument("--tenant", required=True, help="the tenant's id (ten_..., or default)")
+    report.add_argument("--since", required=True, help="the first day, YYYY-MM-DD (UTC)")
+    report.add_argument("--until", help="the last day, included (default: today)")
+    report.add_argument("--format", choices=("json", "csv"), default="json", help="csv: the totals only")
+    report.add_argument("--limit", type=int, help="records listed in JSON (default 1000; the totals count all)")
 
 
 def _without_none(values: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +109,10 @@ def _without_none(values: dict[str, Any]) -> dict[str, Any]:
 
 def request_of(args: argparse.Namespace) -> tuple[str, str, Any]:
     """(method, path, body) of an admin command."""
-    area, command = args.admin_area, args.admin_command
+    area, command = args.admin_area, getattr(args, "admin_command", None)
+    if area == "usage":
+        query = {"tenant": args.tenant, "since": args.since, "until": args.until, "format": args.format}
+        return "GET", f"/admin/v1/usage?{urllib.parse.urlencode(_without_none(query | {'limit': args.limit}))}", None
     if area == "tenants":
         fields = (
             _without_none(
@@ -153,5 +165,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvmesh admin: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(answer, indent=2))
+    if isinstance(answer, str):  # CSV
+        sys.stdout.write(answer)
+    else:
+        print(json.dumps(answer, indent=2))
     return 0

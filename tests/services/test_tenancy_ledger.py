@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
+import io
 import json
 import os
 import time
@@ -23,6 +25,7 @@ import pytest
 from sqlalchemy import func, select
 
 from engine_core import model_store
+from kvmesh.cli import main
 from kvmesh.nats_server import EmbeddedNats
 from mesh.bus import Bus
 from mesh.config import load_settings
@@ -38,6 +41,7 @@ from services.gateway.tenancy.ledger import MSG_ID_HEADER, LedgerConsumer, Usage
 from .gateway_harness import COMPLETION, DECODES, KEY, MODEL, PREFILLS, Fakes, Script
 from .tenancy_databases import BACKENDS, empty_database_url
 
+ADMIN_KEY = "sk-admin-ledger-test"
 HEARTBEAT_S = 2.0  # a NATS outage shorter than three of these keeps the workers in the gateway's view
 NATS_DOWN_S = 2.5  # longer than the publisher's ack timeout (2 s): publishes fail and are retried
 NUM_SOAK_REQUESTS = int(os.environ.get("LEDGER_REQUESTS", "120"))
@@ -125,6 +129,7 @@ async def ledger_mesh(backend: str, tmp_path: Path, model: ServedModel) -> Async
             log_level="warning",
             database_url=url,
             state_dir=str(tmp_path / "state"),
+            admin_key=ADMIN_KEY,
         )
         database = await open_database(settings)
         workers_bus = await Bus.connect(nats.url, name="fake-workers")
@@ -239,6 +244,43 @@ async def test_every_request_gives_one_record_with_the_tokens_the_client_saw(
         assert mesh.gateway.ledger is not None and mesh.gateway.ledger.num_dropped == 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_the_usage_report_through_the_admin_api_and_the_cli(
+    backend: str, tmp_path: Path, served_model: ServedModel
+) -> None:
+    async with ledger_mesh(backend, tmp_path, served_model) as mesh:
+        seen = await run_requests(mesh, 20)
+        await mesh.wait_for_rows(20)
+        today = dt.datetime.now(dt.UTC).date()
+        query = f"tenant=default&since={today - dt.timedelta(days=1)}&until={today + dt.timedelta(days=1)}"
+        async with aiohttp.ClientSession() as session:
+            url = f"{mesh.base_url}/admin/v1/usage?{query}"
+            async with session.get(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as response:
+                assert response.status == 200
+                report = await response.json()
+            async with session.get(url, headers={"Authorization": f"Bearer {KEY}"}) as response:
+                assert response.status == 403  # a tenant's key never reads the ledger
+            bad = f"{mesh.base_url}/admin/v1/usage?tenant=default&since=12/01/2026"
+            async with session.get(bad, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as response:
+                assert (response.status, (await response.json())["error"]["param"]) == (400, "since")
+        totals = report["totals"]
+        assert {t["model"] for t in totals} == {MODEL, "unknown"}  # "unknown": refused before the model was read
+        assert report["num_requests"] == sum(t["num_requests"] for t in totals) == 20
+        assert sum(t["prompt_tokens"] for t in totals) == sum(s.prompt_tokens for s in seen)
+        assert sum(t["completion_tokens"] for t in totals) == sum(s.completion_tokens for s in seen)
+        assert sorted(r["request_id"] for r in report["records"]) == sorted(s.request_id for s in seen)
+        argv = ["admin", "--url", mesh.base_url, "--admin-key", ADMIN_KEY, "usage", "--tenant", "default"]
+        argv += ["--since", str(today - dt.timedelta(days=1)), "--until", str(today + dt.timedelta(days=1))]
+
+        def cli() -> tuple[int, str]:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                return main([*argv, "--format", "csv"]), out.getvalue()
+
+        lines = [",".join(str(t[name]) for name in t) for t in totals]
+        assert await asyncio.to_thread(cli) == (0, "\n".join([",".join(totals[0]), *lines, ""]))
+
+
 def _record(request_id: str, prompt: int, cached: int, completion: int) -> events_pb2.UsageRecord:
     return events_pb2.UsageRecord(
         request_id=request_id,
@@ -258,10 +300,7 @@ def _record(request_id: str, prompt: int, cached: int, completion: int) -> event
 
 
 async def _add_priced_tenant(database: Database) -> None:
-    now = time.time()
-    import datetime as dt
-
-    at = dt.datetime.fromtimestamp(now, tz=dt.UTC)
+    at = dt.datetime.now(dt.UTC)
     async with database.engine.begin() as connection:
         await connection.execute(
             schema.tenants.insert().values(

@@ -204,7 +204,25 @@ def _admin_paths() -> dict[str, Any]:
             **_admin("get", "the price table"),
             **_admin("put", "set prices per plan and model (dollars per million tokens)", PricesUpdate),
         },
+        "/admin/v1/usage": _usage_path(),
     }
+
+
+def _usage_path() -> dict[str, Any]:
+    """The ledger's report (tenancy/usage.py): JSON, or with format=csv the totals as CSV."""
+    operation = _admin("get", "a tenant's usage: totals by day (UTC) and model, and its records")["get"]
+    operation["responses"] |= _errors(OpenAIError, ("400",))
+    operation["responses"]["200"]["content"]["text/csv"] = {"schema": STRING}
+    day = {"type": "string", "format": "date"}
+    limit = {"type": "integer", "minimum": 0, "maximum": 100_000}
+    operation["parameters"] = [
+        {"name": "tenant", "in": "query", "required": True, "schema": STRING},
+        {"name": "since", "in": "query", "required": True, "schema": day},
+        {"name": "until", "in": "query", "required": False, "schema": day},
+        {"name": "format", "in": "query", "required": False, "schema": {"type": "string", "enum": ["json", "csv"]}},
+        {"name": "limit", "in": "query", "required": False, "schema": limit},
+    ]
+    return {"get": operation}
 
 
 def _stored_response() -> dict[str, Any]:

@@ -14,6 +14,7 @@ within the NATS round trip.
     GET    /admin/v1/keys?tenant=ID       the keys (of one tenant), never their digests
     DELETE /admin/v1/keys/{key_id}        revoke -> the key's row with revoked_at
     GET    /admin/v1/prices               the price table
+    GET    /admin/v1/usage?tenant=ID&since=YYYY-MM-DD[&until=...][&format=json|csv]   the ledger (tenancy/usage.py)
     PUT    /admin/v1/prices               PricesUpdate -> the price table
 """
 
@@ -31,7 +32,7 @@ from services.gateway.api_models.admin import KeyCreate, PricesUpdate, TenantCre
 from services.gateway.api_models.base import validated
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.rest import PRINCIPAL, dumps, json_body, presented_key
-from services.gateway.tenancy import accounts
+from services.gateway.tenancy import accounts, usage
 from services.gateway.tenancy.db import Database
 from services.gateway.tenancy.store import KeyStore, publish_change
 
@@ -152,6 +153,15 @@ async def put_prices(request: web.Request) -> web.Response:
     return _list(await accounts.put_prices(database, validated(PricesUpdate, await json_body(request))))
 
 
+async def get_usage(request: web.Request) -> web.Response:
+    _, database = _database(request)
+    query = usage.parse_query(request.query)
+    report = await usage.usage_report(database, query)
+    if query.format == "csv":
+        return web.Response(text=report.as_csv(), content_type="text/csv")
+    return _json(report.as_json())
+
+
 def add_routes(app: web.Application) -> None:
     router = app.router
     router.add_post(f"{ADMIN_PREFIX}/tenants", create_tenant)
@@ -163,4 +173,4 @@ def add_routes(app: web.Application) -> None:
     router.add_delete(f"{ADMIN_PREFIX}/keys/{{key_id}}", revoke_key)
     router.add_get(f"{ADMIN_PREFIX}/prices", list_prices)
     router.add_put(f"{ADMIN_PREFIX}/prices", put_prices)
-    # the usage report (GET /admin/v1/usage) is added here by the ledger (tenancy/usage.py)
+    router.add_get(f"{ADMIN_PREFIX}/usage", get_usage)
