@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
+import grpc.aio
 import pytest
 from sqlalchemy import func, select
 
@@ -30,7 +32,8 @@ from kvmesh.nats_server import EmbeddedNats
 from mesh.bus import Bus
 from mesh.config import load_settings
 from mesh.discovery import Announcer
-from mesh.pb import common_pb2, events_pb2
+from mesh.logging import REQUEST_ID_KEY
+from mesh.pb import common_pb2, events_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.catalog import ModelCatalog, ServedModel, load_model
 from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
@@ -279,6 +282,41 @@ async def test_the_usage_report_through_the_admin_api_and_the_cli(
 
         lines = [",".join(str(t[name]) for name in t) for t in totals]
         assert await asyncio.to_thread(cli) == (0, "\n".join([",".join(totals[0]), *lines, ""]))
+
+
+async def test_a_client_that_leaves_and_a_grpc_call_each_leave_one_record(
+    tmp_path: Path, served_model: ServedModel
+) -> None:
+    async with ledger_mesh("sqlite", tmp_path, served_model) as mesh:
+        mesh.fakes.script.batch_delay_s = 0.2  # 1 token from prefill, then 2 per batch: time to leave mid-stream
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            headers = {"Authorization": f"Bearer {KEY}"}
+            async with session.post(f"{mesh.base_url}/v1/chat/completions", json=body, headers=headers) as response:
+                gone_id = response.headers["x-request-id"]
+                await response.content.readuntil(b"\n\n")  # the role chunk: then the client leaves
+        mesh.fakes.script.batch_delay_s = 0.0
+        grpc_id = "grpc-ledger-1"
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{mesh.gateway.grpc_port}") as channel:
+            request = gateway_pb2.GenerateRequest(model=MODEL, prompt="Hi", sampling=common_pb2.SamplingParams())
+            metadata = (("authorization", f"Bearer {KEY}"), (REQUEST_ID_KEY, grpc_id))
+            responses = [r async for r in gateway_pb2_grpc.GatewayStub(channel).Generate(request, metadata=metadata)]
+        await mesh.wait_for_rows(2)
+        rows = await mesh.rows()
+        assert len(rows) == 2
+        gone = rows[gone_id]
+        assert (gone.status, gone.http_status, gone.api) == ("client_gone", 499, "chat.completions")
+        num_completion = len(mesh.fakes.script.token_ids)
+        assert 1 <= gone.completion_tokens < num_completion  # billed for what was generated before it left
+        (grpc_row,) = [row for request_id, row in rows.items() if request_id.startswith(grpc_id)]
+        usage = responses[-1].usage
+        assert (grpc_row.status, grpc_row.http_status, grpc_row.api) == ("finished", 200, "grpc.generate")
+        assert (grpc_row.prompt_tokens, grpc_row.cached_tokens, grpc_row.completion_tokens) == (
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.completion_tokens,
+        )
+        assert grpc_row.completion_tokens == num_completion
 
 
 def _record(request_id: str, prompt: int, cached: int, completion: int) -> events_pb2.UsageRecord:
