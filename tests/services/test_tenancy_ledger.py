@@ -319,6 +319,26 @@ async def test_a_client_that_leaves_and_a_grpc_call_each_leave_one_record(
         assert grpc_row.completion_tokens == num_completion
 
 
+async def test_a_migrated_request_is_one_record_on_the_worker_it_ended_on(
+    tmp_path: Path, served_model: ServedModel
+) -> None:
+    async with ledger_mesh("sqlite", tmp_path, served_model) as mesh:
+        mesh.fakes.script.decode_error_after, mesh.fakes.script.decode_errors = 1, 1  # decode-a fails mid-stream
+        async with aiohttp.ClientSession() as session:
+            seen = await chat(session, mesh, 4)  # not streamed: prefill's token, decode-a's 2, then decode-b's
+        await mesh.wait_for_rows(1)
+        rows = await mesh.rows()
+        assert list(rows) == [seen.request_id]  # not one per attempt
+        assert (seen.status, seen.completion_tokens) == (200, len(mesh.fakes.script.token_ids))  # the whole answer
+        row = rows[seen.request_id]
+        assert (row.status, row.prefill_worker, row.decode_worker) == ("finished", "prefill-a", "decode-b")
+        assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (
+            seen.prompt_tokens,
+            seen.cached_tokens,
+            seen.completion_tokens,
+        )
+
+
 def _record(request_id: str, prompt: int, cached: int, completion: int) -> events_pb2.UsageRecord:
     return events_pb2.UsageRecord(
         request_id=request_id,
