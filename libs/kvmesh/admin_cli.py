@@ -109,10 +109,11 @@ def _without_none(values: dict[str, Any]) -> dict[str, Any]:
 
 def request_of(args: argparse.Namespace) -> tuple[str, str, Any]:
     """(method, path, body) of an admin command."""
-    area, command = args.admin_area, getattr(args, "admin_command", None)
-    if area == "usage":
-        query = {"tenant": args.tenant, "since": args.since, "until": args.until, "format": args.format}
-        return "GET", f"/admin/v1/usage?{urllib.parse.urlencode(_without_none(query | {'limit': args.limit}))}", None
+    area = args.admin_area
+    if area == "usage":  # no subcommand
+        report = {"tenant": args.tenant, "since": args.since, "until": args.until, "format": args.format}
+        return "GET", f"/admin/v1/usage?{urllib.parse.urlencode(_without_none(report | {'limit': args.limit}))}", None
+    command = args.admin_command
     if area == "tenants":
         fields = (
             _without_none(

@@ -83,9 +83,7 @@ USAGE_DROPPED = _counter(
     "Usage records dropped unpublished: the queue was full while NATS was away, or the gateway stopped first",
     roles="gateway",
 )
-USAGE_QUEUED = _gauge(
-    "kvmesh_gateway_usage_records_queued", "Usage records waiting to be published", roles="gateway"
-)
+USAGE_QUEUED = _gauge("kvmesh_gateway_usage_records_queued", "Usage records waiting to be published", roles="gateway")
 USAGE_WRITTEN = _counter(
     "kvmesh_gateway_usage_records_written_total",
     "Usage records the ledger consumer wrote to the database, and those it found already there",
