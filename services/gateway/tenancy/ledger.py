@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import datetime as dt
+import time
 from collections.abc import Iterable, Sequence
 from decimal import Decimal
 from typing import Any
@@ -44,6 +45,7 @@ STREAM = "KVMESH_USAGE"
 CONSUMER = "ledger"
 DUPLICATE_WINDOW_S = 300.0  # a retry within it is dropped by the stream; past it, by the table's primary key
 MSG_ID_HEADER = "Nats-Msg-Id"
+DROP_LOG_INTERVAL_S = 10.0
 DEFAULT_PLAN = "default"  # a tenant without a row (the `default` tenant of KVMESH_API_KEYS) is priced by it
 STATUSES = ("finished", "client_gone", "failed", "timeout", "aborted", "refused")
 _MILLION = Decimal(1_000_000)
@@ -92,6 +94,8 @@ class UsagePublisher:
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._is_closed = False
+        self._num_unlogged_drops = 0
+        self._last_drop_log = -DROP_LOG_INTERVAL_S
 
     @property
     def num_queued(self) -> int:
@@ -129,9 +133,15 @@ class UsagePublisher:
             self._queue.clear()
 
     def _drop(self, count: int, why: str, request_id: str) -> None:
+        """Count every drop; log at most one line per DROP_LOG_INTERVAL_S (a full queue drops at request rate)."""
         self.num_dropped += count
+        self._num_unlogged_drops += count
         USAGE_DROPPED.inc(count)
-        log.warning("usage records dropped", count=count, why=why, first_request_id=request_id)
+        now = time.monotonic()
+        if now - self._last_drop_log >= DROP_LOG_INTERVAL_S:
+            log.warning("usage records dropped", count=self._num_unlogged_drops, why=why, last_request_id=request_id)
+            self._num_unlogged_drops = 0
+            self._last_drop_log = now
 
     async def _run(self) -> None:
         backoff = 0.05
