@@ -8,6 +8,7 @@ import asyncio
 import calendar
 import hashlib
 from collections.abc import AsyncIterator
+from decimal import Decimal
 
 import nats
 import pytest
@@ -21,13 +22,13 @@ from services.gateway.tenancy.limit_counters import (
     Demand,
     Refusal,
     ScopeHold,
-    TokenPrice,
     WindowIds,
     admit,
     release,
     seconds_to_month_end,
 )
 from services.gateway.tenancy.limits import Limiter, entry_name
+from services.gateway.tenancy.pricing import TokenPrice
 from services.gateway.tenancy.principal import Limits, Principal
 from services.gateway.tenancy.ratelimit_headers import RateLimitFacts, duration
 
@@ -300,7 +301,7 @@ async def test_a_reservation_whose_caller_left_is_released(nats_url: str) -> Non
 def test_a_spend_budget_clamps_to_what_the_price_allows_and_settles_to_the_real_cost() -> None:
     now = 1_000_040.0
     ids = WindowIds.at(now)
-    price = TokenPrice(input=2.0, cached_input=0.5, output=10.0)  # micro-dollars per token
+    price = TokenPrice(Decimal(2), Decimal("0.5"), Decimal(10))  # dollars per million tokens: micro-dollars a token
     limits = Limits(spend_per_day_micros=1000)
     state = Counters(ids.minute, 0, 0, ids.day, 0, ids.month, 0)
     demand = Demand("r", 100, 100, price=price)

@@ -40,6 +40,7 @@ from mesh.metrics import USAGE_DROPPED, USAGE_PUBLISHED, USAGE_QUEUED, USAGE_WRI
 from mesh.pb import events_pb2
 from services.gateway.tenancy import schema
 from services.gateway.tenancy.db import Database
+from services.gateway.tenancy.pricing import TokenPrice
 
 STREAM = "KVMESH_USAGE"
 CONSUMER = "ledger"
@@ -48,8 +49,6 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 DROP_LOG_INTERVAL_S = 10.0
 DEFAULT_PLAN = "default"  # a tenant without a row (the `default` tenant of KVMESH_API_KEYS) is priced by it
 STATUSES = ("finished", "client_gone", "failed", "timeout", "aborted", "refused")
-_MILLION = Decimal(1_000_000)
-_COST_QUANTUM = Decimal("1e-12")  # usage_records.cost is NUMERIC(24, 12)
 log = get_logger(__name__)
 
 
@@ -181,17 +180,11 @@ class UsagePublisher:
 
 
 def cost(record: events_pb2.UsageRecord, price: Any | None) -> Decimal:
-    """Dollars: uncached prompt tokens at the input price, cached ones at the cached price, completion tokens at
-    the output price (each per million tokens). No price row: 0."""
+    """Dollars, by the one cost function (pricing.TokenPrice.cost) that spend budgets count by too. `price`: the
+    prices-table row of the record's plan and model; none: 0."""
     if price is None:
         return Decimal(0)
-    uncached = max(record.prompt_tokens - record.cached_tokens, 0)
-    total = (
-        uncached * Decimal(price.input_per_mtok)
-        + record.cached_tokens * Decimal(price.cached_input_per_mtok)
-        + record.completion_tokens * Decimal(price.output_per_mtok)
-    )
-    return (total / _MILLION).quantize(_COST_QUANTUM)
+    return TokenPrice.of_row(price).cost(record.prompt_tokens, record.cached_tokens, record.completion_tokens)
 
 
 def _time(ms: int) -> dt.datetime:

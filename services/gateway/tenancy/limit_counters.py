@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.gateway.errors import ErrorKind
+from services.gateway.tenancy.pricing import TokenPrice
 from services.gateway.tenancy.principal import Limits
 from services.gateway.tenancy.ratelimit_headers import RateLimitFacts
 
@@ -114,24 +115,6 @@ class Counters:
 
 
 @dataclass(frozen=True)
-class TokenPrice:
-    """Micro-dollars per token (the same number as dollars per million tokens)."""
-
-    input: float
-    cached_input: float
-    output: float
-
-    def most_micros(self, num_prompt: int, num_completion: int) -> int:
-        """The most a request can cost: every prompt token uncached."""
-        return math.ceil(num_prompt * self.input + num_completion * self.output)
-
-    def micros(self, num_prompt: int, num_cached: int, num_completion: int) -> int:
-        """What a request cost, as the ledger prices it (cached prompt tokens at the cached price)."""
-        uncached = num_prompt - num_cached
-        return math.ceil(uncached * self.input + num_cached * self.cached_input + num_completion * self.output)
-
-
-@dataclass(frozen=True)
 class Demand:
     """What one request asks for: its prompt once and up to `max_tokens` for each of `n` choices."""
 
@@ -202,8 +185,9 @@ def _within_spend(
         return granted
     limit, left, reset = room
     price = demand.price
-    if price.output > 0:
-        granted = min(granted, math.floor((left - demand.prompt_tokens * price.input) / (demand.n * price.output)))
+    if price.output_per_mtok > 0:  # dollars per million tokens = micro-dollars a token
+        prompt_micros = demand.prompt_tokens * price.input_per_mtok
+        granted = min(granted, math.floor((left - prompt_micros) / (demand.n * price.output_per_mtok)))
     while granted >= 1 and demand.spend(limits, granted) > left:  # float rounding: at most a step or two
         granted -= 1
     if granted < 1:

@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from mesh.logging import get_logger
 from services.gateway.tenancy import schema
-from services.gateway.tenancy.limit_counters import TokenPrice
+from services.gateway.tenancy.pricing import TokenPrice
 
 log = get_logger(__name__)
 DEFAULT_PLAN = "default"  # the plan of a tenant without a row (the `default` tenant of KVMESH_API_KEYS)
@@ -38,12 +38,7 @@ class PriceBook:
             tenants = (await connection.execute(select(schema.tenants.c.id, schema.tenants.c.price_plan))).all()
             prices = (await connection.execute(select(schema.prices))).all()
         self._plans = {tenant_id: plan for tenant_id, plan in tenants}
-        self._prices = {
-            (row.plan, row.model): TokenPrice(
-                float(row.input_per_mtok), float(row.cached_input_per_mtok), float(row.output_per_mtok)
-            )
-            for row in prices
-        }
+        self._prices = {(row.plan, row.model): TokenPrice.of_row(row) for row in prices}
 
     async def start(self) -> None:
         await self.refresh()
