@@ -375,7 +375,7 @@ async def start_chat(
             prompt,
             turn_sampling(turn, grammar, i),
             turn.stop,
-            turn.cache_salt,
+            core.cache_salt(principal, turn.cache_salt),
             traffic_class,
             turn.prompt_param,
             turn.max_tokens_param,

@@ -19,6 +19,7 @@ from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import MeshView
 from services.gateway.pipeline import Deadline, Generation, Pipeline
+from services.gateway.tenancy.cache_salt import request_cache_salt
 from services.gateway.tenancy.ledger import UsagePublisher
 from services.gateway.tenancy.limit_counters import Demand
 from services.gateway.tenancy.limits import Limiter, Reservation
@@ -65,6 +66,7 @@ class GatewayCore:
     key_store: KeyStore | None = None  # tenants' keys (tenancy/store.py); None: only KVMESH_API_KEYS
     limiter: Limiter | None = None  # None: no limits are enforced (embedding, unit tests)
     ledger: UsagePublisher | None = None  # None: no usage records (embedding, unit tests)
+    cache_secret: bytes = b""  # the server secret, keying tenants' KV roots (tenancy/cache_salt.py)
 
     async def authenticate(self, key: str | None) -> Principal | None:
         """Who presents `key`; None for a missing, unknown, expired or revoked key (one answer for all: the
@@ -73,6 +75,10 @@ class GatewayCore:
         if principal is None and self.key_store is not None:
             principal = await self.key_store.resolve(key)
         return principal
+
+    def cache_salt(self, principal: Principal | None, client_salt: str) -> str:
+        """The cache_salt a request carries into the mesh: its tenant's KV root (tenancy/cache_salt.py)."""
+        return request_cache_salt(self.cache_secret, principal, client_salt)
 
     async def reserve(self, principal: Principal | None, demand: Demand) -> Reservation | None:
         """Hold the request's tokens against its principal's limits (tenancy/limits.py); None: nothing to hold."""

@@ -88,6 +88,7 @@ class GatewayServer:
             images=ImageEncoding(settings.image_settings, self.registry, self.runtime.channels, settings.max_retries),
             limiter=self.limiter,
             ledger=self.ledger,
+            cache_secret=secret,
         )
         admin = Admin(settings.admin_key, self.database, secret, key_store, bus.client)
         app = create_app(self.core, ResponseStore(bus.client), admin)

@@ -93,6 +93,7 @@ async def test_a_key_resolves_through_the_cache_until_revoked(backend: str, tmp_
                 key_limits=Limits(max_concurrent=2),
                 models=frozenset({"smollm2-135m"}),
                 apis=frozenset({"chat.completions", "responses"}),
+                cache_identity=f"tenant:{tenant['id']}",
             )
             assert await store.resolve(key) == expected
             assert await store.resolve(key) == expected

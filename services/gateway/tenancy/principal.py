@@ -36,6 +36,7 @@ class Principal:
     key_limits: Limits = field(default_factory=Limits)
     models: frozenset[str] | None = None  # the key's scope: None, every model
     apis: frozenset[str] | None = None  # None, every API (chat.completions, completions, responses, messages, grpc)
+    cache_identity: str | None = None  # whose KV it shares (tenancy/cache_salt.py); None: the default tenant's
 
     def may_use_model(self, model: str) -> bool:
         return self.models is None or model in self.models

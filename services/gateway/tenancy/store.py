@@ -28,6 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from mesh.logging import get_logger
 from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.tenancy.cache_salt import cache_identity
 from services.gateway.tenancy.db import Database
 from services.gateway.tenancy.keys import is_tenant_key, key_digest, limits_from_json
 from services.gateway.tenancy.principal import Principal
@@ -91,7 +92,12 @@ class KeyStore:
         generation = self._generation
         self.num_lookups += 1
         query = (
-            select(api_keys, tenants.c.name.label("tenant_name"), tenants.c.limits.label("tenant_limits"))
+            select(
+                api_keys,
+                tenants.c.name.label("tenant_name"),
+                tenants.c.limits.label("tenant_limits"),
+                tenants.c.cache_group,
+            )
             .join(tenants, tenants.c.id == api_keys.c.tenant_id)
             .where(api_keys.c.digest == digest)
         )
@@ -143,6 +149,7 @@ def _principal(row: Any, digest: str) -> Principal | None:
         key_limits=limits_from_json(row["limits"], "key.limits"),
         models=None if row["models"] is None else frozenset(row["models"]),
         apis=None if row["apis"] is None else frozenset(row["apis"]),
+        cache_identity=cache_identity(row["tenant_id"], row["cache_group"]),
     )
 
 

@@ -1,0 +1,169 @@
+"""Tenants never share KV unless an admin says so, on a real gateway over a real NATS and SQLite, against the
+fake workers of gateway_harness.py (which record the block keys the balancer and prefill are asked for): the
+same prompt from two tenants has different block keys, from one tenant (or two of one cache_group) equal ones;
+cache_salt still separates within a tenant; and the default tenant's keys are exactly those of a mesh without
+tenants. The workers hash from the salt that prefill receives, so the route's keys are the workers' keys."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from engine_core import model_store
+from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
+from kvmesh.nats_server import EmbeddedNats
+from mesh.bus import Bus
+from mesh.discovery import Announcer
+from mesh.pb import common_pb2
+from services.gateway.catalog import ModelCatalog, ServedModel, load_model
+from services.gateway.config import GatewaySettings
+from services.gateway.server import GatewayServer
+
+from .gateway_harness import COMPLETION, DECODES, KEY, MODEL, PREFILLS, Fakes, Script
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ADMIN_KEY = "sk-admin-cache-isolation-5c1e"
+PROMPT = "Tell me a long story about the sea, the wind and the lighthouse keeper who watched them both"
+
+
+@dataclass
+class Gateway:
+    fakes: Fakes
+    server: GatewayServer
+    model: ServedModel
+    session: aiohttp.ClientSession
+    base_url: str
+
+    async def call(self, method: str, path: str, key: str, body: Any = None) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with self.session.request(method, self.base_url + path, json=body, headers=headers) as response:
+            return response.status, await response.json()
+
+    async def tenant(self, name: str, cache_group: str | None = None) -> tuple[str, str]:
+        """A new tenant (made through the admin API) and a key of it."""
+        body: dict[str, Any] = {"name": name} | ({"cache_group": cache_group} if cache_group else {})
+        status, tenant = await self.call("POST", "/admin/v1/tenants", ADMIN_KEY, body)
+        assert status == 201, tenant
+        status, key = await self.call("POST", "/admin/v1/keys", ADMIN_KEY, {"tenant": tenant["id"], "name": "k"})
+        assert status == 201, key
+        return tenant["id"], key["key"]
+
+    async def block_keys(self, key: str, cache_salt: str | None = None) -> list[bytes]:
+        """The block keys the balancer was asked to route PROMPT by (after checking prefill got the same)."""
+        self.fakes.script = Script(token_ids=self.model.tokenizer.encode(COMPLETION, add_special_tokens=False))
+        body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        status, answer = await self.call("POST", "/v1/chat/completions", key, body)
+        assert status == 200, answer
+        (route,), (prefill,) = self.fakes.script.routes, self.fakes.script.prefills
+        block_size = self.server.settings.block_size
+        workers_keys = hash_token_blocks(
+            root_hash(MODEL, prefill.cache_salt or None), list(prefill.prompt_token_ids), block_size
+        )
+        assert list(route.block_hashes) == workers_keys
+        assert len(workers_keys) == len(prefill.prompt_token_ids) // block_size >= 1
+        return workers_keys
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway() -> AsyncIterator[Gateway]:
+    loaded = load_model(str(model_store.ensure(MODEL)))
+    model = ServedModel(MODEL, loaded.tokenizer, loaded.context_len)
+    with EmbeddedNats() as nats, tempfile.TemporaryDirectory() as state_dir:
+        fakes = Fakes()
+        grpc_server = await fakes.serve()
+        bus = await Bus.connect(nats.url, name="fake-workers")
+        workers = (
+            [("balancer-0", common_pb2.ROLE_BALANCER)]
+            + [(w, common_pb2.ROLE_PREFILL) for w in PREFILLS]
+            + [(w, common_pb2.ROLE_DECODE) for w in DECODES]
+        )
+        announcers = [Announcer(bus, fakes.info(w, role), common_pb2.WorkerLoad, 0.5) for w, role in workers]
+        settings = GatewaySettings(
+            nats_url=nats.url,
+            http_port=0,
+            grpc_port=0,
+            api_keys=(KEY,),
+            admin_key=ADMIN_KEY,
+            state_dir=state_dir,
+            models=(MODEL,),
+            heartbeat_interval_s=0.5,
+            log_level="warning",
+        )
+        server = GatewayServer(settings, catalog=ModelCatalog([model]))
+        await server.start()
+        for announcer in announcers:
+            await announcer.start()
+        base_url = f"http://127.0.0.1:{server.http_port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    async with session.get(f"{base_url}/readyz") as response:
+                        if response.status == 200:
+                            break
+                    await asyncio.sleep(0.05)
+                yield Gateway(fakes, server, model, session, base_url)
+        finally:
+            for announcer in announcers:
+                await announcer.stop()
+            await server.stop()
+            await bus.close()
+            await grpc_server.stop(grace=None)
+
+
+async def test_the_default_tenant_keeps_todays_block_keys(gateway: Gateway) -> None:
+    prompt_ids = gateway.model.render_chat([{"role": "user", "content": PROMPT}])
+    block_size = gateway.server.settings.block_size
+    assert await gateway.block_keys(KEY) == hash_token_blocks(root_hash(MODEL), prompt_ids, block_size)
+    assert gateway.fakes.script.prefills[0].cache_salt == ""
+    salted = hash_token_blocks(root_hash(MODEL, "mine"), prompt_ids, block_size)
+    assert await gateway.block_keys(KEY, cache_salt="mine") == salted
+    assert gateway.fakes.script.prefills[0].cache_salt == "mine"
+
+
+async def test_two_tenants_never_share_block_keys(gateway: Gateway) -> None:
+    _, acme = await gateway.tenant("acme")
+    _, globex = await gateway.tenant("globex")
+    acme_keys, globex_keys, default_keys = (
+        await gateway.block_keys(acme),
+        await gateway.block_keys(globex),
+        await gateway.block_keys(KEY),
+    )
+    assert len({acme_keys[0], globex_keys[0], default_keys[0]}) == 3
+    assert set(acme_keys).isdisjoint(globex_keys) and set(acme_keys).isdisjoint(default_keys)
+    assert await gateway.block_keys(acme) == acme_keys  # one tenant: its own hits, every time
+    salt = gateway.fakes.script.prefills[0].cache_salt
+    assert salt.startswith("t1:") and len(salt) == 3 + 64  # an HMAC, never the tenant's id or name
+    # the client's cache_salt still separates within a tenant, and never crosses into another's
+    acme_salted = await gateway.block_keys(acme, cache_salt="s1")
+    assert set(acme_salted).isdisjoint(acme_keys)
+    assert await gateway.block_keys(acme, cache_salt="s1") == acme_salted
+    assert set(await gateway.block_keys(globex, cache_salt="s1")).isdisjoint(acme_salted)
+
+
+async def test_tenants_of_one_cache_group_share_and_a_group_change_reaches_the_gateway(gateway: Gateway) -> None:
+    _, initech = await gateway.tenant("initech", cache_group="labs")
+    _, umbrella = await gateway.tenant("umbrella", cache_group="labs")
+    hooli_id, hooli = await gateway.tenant("hooli")
+    shared = await gateway.block_keys(initech)
+    assert await gateway.block_keys(umbrella) == shared
+    assert await gateway.block_keys(initech, cache_salt="x") == await gateway.block_keys(umbrella, cache_salt="x")
+    hooli_keys = await gateway.block_keys(hooli)  # cached by the key store: a change must drop it
+    assert set(hooli_keys).isdisjoint(shared)
+    status, body = await gateway.call("PATCH", f"/admin/v1/tenants/{hooli_id}", ADMIN_KEY, {"cache_group": "labs"})
+    assert (status, body["cache_group"]) == (200, "labs")
+    assert await gateway.block_keys(hooli) == shared
+    status, body = await gateway.call("PATCH", f"/admin/v1/tenants/{hooli_id}", ADMIN_KEY, {"cache_group": ""})
+    assert (status, body["cache_group"]) == (200, None)
+    assert await gateway.block_keys(hooli) == hooli_keys
