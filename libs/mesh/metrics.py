@@ -53,11 +53,20 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 _TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 # gateway
+_TENANT_NOTE = "tenant: the busiest tenants' names (gateway setting metrics_named_tenants), other, unknown"
 GATEWAY_REQUESTS = _counter(
     "kvmesh_gateway_requests_total",
-    "Requests answered, by API, model and status code",
-    ["api", "model", "code"],
+    "Requests answered, by API, model, status code and tenant",
+    ["api", "model", "code", "tenant"],
     roles="gateway",
+    note=_TENANT_NOTE,
+)
+GATEWAY_TOKENS = _counter(
+    "kvmesh_gateway_tokens_total",
+    "Tokens of finished and failed requests, by model, tenant and kind (cached tokens are also prompt tokens)",
+    ["model", "tenant", "kind"],
+    roles="gateway",
+    note=f"kind: prompt, cached, completion; {_TENANT_NOTE}",
 )
 GATEWAY_TTFT = _histogram(
     "kvmesh_gateway_time_to_first_token_seconds", "Arrival to first token", ["model"], buckets=_LATENCY, roles="gateway"

@@ -59,6 +59,9 @@ class GatewaySettings(ServiceSettings):
         "(empty: one generated once in <state_dir>/server_secret)",
         secret=True,
     )
+    metrics_named_tenants: int = setting(
+        20, "tenants named in the gateway's metrics' `tenant` label: the busiest; the rest are `other`"
+    )
     admin_key: str = setting(
         "", "the key of /admin/v1/ (`kvmesh up` generates one when unset; empty: admin routes are off)", secret=True
     )
@@ -77,6 +80,9 @@ class GatewaySettings(ServiceSettings):
         require(self.max_retries >= 0, "max_retries", self.max_retries, "must not be negative")
         require(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be positive")
         require(self.limits_lease_s >= 1, "limits_lease_s", self.limits_lease_s, "must be at least 1 second")
+        require(
+            self.metrics_named_tenants >= 0, "metrics_named_tenants", self.metrics_named_tenants, "must not be negative"
+        )
         for name in ("max_image_bytes", "max_image_side", "max_image_pixels", "image_fetch_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
         require(

@@ -22,6 +22,7 @@ from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
 from services.gateway.pipeline import Pipeline
 from services.gateway.response_store import ResponseStore
+from services.gateway.telemetry import TENANT_LABELS
 from services.gateway.tenancy.admin_api import Admin
 from services.gateway.tenancy.db import Database, open_database
 from services.gateway.tenancy.keys import server_secret
@@ -60,6 +61,7 @@ class GatewayServer:
         if catalog is None:  # opening a GGUF's metadata takes seconds: off the event loop
             catalog = await asyncio.to_thread(ModelCatalog.load, settings.models)
         bus = await self.runtime.connect_bus()
+        TENANT_LABELS.capacity = settings.metrics_named_tenants
         self.database = await open_database(settings)
         secret = server_secret(settings)
         key_store = KeyStore(self.database, secret)

@@ -9,15 +9,17 @@ from __future__ import annotations
 import time
 
 from mesh.logging import get_logger
-from mesh.metrics import GATEWAY_E2E, GATEWAY_IN_FLIGHT, GATEWAY_ITL, GATEWAY_REQUESTS, GATEWAY_TTFT
+from mesh.metrics import GATEWAY_E2E, GATEWAY_IN_FLIGHT, GATEWAY_ITL, GATEWAY_REQUESTS, GATEWAY_TOKENS, GATEWAY_TTFT
 from mesh.pb import events_pb2
 from services.gateway.chat import ChatRun
 from services.gateway.pipeline import GenerationStream, Usage
 from services.gateway.tenancy.ledger import UsagePublisher
+from services.gateway.tenancy.metric_labels import TenantLabels
 from services.gateway.tenancy.principal import Principal
 
 log = get_logger("services.gateway.requests")
 UNKNOWN_MODEL = "unknown"  # the label for requests refused before their model was known (bounds cardinality)
+TENANT_LABELS = TenantLabels(20)  # process-wide, as the metrics are; server.py sets its capacity
 CLIENT_GONE = 499  # the code of a client that left before the end (nginx's convention)
 # a gRPC status's HTTP equivalent, for the usage record's http_status
 _GRPC_HTTP = {
@@ -100,11 +102,20 @@ class RequestRecord:
             return
         self._is_finished = True
         latency = time.monotonic() - self._arrival
-        GATEWAY_REQUESTS.labels(self.api, self.model, str(code)).inc()
+        tenant = TENANT_LABELS.label(self.principal.tenant_name if self.principal is not None else None)
+        GATEWAY_REQUESTS.labels(self.api, self.model, str(code), tenant).inc()
         if self._is_admitted:
             GATEWAY_IN_FLIGHT.labels(self.model).dec()
         if self._last_token_at is not None and str(code) in ("200", "OK"):
             GATEWAY_E2E.labels(self.model).observe(self._last_token_at - self._arrival)
+        if self.run is not None:
+            usage = self.run.usage
+            for kind, num_tokens in (
+                ("prompt", usage.prompt_tokens),
+                ("cached", usage.cached_tokens),
+                ("completion", usage.completion_tokens),
+            ):
+                GATEWAY_TOKENS.labels(self.model, tenant, kind).inc(num_tokens)
         stream = self.stream
         log.info(
             "request finished",

@@ -47,7 +47,10 @@ async def test_models_health_ready_metrics(mesh: Mesh, script: Script) -> None:
                 assert response.status == 200
         async with session.get(f"{mesh.base_url}/metrics") as response:
             text = await response.text()
-        assert 'kvmesh_gateway_requests_total{api="chat.completions",code="200",model="deepseek-tiny"}' in text
+        assert (
+            'kvmesh_gateway_requests_total{api="chat.completions",code="200",model="deepseek-tiny",tenant="default"}'
+            in text
+        )
         assert "kvmesh_gateway_time_to_first_token_seconds_bucket" in text
         async with session.get(f"{mesh.base_url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}) as response:
             assert response.status == 404 and (await response.json())["error"]["code"] == "not_found"

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine_core import model_store
 from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
@@ -23,9 +24,11 @@ from kvmesh.nats_server import EmbeddedNats
 from mesh.bus import Bus
 from mesh.discovery import Announcer
 from mesh.pb import common_pb2
+from services.gateway import telemetry
 from services.gateway.catalog import ModelCatalog, ServedModel, load_model
 from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
+from services.gateway.tenancy.metric_labels import TenantLabels
 
 from .gateway_harness import COMPLETION, DECODES, KEY, MODEL, PREFILLS, Fakes, Script
 
@@ -167,3 +170,35 @@ async def test_tenants_of_one_cache_group_share_and_a_group_change_reaches_the_g
     status, body = await gateway.call("PATCH", f"/admin/v1/tenants/{hooli_id}", ADMIN_KEY, {"cache_group": ""})
     assert (status, body["cache_group"]) == (200, None)
     assert await gateway.block_keys(hooli) == hooli_keys
+
+
+def requests_by_tenant(text: str) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvmesh_gateway_requests_total":
+                tenant = sample.labels["tenant"]
+                totals[tenant] = totals.get(tenant, 0.0) + sample.value
+    return totals
+
+
+async def test_metrics_name_the_busiest_tenants_and_the_rest_other(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(telemetry, "TENANT_LABELS", TenantLabels(2))  # N = 2, counted from here on
+    names = [f"metered-{i}" for i in range(4)]  # N + 2 tenants
+    keys = [(await gateway.tenant(name))[1] for name in names]
+    async with gateway.session.get(f"{gateway.base_url}/metrics") as response:
+        before = requests_by_tenant(await response.text())
+    for key, num_requests in zip(keys, (3, 2, 1, 1), strict=True):
+        for _ in range(num_requests):
+            await gateway.block_keys(key)
+    async with gateway.session.get(f"{gateway.base_url}/metrics") as response:
+        text = await response.text()
+    after = requests_by_tenant(text)
+    assert {name: after.get(name) for name in names} == {names[0]: 3, names[1]: 2, names[2]: None, names[3]: None}
+    assert after["other"] - before.get("other", 0.0) == 2
+    prompt = f'kvmesh_gateway_tokens_total{{kind="prompt",model="{MODEL}",tenant="{names[1]}"}}'
+    num_prompt_tokens = len(gateway.fakes.script.prefills[0].prompt_token_ids)
+    assert f"{prompt} {2 * num_prompt_tokens}.0" in text
+    assert all(key not in text for key in keys)  # names, never keys
