@@ -96,6 +96,15 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
             block_size=16,
         )
 
+    def announcers(self, bus: Bus, interval_s: float = 0.5) -> list[Announcer]:
+        """Heartbeats for the balancer, prefill and decode workers these fakes play (start them once serving)."""
+        workers = (
+            [("balancer-0", common_pb2.ROLE_BALANCER)]
+            + [(w, common_pb2.ROLE_PREFILL) for w in PREFILLS]
+            + [(w, common_pb2.ROLE_DECODE) for w in DECODES]
+        )
+        return [Announcer(bus, self.info(w, role), common_pb2.WorkerLoad, interval_s) for w, role in workers]
+
     async def serve(self) -> grpc.aio.Server:
         """Start one gRPC server on a free local port playing every worker; `address` is where it listens."""
         server = rpc.create_server()
@@ -202,12 +211,7 @@ async def mesh() -> AsyncIterator[Mesh]:
         fakes = Fakes()
         server = await fakes.serve()
         bus = await Bus.connect(nats.url, name="fake-workers")
-        workers = (
-            [("balancer-0", common_pb2.ROLE_BALANCER)]
-            + [(w, common_pb2.ROLE_PREFILL) for w in PREFILLS]
-            + [(w, common_pb2.ROLE_DECODE) for w in DECODES]
-        )
-        announcers = [Announcer(bus, fakes.info(w, role), common_pb2.WorkerLoad, 0.5) for w, role in workers]
+        announcers = fakes.announcers(bus)
         settings = GatewaySettings(
             nats_url=nats.url,
             http_port=0,

@@ -22,15 +22,13 @@ from engine_core import model_store
 from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
 from kvmesh.nats_server import EmbeddedNats
 from mesh.bus import Bus
-from mesh.discovery import Announcer
-from mesh.pb import common_pb2
 from services.gateway import telemetry
 from services.gateway.catalog import ModelCatalog, ServedModel, load_model
 from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
 from services.gateway.tenancy.metric_labels import TenantLabels
 
-from .gateway_harness import COMPLETION, DECODES, KEY, MODEL, PREFILLS, Fakes, Script
+from .gateway_harness import COMPLETION, KEY, MODEL, Fakes, Script
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -86,12 +84,7 @@ async def gateway() -> AsyncIterator[Gateway]:
         fakes = Fakes()
         grpc_server = await fakes.serve()
         bus = await Bus.connect(nats.url, name="fake-workers")
-        workers = (
-            [("balancer-0", common_pb2.ROLE_BALANCER)]
-            + [(w, common_pb2.ROLE_PREFILL) for w in PREFILLS]
-            + [(w, common_pb2.ROLE_DECODE) for w in DECODES]
-        )
-        announcers = [Announcer(bus, fakes.info(w, role), common_pb2.WorkerLoad, 0.5) for w, role in workers]
+        announcers = fakes.announcers(bus)
         settings = GatewaySettings(
             nats_url=nats.url,
             http_port=0,

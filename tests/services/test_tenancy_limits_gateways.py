@@ -25,7 +25,6 @@ import pytest_asyncio
 from engine_core import model_store
 from kvmesh.nats_server import EmbeddedNats
 from mesh.bus import Bus
-from mesh.discovery import Announcer
 from mesh.pb import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from services.gateway.catalog import ModelCatalog, ServedModel, load_model
 from services.gateway.config import GatewaySettings
@@ -33,7 +32,7 @@ from services.gateway.core import GatewayCore
 from services.gateway.server import GatewayServer
 from services.gateway.tenancy.principal import Limits, Principal
 
-from .gateway_harness import DECODES, KEY, MODEL, PREFILLS, Fakes, Script
+from .gateway_harness import KEY, MODEL, Fakes, Script
 
 NUM_REPLICAS = 3
 ADMIN_KEY = "sk-admin-limits-5c1e"
@@ -116,12 +115,7 @@ async def replicas() -> AsyncIterator[Replicas]:
         fakes = CountingFakes()
         server = await fakes.serve()
         bus = await Bus.connect(nats.url, name="fake-workers")
-        workers = (
-            [("balancer-0", common_pb2.ROLE_BALANCER)]
-            + [(w, common_pb2.ROLE_PREFILL) for w in PREFILLS]
-            + [(w, common_pb2.ROLE_DECODE) for w in DECODES]
-        )
-        announcers = [Announcer(bus, fakes.info(w, role), common_pb2.WorkerLoad, 0.5) for w, role in workers]
+        announcers = fakes.announcers(bus)
         settings = GatewaySettings(
             nats_url=nats.url,
             http_port=0,
