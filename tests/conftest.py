@@ -8,6 +8,9 @@ initializer_range=0.1 makes random models pick varied tokens, so greedy-parity t
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,23 @@ import torch
 # Triton picks interpreter or compiler when a kernel is decorated (at import): decide before anything imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gateway_state_dir() -> Iterator[str]:
+    """KVMESH_STATE_DIR for every gateway the suite starts from the environment (`kvmesh up`, the benchmarks'
+    own meshes): the tenancy database and server secret in a directory of this run, never in the home directory
+    where runs would share them. Fixtures that build GatewaySettings directly pass a state_dir of their own."""
+    path = tempfile.mkdtemp(prefix="kvmesh-test-state-")
+    previous = os.environ.get("KVMESH_STATE_DIR")
+    os.environ["KVMESH_STATE_DIR"] = path
+    yield path
+    if previous is None:
+        os.environ.pop("KVMESH_STATE_DIR", None)
+    else:
+        os.environ["KVMESH_STATE_DIR"] = previous
+    shutil.rmtree(path, ignore_errors=True)
+
 
 DEEPSEEK_TEST_CONFIG = dict(
     vocab_size=512,

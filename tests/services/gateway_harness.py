@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -207,7 +208,7 @@ async def mesh() -> AsyncIterator[Mesh]:
     model = load_model(str(model_store.ensure(MODEL)))
     model = ServedModel(MODEL, model.tokenizer, model.context_len)
     catalog = ModelCatalog([model, ServedModel(IDLE_MODEL, model.tokenizer, 4096)])
-    with EmbeddedNats() as nats:
+    with EmbeddedNats() as nats, tempfile.TemporaryDirectory() as state_dir:
         fakes = Fakes()
         server = await fakes.serve()
         bus = await Bus.connect(nats.url, name="fake-workers")
@@ -217,6 +218,7 @@ async def mesh() -> AsyncIterator[Mesh]:
             http_port=0,
             grpc_port=0,
             api_keys=(KEY, "sk-other"),
+            state_dir=state_dir,  # the tenancy database and server secret, not the home directory
             models=(MODEL, IDLE_MODEL),
             heartbeat_interval_s=0.5,
             log_level="warning",

@@ -9,6 +9,7 @@ import base64
 import hashlib
 import io
 import random
+import tempfile
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -68,7 +69,7 @@ class ImageMesh(NamedTuple):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh() -> AsyncIterator[ImageMesh]:
-    with EmbeddedNats() as nats:
+    with EmbeddedNats() as nats, tempfile.TemporaryDirectory() as state_dir:
         common = dict(nats_url=nats.url, heartbeat_interval_s=0.5, log_level="warning", drain_timeout_s=1.0)
         workers = dict(common, models=(DEEPSEEK,), kv_cache_memory_bytes=16 * 2**20)
         balancer = load_settings(BalancerSettings, env={}, grpc_port=free_port(), worker_id="balancer-i", **common)
@@ -86,6 +87,7 @@ async def mesh() -> AsyncIterator[ImageMesh]:
                     http_port=0,
                     grpc_port=0,
                     api_keys=(KEY,),
+                    state_dir=state_dir,  # the tenancy database and server secret, not the home directory
                     models=(DEEPSEEK, SMOL),
                     heartbeat_interval_s=0.5,
                     log_level="warning",

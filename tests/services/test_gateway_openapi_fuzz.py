@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -54,7 +55,7 @@ class Gateway:
         try:
             model = load_model(str(model_store.ensure(MODEL)))
             catalog = ModelCatalog([ServedModel(MODEL, model.tokenizer, model.context_len)])
-            with EmbeddedNats() as nats:
+            with EmbeddedNats() as nats, tempfile.TemporaryDirectory() as state_dir:
                 fakes = self.fakes
                 fakes.script = Script(token_ids=model.tokenizer.encode("Hello there", add_special_tokens=False))
                 server = await fakes.serve()
@@ -73,6 +74,7 @@ class Gateway:
                         http_port=0,
                         grpc_port=0,
                         api_keys=(KEY,),
+                        state_dir=state_dir,  # the tenancy database and server secret, not the home directory
                         models=(MODEL,),
                         heartbeat_interval_s=0.5,
                         log_level="error",
