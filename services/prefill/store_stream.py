@@ -170,6 +170,16 @@ class LayerStream:
         advance(layout.num_layers)  # every block checked: the last layer may go
         return written == layout.num_layers
 
+    def _get_request(
+        self, keys: list[bytes], items: list[tuple[int, int]], slice_bytes: int
+    ) -> tuple[dict[bytes, tuple[int, int]], kvcache_pb2.GetRequest]:
+        """What to ask a node for `items` ((block index, fragment index) pairs), and where each answer goes."""
+        positions = {keys[index]: (index, fragment) for index, fragment in items}
+        request = kvcache_pb2.GetRequest(
+            block_hashes=[keys[i] for i, _ in items], model=self.model, skip_missing=True, slice_bytes=slice_bytes
+        )
+        return positions, request
+
     async def _pull(
         self,
         address: str,
@@ -182,10 +192,7 @@ class LayerStream:
     ) -> bool:
         if not address:
             return False
-        positions = {keys[index]: (index, fragment) for index, fragment in items}
-        request = kvcache_pb2.GetRequest(
-            block_hashes=[keys[i] for i, _ in items], model=self.model, skip_missing=True, slice_bytes=slice_bytes
-        )
+        positions, request = self._get_request(keys, items, slice_bytes)
         headers: list[tuple[int, int]] = []  # (block index, fragment index), in the node's order
         call = self.client.stub(address).Get(request, timeout=self.client.timeout_s)
         try:
@@ -224,10 +231,7 @@ class LayerStream:
         on_data: Callable[[], None],
     ) -> bool:
         """`_pull` over the node's bulk lane: each chunk's slices are received straight into their blocks."""
-        positions = {keys[index]: (index, fragment) for index, fragment in items}
-        request = kvcache_pb2.GetRequest(
-            block_hashes=[keys[i] for i, _ in items], model=self.model, skip_missing=True, slice_bytes=slice_bytes
-        )
+        positions, request = self._get_request(keys, items, slice_bytes)
         headers: list[tuple[int, int]] = []  # (block index, fragment index), in the node's order
         try:
             async with asyncio.timeout(self.client.timeout_s), self.client.lanes.connection(address) as sock:
