@@ -15,8 +15,7 @@ import pytest
 DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data/README.md
 TRACE = str(DATA / "mooncake" / "conversation_trace_first300.jsonl")
 TINY = ("--model", "deepseek-tiny")
-# the command line, and a key its report must have. Not here: `kvmesh bench admission`, whose process pool can
-# hang at exit under load (two full runs of three; issue 14 is open for it), which would time out every case.
+# the command line, and a key its report must have
 COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "engine": (("bench", "engine", *TINY, "--quick", "--concurrency", "1", "--max-prompt-tokens", "16"), "results"),
     "expert": (("bench", "expert", "--quick"), "results"),
@@ -27,6 +26,7 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "kv-ttft": (("bench", "kv-ttft", *TINY, "--prompt-tokens", "64"), "speedup"),
     "route": (("bench", "route", "--trace", TRACE, "--limit", "50"), "hit_rate"),
     "serve": (("bench", "serve", *TINY, "--requests", "2", "--concurrency", "1", "--max-tokens", "2"), "ttft_p50_ms"),
+    "admission": (("bench", "admission", "--smoke"), "results"),
     "expert-plan": (("expert-plan", "--input", str(DATA / "eplb" / "eplb_readme_example.json")), "phy2log"),
 }
 

@@ -38,6 +38,7 @@ from mesh.bus import Bus
 from mesh.logging import get_logger
 from mesh.metrics import USAGE_DROPPED, USAGE_PUBLISHED, USAGE_QUEUED, USAGE_WRITTEN
 from mesh.pb import events_pb2
+from mesh.tasks import cancel_until_done
 from services.gateway.tenancy import schema
 from services.gateway.tenancy.db import Database
 from services.gateway.tenancy.pricing import TokenPrice
@@ -123,10 +124,7 @@ class UsagePublisher:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self.num_queued and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
-        if self._pump is not None:
-            self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
+        await cancel_until_done(self._pump)
         if self._queue:
             self._drop(len(self._queue), "the gateway stopped before NATS took them", self._queue[0].request_id)
             self._queue.clear()
@@ -272,9 +270,7 @@ class LedgerConsumer:
         self._is_stopping = True
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(self._task), grace_s if grace_s > 0 else 0.0)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await cancel_until_done(self._task)
         self._task = None
         await self._unsubscribe()
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mesh.logging import get_logger
+from mesh.tasks import cancel_until_done
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.tenancy.limit_counters import (
     Counters,
@@ -154,6 +155,7 @@ class Limiter:
         self._renewer: asyncio.Task[None] | None = None
         self._watcher: Any = None  # the KV watch that feeds the cache (_follow)
         self._follower: asyncio.Task[None] | None = None
+        self._is_stopping = False
         if fail_open:
             log.warning("limits fail open: when the counter store is unreachable, requests pass uncounted")
 
@@ -163,11 +165,9 @@ class Limiter:
 
     async def stop(self) -> None:
         await self.drain()
+        self._is_stopping = True
         for task in (self._renewer, self._follower):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_until_done(task)
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()
@@ -385,7 +385,7 @@ class Limiter:
         from nats.errors import TimeoutError as NatsTimeout
 
         try:
-            while True:
+            while not self._is_stopping:  # besides cancel(): watcher.updates may swallow one (mesh/tasks.py)
                 try:
                     update = await watcher.updates(timeout=3600)
                 except NatsTimeout:

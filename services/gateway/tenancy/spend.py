@@ -7,12 +7,12 @@ Dollars per million tokens are micro-dollars per token, so a price here is the t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 from sqlalchemy import select
 
 from mesh.logging import get_logger
+from mesh.tasks import cancel_until_done
 from services.gateway.tenancy import schema
 from services.gateway.tenancy.pricing import TokenPrice
 
@@ -45,10 +45,7 @@ class PriceBook:
         self._task = asyncio.ensure_future(self._refresh_forever())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_until_done(self._task)
 
     async def _refresh_forever(self) -> None:
         while True:
