@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine_core.images import ImageLimits
 from mesh.config import ServiceSettings, require, setting
+from services.gateway.egress import EgressGuard
 from services.gateway.images import ImageSettings
 
 
@@ -38,9 +39,14 @@ class GatewaySettings(ServiceSettings):
         4096 * 4096, "an image's width x height; more is refused naming it (at the gateway: a 400)"
     )
     allow_remote_images: bool = setting(
-        False, "fetch http(s) image URLs (no redirects; size and time limits): the gateway fetches any address"
+        False, "fetch http(s) image URLs: public addresses only (egress guard), no redirects, size and time limits"
     )
     image_fetch_timeout_s: float = setting(10.0, "seconds to fetch one remote image")
+    image_fetch_allow_private: bool = setting(
+        False,
+        "let remote image fetches reach loopback, private, link-local and metadata addresses (tests and trusted "
+        "on-premises image hosts only; logs a warning)",
+    )
     # tenant and key limits (services/gateway/tenancy/limits.py), counted in the NATS KV bucket KVMESH_LIMITS
     limits_fail_open: bool = setting(
         False, "admit requests uncounted (logging a warning) when the limit counters cannot be reached; else a 503"
@@ -95,4 +101,10 @@ class GatewaySettings(ServiceSettings):
     @property
     def image_settings(self) -> ImageSettings:
         limits = ImageLimits(self.max_image_bytes, self.max_image_side, self.max_image_pixels)
-        return ImageSettings(limits, self.max_images_per_request, self.allow_remote_images, self.image_fetch_timeout_s)
+        return ImageSettings(
+            limits,
+            self.max_images_per_request,
+            self.allow_remote_images,
+            self.image_fetch_timeout_s,
+            EgressGuard(allow_private=self.image_fetch_allow_private),
+        )

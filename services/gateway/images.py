@@ -10,13 +10,12 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-import aiohttp
 
 from engine_core.images import ImageError, ImageLimits, inspect_image
 from services.gateway.catalog import ServedModel
+from services.gateway.egress import EgressGuard, FetchRefused, FetchTooLarge
 from services.gateway.errors import invalid
 
 IMAGE_MARKER = "<|kvmesh:image|>"  # one per image part in the flattened text, until the model is known
@@ -35,6 +34,7 @@ class ImageSettings:
     max_images: int  # per request
     allow_remote: bool  # fetch http(s) URLs (off by default: the gateway would fetch any address a client names)
     fetch_timeout_s: float
+    egress: EgressGuard = field(default_factory=EgressGuard)  # where remote fetches may go (egress.py)
 
 
 def check_text(text: str, param: str) -> None:
@@ -101,21 +101,12 @@ def _decode_data_url(part: ImagePart) -> bytes:
 
 
 async def _fetch(part: ImagePart, settings: ImageSettings) -> bytes:
-    """GET the URL: at most limits.max_bytes, within fetch_timeout_s, no redirects."""
+    """GET the URL through the egress guard. One answer for every network outcome (refused address, closed port,
+    timeout, HTTP error, redirect): which one happened would map the gateway's network for the client."""
     limit = settings.limits.max_bytes
-    timeout = aiohttp.ClientTimeout(total=settings.fetch_timeout_s)
     try:
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            session.get(part.url, allow_redirects=False) as response,
-        ):
-            if response.status != 200:
-                raise invalid(part.param, f"fetching the image failed: HTTP {response.status}")
-            if (response.content_length or 0) > limit:
-                raise invalid(part.param, f"the image is {response.content_length} bytes; the limit is {limit}")
-            data = await response.content.read(limit + 1)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise invalid(part.param, f"fetching the image failed: {type(exc).__name__}") from None
-    if len(data) > limit:
-        raise invalid(part.param, f"the image is over {limit} bytes")
-    return data
+        return await settings.egress.fetch(part.url, limit, settings.fetch_timeout_s)
+    except FetchRefused:
+        raise invalid(part.param, f"{part.param}.image_url could not be fetched") from None
+    except FetchTooLarge:
+        raise invalid(part.param, f"the image is over the limit of {limit} bytes") from None

@@ -29,6 +29,7 @@ from services.decode.server import DecodeService
 from services.encoder.config import EncoderSettings
 from services.encoder.server import serve as serve_encoder
 from services.gateway.config import GatewaySettings
+from services.gateway.egress import EgressGuard
 from services.gateway.errors import GatewayError
 from services.gateway.images import ImagePart, ImageSettings, read_image
 from services.gateway.server import GatewayServer
@@ -202,12 +203,16 @@ async def test_remote_images_are_fetched_when_allowed():
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     settings = ImageSettings(
-        ImageLimits(max_bytes=4 * len(image)), max_images=4, allow_remote=True, fetch_timeout_s=5.0
+        ImageLimits(max_bytes=4 * len(image)),
+        max_images=4,
+        allow_remote=True,
+        fetch_timeout_s=5.0,
+        egress=EgressGuard(allow_private=True),  # the server is on loopback (the guard's own tests refuse it)
     )
     try:
         base = f"http://127.0.0.1:{port}"
         assert await read_image(ImagePart("messages[0].content[0]", f"{base}/cat.png"), settings) == image
-        for name, message in (("big.png", "limit is"), ("gone.png", "HTTP 404")):
+        for name, message in (("big.png", "over the limit of"), ("gone.png", "image_url could not be fetched")):
             with pytest.raises(GatewayError, match=message) as caught:
                 await read_image(ImagePart("messages[0].content[1]", f"{base}/{name}"), settings)
             assert caught.value.param == "messages[0].content[1]"
