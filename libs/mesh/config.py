@@ -114,6 +114,39 @@ def require_data_port(port: int) -> None:
 
 
 @dataclass(frozen=True)
+class LaneSettings:
+    """What bounds a bulk lane's listener (mesh.lane), on the roles that have one: their settings add these fields
+    (`class KVCacheSettings(ServiceSettings, LaneSettings)`) and call `check_lane_settings` after their own checks."""
+
+    lane_max_connections: int = setting(512, "bulk lane: connections held at once; past it a new one is closed")
+    lane_max_connections_per_peer: int = setting(
+        64, "bulk lane: connections held at once from one peer address; past it a new one is closed"
+    )
+    lane_handshake_timeout_s: float = setting(
+        5.0, "bulk lane: seconds a new connection has to finish its TLS handshake"
+    )
+    lane_idle_timeout_s: float = setting(60.0, "bulk lane: seconds a connection may wait between exchanges")
+    lane_read_timeout_s: float = setting(
+        30.0, "bulk lane: seconds a started exchange may go without a byte moving either way"
+    )
+    lane_exchange_timeout_s: float = setting(
+        120.0, "bulk lane: seconds from an exchange's first frame to its end (an unfinished write is then dropped)"
+    )
+    lane_max_write_bytes: int = setting(
+        2**30, "bulk lane: bytes one write to a store node may carry before its end frame; past it the write is refused"
+    )
+
+    def __post_init__(self) -> None:
+        check_lane_settings(self)
+
+
+def check_lane_settings(settings: LaneSettings) -> None:
+    for field in dataclasses.fields(LaneSettings):
+        value = getattr(settings, field.name)
+        require(value > 0, field.name, value, "must be positive")
+
+
+@dataclass(frozen=True)
 class ServiceSettings:
     """What every role reads. Roles subclass it with their own fields."""
 

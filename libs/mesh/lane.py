@@ -1,18 +1,22 @@
-"""The bulk lane: length-prefixed frames over a plain TCP socket beside gRPC, for the bytes gRPC moves too slowly.
+"""The bulk lane: length-prefixed frames over TCP (TLS unless the mesh runs insecure) beside gRPC, for the bytes
+gRPC moves too slowly.
 
 grpc-python copies a message's bytes several times on each side (serialise, frame, deframe, parse, and once more
 when a `bytes` field is read), and on loopback it moved about a third of what one socket moves. KV blocks are the
 mesh's bulk traffic, so the store also answers layer-major reads and takes writes here (kvcache.proto, LaneFrame),
 and decode takes prefill's KV pushes here (decode.proto, PushLaneFrame): the node writes straight from the blocks it
-holds (gather writes: `sendmsg` of the slices, no joins) and the reader receives straight into the buffers the
-engine loads from (scatter reads: `recvmsg_into` the blocks' slices). Control stays on gRPC.
+holds and the reader receives straight into the buffers the engine loads from (mesh.lane_io). Control stays on gRPC.
 
 A frame is an 8-byte header (uint32 little-endian: the LaneFrame's length, the payload's length), the LaneFrame,
-then the payload. Sockets are non-blocking and driven by the event loop (a call goes straight to the socket and
-waits for readiness only when it would block), so one lane costs no thread. `LaneListener` serves each accepted
-connection with one task, one exchange at a time, and answers errors alike on every lane. `LanePool` keeps idle
-connections per address; a connection whose exchange did not end cleanly is closed, never reused, so a half-read
-answer cannot leak into the next one.
+then the payload. Sockets are non-blocking and driven by the event loop, so one lane costs no thread.
+`LaneListener` serves each accepted connection with one task, one exchange at a time, and answers errors alike on
+every lane. With an `ssl.SSLContext` it speaks mutual TLS: a peer without a certificate of the mesh's CA, or of a
+role the lane does not take, is closed after the handshake with nothing sent. Every connection is bounded
+(`LaneSettings`): connections per peer address and in all, a handshake deadline, an idle limit between exchanges,
+a stall limit while a frame or an answer is under way and a deadline per exchange (an unfinished write is dropped
+and its memory freed); a frame's bytes are buffered as they arrive, never at the size its header declares.
+`LanePool` keeps idle connections per address; a connection whose exchange did not end cleanly is closed, never
+reused, so a half-read answer cannot leak into the next one.
 """
 
 from __future__ import annotations
@@ -21,13 +25,31 @@ import abc
 import asyncio
 import contextlib
 import socket
+import ssl
 import struct
+import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Generic, TypeVar
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
+from mesh.config import LaneSettings
+from mesh.lane_io import (
+    Buffer,
+    LaneError,
+    handshake,
+    is_idle_open,
+    recv_bytes,
+    recv_exactly_into,
+    role_of,
+    send_all,
+    server_context,
+    stall_limit,
+    wait_ready,
+)
+from mesh.lane_io import has_pending as has_pending  # the lane's users ask it of mesh.lane
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2
 from mesh.rpc import ServiceError
@@ -35,83 +57,28 @@ from mesh.rpc import ServiceError
 HEADER = struct.Struct("<II")
 MAX_FRAME_BYTES = 16 * 2**20  # a LaneFrame (headers and requests: keys and layouts, never bulk bytes)
 MAX_PAYLOAD_BYTES = 2**31
-IOV_MAX = 512  # pieces per sendmsg / recvmsg_into (the kernel allows 1024)
 MAX_IDLE_PER_ADDRESS = 8
+MAX_POOLED_IDLE_S = 20.0  # a pooled connection idle longer is closed, well before a lane's idle limit drops it
 DRAIN_AFTER_ERROR_S = 10.0  # how long an answering side reads and drops what still comes after its error frame
 
-Buffer = bytes | bytearray | memoryview
 M = TypeVar("M", bound=Message)
 STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 log = get_logger(__name__)
 
 
-class LaneError(ConnectionError):
-    """The peer closed the connection, sent a frame that breaks the protocol, or answered with an error."""
-
-
-async def _ready(sock: socket.socket, writable: bool) -> None:
-    """Until the socket can be read (or written) without blocking."""
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    add, remove = (loop.add_writer, loop.remove_writer) if writable else (loop.add_reader, loop.remove_reader)
-    add(sock.fileno(), wake)
-    try:
-        await ready
-    finally:
-        remove(sock.fileno())
-
-
-def _consume(pending: list[memoryview], num_bytes: int) -> None:
-    """Drop `num_bytes` from the front of the pending views (what one sendmsg or recvmsg_into moved)."""
-    while num_bytes:
-        taken = min(num_bytes, len(pending[0]))
-        num_bytes -= taken
-        pending[0] = pending[0][taken:]
-        if not pending[0]:
-            pending.pop(0)
-
-
-async def recv_exactly_into(sock: socket.socket, *views: memoryview) -> None:
-    """Fill the views in order (a scatter read: one call can fill several)."""
-    pending = [v for v in views if len(v)]
-    while pending:
-        try:
-            received = sock.recvmsg_into(pending[:IOV_MAX])[0]
-        except (BlockingIOError, InterruptedError):
-            await _ready(sock, writable=False)
-            continue
-        if not received:
-            raise LaneError("the connection closed mid-frame")
-        _consume(pending, received)
-
-
-async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
-    """Write the pieces in order, straight from where they lie (a gather write: no joins)."""
-    pending = [memoryview(p).cast("B") for p in pieces if len(p)]
-    while pending:
-        try:
-            sent = sock.sendmsg(pending[:IOV_MAX])
-        except (BlockingIOError, InterruptedError):
-            await _ready(sock, writable=True)
-            continue
-        _consume(pending, sent)
-
-
 async def recv_frame(sock: socket.socket, kind: type[M]) -> tuple[M, int]:
-    """The next frame, a `kind` message, and its payload's length (the caller reads the payload)."""
+    """The next frame, a `kind` message, and its payload's length (the caller reads the payload). A frame past
+    the lane's limits, or one that does not parse, is a LaneError; the frame's bytes are buffered as they come."""
     header = bytearray(HEADER.size)
     await recv_exactly_into(sock, memoryview(header))
     frame_bytes, payload_bytes = HEADER.unpack(header)
     if frame_bytes > MAX_FRAME_BYTES or payload_bytes > MAX_PAYLOAD_BYTES:
         raise LaneError(f"frame of {frame_bytes} bytes with a payload of {payload_bytes}: past the lane's limits")
-    frame = bytearray(frame_bytes)
-    await recv_exactly_into(sock, memoryview(frame))
-    return kind.FromString(bytes(frame)), payload_bytes
+    encoded = await recv_bytes(sock, frame_bytes)
+    try:
+        return kind.FromString(encoded), payload_bytes
+    except DecodeError as exc:
+        raise LaneError(f"a frame that is not a {kind.DESCRIPTOR.name}: {exc}") from None
 
 
 async def send_frame(sock: socket.socket, frame: Message, payload: Sequence[Buffer] = ()) -> None:
@@ -150,49 +117,34 @@ async def send_error(sock: socket.socket, frame: Message) -> None:
     the error frame before the peer has read it."""
     await send_frame(sock, frame)
     with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)
+        sock.shutdown(socket.SHUT_WR)  # on TLS this also leaves the rest as raw bytes: dropped all the same
     sink = bytearray(2**16)
-    with contextlib.suppress(OSError, TimeoutError):
+    with contextlib.suppress(OSError, TimeoutError), stall_limit(None):
         async with asyncio.timeout(DRAIN_AFTER_ERROR_S):
             while True:
                 try:
                     if not sock.recv_into(sink):
                         return
-                except (BlockingIOError, InterruptedError):
-                    await _ready(sock, writable=False)
+                except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                    await wait_ready(sock, writable=False)
 
 
-def has_pending(sock: socket.socket) -> bool:
-    """Whether something (or an EOF) waits to be read: the peer answered before being asked to."""
-    try:
-        sock.recv(1, socket.MSG_PEEK)
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True  # the next read raises it
-    return True
-
-
-def _is_open(sock: socket.socket) -> bool:
-    """An idle connection the peer has not closed (nothing is due on it, so anything readable is an EOF)."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK) != b""
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-
-
-async def connect(address: str, timeout_s: float) -> socket.socket:
+async def connect(address: str, timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> socket.socket:
+    """A connection to the lane at host:port, over TLS when `ssl_context` is given (handshake included)."""
     host, _, port = address.rpartition(":")
+    host = host.strip("[]")
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     family, kind, protocol, _, sockaddr = infos[0]
     sock = socket.socket(family, kind, protocol)
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        await asyncio.wait_for(loop.sock_connect(sock, sockaddr), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await loop.sock_connect(sock, sockaddr)
+            if ssl_context is not None:
+                sock = ssl_context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+                await handshake(sock)
     except BaseException:
         sock.close()
         raise
@@ -241,24 +193,46 @@ class LaneListener(abc.ABC, Generic[M]):
     connection is served by one task, one exchange at a time: the exchange's first frame goes to `answer`; a
     ServiceError it raises is answered with an end frame naming it (`send_error`), which ends the connection. A
     connection the peer closes between exchanges just ends; one that breaks mid-exchange is the peer's loss
-    alone: logged, closed, nothing else disturbed."""
+    alone: logged, closed, nothing else disturbed.
 
-    def __init__(self, frame_type: type[M]) -> None:
+    `ssl_context` (a server context of the mesh's CA; None: plain TCP, which logs a warning at start) makes it
+    mutual TLS, and only peers whose certificate names one of `peer_roles` get an exchange. `limits` bound what a
+    peer can hold: see LaneSettings. Only the accepting task and the connection tasks write the counts."""
+
+    def __init__(
+        self,
+        frame_type: type[M],
+        limits: LaneSettings | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        peer_roles: frozenset[str] = frozenset(),
+    ) -> None:
         self.frame_type = frame_type
+        self.limits = limits or LaneSettings()
+        self.ssl_context = None if ssl_context is None else server_context(ssl_context)
+        self.peer_roles = peer_roles
+        self.num_refused = 0  # connections closed at accept: past a connection cap
+        self.num_unauthorized = 0  # connections closed after the handshake failed or named a role not taken
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._num_by_peer: Counter[str] = Counter()
 
     @abc.abstractmethod
     async def answer(self, sock: socket.socket, frame: M, payload_bytes: int) -> None:
         """Answer the exchange `frame` begins (its payload still unread), or raise ServiceError."""
 
+    @property
+    def num_connections(self) -> int:
+        return len(self._connections)
+
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port); the port bound."""
+        if self.ssl_context is None:
+            log.warning("bulk lane without TLS: any peer that reaches its port can read and write KV", port=port)
         listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
-        listener.listen(64)
+        listener.listen(128)
         listener.setblocking(False)
         self._listener = listener
         self._accepting = asyncio.create_task(self._accept_forever())
@@ -274,45 +248,107 @@ class LaneListener(abc.ABC, Generic[M]):
         if self._listener is not None:
             self._listener.close()
 
+    def _can_accept(self, peer: str) -> bool:
+        return (
+            len(self._connections) < self.limits.lane_max_connections
+            and self._num_by_peer[peer] < self.limits.lane_max_connections_per_peer
+        )
+
     async def _accept_forever(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         while True:
-            sock, _ = await loop.sock_accept(self._listener)
+            sock, address = await loop.sock_accept(self._listener)
+            peer = str(address[0])
+            if not self._can_accept(peer):
+                sock.close()
+                self.num_refused += 1
+                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = asyncio.create_task(self._serve(sock))
+            self._num_by_peer[peer] += 1
+            task = asyncio.create_task(self._serve(sock, peer))
             self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            task.add_done_callback(lambda done, peer=peer: self._forget(done, peer))  # type: ignore[misc]
 
-    async def _serve(self, sock: socket.socket) -> None:
+    def _forget(self, task: asyncio.Task[None], peer: str) -> None:
+        self._connections.discard(task)
+        self._num_by_peer[peer] -= 1
+        if not self._num_by_peer[peer]:
+            del self._num_by_peer[peer]
+
+    async def _authenticate(self, sock: socket.socket, peer: str) -> socket.socket | None:
+        """The connection over TLS with a peer of a role this lane takes; None (and closed) for any other."""
+        if self.ssl_context is None:
+            return sock
+        tls = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         try:
-            while True:
-                try:
-                    frame, payload_bytes = await recv_frame(sock, self.frame_type)
-                except LaneError:
-                    return  # closed between exchanges: the normal end of a pooled connection
-                try:
-                    await self.answer(sock, frame, payload_bytes)
-                except ServiceError as error:
-                    await send_error(sock, self.frame_type(end=error_end(error)))
+            async with asyncio.timeout(self.limits.lane_handshake_timeout_s):
+                await handshake(tls)
+        except (LaneError, TimeoutError, OSError) as exc:
+            reason = str(exc) or "no handshake in time"
+        else:
+            role = role_of(tls.getpeercert())
+            if role in self.peer_roles:
+                return tls
+            reason = f"role {role!r} may not use this lane"
+        self.num_unauthorized += 1
+        log.info("bulk lane peer refused", peer=peer, reason=reason)
+        tls.close()
+        return None
+
+    async def _serve(self, raw: socket.socket, peer: str) -> None:
+        limits = self.limits
+        sock: socket.socket | None = None
+        try:
+            sock = await self._authenticate(raw, peer)
+            while sock is not None:
+                if not await self._wait_for_exchange(sock):
                     return
-        except (LaneError, OSError) as exc:  # the peer went away or broke the protocol: its loss only
-            log.info("bulk lane connection dropped", error=str(exc))
+                with stall_limit(limits.lane_read_timeout_s):
+                    async with asyncio.timeout(limits.lane_exchange_timeout_s):
+                        try:
+                            frame, payload_bytes = await recv_frame(sock, self.frame_type)
+                        except LaneError:
+                            return  # closed between exchanges: the normal end of a pooled connection
+                        try:
+                            await self.answer(sock, frame, payload_bytes)
+                        except ServiceError as error:
+                            await send_error(sock, self.frame_type(end=error_end(error)))
+                            return
+        except TimeoutError:
+            log.info("bulk lane exchange dropped: past its deadline", peer=peer)
+        except (LaneError, OSError) as exc:  # the peer went away, stalled or broke the protocol: its loss only
+            log.info("bulk lane connection dropped", peer=peer, error=str(exc))
         finally:
-            sock.close()
+            (sock or raw).close()
+
+    async def _wait_for_exchange(self, sock: socket.socket) -> bool:
+        """Until the next exchange's first bytes (or the peer's close) are there; False past the idle limit."""
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True
+        try:
+            with stall_limit(self.limits.lane_idle_timeout_s):
+                await wait_ready(sock, writable=False)
+        except LaneError:
+            return False
+        return True
 
 
 class LanePool:
-    """Connections to lanes, by address: each serves one exchange at a time, idle ones are kept for the next."""
+    """Connections to lanes, by address: each serves one exchange at a time, idle ones are kept for the next
+    (up to MAX_POOLED_IDLE_S). With `ssl_context` (a client context of the mesh's CA and this process's
+    certificate) every connection is mutual TLS."""
 
-    def __init__(self, connect_timeout_s: float = 2.0) -> None:
+    def __init__(self, connect_timeout_s: float = 2.0, ssl_context: ssl.SSLContext | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self._idle: dict[str, list[socket.socket]] = {}
+        self.ssl_context = ssl_context
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}  # address -> (connection, idle since)
 
     async def acquire(self, address: str) -> socket.socket:
-        """An idle connection, else a new one (OSError or TimeoutError when the lane cannot be reached)."""
-        return self._take_idle(address) or await connect(address, self.connect_timeout_s)
+        """An idle connection, else a new one (OSError, TimeoutError or LaneError when the lane cannot be reached
+        or refuses the handshake)."""
+        return self._take_idle(address) or await connect(address, self.connect_timeout_s, self.ssl_context)
 
     @contextlib.asynccontextmanager
     async def connection(self, address: str) -> AsyncIterator[socket.socket]:
@@ -330,15 +366,15 @@ class LanePool:
             raise
         idle = self._idle.setdefault(address, [])
         if len(idle) < MAX_IDLE_PER_ADDRESS:
-            idle.append(sock)
+            idle.append((sock, time.monotonic()))
         else:
             sock.close()
 
     def _take_idle(self, address: str) -> socket.socket | None:
         idle = self._idle.get(address, [])
         while idle:
-            sock = idle.pop()
-            if _is_open(sock):
+            sock, since = idle.pop()
+            if time.monotonic() - since < MAX_POOLED_IDLE_S and is_idle_open(sock):
                 return sock
             sock.close()
         return None
@@ -348,6 +384,6 @@ class LanePool:
 
     def close(self) -> None:
         for idle in self._idle.values():
-            for sock in idle:
+            for sock, _ in idle:
                 sock.close()
         self._idle.clear()

@@ -1,4 +1,4 @@
-"""Decode's bulk lane (mesh.lane): prefill's KV pushes over plain TCP, the same exchange as Decode.PushKV.
+"""Decode's bulk lane (mesh.lane): prefill's KV pushes over TLS (or plain TCP), the same exchange as Decode.PushKV.
 
 A push (decode.proto, PushLaneFrame): a header frame, answered with `reserved` once the blocks are held; chunk
 frames, each chunk's bytes as the frame's payload, received straight into one buffer the engine loads from
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import AsyncIterator
 
 import grpc
@@ -20,6 +21,7 @@ from engine_core.kv_transfer import KVChunk, KVLayoutError
 from mesh import metrics
 from mesh.compute.convert import image_from_proto, layout_from_proto, sampling_from_proto
 from mesh.compute.errors import status_on_error
+from mesh.config import LaneSettings
 from mesh.lane import BufferPool, LaneListener, recv_exactly_into, recv_frame, send_frame
 from mesh.logging import bind_request_id
 from mesh.pb import decode_pb2
@@ -30,6 +32,7 @@ from services.decode.decoder import Decoder, PushHeader
 PUSH_TIMEOUT_S = 120.0  # header to end: the deadline prefill puts on PushKV, so a stalled pusher frees its blocks
 RECEIVE_BUFFER_BYTES = 512 * 2**20  # idle receive buffers kept for the next pushes
 PREFILL_TO_DECODE = "prefill_to_decode"  # kvmesh_kv_transfer_bytes_total's direction, counted by both ends
+PEER_ROLES = frozenset({"prefill"})  # only prefill pushes KV (over TLS)
 
 
 def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
@@ -50,9 +53,15 @@ def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
 
 class PushLane(LaneListener[decode_pb2.PushLaneFrame]):
     def __init__(
-        self, decoder: Decoder, lifecycle: Lifecycle, worker_id: str, push_timeout_s: float = PUSH_TIMEOUT_S
+        self,
+        decoder: Decoder,
+        lifecycle: Lifecycle,
+        worker_id: str,
+        limits: LaneSettings | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        push_timeout_s: float = PUSH_TIMEOUT_S,
     ) -> None:
-        super().__init__(decode_pb2.PushLaneFrame)
+        super().__init__(decode_pb2.PushLaneFrame, limits, ssl_context, PEER_ROLES)
         self.decoder = decoder
         self.lifecycle = lifecycle
         self.worker_id = worker_id

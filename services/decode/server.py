@@ -136,7 +136,9 @@ class DecodeService:
         try:
             data_port = 0
             if settings.data_port >= 0:
-                service.lane = PushLane(service.decoder, runtime.lifecycle, runtime.worker_id)
+                service.lane = PushLane(
+                    service.decoder, runtime.lifecycle, runtime.worker_id, settings, ssl_context=None
+                )  # TLS: mesh.tls.server_ssl_context, once wired
                 data_port = await service.lane.start(settings.host, settings.data_port)
             await runtime.start(
                 register=lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mesh.config import ServiceSettings, require, require_data_port, setting
+from mesh.config import LaneSettings, ServiceSettings, check_lane_settings, require, require_data_port, setting
 from services.kvcache.policy import POLICIES
 from services.kvcache.store import DAY_S, StoreConfig
 
@@ -21,7 +21,7 @@ def parse_ttls(text: str) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class KVCacheSettings(ServiceSettings):
+class KVCacheSettings(ServiceSettings, LaneSettings):
     capacity_bytes: int = setting(2**30, "host memory for block data")
     data_dir: str = setting(
         "",
@@ -44,7 +44,7 @@ class KVCacheSettings(ServiceSettings):
     repair_delay_s: float = setting(30.0, "seconds a node may be gone before its fragments are rebuilt elsewhere")
     data_port: int = setting(
         0,
-        "the bulk lane for the store's reads and writes (plain TCP beside gRPC, `mesh.lane`): 0 any free port, -1 none",
+        "the bulk lane for the store's reads and writes (TCP beside gRPC, `mesh.lane`): 0 any free port, -1 none",
     )
 
     def __post_init__(self) -> None:
@@ -76,6 +76,7 @@ class KVCacheSettings(ServiceSettings):
         for name in ("expire_interval_s", "repair_interval_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
         require_data_port(self.data_port)
+        check_lane_settings(self)
         require(self.repair_delay_s >= 0, "repair_delay_s", self.repair_delay_s, "must not be negative")
 
     def store_config(self, worker_id: str) -> StoreConfig:

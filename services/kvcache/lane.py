@@ -1,4 +1,4 @@
-"""The node's bulk lane (mesh.lane): layer-major reads and block writes over plain TCP, the same answers as
+"""The node's bulk lane (mesh.lane): layer-major reads and block writes over TLS (or plain TCP), the same answers as
 KVCache.Get with slice_bytes and KVCache.Put, the reads written straight from the blocks the store holds.
 
 Each connection is served by one task (mesh.lane.LaneListener), one exchange at a time. A read: a request frame,
@@ -12,18 +12,21 @@ have answered; what the client still sends is dropped until it closes.
 from __future__ import annotations
 
 import socket
+import ssl
 from typing import Protocol
 
 import grpc
 
 from mesh import rpc
-from mesh.lane import LaneListener, recv_exactly_into, recv_frame, send_frame
+from mesh.config import LaneSettings
+from mesh.lane import LaneListener, recv_bytes, recv_frame, send_frame
 from mesh.pb import common_pb2, kvcache_pb2
 from mesh.service import Lifecycle
 from services.kvcache.blocks import Block, BlockError, layer_major_slices
 from services.kvcache.codec import block_from_pb, block_to_pb
 
 LANE_CHUNK_BYTES = 8 * 2**20  # a lane frame's payload: one scatter-gather exchange of the slices it holds
+PEER_ROLES = frozenset({"prefill", "kvcache"})  # who may read and write here over TLS: prefill and the store's peers
 
 
 class BlockService(Protocol):
@@ -41,8 +44,10 @@ class BlockService(Protocol):
 
 
 class LaneServer(LaneListener[kvcache_pb2.LaneFrame]):
-    def __init__(self, servicer: BlockService) -> None:
-        super().__init__(kvcache_pb2.LaneFrame)
+    def __init__(
+        self, servicer: BlockService, limits: LaneSettings | None = None, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
+        super().__init__(kvcache_pb2.LaneFrame, limits, ssl_context, PEER_ROLES)
         self.servicer = servicer
 
     async def answer(self, sock: socket.socket, frame: kvcache_pb2.LaneFrame, payload_bytes: int) -> None:
@@ -80,19 +85,23 @@ class LaneServer(LaneListener[kvcache_pb2.LaneFrame]):
     async def _write(
         self, sock: socket.socket, frame: kvcache_pb2.LaneFrame, payload_bytes: int
     ) -> kvcache_pb2.PutResponse:
-        """Block frames (data as payloads) up to an end frame, then every good one stored, as Put does."""
+        """Block frames (data as payloads) up to an end frame, then every good one stored, as Put does. Each block
+        is buffered as its bytes arrive, and a write past `lane_max_write_bytes` is refused before its bytes are
+        read; one that stalls or outlasts the exchange deadline is dropped with what it holds (LaneListener)."""
         blocks: list[Block] = []
         rejections: list[str] = []
+        num_bytes = 0
         while frame.WhichOneof("kind") == "block":
-            if payload_bytes > rpc.MAX_MESSAGE_BYTES:  # what Put takes in one message
+            num_bytes += payload_bytes
+            if payload_bytes > rpc.MAX_MESSAGE_BYTES or num_bytes > self.limits.lane_max_write_bytes:
                 raise rpc.ServiceError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"a block of {payload_bytes} bytes: past the {rpc.MAX_MESSAGE_BYTES} a write takes",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"a block of {payload_bytes} bytes in a write of {num_bytes}: past the "
+                    f"{rpc.MAX_MESSAGE_BYTES} a block and the {self.limits.lane_max_write_bytes} a write may take",
                 )
-            data = bytearray(payload_bytes)
-            await recv_exactly_into(sock, memoryview(data))
+            data = await recv_bytes(sock, payload_bytes)
             try:
-                blocks.append(block_from_pb(frame.block, bytes(data)))
+                blocks.append(block_from_pb(frame.block, data))
             except BlockError as exc:
                 rejections.append(str(exc))
             frame, payload_bytes = await recv_frame(sock, kvcache_pb2.LaneFrame)

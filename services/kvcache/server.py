@@ -250,7 +250,7 @@ async def serve(settings: KVCacheSettings) -> None:
         await follower.start()
     except RuntimeError:  # no JetStream: no global index here, so no repair (the node still serves)
         log.warning("no KV event stream: repair is off on this node")
-    lane = LaneServer(servicer)
+    lane = LaneServer(servicer, settings, ssl_context=None)  # TLS: mesh.tls.server_ssl_context, once wired
     data_port = await lane.start(settings.host, settings.data_port) if settings.data_port >= 0 else 0
     await runtime.start(
         register=lambda server: kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server),

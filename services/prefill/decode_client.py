@@ -57,7 +57,7 @@ class DecodePusher:
         self.channels = channels
         self.timeout_s = timeout_s
         self.use_lanes = use_lanes  # push over decode workers' bulk lanes where they have one
-        self.lanes = lane.LanePool()
+        self.lanes = lane.LanePool(ssl_context=None)  # TLS: mesh.tls.client_ssl_context, once wired
 
     def close(self) -> None:
         self.lanes.close()

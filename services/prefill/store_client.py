@@ -108,7 +108,7 @@ class StoreClient:
         self.use_index = use_index
         self.stream_layers = stream_layers  # read layer-major into the engine while it computes (store_stream.py)
         self.use_lanes = use_lanes  # ... over the nodes' bulk lanes where they have one (mesh.lane), else gRPC
-        self.lanes = LanePool()
+        self.lanes = LanePool(ssl_context=None)  # TLS: mesh.tls.client_ssl_context, once wired
         self.read_buffers = BufferPool(read_buffer_bytes)
         self._classes: OrderedDict[bytes, str] = OrderedDict()  # block key -> traffic class of its request
 
