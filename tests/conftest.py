@@ -37,6 +37,28 @@ def gateway_state_dir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mesh_certificates() -> Iterator[Path]:
+    """KVMESH_TLS_DIR for the whole suite: a CA and one certificate per role (`kvmesh certs init`), so every role
+    the tests start, in-process or as a child process, speaks mutual TLS and checks callers' roles, as it does by
+    default. In-process test clients take a role's credentials with `mesh.tls.load_credentials(role)`."""
+    from kvmesh.certs import init_directory
+
+    path = Path(tempfile.mkdtemp(prefix="kvmesh-test-certs-"))
+    init_directory(path)
+    previous = {name: os.environ.pop(name, None) for name in TLS_VARIABLES}
+    os.environ["KVMESH_TLS_DIR"] = str(path)
+    yield path
+    for name, value in previous.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+    shutil.rmtree(path, ignore_errors=True)
+
+
+TLS_VARIABLES = ("KVMESH_TLS_DIR", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA", "KVMESH_INSECURE")
+
+
 DEEPSEEK_TEST_CONFIG = dict(
     vocab_size=512,
     hidden_size=64,

@@ -6,6 +6,7 @@ kvmesh models pull [NAME ...]       fetch real weights (smollm2-135m) and write 
 kvmesh models make-tiny             write deepseek-tiny (random weights, fixed seed)
 kvmesh generate MODEL PROMPT        one completion, offline
 kvmesh up [--prefill N] [--decode N] [--kvcache N] [--encoder N]   the whole mesh on this machine
+kvmesh certs init DIR               a CA and one certificate per role (mutual TLS between roles: KVMESH_TLS_DIR)
 kvmesh serve ROLE                   one role (gateway, encoder, prefill, decode, kvcache, balancer, expert_lb),
                                     configured by KVMESH_*
 kvmesh bench engine --json          engine throughput against transformers
@@ -127,6 +128,12 @@ def _admin(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _certs(args: argparse.Namespace) -> int:
+    from kvmesh.certs import run
+
+    return run(args)
+
+
 def _expert_plan(args: argparse.Namespace) -> int:
     from kvmesh.expert_plan import run
 
@@ -226,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.admin_cli import add_parser as add_admin_parser
 
     add_admin_parser(commands)
+    from kvmesh.certs import add_parser as add_certs_parser
+
+    add_certs_parser(commands)
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -302,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": _bench,
         "expert-plan": _expert_plan,
         "admin": _admin,
+        "certs": _certs,
     }
     try:
         return handlers[args.command](args)

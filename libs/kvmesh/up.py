@@ -7,24 +7,31 @@
     mesh.stop()
 
 Each child is `python -m kvmesh serve ROLE` configured through KVMESH_* variables; its output is prefixed
-with its name. Nothing here knows a worker's address: workers announce themselves on NATS.
+with its name. Nothing here knows a worker's address: workers announce themselves on NATS. Each child gets its
+own certificate (`spiffe://kvmesh/<role>/<name>`) from a CA made for this run and gone with it, unless
+KVMESH_TLS_* name certificates of your own or KVMESH_INSECURE=1 turns mutual TLS off.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
+from kvmesh.certs import ProcessCertificates
 from kvmesh.nats_server import EmbeddedNats, free_port
+from mesh.config import TLSSettings, load_settings
 
 DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny")
 START_ORDER = ("kvcache", "balancer", "expert_lb", "encoder", "prefill", "decode", "gateway")
@@ -79,12 +86,14 @@ class Mesh:
         self.nats_url = plan.nats_url or ""
         self.children: list[Child] = []
         self._lock = threading.Lock()
+        self.certificates: ProcessCertificates | None = None  # this run's throwaway CA, made by start()
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.plan.http_port}"
 
     def start(self) -> None:
+        self.certificates = self._throwaway_certificates()
         if not self.nats_url:
             self.nats = EmbeddedNats().start()
             self.nats_url = self.nats.url
@@ -92,6 +101,17 @@ class Mesh:
         for role in START_ORDER:
             for index in range(self._count(role)):
                 self.spawn(role, index)
+
+    def _throwaway_certificates(self) -> ProcessCertificates | None:
+        """A CA for this run (None where KVMESH_TLS_* name the user's certificates: the children use those)."""
+        settings = load_settings(TLSSettings, {**os.environ, **self.plan.env})
+        if settings.tls_dir or settings.tls_cert:
+            return None
+        directory = Path(tempfile.mkdtemp(prefix="kvmesh-up-certs-"))
+        self._say(
+            f"certs: {'none (KVMESH_INSECURE=1)' if settings.insecure else 'a throwaway CA in ' + str(directory)}"
+        )
+        return ProcessCertificates(directory, {**os.environ, **self.plan.env})
 
     def _count(self, role: str) -> int:
         if role == "expert_lb":  # only when the workers report expert loads (KVMESH_EXPERT_REPORT_STEPS > 0)
@@ -113,6 +133,8 @@ class Mesh:
             }
         )
         env["KVMESH_HTTP_PORT"] = str(http_port)
+        if self.certificates is not None:
+            env.update(self.certificates.env(role, f"{role}-{index}"))
         if role == "gateway":
             env["KVMESH_ADMIN_KEY"] = self.admin_key
         # workers take any free gRPC port and announce it; only the gateway's ports are fixed
@@ -208,3 +230,6 @@ class Mesh:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        if self.certificates is not None:
+            shutil.rmtree(self.certificates.directory, ignore_errors=True)
+            self.certificates = None

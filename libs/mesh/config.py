@@ -40,7 +40,7 @@ class EnvVariable:
     doc: str
 
 
-OTHER_VARIABLES = (
+OTHER_VARIABLES: tuple[EnvVariable, ...] = (
     EnvVariable(
         "KVMESH_MODEL_DIR",
         "gateway, encoder, prefill, decode, `kvmesh models`",
@@ -187,3 +187,45 @@ class ServiceSettings:
             self.nats_url,
             "must be a nats:// URL",
         )
+
+
+@dataclass(frozen=True)
+class TLSSettings:
+    """Mutual TLS between the roles (mesh.tls): read from the environment by every process that serves or dials
+    the mesh's internal gRPC, whatever its role's settings (so `kvmesh up`, compose and the tools agree)."""
+
+    tls_dir: str = setting(
+        "",
+        "a directory with ca.pem and this process's <role>.pem and <role>-key.pem (or <role>/ holding them); "
+        "`kvmesh certs init DIR` writes one",
+    )
+    tls_cert: str = setting("", "this process's certificate (PEM); with TLS_KEY and TLS_CA it wins over TLS_DIR")
+    tls_key: str = setting("", "this process's private key (PEM); never logged")
+    tls_ca: str = setting("", "the mesh's CA certificate (PEM) that every peer's certificate must chain to")
+    insecure: bool = setting(
+        False, "plaintext internal gRPC without identities (development only: every process logs a warning)"
+    )
+
+    def __post_init__(self) -> None:
+        explicit = [name for name in ("tls_cert", "tls_key", "tls_ca") if getattr(self, name)]
+        require(
+            len(explicit) in (0, 3),
+            explicit[0] if explicit else "tls_cert",
+            "<path>",
+            "set KVMESH_TLS_CERT, KVMESH_TLS_KEY and KVMESH_TLS_CA together (or KVMESH_TLS_DIR)",
+        )
+
+
+def process_variables(cls: type, roles: str) -> tuple[EnvVariable, ...]:
+    """The fields of a settings class read by every process (not one role's class) as OTHER_VARIABLES rows."""
+    rows = []
+    for field in dataclasses.fields(cls):
+        default = field.default
+        shown = (
+            "(none)" if default in ("", ()) else f"`{str(default).lower() if isinstance(default, bool) else default}`"
+        )
+        rows.append(EnvVariable(env_name(field.name), roles, shown, field.metadata[DOC]))
+    return tuple(rows)
+
+
+OTHER_VARIABLES += process_variables(TLSSettings, "every role, `kvmesh up` and the benchmarks that start roles")

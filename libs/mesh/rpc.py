@@ -1,15 +1,26 @@
 """gRPC helpers every role uses: servers and channels with the same options, deadlines, request ids,
-and one mapping from exceptions to status codes."""
+and one mapping from exceptions to status codes.
+
+Internal servers and channels speak mutual TLS with the process's certificate (mesh.tls), and every call to an
+internal server passes the access table (mesh.access) first; without credentials (KVMESH_INSECURE=1) both are
+plaintext and unchecked. The gateway's public API is the one server that does not ask for client certificates.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import grpc
 import grpc.aio
 
-from mesh.logging import REQUEST_ID_KEY, current_request_id
+from mesh.access import allowed_callers
+from mesh.logging import REQUEST_ID_KEY, current_request_id, get_logger
+from mesh.tls import SERVER_NAME, MeshCredentials, peer_identity
+
+log = get_logger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 2**20  # KV chunks are split well below this; the margin is for odd layouts
 KV_CHUNK_BYTES = 4 * 2**20  # target size of one KV chunk on the wire
@@ -49,28 +60,53 @@ FAILED_WORKER_KEY = "kvmesh-failed-worker"
 KV_RESERVED_KEY = "kvmesh-kv-reserved"
 
 
-def create_server() -> grpc.aio.Server:
+def create_server(credentials: MeshCredentials | None) -> grpc.aio.Server:
+    """An internal server: with credentials, every call is authorized by the caller's role (mesh.access)."""
+    interceptors = [Authorization()] if credentials is not None else []
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+
+
+def create_public_server() -> grpc.aio.Server:
+    """The gateway's API for clients: API keys authenticate them, not certificates (bind it with credentials=None)."""
     return grpc.aio.server(options=SERVER_OPTIONS)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind to host:port (0: any free port); returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: MeshCredentials | None) -> int:
+    """Bind to host:port (0: any free port), mutual TLS with credentials, else plaintext; returns the bound port."""
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        server_credentials = grpc.ssl_server_credentials(
+            [(credentials.key_pem, credentials.cert_pem)],
+            root_certificates=credentials.ca_pem,
+            require_client_auth=True,
+        )
+        bound = server.add_secure_port(address, server_credentials)
     if bound == 0:
-        raise OSError(f"cannot bind a gRPC server to {host}:{port}")
+        raise OSError(f"cannot bind a gRPC server to {address}")
     return bound
 
 
 class Channels:
-    """One channel per address, reused by every call to it."""
+    """One channel per address, reused by every call to it; mutual TLS as this process with credentials."""
 
-    def __init__(self) -> None:
+    def __init__(self, credentials: MeshCredentials | None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._credentials = None
+        if credentials is not None:
+            self._credentials = grpc.ssl_channel_credentials(
+                credentials.ca_pem, credentials.key_pem, credentials.cert_pem
+            )
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+            else:
+                options = [*OPTIONS, ("grpc.ssl_target_name_override", SERVER_NAME)]
+                channel = grpc.aio.secure_channel(address, self._credentials, options=options)
             self._channels[address] = channel
         return channel
 
@@ -83,6 +119,55 @@ class Channels:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+
+class Authorization(grpc.aio.ServerInterceptor):
+    """Runs each call's handler only for the roles mesh.access allows; anyone else gets PERMISSION_DENIED.
+
+    The caller's role is in the auth context, which only the handler's context carries, so the check wraps the
+    handler (keeping its kind: a coroutine or an async generator, as grpc.aio dispatches on it)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return _guarded(handler, handler_call_details.method)  # type: ignore[attr-defined]
+
+
+def _guarded(handler: Any, method: str) -> Any:
+    allowed = allowed_callers(method)
+
+    async def check(context: grpc.aio.ServicerContext) -> None:
+        identity = peer_identity(context.auth_context())
+        if identity is None or identity.role not in allowed:
+            role = identity.role if identity is not None else "(no kvmesh identity)"
+            log.warning("call refused", method=method, caller=identity.uri if identity else role)
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method}: a {role} may not call it (allowed: {', '.join(sorted(allowed)) or 'nobody'})",
+            )
+
+    kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
+    inner = getattr(handler, kind)
+    if inspect.isasyncgenfunction(inner):
+
+        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await check(context)
+            async for response in inner(request, context):
+                yield response
+
+        return handler._replace(**{kind: streaming})
+    assert inspect.iscoroutinefunction(inner), f"{method}: the mesh's handlers are async"
+
+    async def single(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await check(context)
+        return await inner(request, context)
+
+    return handler._replace(**{kind: single})
 
 
 def metadata(request_id: str | None = None) -> tuple[tuple[str, str], ...]:

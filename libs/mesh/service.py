@@ -20,7 +20,7 @@ import grpc.aio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from mesh import rpc
+from mesh import rpc, tls
 from mesh.bus import Bus
 from mesh.config import ServiceSettings
 from mesh.discovery import ROLE_NAMES, Announcer, advertise_host, default_worker_id
@@ -90,8 +90,10 @@ class ServiceRuntime:
         self.role_name = ROLE_NAMES[role]
         self.worker_id = settings.worker_id or default_worker_id(self.role_name)
         configure_logging(settings.log_level, settings.log_format, role=self.role_name, worker_id=self.worker_id)
+        # before anything else starts: without certificates (or KVMESH_INSECURE=1) the process refuses to run
+        self.credentials = tls.load_credentials(self.role_name)
         self.lifecycle = Lifecycle()
-        self.channels = rpc.Channels()
+        self.channels = rpc.Channels(self.credentials)
         self.bus: Bus | None = None
         self.server: grpc.aio.Server | None = None
         self.grpc_port = 0
@@ -125,18 +127,21 @@ class ServiceRuntime:
         block_size: int = 0,
         serve_status: bool = True,
         data_port: int = 0,
+        public_grpc: bool = False,
     ) -> None:
         """Serve gRPC and status, then announce (so nobody routes here before we can answer).
 
         serve_status=False: the role serves /healthz, /readyz and /metrics itself (the gateway's REST app).
         data_port: the port of a bulk lane the role already listens on (mesh.lane), announced beside gRPC's.
+        public_grpc: the gRPC server is for clients (the gateway's API): no client certificates, no role checks.
         """
         if self.bus is None:
             await self.connect_bus()
         assert self.bus is not None
-        self.server = rpc.create_server()
+        credentials = None if public_grpc else self.credentials
+        self.server = rpc.create_public_server() if public_grpc else rpc.create_server(credentials)
         register(self.server)
-        self.grpc_port = rpc.bind(self.server, self.settings.host, self.settings.grpc_port)
+        self.grpc_port = rpc.bind(self.server, self.settings.host, self.settings.grpc_port, credentials)
         await self.server.start()
         if serve_status:
             self._status = web.AppRunner(status_app(ready), access_log=None)

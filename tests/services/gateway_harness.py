@@ -21,7 +21,8 @@ import pytest_asyncio
 
 from engine_core import model_store
 from kvmesh.nats_server import EmbeddedNats
-from mesh import rpc
+from mesh import rpc, tls
+from mesh.access import BALANCER
 from mesh.bus import Bus
 from mesh.discovery import Announcer
 from mesh.pb import (
@@ -108,11 +109,12 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
 
     async def serve(self) -> grpc.aio.Server:
         """Start one gRPC server on a free local port playing every worker; `address` is where it listens."""
-        server = rpc.create_server()
+        credentials = tls.load_credentials(BALANCER)  # any role's certificate serves; callers are checked
+        server = rpc.create_server(credentials)
         balancer_pb2_grpc.add_BalancerServicer_to_server(self, server)
         prefill_pb2_grpc.add_PrefillServicer_to_server(self, server)
         decode_pb2_grpc.add_DecodeServicer_to_server(self, server)
-        self.address = f"127.0.0.1:{rpc.bind(server, '127.0.0.1', 0)}"
+        self.address = f"127.0.0.1:{rpc.bind(server, '127.0.0.1', 0, credentials)}"
         await server.start()
         return server
 

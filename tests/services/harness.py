@@ -11,17 +11,23 @@ from typing import TypeVar
 
 import grpc.aio
 
+from mesh import rpc, tls
+from mesh.access import GATEWAY
 from mesh.config import ServiceSettings
 
 S = TypeVar("S", bound=ServiceSettings)
 
 
 @contextlib.asynccontextmanager
-async def serving(serve: Callable[[S], Awaitable[None]], settings: S) -> AsyncIterator[grpc.aio.Channel]:
-    """Run `serve(settings)` in this event loop; yields a channel to its gRPC port. On exit the service is
-    cancelled, which runs its graceful shutdown (a `leaving` heartbeat, drain, close)."""
+async def serving(
+    serve: Callable[[S], Awaitable[None]], settings: S, caller: str = GATEWAY
+) -> AsyncIterator[grpc.aio.Channel]:
+    """Run `serve(settings)` in this event loop; yields a channel to its gRPC port, calling as a `caller` (mutual
+    TLS with that role's certificate). On exit the service is cancelled, which runs its graceful shutdown (a
+    `leaving` heartbeat, drain, close)."""
     task = asyncio.ensure_future(serve(settings))
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{settings.grpc_port}")
+    channels = rpc.Channels(tls.load_credentials(caller))
+    channel = channels.get(f"127.0.0.1:{settings.grpc_port}")
     ready = asyncio.ensure_future(channel.channel_ready())
     try:
         await asyncio.wait([ready, task], timeout=10.0, return_when=asyncio.FIRST_COMPLETED)
@@ -31,7 +37,7 @@ async def serving(serve: Callable[[S], Awaitable[None]], settings: S) -> AsyncIt
         yield channel
     finally:
         ready.cancel()
-        await channel.close()
+        await channels.close()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

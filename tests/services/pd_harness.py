@@ -22,7 +22,8 @@ from prometheus_client import REGISTRY
 
 from engine_core import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.nats_server import EmbeddedNats
-from mesh import rpc, subjects
+from mesh import rpc, subjects, tls
+from mesh.access import GATEWAY, PREFILL
 from mesh.bus import Bus
 from mesh.compute.convert import sampling_to_proto
 from mesh.config import ServiceSettings, load_settings
@@ -168,7 +169,7 @@ class Mesh:
     stores: dict[str, DictKVCache]  # worker id -> its blocks
     prefill_stub: prefill_pb2_grpc.PrefillStub
     decode_stub: decode_pb2_grpc.DecodeStub
-    small_decode_stub: decode_pb2_grpc.DecodeStub
+    small_decode_stub: decode_pb2_grpc.DecodeStub  # calls as prefill: it pushes KV
     channels: rpc.Channels
     llama: str
     deepseek: str
@@ -231,7 +232,8 @@ async def mesh(nats_url, llama_reference, deepseek_reference) -> AsyncIterator[M
     await wait_until(lambda: len(prefill.registry.workers()) == 2, what="prefill to hear both store nodes")
     assert prefill.writer is not None
     await wait_until(lambda: prefill.writer.is_accepting, what="prefill to start writing to the store")
-    channels = rpc.Channels()
+    channels = rpc.Channels(tls.load_credentials(GATEWAY))  # the gateway starts requests, attaches and aborts
+    as_prefill = rpc.Channels(tls.load_credentials(PREFILL))  # only prefill may push KV to decode
     yield Mesh(
         prefill,
         decode,
@@ -239,13 +241,14 @@ async def mesh(nats_url, llama_reference, deepseek_reference) -> AsyncIterator[M
         {r.worker_id: s for r, s in store_nodes},
         prefill_pb2_grpc.PrefillStub(channels.get(prefill.runtime.address)),
         decode_pb2_grpc.DecodeStub(channels.get(decode.runtime.address)),
-        decode_pb2_grpc.DecodeStub(channels.get(small_decode.runtime.address)),
+        decode_pb2_grpc.DecodeStub(as_prefill.get(small_decode.runtime.address)),
         channels,
         llama,
         deepseek,
         nats_url,
     )
     await channels.close()
+    await as_prefill.close()
     for service in (prefill, decode, small_decode):
         await service.stop()
     for runtime, _ in store_nodes:

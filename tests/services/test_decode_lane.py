@@ -16,7 +16,8 @@ import torch
 from engine_core import SamplingParams
 from engine_core.kv_cache.manager import cdiv
 from kvmesh.nats_server import free_port
-from mesh import lane, rpc
+from mesh import lane, rpc, tls
+from mesh.access import GATEWAY
 from mesh.compute.convert import layout_to_proto, sampling_to_proto
 from mesh.config import SettingError, load_settings
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -104,7 +105,7 @@ async def pair(nats_url, llama_reference) -> AsyncIterator[Pair]:
             **{**common, "kv_cache_memory_bytes": 64 * LLAMA_BLOCK_BYTES},
         )
     )  # room for what decode refuses
-    channels = rpc.Channels()
+    channels = rpc.Channels(tls.load_credentials(GATEWAY))
     assert decode.runtime.data_address and decode.runtime.data_address != decode.runtime.address
     yield Pair(
         prefill,

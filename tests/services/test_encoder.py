@@ -17,6 +17,8 @@ from PIL import Image
 
 from engine_core.vision import embeddings_from_bytes
 from kvmesh.nats_server import EmbeddedNats, free_port
+from mesh import tls
+from mesh.access import GATEWAY
 from mesh.pb import encoder_pb2, encoder_pb2_grpc
 from services.encoder.encoder import EmbeddingCache
 
@@ -51,7 +53,11 @@ def encoder() -> Iterator[encoder_pb2_grpc.EncoderStub]:
             text=True,
         )
         try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            credentials = tls.load_credentials(GATEWAY)
+            assert credentials is not None
+            secure = grpc.ssl_channel_credentials(credentials.ca_pem, credentials.key_pem, credentials.cert_pem)
+            options = [("grpc.ssl_target_name_override", tls.SERVER_NAME)]
+            with grpc.secure_channel(f"127.0.0.1:{port}", secure, options=options) as channel:
                 grpc.channel_ready_future(channel).result(timeout=60)
                 yield encoder_pb2_grpc.EncoderStub(channel)
         finally:

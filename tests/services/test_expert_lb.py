@@ -17,6 +17,7 @@ from engine_core import EngineConfig, LLMEngine, SamplingParams, model_store
 from engine_core.async_engine import AsyncEngine
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import subjects
+from mesh.access import DECODE
 from mesh.bus import Bus
 from mesh.compute.experts import ExpertSync
 from mesh.pb import expert_lb_pb2, expert_lb_pb2_grpc
@@ -103,7 +104,7 @@ async def get_plan(stub: expert_lb_pb2_grpc.ExpertBalancerStub, model: str) -> e
 
 async def test_service_plans_from_reports_and_publishes(nats_url: str) -> None:
     moves_before = REGISTRY.get_sample_value("kvmesh_expert_moves_total", {"model": "fake-moe"}) or 0.0
-    async with serving(serve, settings(nats_url, "expert-lb-test")) as channel:
+    async with serving(serve, settings(nats_url, "expert-lb-test"), DECODE) as channel:
         stub = expert_lb_pb2_grpc.ExpertBalancerStub(channel)
         assert await get_plan(stub, "fake-moe") is None
         worker = await Bus.connect(nats_url, name="fake-worker")
@@ -155,7 +156,7 @@ async def test_a_worker_reports_and_applies_plans_while_it_generates(nats_url: s
     )
     async_engine = AsyncEngine(engine, name="engine-tiny-ep")
     await async_engine.start()
-    async with serving(serve, settings(nats_url, "expert-lb-engine")) as channel:
+    async with serving(serve, settings(nats_url, "expert-lb-engine"), DECODE) as channel:
         stub = expert_lb_pb2_grpc.ExpertBalancerStub(channel)
         bus = await Bus.connect(nats_url, name="worker-ep")
         sync = ExpertSync({"tiny-ep": async_engine}, bus, "worker-ep", report_steps=1)

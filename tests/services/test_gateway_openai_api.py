@@ -405,7 +405,7 @@ class NoWorkers:
 def bare_core(key: str) -> GatewayCore:
     """A gateway that knows no model and no worker: enough for what the app answers before any handler runs."""
     view = MeshView(NoWorkers())
-    return GatewayCore(KeyRing([key]), ModelCatalog([]), view, Pipeline(Channels(), view, 16, 0), Lifecycle(), 5.0)
+    return GatewayCore(KeyRing([key]), ModelCatalog([]), view, Pipeline(Channels(None), view, 16, 0), Lifecycle(), 5.0)
 
 
 OPENAI_405 = {

@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import subjects
+from mesh.access import PREFILL
 from mesh.bus import Bus
 from mesh.kv_blocks import KVLayout, checksum, layout_to_proto
 from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
@@ -294,7 +295,7 @@ async def test_service_puts_gets_looks_up_publishes_events_and_heartbeats(nats_u
     evictions_before = sample("kvmesh_kvcache_evictions_total", reason="capacity")
     hits_before = sample("kvmesh_kvcache_lookup_blocks_total", outcome="hit")
     misses_before = sample("kvmesh_kvcache_lookup_blocks_total", outcome="miss")
-    async with serving(serve, settings) as channel:
+    async with serving(serve, settings, PREFILL) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         no_layout = kvcache_pb2.Block(block_hash=key(8), parent_hash=ROOT, data=bytes(BLOCK_BYTES))
         empty = kvcache_pb2.Block(block_hash=key(9), parent_hash=ROOT, layout=layout_to_proto(LAYOUT))

@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from kvmesh.nats_server import EmbeddedNats, free_port
-from mesh import lane, rpc
+from mesh import lane, rpc, tls
+from mesh.access import PREFILL
 from mesh.bus import Bus
 from mesh.discovery import WorkerRegistry
 from mesh.erasure import Protection
@@ -73,7 +74,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, Node], S
         bus = await Bus.connect(nats.url, "test-client")
         registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], 0.2)
         await registry.start()
-        channels = rpc.Channels()
+        channels = rpc.Channels(tls.load_credentials(PREFILL))
         client = StoreClient(registry, channels, timeout_s=5.0, protection=Protection(2, 1))
         await client.start(bus)
         await wait_until(_async(lambda: len(client.nodes()) == 3))

@@ -14,7 +14,8 @@ import pytest
 
 from engine_core.kv_cache.manager import cdiv
 from kvmesh.nats_server import free_port
-from mesh import rpc
+from mesh import rpc, tls
+from mesh.access import DECODE
 from mesh.compute.convert import layout_to_proto, sampling_to_proto
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -93,9 +94,10 @@ class StalledDecode(decode_pb2_grpc.DecodeServicer):
 
 async def test_a_cancelled_prefill_frees_its_kv_and_breaks_the_push(mesh: Mesh):
     stalled = StalledDecode()
-    server = rpc.create_server()
+    credentials = tls.load_credentials(DECODE)
+    server = rpc.create_server(credentials)
     decode_pb2_grpc.add_DecodeServicer_to_server(stalled, server)
-    port = rpc.bind(server, "127.0.0.1", 0)
+    port = rpc.bind(server, "127.0.0.1", 0, credentials)
     await server.start()
     try:
         call = mesh.prefill_stub.Prefill(

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from engine_core import LLMEngine, SamplingParams
 from engine_core.kv_cache.manager import cdiv
 from engine_core.kv_transfer import KVChunk, KVExport
+from kvmesh.certs import ProcessCertificates
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import rpc
 from mesh.bus import Bus
@@ -81,11 +85,17 @@ async def _decode_worker(nats_url: str) -> common_pb2.WorkerInfo:
 
 
 async def _measure(
-    worker: common_pb2.WorkerInfo, model: str, layout: KVLayout, sizes: list[int], repeats: int
+    worker: common_pb2.WorkerInfo,
+    model: str,
+    layout: KVLayout,
+    sizes: list[int],
+    repeats: int,
+    certs: ProcessCertificates,
 ) -> dict[str, Any]:
-    channels = rpc.Channels()
+    channels = rpc.Channels(certs.credentials("prefill", "bench-prefill"))  # only prefill may push KV
+    as_gateway = rpc.Channels(certs.credentials("gateway", "bench-gateway"))  # only the gateway may abort
     pusher = DecodePusher(channels)
-    abort = decode_pb2_grpc.DecodeStub(channels.get(worker.address)).Abort
+    abort = decode_pb2_grpc.DecodeStub(as_gateway.get(worker.address)).Abort
     results: dict[str, Any] = {}
     try:
         for num_tokens in sizes:
@@ -123,6 +133,7 @@ async def _measure(
     finally:
         pusher.close()
         await channels.close()
+        await as_gateway.close()
     return results
 
 
@@ -131,6 +142,7 @@ def run_push_bench(
 ) -> dict[str, Any]:
     layout = model_layout(model)
     kv_bytes = max(sizes) * layout.num_layers * layout.chunk_bytes(1) // layout.block_size
+    certs = ProcessCertificates(Path(tempfile.mkdtemp(prefix="kvmesh-bench-certs-")))  # mutual TLS, as deployed
     with EmbeddedNats() as nats:
         env = {
             **os.environ,
@@ -143,6 +155,7 @@ def run_push_bench(
             "KVMESH_HTTP_PORT": str(free_port()),
             "KVMESH_LOG_LEVEL": "warning",
             "KVMESH_KV_CACHE_MEMORY_BYTES": str(2 * kv_bytes + 64 * 2**20),
+            **certs.env("decode", "decode-bench"),
         }
         decode = subprocess.Popen(
             [sys.executable, "-m", "kvmesh", "serve", "decode"],
@@ -152,8 +165,9 @@ def run_push_bench(
         )
         try:
             worker = asyncio.run(_decode_worker(nats.url))
-            by_size = asyncio.run(_measure(worker, model, layout, list(sizes), repeats))
+            by_size = asyncio.run(_measure(worker, model, layout, list(sizes), repeats, certs))
         finally:
             decode.terminate()
             decode.wait(30)
+            shutil.rmtree(certs.directory, ignore_errors=True)
     return {"model": model, "repeats": repeats, "chunk_bytes_max": rpc.KV_CHUNK_BYTES, "by_prompt_tokens": by_size}

@@ -18,12 +18,16 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+from kvmesh.certs import ProcessCertificates
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import rpc
 from mesh.bus import Bus
@@ -113,6 +117,7 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
     payload = os.urandom(num_block_bytes)
     blocks = [StoreBlock(n.to_bytes(32, "big"), b"\0" * 32, layout, payload) for n in range(num_blocks)]  # distinct
     total = num_blocks * num_block_bytes
+    certs = ProcessCertificates(Path(tempfile.mkdtemp(prefix="kvmesh-bench-certs-")))  # mutual TLS, as deployed
     with EmbeddedNats() as nats:
         env = {
             **os.environ,
@@ -122,6 +127,7 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
             "KVMESH_CAPACITY_BYTES": str(total * (repeats + 2)),
             "KVMESH_HEARTBEAT_INTERVAL_S": "0.2",
             "KVMESH_HTTP_PORT": str(free_port()),
+            **certs.env("kvcache", "kv-bench"),
         }
         node = subprocess.Popen([sys.executable, "-m", "services.kvcache"], env=env)
         ready = multiprocessing.Event()
@@ -130,7 +136,7 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
         sink.start()
         bus = await Bus.connect(nats.url, "bench-kv-transfer")
         registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], 0.2)
-        channels = rpc.Channels()
+        channels = rpc.Channels(certs.credentials("prefill", "kv-bench-client"))
         client = StoreClient(registry, channels, timeout_s=120.0)
         try:
             await registry.start()
@@ -160,6 +166,7 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
             node.terminate()
             node.wait(10)
             sink.terminate()
+            shutil.rmtree(certs.directory, ignore_errors=True)
     store_gbps = total / min(stream_s) / 1e9
     raw_gbps = total / min(tcp_s) / 1e9
     return {

@@ -1,0 +1,168 @@
+"""The mesh's certificates (the `cryptography` package): a CA and one certificate per role or per process.
+
+    kvmesh certs init DIR     ca.pem, and <role>/ with ca.pem, <role>.pem and <role>-key.pem for every role
+                              (KVMESH_TLS_DIR=DIR serves every role on one host; compose mounts <role>/ alone)
+
+Keys are ECDSA P-256, certificates valid for a year. The CA's key is never written: a new CA means running init
+again (--force), which re-issues every certificate. `kvmesh up` keeps a throwaway CA in memory and issues one
+certificate per child (`ProcessCertificates`), so each worker's name is in its own certificate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from mesh.access import ROLES
+from mesh.config import TLSSettings, load_settings
+from mesh.tls import CA_FILE, SERVER_NAME, MeshCredentials, PeerIdentity, load_credentials
+
+VALID_FOR = datetime.timedelta(days=365)
+CLOCK_SKEW = datetime.timedelta(minutes=5)  # valid from a little before now: peers' clocks differ
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    encoding, unencrypted = serialization.Encoding.PEM, serialization.NoEncryption()
+    return key.private_bytes(encoding, serialization.PrivateFormat.PKCS8, unencrypted)
+
+
+def _builder(subject: str, issuer: x509.Name, public_key: Any) -> x509.CertificateBuilder:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(now + VALID_FOR)
+    )
+
+
+@dataclass(frozen=True)
+class CertificateAuthority:
+    """The mesh's CA; its key stays in this object."""
+
+    key: ec.EllipticCurvePrivateKey
+    certificate: x509.Certificate
+
+    @classmethod
+    def create(cls, common_name: str = "kvmesh CA") -> CertificateAuthority:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+        usage = x509.KeyUsage(
+            digital_signature=True,
+            content_commitment=False,
+            key_encipherment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            key_cert_sign=True,
+            crl_sign=True,
+            encipher_only=False,
+            decipher_only=False,
+        )
+        certificate = (
+            _builder(common_name, name, key.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(usage, critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256())
+        )
+        return cls(key, certificate)
+
+    @property
+    def pem(self) -> bytes:
+        return self.certificate.public_bytes(serialization.Encoding.PEM)
+
+    def issue(self, identity: PeerIdentity) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM) for one identity: its URI SAN, and the DNS SAN every peer verifies."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        names = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity.uri), x509.DNSName(SERVER_NAME)])
+        usages = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+        certificate = (
+            _builder(f"{identity.role}/{identity.name}", self.certificate.subject, key.public_key())
+            .add_extension(names, critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(usages, critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
+        return certificate.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+    def write(self, directory: Path, identity: PeerIdentity) -> Path:
+        """ca.pem, <role>.pem and <role>-key.pem (owner-only) in `directory`; returns the directory."""
+        directory.mkdir(parents=True, exist_ok=True)
+        certificate, key = self.issue(identity)
+        (directory / CA_FILE).write_bytes(self.pem)
+        (directory / f"{identity.role}.pem").write_bytes(certificate)
+        key_path = directory / f"{identity.role}-key.pem"
+        key_path.touch(mode=0o600)
+        os.chmod(key_path, 0o600)  # before the key is in it, whatever the umask
+        key_path.write_bytes(key)
+        return directory
+
+
+def init_directory(directory: Path, roles: tuple[str, ...] = ROLES) -> CertificateAuthority:
+    """A new CA and one certificate per role, `spiffe://kvmesh/<role>/<role>`, each role's under <role>/."""
+    authority = CertificateAuthority.create()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CA_FILE).write_bytes(authority.pem)
+    for role in roles:
+        authority.write(directory / role, PeerIdentity(role, role))
+    return authority
+
+
+class ProcessCertificates:
+    """A throwaway CA (`kvmesh up`, the benchmarks that start roles): one directory per process under `directory`,
+    which becomes that process's KVMESH_TLS_DIR. Under KVMESH_INSECURE=1 it issues nothing and passes that on."""
+
+    def __init__(self, directory: Path, env: Mapping[str, str] | None = None) -> None:
+        self.directory = directory
+        self.insecure = load_settings(TLSSettings, env).insecure
+        self.authority = CertificateAuthority.create("kvmesh throwaway CA")
+
+    def issue(self, role: str, name: str) -> Path:
+        return self.authority.write(self.directory / name, PeerIdentity(role, name))
+
+    def env(self, role: str, name: str) -> dict[str, str]:
+        """The KVMESH_TLS_* variables of a child process `name` playing `role` (explicit paths cleared)."""
+        if self.insecure:
+            return {"KVMESH_INSECURE": "1"}
+        tls_dir = str(self.issue(role, name))
+        return {"KVMESH_TLS_DIR": tls_dir, "KVMESH_TLS_CERT": "", "KVMESH_TLS_KEY": "", "KVMESH_TLS_CA": ""}
+
+    def credentials(self, role: str, name: str) -> MeshCredentials | None:
+        """Credentials for this process to call the children as `role` (None under KVMESH_INSECURE=1)."""
+        if self.insecure:
+            return load_credentials(role, TLSSettings(insecure=True))
+        return load_credentials(role, TLSSettings(tls_dir=str(self.issue(role, name))))
+
+
+def add_parser(commands: Any) -> None:
+    """`kvmesh certs`: the subparser, registered by kvmesh.cli."""
+    certs = commands.add_parser("certs", help="make the mesh's CA and certificates (mutual TLS between roles)")
+    certs_commands = certs.add_subparsers(dest="certs_command", required=True)
+    init = certs_commands.add_parser("init", help="a CA and one certificate per role in DIR (KVMESH_TLS_DIR=DIR)")
+    init.add_argument("directory", metavar="DIR")
+    init.add_argument("--force", action="store_true", help="replace the certificates already in DIR (a new CA)")
+
+
+def run(args: argparse.Namespace) -> int:
+    directory = Path(args.directory).expanduser()
+    if (directory / CA_FILE).exists() and not args.force:
+        print(f"kvmesh certs: {directory} already holds a CA (--force makes a new one)", file=sys.stderr)
+        return 0
+    init_directory(directory)
+    print(f"kvmesh certs: a CA and certificates for {', '.join(ROLES)} in {directory}", file=sys.stderr)
+    print(f"  every role on this host: KVMESH_TLS_DIR={directory}", file=sys.stderr)
+    return 0
