@@ -93,7 +93,7 @@ class Mesh:
         return f"http://127.0.0.1:{self.plan.http_port}"
 
     def start(self) -> None:
-        self.certificates = self._throwaway_certificates()
+        self.certificates = self.throwaway_certificates()
         if not self.nats_url:
             self.nats = EmbeddedNats().start()
             self.nats_url = self.nats.url
@@ -102,7 +102,7 @@ class Mesh:
             for index in range(self._count(role)):
                 self.spawn(role, index)
 
-    def _throwaway_certificates(self) -> ProcessCertificates | None:
+    def throwaway_certificates(self) -> ProcessCertificates | None:
         """A CA for this run (None where KVMESH_TLS_* name the user's certificates: the children use those)."""
         settings = load_settings(TLSSettings, {**os.environ, **self.plan.env})
         if settings.tls_dir or settings.tls_cert:
