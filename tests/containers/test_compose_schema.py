@@ -44,8 +44,8 @@ def test_the_validator_rejects_what_compose_would(validator, compose):
 
 def test_every_role_is_a_service_of_one_image_that_one_service_builds(compose):
     services = compose["services"]
-    assert set(services) == {"nats", "models", *ROLES}
-    images = {services[name]["image"] for name in ("models", *ROLES)}
+    assert set(services) == {"nats", "models", "certs", *ROLES}
+    images = {services[name]["image"] for name in ("models", "certs", *ROLES)}
     assert images == {"${KVMESH_IMAGE:-kvmesh:latest}"}
     assert [name for name, service in services.items() if "build" in service] == ["models"]
     for role in ROLES:
@@ -71,18 +71,35 @@ def test_healthchecks_dial_each_role_on_its_own_status_port(compose):
     assert "8222/healthz" in services["nats"]["healthcheck"]["test"][-1]
 
 
+def certs_of(role: str) -> dict:
+    """The mount of one role's own directory of the certs volume (its certificate, key and the CA), read-only."""
+    return {"type": "volume", "source": "certs", "target": "/certs", "read_only": True, "volume": {"subpath": role}}
+
+
 def test_roles_start_after_the_bus_and_the_models_and_read_the_models_volume_read_only(compose):
     services = compose["services"]
     for role in ("gateway", "encoder", "prefill", "decode"):
         depends = services[role]["depends_on"]
         assert depends["nats"] == {"condition": "service_healthy"}
         assert depends["models"] == {"condition": "service_completed_successfully"}
-        assert services[role]["volumes"] == ["models:/models:ro"]
+        assert services[role]["volumes"] == ["models:/models:ro", certs_of(role)]
     assert services["gateway"]["depends_on"]["balancer"] == {"condition": "service_healthy"}
     assert services["models"]["volumes"] == ["models:/models"]
-    assert services["kvcache"]["volumes"] == ["kv-data:/data"]  # the SSD tier outlives the container
+    assert services["kvcache"]["volumes"] == ["kv-data:/data", certs_of("kvcache")]  # the SSD tier outlives it
     assert services["kvcache"]["environment"]["KVMESH_DATA_DIR"] == "/data"
-    assert set(compose["volumes"]) == {"models", "nats-data", "kv-data"}
+    assert set(compose["volumes"]) == {"models", "nats-data", "kv-data", "certs"}
+
+
+def test_the_certs_service_makes_the_certificates_once_and_each_role_mounts_only_its_own(compose):
+    services = compose["services"]
+    assert services["certs"]["command"] == ["certs", "init", "/certs"]  # leaves a CA already there alone
+    assert services["certs"]["volumes"] == ["certs:/certs"] and services["certs"]["restart"] == "no"
+    for role in ROLES:
+        assert services[role]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+        assert certs_of(role) in services[role]["volumes"]
+        assert [v for v in services[role]["volumes"] if "certs" in str(v)] == [certs_of(role)]
+        assert services[role]["environment"]["KVMESH_TLS_DIR"] == "/certs"
+        assert "KVMESH_INSECURE" in services[role]["environment"]  # passed through, unset by default
 
 
 def test_settings_reach_every_role_and_the_host_api_keys_are_required(compose):
