@@ -6,31 +6,31 @@ weights), then read-only.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engine_core import model_store
 from engine_core.config import ConfigError
 from engine_core.loader.checkpoint import open_checkpoint
-from engine_core.tokenizer import ChatTemplateError, Tokenizer
+from engine_core.tokenizer import ChatTemplateError, PromptTooLong, Tokenizer, bytes_to_unicode
 from engine_core.vision import image_token_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
-from services.gateway.tool_calls import ToolSyntax, syntax_for
+from services.gateway.tool_calls import Tool, ToolSyntax, syntax_for
+
+IMAGE_MARKER = "<|kvmesh:image|>"  # one per image part in the flattened text, until the model is known
+T = TypeVar("T")
+# Tokenizing and template rendering run here, never on the event loop: a few threads, so a burst of long prompts
+# queues instead of taking every core (tokenizers' encode_batch releases the GIL while it works).
+_TOKENIZER_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
 
 
-@functools.cache
-def bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: the character that spells each byte, inverted (character -> byte)."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = {byte: chr(byte) for byte in kept}
-    shifted = 0
-    for byte in range(256):
-        if byte not in chars:
-            chars[byte] = chr(256 + shifted)
-            shifted += 1
-    return {char: byte for byte, char in chars.items()}
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on the tokenizer threads. A cancelled caller stops waiting; a running call ends on its own."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREADS, functools.partial(fn, *args))
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ class ServedModel:
     tokenizer: Tokenizer
     context_len: int  # prompt + generated tokens must fit (the model's max_position_embeddings)
     image_token_id: int | None = None  # the image placeholder token of a model that takes images (engine_core.vision)
+
+    def __post_init__(self) -> None:
+        self.tokenizer.warm()  # at load, not in the first request: the byte bound and the plain-text tokenizer
 
     @functools.cached_property
     def tool_syntax(self) -> ToolSyntax:
@@ -63,17 +66,46 @@ class ServedModel:
             return bytes(decoder[c] for c in piece)
         return piece.replace("\u2581", " ").encode()
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """The chat as the model was trained to see it, ready for generation, as token ids."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[Tool] = ()) -> list[int]:
+        """The chat as the model was trained to see it, ready for generation, as token ids: the tools described in
+        this model's format, each image part's marker as the model's image token, and control tokens only where
+        the template or the tool format put them (engine_core.tokenizer.encode_chat). Blocks the calling thread
+        for as long as tokenizing takes: the gateway calls it off the event loop. A prompt whose bytes prove it
+        cannot fit the context is refused (CONTEXT_LENGTH) before it is tokenized."""
+
+        def prepare(protected: list[dict[str, Any]], protect: Any) -> list[dict[str, Any]]:
+            if tools:
+                protected = self.tool_syntax.render_messages(protected, protect(tuple(tools)))
+            if self.image_token_id is None:
+                return protected
+            token = self.tokenizer.backend.id_to_token(self.image_token_id)
+            return [
+                {**m, "content": m["content"].replace(IMAGE_MARKER, token)} if isinstance(m.get("content"), str) else m
+                for m in protected
+            ]
+
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode_chat(messages, prepare, max_num_tokens=self.context_len)
         except ChatTemplateError as exc:
             raise invalid("messages", str(exc)) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        except PromptTooLong as exc:
+            raise self._too_long(exc, "messages") from None
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """A raw prompt, with the BOS token when the model's tokenizer adds one."""
-        return self.tokenizer.encode(text, add_special_tokens=True)
+    def encode_prompt(self, text: str, param: str = "prompt") -> list[int]:
+        """A raw prompt, with the BOS token when the model's tokenizer adds one. Its added-token text stays control
+        tokens: a raw prompt is the model's own format, written by the client on purpose."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=True, max_num_tokens=self.context_len)
+        except PromptTooLong as exc:
+            raise self._too_long(exc, param) from None
+
+    def _too_long(self, exc: PromptTooLong, param: str) -> GatewayError:
+        return GatewayError(
+            ErrorKind.CONTEXT_LENGTH,
+            f"this model's context is {self.context_len} tokens; the prompt is {exc.num_bytes} bytes, so at least "
+            f"{exc.min_num_tokens} tokens (refused before tokenizing)",
+            param,
+        )
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         vocab_size = self.tokenizer.vocab_size

@@ -9,7 +9,6 @@ tokens or grammars. One ChatRun's state is written only by its own `events()`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -22,11 +21,11 @@ from engine_core.structured_output import StructuredOutput
 from mesh.compute.convert import structured_to_proto
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, encoder_pb2
-from services.gateway.catalog import ServedModel
+from services.gateway.catalog import ServedModel, off_loop
 from services.gateway.core import GatewayCore
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.image_encoding import place_images
-from services.gateway.images import ImagePart, with_image_tokens
+from services.gateway.images import ImagePart, check_accepts_images
 from services.gateway.pipeline import NOT_FINISHED, Delta, Generation, GenerationStream, Placement, Usage
 from services.gateway.tenancy.limit_counters import Demand
 from services.gateway.tenancy.limits import Reservation
@@ -295,13 +294,13 @@ def turn_sampling(turn: ChatTurn, grammar: StructuredOutput | None, choice: int)
 
 
 def render_prompt(model: ServedModel, turn: ChatTurn) -> list[int]:
+    """Blocks while it tokenizes: called through `off_loop`."""
     if isinstance(turn.prompt, str):
-        return model.encode_prompt(turn.prompt)
+        return model.encode_prompt(turn.prompt, turn.prompt_param)
     if turn.prompt is not None:
         model.check_token_ids(turn.prompt, turn.prompt_param)
         return list(turn.prompt)
-    messages = model.tool_syntax.render_messages(turn.messages, turn.tools) if turn.tools else turn.messages
-    return model.render_chat(messages)
+    return model.render_chat(turn.messages, turn.tools)
 
 
 TRAFFIC_CLASS = re.compile(r"[a-z0-9_-]{1,32}")
@@ -327,11 +326,11 @@ async def render_with_images(
 ) -> tuple[list[int], tuple[encoder_pb2.PromptImage, ...]]:
     """The prompt; with images, each one's placeholder widened to its embeddings' length (image_encoding)."""
     if not turn.images:
-        return render_prompt(model, turn), ()
+        return await off_loop(render_prompt, model, turn), ()
     if core.images is None:
         raise GatewayError(ErrorKind.UNAVAILABLE, "this gateway does not take images")
-    messages = with_image_tokens(model, turn.messages, turn.images)  # 400 for a model that takes no images
-    prompt = render_prompt(model, dataclasses.replace(turn, messages=messages))
+    check_accepts_images(model, turn.images)
+    prompt = await off_loop(render_prompt, model, turn)
     encoded = await core.images.encode_all(model.name, turn.images, request_id)
     return place_images(model, prompt, encoded, turn.prompt_param)
 

@@ -2,7 +2,8 @@
 server allows them), checked before anything is sent to an encoder. Every error names the content part.
 
 Parsing (no I/O) flattens a message's parts to text, with IMAGE_MARKER where each image was; once the model is
-known the marker becomes the model's image placeholder token (`with_image_tokens`).
+known the marker becomes the model's image placeholder token (catalog.ServedModel.render_chat, after the client's
+text is protected: a client cannot write the placeholder token itself).
 """
 
 from __future__ import annotations
@@ -11,14 +12,12 @@ import base64
 import binascii
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine_core.images import ImageError, ImageLimits, inspect_image
-from services.gateway.catalog import ServedModel
+from services.gateway.catalog import IMAGE_MARKER, ServedModel
 from services.gateway.egress import EgressGuard, FetchRefused, FetchTooLarge
 from services.gateway.errors import invalid
 
-IMAGE_MARKER = "<|kvmesh:image|>"  # one per image part in the flattened text, until the model is known
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.DOTALL)
 
 
@@ -50,18 +49,10 @@ def check_count(parts: tuple[ImagePart, ...], settings: ImageSettings) -> None:
         )
 
 
-def with_image_tokens(
-    model: ServedModel, messages: list[dict[str, Any]], parts: tuple[ImagePart, ...]
-) -> list[dict[str, Any]]:
-    """The messages with each image's marker replaced by the model's placeholder token (400 for a model that takes
-    no images)."""
-    if model.image_token_id is None:
+def check_accepts_images(model: ServedModel, parts: tuple[ImagePart, ...]) -> None:
+    """A 400 naming the first image part for a model that takes no images."""
+    if parts and model.image_token_id is None:
         raise invalid(parts[0].param, f"the model {model.name!r} does not accept images")
-    token = model.tokenizer.backend.id_to_token(model.image_token_id)
-    return [
-        {**m, "content": m["content"].replace(IMAGE_MARKER, token)} if isinstance(m.get("content"), str) else m
-        for m in messages
-    ]
 
 
 async def read_image(part: ImagePart, settings: ImageSettings) -> bytes:

@@ -176,8 +176,9 @@ async def test_bad_images_are_refused_naming_the_content_part(client):
     assert "base64" in not_base64["message"]
     text_only = await bad_request(client, ask(data_url(png((5, 5, 5)))), model=SMOL)
     assert text_only["message"] == f"the model {SMOL!r} does not accept images"
-    in_text = await bad_request(client, ask(data_url(png((6, 6, 6))), text="see <｜image｜> here"))
-    assert "must not contain '<｜image｜>'" in in_text["message"]
+    # the placeholder token's text in a message is plain text (engine_core.tokenizer): one image, one placeholder
+    in_text = await chat(client, ask(data_url(png((6, 6, 6))), text="see <｜image｜> here"))
+    assert in_text.choices[0].finish_reason in ("stop", "length")
     assistant = await bad_request(
         client,
         [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": data_url(png((7, 7, 7)))}}]}],

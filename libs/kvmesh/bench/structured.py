@@ -189,8 +189,7 @@ def _bfcl_category(
         except GatewayError as exc:
             unsupported.append(f"{question['id']}: {exc.message}")
             continue
-        messages = model.tool_syntax.render_messages(question["question"][0], tools)
-        jobs.append((question, tools, model.render_chat(messages), grammar))
+        jobs.append((question, tools, model.render_chat(question["question"][0], tools), grammar))
     outputs = _generate(llm, [(prompt, grammar) for _, _, prompt, grammar in jobs], max_tokens, batch_size)
     num_calls = num_valid = matched = truncated = 0
     failures = []
