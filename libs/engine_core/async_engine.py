@@ -25,7 +25,6 @@ from engine_core.kv_load import LayerLoad
 from engine_core.kv_transfer import KVLayout
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import RequestOutput
-from engine_core.structured_output import GrammarError
 
 T = TypeVar("T")
 
@@ -101,15 +100,11 @@ class AsyncEngine:
 
     async def prepare_grammar(self, params: SamplingParams, timeout_s: float = GRAMMAR_TIMEOUT_S) -> None:
         """Compile the request's grammar, if any, on a worker thread (the engine thread only finds it in the
-        cache then). Past `timeout_s` it fails with GrammarError; the compile runs on but the request is refused."""
+        cache then). Past `timeout_s` it fails with GrammarError; the compile runs on, holding its slot, but the
+        request is refused. The cap is per worker: requests carry no tenant here."""
         structured = params.structured_output
-        grammars = self._engine.grammars  # a compile cache built for any thread (it locks)
-        if structured is None or grammars.is_cached(structured):
-            return
-        try:
-            await asyncio.wait_for(asyncio.to_thread(grammars.compile, structured), timeout_s)
-        except asyncio.TimeoutError:
-            raise GrammarError(f"the {structured.kind} grammar took over {timeout_s:g} s to compile") from None
+        if structured is not None:  # on the compiler's own bounded threads (structured_output.GrammarCompiler)
+            await self._engine.grammars.compile_async(structured, timeout_s)
 
     def prompt_block_hashes(
         self, prompt_token_ids: list[int], cache_salt: str | None = None, key_spans: Sequence[KeySpan] = ()

@@ -5,19 +5,27 @@ token it samples, wherever the request runs (prefill samples the first token, de
     build_grammar       the kind + text as an xgrammar Grammar, with no tokenizer (cheap: the gateway uses it
                         to refuse a bad grammar before routing)
     GrammarCompiler     one per engine (so per model): the grammar bound to the model's vocabulary, compiled
-                        once per distinct StructuredOutput and kept in an LRU cache
+                        once per distinct StructuredOutput on its own few threads and kept in an LRU cache
+                        bounded in bytes
     grammar_mask        a SamplingParams.token_mask hook over a GrammarMatcher: it advances over the output
                         tokens it has not seen yet (on decode: the token prefill sampled) before masking
 
 Compilation is bounded: the text's size is capped here, and the services compile off the engine thread with
-a deadline (`AsyncEngine.prepare_grammar`), so a grammar blow-up fails the request, not the worker.
+a deadline (`AsyncEngine.prepare_grammar` -> `GrammarCompiler.compile_async`), so a grammar blow-up fails the
+request, not the worker. An xgrammar compile cannot be interrupted, so a compile past its deadline is refused to
+its request but keeps its thread and its place in the counts until it really ends: at most `num_threads` compiles
+run at once and at most `max_pending` are queued or running (per tenant `max_pending_per_tenant`, when the caller
+names one), so a flood of bombs is refused at once instead of piling up behind each other.
 xgrammar is imported lazily: it pulls in transformers, which costs seconds at import.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,7 +39,10 @@ if TYPE_CHECKING:
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar's text (tool grammars embed each tool's JSON grammar)
-CACHE_SIZE = 256  # compiled grammars kept per engine
+CACHE_BYTES = 256 * 2**20  # compiled grammars kept per engine, by their size (xgrammar's memory_size_bytes)
+COMPILE_THREADS = 2  # compiles running at once per engine
+MAX_PENDING_COMPILES = 16  # queued or running per engine; more is refused at once
+MAX_PENDING_COMPILES_PER_TENANT = 4  # of those, for one tenant (when the caller names the tenant)
 
 # A per-request token mask hook (SamplingParams.token_mask): given the tokens generated so far, the vocabulary
 # entries allowed next ((V,) bool, True = allowed), or None for no restriction. Grammars plug in here.
@@ -40,6 +51,10 @@ TokenMaskFn = Callable[[Sequence[int]], "torch.Tensor | None"]
 
 class GrammarError(ValueError):
     """A grammar that cannot be built or compiled: the request's fault (INVALID_ARGUMENT, HTTP 400)."""
+
+
+class GrammarBusyError(GrammarError):
+    """Too many compiles are queued or running (for this worker or tenant): refused at once, retry later."""
 
 
 @dataclass(frozen=True)
@@ -96,16 +111,42 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequen
 
 
 class GrammarCompiler:
-    """One model's compiled grammars. Thread-safe: the services compile on worker threads, and the engine
-    thread looks grammars up (compiling only on a cache miss) when a request is added."""
+    """One model's compiled grammars. Thread-safe: the services compile on this compiler's own threads
+    (`compile_async`), and the engine thread looks grammars up (compiling only on a cache miss) when a request is
+    added."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        cache_bytes: int = CACHE_BYTES,
+        num_threads: int = COMPILE_THREADS,
+        max_pending: int = MAX_PENDING_COMPILES,
+        max_pending_per_tenant: int = MAX_PENDING_COMPILES_PER_TENANT,
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = tuple(stop_token_ids)
+        self.cache_bytes = cache_bytes
+        self.max_pending = max_pending
+        self.max_pending_per_tenant = max_pending_per_tenant
         self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use (seconds for a large vocab)
-        self._cache: collections.OrderedDict[StructuredOutput, xgrammar.CompiledGrammar] = collections.OrderedDict()
-        self._lock = threading.Lock()  # guards _compiler and _cache
+        # structured -> (compiled, its bytes: xgrammar's memory_size_bytes plus the key's text)
+        self._cache: collections.OrderedDict[StructuredOutput, tuple[xgrammar.CompiledGrammar, int]] = (
+            collections.OrderedDict()
+        )
+        self.num_cached_bytes = 0
+        self._pending: dict[str, int] = {}  # tenant ("" unnamed) -> compiles queued or running, until they end
+        self._lock = threading.Lock()  # guards _compiler, _cache, num_cached_bytes and _pending
+        self._threads = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+
+    @property
+    def num_pending(self) -> int:
+        """Compiles queued or running, counted until each really ends (a refused one may still be running)."""
+        with self._lock:
+            return sum(self._pending.values())
 
     def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
         import xgrammar as xgr
@@ -119,21 +160,69 @@ class GrammarCompiler:
             return self._compiler
 
     def compile(self, structured: StructuredOutput) -> xgrammar.CompiledGrammar:
+        """The compiled grammar, from the cache or compiled on the calling thread."""
         with self._lock:
-            compiled = self._cache.get(structured)
-            if compiled is not None:
+            entry = self._cache.get(structured)
+            if entry is not None:
                 self._cache.move_to_end(structured)
-                return compiled
+                return entry[0]
         grammar = build_grammar(structured)
         try:
             compiled = self._xgr_compiler().compile_grammar(grammar)
         except (RuntimeError, ValueError) as exc:
             raise GrammarError(f"the {structured.kind} grammar does not compile: {_first_line(exc)}") from None
-        with self._lock:
-            self._cache[structured] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        self._keep(structured, compiled)
         return compiled
+
+    def _keep(self, structured: StructuredOutput, compiled: xgrammar.CompiledGrammar) -> None:
+        size = int(compiled.memory_size_bytes) + len(structured.spec)
+        if size > self.cache_bytes:
+            return  # larger than the whole cache: used once, not kept
+        with self._lock:
+            if structured in self._cache:
+                return
+            self._cache[structured] = (compiled, size)
+            self.num_cached_bytes += size
+            while self.num_cached_bytes > self.cache_bytes:
+                _, (_, evicted) = self._cache.popitem(last=False)
+                self.num_cached_bytes -= evicted
+
+    async def compile_async(self, structured: StructuredOutput, timeout_s: float, tenant: str = "") -> None:
+        """Compile into the cache on this compiler's threads. GrammarBusyError at once when too many compiles
+        are pending (for the tenant, when named); GrammarError past `timeout_s` (the compile runs on, holding
+        its thread and its count, and is cached if it ends)."""
+        if self.is_cached(structured):
+            return
+        with self._lock:
+            if sum(self._pending.values()) >= self.max_pending:
+                raise GrammarBusyError(f"{self.max_pending} grammar compiles are already pending; retry shortly")
+            if tenant and self._pending.get(tenant, 0) >= self.max_pending_per_tenant:
+                raise GrammarBusyError(
+                    f"{self.max_pending_per_tenant} grammar compiles of this tenant are already pending; retry shortly"
+                )
+            self._pending[tenant] = self._pending.get(tenant, 0) + 1
+        deadline = time.monotonic() + timeout_s
+        try:
+            future = self._threads.submit(self._compile_by, structured, deadline)
+        except BaseException:
+            self._release(tenant)
+            raise
+        future.add_done_callback(lambda _: self._release(tenant))  # when it really ends (or never started)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)  # cancels it if it has not started
+        except (asyncio.TimeoutError, TimeoutError):
+            raise GrammarError(f"the {structured.kind} grammar took over {timeout_s:g} s to compile") from None
+
+    def _compile_by(self, structured: StructuredOutput, deadline: float) -> None:
+        if time.monotonic() > deadline:  # waited in the queue past its deadline: its caller is gone
+            raise GrammarError("the grammar compile waited past its deadline")
+        self.compile(structured)
+
+    def _release(self, tenant: str) -> None:
+        with self._lock:
+            self._pending[tenant] -= 1
+            if not self._pending[tenant]:
+                del self._pending[tenant]
 
     def is_cached(self, structured: StructuredOutput) -> bool:
         with self._lock:
