@@ -255,3 +255,12 @@ ENCODER_SECONDS = _histogram(
 ENCODER_CACHE_BYTES = _gauge(
     "kvmesh_encoder_cache_bytes", "Embedding bytes held by this encoder's cache", roles="encoder"
 )
+
+# every role's internal gRPC server (mesh.rpc.Authorization)
+GRPC_CALLS_DENIED = _counter(
+    "kvmesh_grpc_calls_denied_total",
+    "Internal gRPC calls refused (PERMISSION_DENIED): the caller's role may not call the method (mesh.access)",
+    ["method", "role"],
+    roles="encoder, prefill, decode, kvcache, balancer, expert_lb",
+    note="method: /kvmesh.v1.Service/Method; role: the caller's certificate's, or none",
+)

@@ -18,6 +18,7 @@ import grpc.aio
 
 from mesh.access import allowed_callers
 from mesh.logging import REQUEST_ID_KEY, current_request_id, get_logger
+from mesh.metrics import GRPC_CALLS_DENIED
 from mesh.tls import SERVER_NAME, MeshCredentials, peer_identity
 
 log = get_logger(__name__)
@@ -146,6 +147,7 @@ def _guarded(handler: Any, method: str) -> Any:
         if identity is None or identity.role not in allowed:
             role = identity.role if identity is not None else "(no kvmesh identity)"
             log.warning("call refused", method=method, caller=identity.uri if identity else role)
+            GRPC_CALLS_DENIED.labels(method, identity.role if identity else "none").inc()
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{method}: a {role} may not call it (allowed: {', '.join(sorted(allowed)) or 'nobody'})",

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+from prometheus_client import REGISTRY
 
 from kvmesh.certs import CertificateAuthority
 from mesh import rpc, tls
@@ -97,8 +98,14 @@ async def test_each_kind_of_call_runs_for_its_allowed_role(decode_server) -> Non
     assert servicer.calls == ["Abort:r1", "Stream:r1", "PushKV:2"]
 
 
+def denied(method: str, role: str) -> float:
+    value = REGISTRY.get_sample_value("kvmesh_grpc_calls_denied_total", {"method": method, "role": role})
+    return value or 0.0
+
+
 async def test_a_disallowed_role_is_refused_naming_the_method_and_its_role(decode_server) -> None:
     address, servicer = decode_server
+    before = denied("/kvmesh.v1.Decode/Abort", PREFILL), denied("/kvmesh.v1.Decode/PushKV", GATEWAY)
     as_gateway, as_prefill = rpc.Channels(tls.load_credentials(GATEWAY)), rpc.Channels(tls.load_credentials(PREFILL))
     try:
         with pytest.raises(grpc.aio.AioRpcError) as abort:
@@ -115,6 +122,8 @@ async def test_a_disallowed_role_is_refused_naming_the_method_and_its_role(decod
     assert stream.value.details() == "/kvmesh.v1.Decode/Stream: a prefill may not call it (allowed: gateway)"
     assert pushed.value.details() == "/kvmesh.v1.Decode/PushKV: a gateway may not call it (allowed: prefill)"
     assert servicer.calls == []  # no handler ran
+    after = denied("/kvmesh.v1.Decode/Abort", PREFILL), denied("/kvmesh.v1.Decode/PushKV", GATEWAY)
+    assert (after[0] - before[0], after[1] - before[1]) == (1.0, 1.0)
 
 
 async def unary_code(channel: grpc.aio.Channel) -> grpc.StatusCode:
