@@ -24,9 +24,10 @@ EOS_TEXT = "<｜end▁of▁sentence｜>"
 
 def huge_chat(num_bytes: int) -> bytes:
     """A chat request whose body is exactly num_bytes."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": ""}], "max_tokens": 4}
+    message = {"role": "user", "content": ""}
+    body = {"model": MODEL, "messages": [message], "max_tokens": 4}
     room = num_bytes - len(json.dumps(body).encode())
-    body["messages"][0]["content"] = "word " * (room // 5) + "x" * (room % 5)
+    message["content"] = "word " * (room // 5) + "x" * (room % 5)
     data = json.dumps(body).encode()
     assert len(data) == num_bytes
     return data
