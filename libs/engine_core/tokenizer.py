@@ -104,18 +104,25 @@ def _shrink_factor(step: dict[str, Any] | None) -> int | None:
     return 1 if kind in _KEEPING_STEPS else None
 
 
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())  # isascii() is O(1) on CPython's ASCII strings
+
+
 @dataclasses.dataclass
 class _Literals:
     """One rendering's literal added-token texts found in client strings, swapped for markers (a random nonce,
     ASCII letters and digits: no template or JSON escaping touches them) until the rendered text is tokenized."""
 
     pattern: re.Pattern[str]
+    first_chars: frozenset[str]  # every literal starts with one of these: a string without any needs no regex
     nonce: str = dataclasses.field(default_factory=lambda: secrets.token_hex(8))
     texts: list[str] = dataclasses.field(default_factory=list)
 
     def protect(self, value: Any) -> Any:
         """`value` with every literal in its strings (dict keys, lists, tuples, dataclass fields) marked."""
         if isinstance(value, str):
+            if not any(char in value for char in self.first_chars):  # memchr-fast, where the regex steps
+                return value
             return self.pattern.sub(self._mark, value)
         if isinstance(value, dict):
             return {self.protect(k): self.protect(v) for k, v in value.items()}
@@ -176,6 +183,7 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._control_ids = {t.content: i for i, t in added.items() if t.content.strip()}
         self._control_pattern = trie_pattern(list(self._control_ids))
+        self._control_first_chars = frozenset(text[0] for text in self._control_ids)
 
     def warm(self) -> None:
         """Build what encode_chat and the byte bound need now (about a second for a large vocabulary)."""
@@ -253,7 +261,7 @@ class Tokenizer:
         """The text's ids (added tokens in it matched: a raw prompt is the model's own text). PromptTooLong first
         if its bytes prove it has max_num_tokens or more."""
         if max_num_tokens is not None:
-            self.check_size(len(text.encode()), 0, max_num_tokens)
+            self.check_size(_utf8_len(text), 0, max_num_tokens)
         ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids  # GIL released
         if (
             add_special_tokens
@@ -295,7 +303,7 @@ class Tokenizer:
         messages before rendering and writes control tokens of its own (tool-call markers); it passes any client
         text it adds through `protect`.
         PromptTooLong before tokenizing when the rendered text's bytes prove it has max_num_tokens or more."""
-        literals = _Literals(self._control_pattern)
+        literals = _Literals(self._control_pattern, self._control_first_chars)
         # An assistant turn is left as sent: templates parse it (reasoning cut at `</think>`), and the client
         # writes it whole anyway; its text says nothing a forged turn could not.
         protected = [dict(m) if m.get("role") == "assistant" else literals.protect(m) for m in messages]
@@ -311,7 +319,7 @@ class Tokenizer:
         texts = [piece for piece in pieces if isinstance(piece, str) and piece]
         if max_num_tokens is not None:
             num_control = sum(isinstance(piece, int) for piece in pieces)
-            self.check_size(sum(len(t.encode()) for t in texts), num_control, max_num_tokens)
+            self.check_size(sum(map(_utf8_len, texts)), num_control, max_num_tokens)
         encoded = iter(self._plain.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
         ids: list[int] = []
         for piece in pieces:
