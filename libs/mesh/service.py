@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from mesh import rpc, tls
 from mesh.bus import Bus
 from mesh.config import ServiceSettings
-from mesh.discovery import ROLE_NAMES, Announcer, advertise_host, default_worker_id
+from mesh.discovery import ROLE_NAMES, Announcer, advertise_host, default_worker_id, now_ms
 from mesh.logging import configure_logging, get_logger
 from mesh.pb import common_pb2
 
@@ -89,6 +89,7 @@ class ServiceRuntime:
         self.role = role
         self.role_name = ROLE_NAMES[role]
         self.worker_id = settings.worker_id or default_worker_id(self.role_name)
+        self.started_at_ms = now_ms()  # with worker_id, names this process (a restart keeps the id, not this)
         configure_logging(settings.log_level, settings.log_format, role=self.role_name, worker_id=self.worker_id)
         # before anything else starts: without certificates (or KVMESH_INSECURE=1) the process refuses to run
         self.credentials = tls.load_credentials(self.role_name)
@@ -159,6 +160,7 @@ class ServiceRuntime:
             num_kv_blocks=num_kv_blocks,
             block_size=block_size,
             data_address=self.data_address,
+            started_at_ms=self.started_at_ms,
         )
         self._announcer = Announcer(self.bus, info, load, self.settings.heartbeat_interval_s)
         await self._announcer.start()

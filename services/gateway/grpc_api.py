@@ -265,7 +265,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 with self.core.track():
                     turn = to_turn(self.core, request)
                     run = await start_chat(self.core, turn, request_id, record.on_tokens, record.principal)
-                    record.run = run
+                    record.start(run)
                     try:
                         async for event in run.events():
                             response = _response(request_id, run, event)

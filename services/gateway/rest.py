@@ -170,7 +170,7 @@ async def start_turn(request: web.Request, turn: ChatTurn, record: RequestRecord
     record.admit(core.catalog.require(turn.model).name)
     check_scope(request.get(PRINCIPAL), API_NAMES.get(request.path, request.path), turn.model)
     run = await start_chat(core, turn, request[REQUEST_ID], record.on_tokens, request.get(PRINCIPAL))
-    record.run = run
+    record.start(run)
     return run
 
 

@@ -23,6 +23,7 @@ from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
 from services.gateway.pipeline import Pipeline
 from services.gateway.response_store import ResponseStore
 from services.gateway.telemetry import TENANT_LABELS
+from services.gateway.tenancy.abandoned import AbandonedRequests
 from services.gateway.tenancy.admin_api import Admin
 from services.gateway.tenancy.db import Database, open_database
 from services.gateway.tenancy.keys import server_secret
@@ -32,6 +33,7 @@ from services.gateway.tenancy.spend import PriceBook
 from services.gateway.tenancy.store import KeyStore
 
 log = get_logger(__name__)
+ABANDONED_MARGIN_S = 60.0  # past request_timeout_s, an open request is settled even if its gateway seems alive
 
 
 class GatewayServer:
@@ -50,6 +52,8 @@ class GatewayServer:
         self.prices: PriceBook | None = None
         self.ledger: UsagePublisher | None = None
         self.ledger_consumer: LedgerConsumer | None = None  # one of the replicas' shared `ledger` consumer
+        self.gateways: WorkerRegistry | None = None  # every gateway process, for AbandonedRequests
+        self.abandoned: AbandonedRequests | None = None
 
     @property
     def grpc_port(self) -> int:
@@ -66,10 +70,20 @@ class GatewayServer:
         secret = server_secret(settings)
         key_store = KeyStore(self.database, secret)
         await key_store.follow(bus.client)  # revocations from every replica
-        self.ledger = UsagePublisher(bus)
+        self.ledger = UsagePublisher(
+            bus,
+            gateway=(self.runtime.worker_id, self.runtime.started_at_ms),
+            settle_after_s=settings.request_timeout_s + ABANDONED_MARGIN_S,
+        )
         await self.ledger.start()
         self.ledger_consumer = LedgerConsumer(bus, self.database)
         await self.ledger_consumer.start()
+        self.gateways = WorkerRegistry(bus, (common_pb2.ROLE_GATEWAY,), settings.heartbeat_interval_s)
+        await self.gateways.start()
+        self.abandoned = AbandonedRequests(
+            bus, self.database, self._live_gateways, warmup_s=3 * settings.heartbeat_interval_s + 1
+        )
+        await self.abandoned.start()
         self.registry = WorkerRegistry(bus, FOLLOWED_ROLES, settings.heartbeat_interval_s)
         await self.registry.start()
         self.prices = PriceBook(self.database)  # spend budgets' prices at admission
@@ -106,6 +120,12 @@ class GatewayServer:
         )  # the REST app serves /healthz, /readyz and /metrics on http_port itself
         log.info("gateway serving", http_port=self.http_port, grpc_port=self.grpc_port, models=catalog.names)
 
+    def _live_gateways(self) -> set[tuple[str, int]]:
+        """The gateway processes heard from lately, this one included (abandoned.py)."""
+        assert self.gateways is not None
+        live = {(w.worker_id, w.info.started_at_ms) for w in self.gateways.workers()}
+        return live | {(self.runtime.worker_id, self.runtime.started_at_ms)}
+
     def _load(self) -> common_pb2.WorkerLoad:
         return common_pb2.WorkerLoad(num_running=self.runtime.lifecycle.in_flight)
 
@@ -113,6 +133,10 @@ class GatewayServer:
         async def stop_following() -> None:
             if self.registry is not None:
                 await self.registry.stop()
+            if self.abandoned is not None:
+                await self.abandoned.stop()
+            if self.gateways is not None:
+                await self.gateways.stop()
 
         async def flush_usage() -> None:  # the finished requests' records, while NATS is still there
             if self.limiter is not None:  # settlements first: they release what the finished requests held

@@ -19,7 +19,25 @@ from services.gateway.tenancy.principal import Principal
 
 log = get_logger("services.gateway.requests")
 UNKNOWN_MODEL = "unknown"  # the label for requests refused before their model was known (bounds cardinality)
-TENANT_LABELS = TenantLabels(20)  # process-wide, as the metrics are; server.py sets its capacity
+
+
+def forget_tenant(name: str) -> None:
+    """Remove every series of the tenant label `name` (it left the named tenants: metric_labels.py)."""
+    for metric, label_names in (
+        (GATEWAY_REQUESTS, ("api", "model", "code", "tenant")),
+        (GATEWAY_TOKENS, ("model", "tenant", "kind")),
+    ):
+        found = {
+            tuple(sample.labels[label] for label in label_names)
+            for family in metric.collect()
+            for sample in family.samples
+            if sample.labels.get("tenant") == name
+        }
+        for label_values in found:
+            metric.remove(*label_values)
+
+
+TENANT_LABELS = TenantLabels(20, forget_tenant)  # process-wide, as the metrics are; server.py sets its capacity
 CLIENT_GONE = 499  # the code of a client that left before the end (nginx's convention)
 # a gRPC status's HTTP equivalent, for the usage record's http_status
 _GRPC_HTTP = {
@@ -91,6 +109,14 @@ class RequestRecord:
             for _ in range(num_tokens):
                 GATEWAY_ITL.labels(self.model).observe(gap)
         self._last_token_at = now
+
+    def start(self, run: ChatRun) -> None:
+        """The request started generating: the ledger hears of it now, so that it is settled even if this
+        gateway dies before `finish` (tenancy/abandoned.py)."""
+        self.run = run
+        if self._ledger is not None and self.principal is not None:
+            record = self.usage_record(0, time.monotonic() - self._arrival)
+            self._ledger.submit_open(record)
 
     @property
     def stream(self) -> GenerationStream | None:

@@ -178,7 +178,7 @@ def requests_by_tenant(text: str) -> dict[str, float]:
 async def test_metrics_name_the_busiest_tenants_and_the_rest_other(
     gateway: Gateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(telemetry, "TENANT_LABELS", TenantLabels(2))  # N = 2, counted from here on
+    monkeypatch.setattr(telemetry, "TENANT_LABELS", TenantLabels(2, telemetry.forget_tenant))  # N = 2 from here
     names = [f"metered-{i}" for i in range(4)]  # N + 2 tenants
     keys = [(await gateway.tenant(name))[1] for name in names]
     async with gateway.session.get(f"{gateway.base_url}/metrics") as response:
@@ -195,3 +195,12 @@ async def test_metrics_name_the_busiest_tenants_and_the_rest_other(
     num_prompt_tokens = len(gateway.fakes.script.prefills[0].prompt_token_ids)
     assert f"{prompt} {2 * num_prompt_tokens}.0" in text
     assert all(key not in text for key in keys)  # names, never keys
+    for _ in range(3):  # the 4th tenant's 3rd request overtakes the 2nd (2): the 2nd's series go, `other` counts it
+        await gateway.block_keys(keys[3])
+    await gateway.block_keys(keys[1])
+    async with gateway.session.get(f"{gateway.base_url}/metrics") as response:
+        text = await response.text()
+    final = requests_by_tenant(text)
+    assert {name: final.get(name) for name in names} == {names[0]: 3, names[1]: None, names[2]: None, names[3]: 2}
+    assert final["other"] - before.get("other", 0.0) == 4  # the 3rd's 1st, the 4th's 1st and 2nd, the 2nd's 3rd
+    assert f'tenant="{names[1]}"' not in text

@@ -25,7 +25,7 @@ def _columns(connection) -> dict[str, list[str]]:  # type: ignore[no-untyped-def
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_an_empty_database_migrates_to_the_four_tables(backend: str, tmp_path: Path) -> None:
+async def test_an_empty_database_migrates_to_the_five_tables(backend: str, tmp_path: Path) -> None:
     async with empty_database_url(backend, tmp_path) as url:
         database = await open_database(_settings(database_url=url))
         try:
@@ -45,6 +45,9 @@ async def test_an_empty_database_migrates_to_the_four_tables(backend: str, tmp_p
             "plan", "model", "input_per_mtok", "cached_input_per_mtok", "output_per_mtok", "updated_at"
         ]  # fmt: skip
         assert len(columns["usage_records"]) == 18
+        assert columns["open_requests"] == [
+            "request_id", "gateway_id", "gateway_started_at_ms", "started_at", "settle_after", "record"
+        ]  # fmt: skip
         assert [(i["name"], i["column_names"]) for i in indexes] == [
             ("ix_usage_records_tenant_ended", ["tenant_id", "ended_at"])
         ]
@@ -54,7 +57,7 @@ async def test_an_empty_database_migrates_to_the_four_tables(backend: str, tmp_p
             assert sorted(await connection.run_sync(_columns)) == sorted(columns)
             version = (await connection.exec_driver_sql("SELECT version_num FROM alembic_version")).scalar_one()
         await again.close()
-        assert version == "0001"
+        assert version == "0002"
 
 
 async def test_the_default_is_sqlite_under_the_state_dir(tmp_path: Path) -> None:

@@ -114,7 +114,7 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_shape: _Optional[_Iterable[int]] = ..., block_axis: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "models", "max_num_seqs", "num_kv_blocks", "block_size", "data_address")
+    __slots__ = ("worker_id", "role", "address", "models", "max_num_seqs", "num_kv_blocks", "block_size", "data_address", "started_at_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class WorkerInfo(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     address: str
@@ -131,7 +132,8 @@ class WorkerInfo(_message.Message):
     num_kv_blocks: int
     block_size: int
     data_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
+    started_at_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., data_address: _Optional[str] = ..., started_at_ms: _Optional[int] = ...) -> None: ...
 
 class LaneEnd(_message.Message):
     __slots__ = ("error", "code")

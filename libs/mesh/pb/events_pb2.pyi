@@ -124,7 +124,7 @@ class BlockCoding(_message.Message):
     def __init__(self, num_data: _Optional[int] = ..., num_total: _Optional[int] = ...) -> None: ...
 
 class UsageRecord(_message.Message):
-    __slots__ = ("request_id", "tenant_id", "key_id", "model", "api", "status", "http_status", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "e2e_ms", "prefill_worker", "decode_worker", "cost", "price_plan", "started_at_ms", "ended_at_ms")
+    __slots__ = ("request_id", "tenant_id", "key_id", "model", "api", "status", "http_status", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "e2e_ms", "prefill_worker", "decode_worker", "cost", "price_plan", "started_at_ms", "ended_at_ms", "gateway_id", "gateway_started_at_ms", "settle_after_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,9 @@ class UsageRecord(_message.Message):
     PRICE_PLAN_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    SETTLE_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant_id: str
     key_id: str
@@ -161,4 +164,7 @@ class UsageRecord(_message.Message):
     price_plan: str
     started_at_ms: int
     ended_at_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., key_id: _Optional[str] = ..., model: _Optional[str] = ..., api: _Optional[str] = ..., status: _Optional[str] = ..., http_status: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., cost: _Optional[str] = ..., price_plan: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ...) -> None: ...
+    gateway_id: str
+    gateway_started_at_ms: int
+    settle_after_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., key_id: _Optional[str] = ..., model: _Optional[str] = ..., api: _Optional[str] = ..., status: _Optional[str] = ..., http_status: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., cost: _Optional[str] = ..., price_plan: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ..., gateway_id: _Optional[str] = ..., gateway_started_at_ms: _Optional[int] = ..., settle_after_ms: _Optional[int] = ...) -> None: ...

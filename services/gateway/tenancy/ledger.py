@@ -11,6 +11,9 @@
 3. The durable pull consumer `ledger` (one for all replicas: each message goes to one of them) prices each record
    from the prices table (the tenant's price_plan and the model; Decimal), inserts it with ON CONFLICT DO NOTHING
    on request_id (a redelivered record is written once) and acks only after the commit.
+4. A request that started generating is announced by an "open" record first (telemetry.RequestRecord.start); the
+   consumer keeps it in open_requests until the request's own record comes, in the same transaction. One whose
+   gateway died never gets its record: abandoned.py settles it as "aborted".
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 DROP_LOG_INTERVAL_S = 10.0
 DEFAULT_PLAN = "default"  # a tenant without a row (the `default` tenant of KVMESH_API_KEYS) is priced by it
 STATUSES = ("finished", "client_gone", "failed", "timeout", "aborted", "refused")
+OPEN = "open"  # the status of an open record: the request started generating (not a ledger status)
 log = get_logger(__name__)
 
 
@@ -80,9 +84,18 @@ class UsagePublisher:
     """The only reader of its queue is its pump task; `submit` (on the same loop) is the only writer."""
 
     def __init__(
-        self, bus: Bus, max_queued: int = 100_000, max_in_flight: int = 64, ack_timeout_s: float = 2.0
+        self,
+        bus: Bus,
+        max_queued: int = 100_000,
+        max_in_flight: int = 64,
+        ack_timeout_s: float = 2.0,
+        *,
+        gateway: tuple[str, int] = ("", 0),
+        settle_after_s: float = 660.0,
     ) -> None:
         self.bus = bus
+        self.gateway_id, self.gateway_started_at_ms = gateway  # this process: its worker id and start (open records)
+        self.settle_after_s = settle_after_s  # an open record's request is settled by then, its gateway alive or not
         self.max_queued = max_queued
         self.max_in_flight = max_in_flight
         self.ack_timeout_s = ack_timeout_s
@@ -112,6 +125,13 @@ class UsagePublisher:
         self._queue.append(record)
         USAGE_QUEUED.set(self.num_queued)
         self._wake.set()
+
+    def submit_open(self, record: events_pb2.UsageRecord) -> None:
+        """Queue the open record of a request that started generating (status OPEN), naming this gateway."""
+        record.status = OPEN
+        record.gateway_id, record.gateway_started_at_ms = self.gateway_id, self.gateway_started_at_ms
+        record.settle_after_ms = record.started_at_ms + int(self.settle_after_s * 1000)
+        self.submit(record)
 
     async def start(self) -> None:
         with contextlib.suppress(Exception):  # NATS away: the pump creates the stream once it is back
@@ -168,10 +188,15 @@ class UsagePublisher:
             subjects.usage(record.tenant_id),
             record.SerializeToString(),
             timeout=self.ack_timeout_s,
-            headers={MSG_ID_HEADER: record.request_id},
+            headers={MSG_ID_HEADER: message_id(record)},
         )
         self.num_published += 1
         USAGE_PUBLISHED.inc()
+
+
+def message_id(record: events_pb2.UsageRecord) -> str:
+    """The stream's deduplication id: the request id, and for its open record the request id + ":open"."""
+    return f"{record.request_id}:{OPEN}" if record.status == OPEN else record.request_id
 
 
 # ---- settlement ----------------------------------------------------------------------------------------------
@@ -214,10 +239,13 @@ def row(record: events_pb2.UsageRecord, plan: str, price: Any | None) -> dict[st
 
 
 async def settle(connection: AsyncConnection, records: Sequence[events_pb2.UsageRecord]) -> int:
-    """Price and insert `records` in the caller's transaction; returns how many were new (the rest were there)."""
+    """Price and insert `records` in the caller's transaction, and close their open requests; returns how many were
+    new (the rest were there)."""
     unique = list({record.request_id: record for record in records}.values())
     if not unique:
         return 0
+    opened = schema.open_requests
+    await connection.execute(opened.delete().where(opened.c.request_id.in_([record.request_id for record in unique])))
     tenants = schema.tenants
     tenant_ids = {record.tenant_id for record in unique}
     result = await connection.execute(select(tenants.c.id, tenants.c.price_plan).where(tenants.c.id.in_(tenant_ids)))
@@ -237,13 +265,41 @@ async def settle(connection: AsyncConnection, records: Sequence[events_pb2.Usage
     return int(result.rowcount)
 
 
+async def remember_open(connection: AsyncConnection, records: Sequence[events_pb2.UsageRecord]) -> int:
+    """Keep the open records of requests that have no usage record yet (in the caller's transaction); returns how
+    many were new. One that comes after its request's record is dropped."""
+    unique = {record.request_id: record for record in records}
+    if not unique:
+        return 0
+    usage = schema.usage_records
+    done = await connection.execute(select(usage.c.request_id).where(usage.c.request_id.in_(list(unique))))
+    for (request_id,) in done:
+        del unique[request_id]
+    if not unique:
+        return 0
+    rows = [
+        {
+            "request_id": record.request_id,
+            "gateway_id": record.gateway_id,
+            "gateway_started_at_ms": record.gateway_started_at_ms,
+            "started_at": _time(record.started_at_ms),
+            "settle_after": _time(record.settle_after_ms),
+            "record": record.SerializeToString(),
+        }
+        for record in unique.values()
+    ]
+    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(schema.open_requests).values(rows).on_conflict_do_nothing(index_elements=["request_id"])
+    return int((await connection.execute(statement)).rowcount)
+
+
 # ---- the consumer --------------------------------------------------------------------------------------------
 
 
 class LedgerConsumer:
     """Moves records from KVMESH_USAGE into usage_records; the only writer of that table."""
 
-    def __init__(self, bus: Bus, database: Database, batch_size: int = 256, ack_wait_s: float = 30.0) -> None:
+    def __init__(self, bus: Bus, database: Database, batch_size: int = 256, ack_wait_s: float = 5.0) -> None:
         self.bus = bus
         self.database = database
         self.batch_size = batch_size
@@ -264,7 +320,8 @@ class LedgerConsumer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop after the batch in hand is committed and acked (up to `grace_s`; 0: at once, as a crash would).
-        A batch fetched but not committed is redelivered, to any replica, after ack_wait_s."""
+        A batch fetched but not committed is redelivered, to any replica, after ack_wait_s (a batch being written
+        says so every ack_wait_s / 3, so a slow database never gets it redelivered meanwhile)."""
         if self._task is None:
             return
         self._is_stopping = True
@@ -304,8 +361,16 @@ class LedgerConsumer:
                 await self._unsubscribe()
                 await asyncio.sleep(0.5)
 
+    async def _still_working(self, messages: list[Msg]) -> None:
+        """Tell JetStream the batch is being written (+WPI resets each message's ack_wait), until cancelled."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            await asyncio.gather(*(message.in_progress() for message in messages), return_exceptions=True)
+
     async def _write(self, messages: Iterable[Msg]) -> None:
-        records, acks = [], []
+        records: list[events_pb2.UsageRecord] = []
+        opened: list[events_pb2.UsageRecord] = []
+        acks: list[Msg] = []
         for message in messages:
             record = events_pb2.UsageRecord()
             try:
@@ -314,10 +379,15 @@ class LedgerConsumer:
                 log.warning("undecodable usage record dropped", subject=message.subject)
                 await message.term()
                 continue
-            records.append(record)
+            (opened if record.status == OPEN else records).append(record)
             acks.append(message)
-        async with self.database.engine.begin() as connection:
-            num_new = await settle(connection, records)
+        working = asyncio.create_task(self._still_working(acks))
+        try:
+            async with self.database.engine.begin() as connection:
+                num_new = await settle(connection, records)
+                await remember_open(connection, opened)
+        finally:
+            await cancel_until_done(working)
         for message in acks:  # only after the commit: a crash before this redelivers, and the insert skips them
             await message.ack()
         self.num_written += num_new

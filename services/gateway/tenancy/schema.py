@@ -1,6 +1,7 @@
 """The tenancy database's tables (SQLAlchemy Core): tenants, their API keys, the price table, and the usage
-ledger. One definition: the Alembic migrations (migrations/versions/) create exactly these, and every module
-that reads or writes the database (keys, store, admin_api, ledger, usage) imports its tables from here.
+ledger with its open requests. One definition: the Alembic migrations (migrations/versions/) create exactly
+these, and every module that reads or writes the database (keys, store, admin_api, ledger, usage) imports its
+tables from here.
 
 Ids are text: `ten_` or `key_` + 16 hex digits. Money is NUMERIC (exact); times are timezone-aware.
 """
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Column,
     DateTime,
     Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     Numeric,
     String,
@@ -87,4 +90,17 @@ usage_records = Table(
     Index("ix_usage_records_tenant_ended", "tenant_id", "ended_at"),
 )
 
-TABLE_NAMES = ("tenants", "api_keys", "prices", "usage_records")
+# Requests that started generating and have no usage record yet (ledger.py): a row goes when the request's record
+# is written, or when the abandoned-request sweeper (abandoned.py) settles it as aborted because its gateway died.
+open_requests = Table(
+    "open_requests",
+    metadata,
+    Column("request_id", Text, primary_key=True),
+    Column("gateway_id", Text, nullable=False),
+    Column("gateway_started_at_ms", BigInteger, nullable=False),
+    Column("started_at", DateTime(timezone=True), nullable=False),
+    Column("settle_after", DateTime(timezone=True), nullable=False),  # settled then whatever the heartbeats say
+    Column("record", LargeBinary, nullable=False),  # the open UsageRecord, serialized
+)
+
+TABLE_NAMES = ("tenants", "api_keys", "prices", "usage_records", "open_requests")
