@@ -166,8 +166,10 @@ class EgressGuard:
         host = parsed.raw_host
         assert host is not None  # check() refused hostless URLs
         if literal_address(host) is not None:  # connect to the address read, not to aiohttp's reading of the text
-            address = addresses[0]
-            parsed = parsed.with_host(str(address) if address.version == 4 else f"[{address}]")
+            try:
+                parsed = parsed.with_host(str(addresses[0]))
+            except ValueError:
+                raise FetchRefused() from None
             host = parsed.raw_host
             assert host is not None
         connector = aiohttp.TCPConnector(resolver=_PinnedResolver(host, addresses), use_dns_cache=False)

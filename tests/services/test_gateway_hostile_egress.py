@@ -168,6 +168,8 @@ async def test_an_allowed_fetch_goes_to_the_checked_address(server: Server) -> N
     assert server.paths == ["/cat.png"]
     numeric = await read_image(ImagePart(PARAM, f"http://2130706433:{server.port}/cat.png"), settings(guard))
     assert numeric == png()
+    for spelling in ("[::1]", "[fe80::1%25lo]"):  # IPv6 literals are connected to as read (nothing listens there)
+        assert await refused_text(f"http://{spelling}:{server.port}/cat.png", guard) == FIXED
     with pytest.raises(GatewayError, match="over the limit of 1024 bytes"):
         await read_image(ImagePart(PARAM, f"http://127.0.0.1:{server.port}/big.png"), settings(guard))
 
