@@ -8,7 +8,8 @@ The counters live in the NATS JetStream KV bucket KVMESH_LIMITS, shared by every
 (`tenant.<id>`, `key.<id>`) holds all its windows (requests and tokens this minute, tokens today and this month,
 the concurrency slots), updated by compare-and-set; the key's and the tenant's entries are written at once.
 Each limiter writes what queues for an entry in one CAS (group commit), starting from its cache of the entry,
-which a KV watch keeps at the latest revision every replica wrote; a lost CAS backs off, re-reads and retries.
+which a KV watch keeps at the latest revision every replica wrote; a lost CAS retries from the winner's write as
+the watch brings it (reading it when the watch is slower than WATCH_WAIT_S), backing off when lost again.
 A refusal decided on the cache is re-checked on a fresh read.
 
 Concurrency slots are leases: each slot holds an expiry (now + lease_s); the limiter that holds it renews its
@@ -54,7 +55,8 @@ BUCKET = "KVMESH_LIMITS"
 ENTRY_TTL_S = 35 * 86400.0  # an idle scope's entry outlives its longest window (a month), then goes
 STORE_TIMEOUT_S = 2.0  # one KV operation; past it the store counts as unreachable
 MAX_CAS_ATTEMPTS = 64
-CAS_BACKOFF_S = 0.0005  # the most a lost compare-and-set waits, times the attempts so far (up to 8)
+CAS_BACKOFF_S = 0.0005  # the most a CAS lost twice or more waits, times the attempts so far (up to 8)
+WATCH_WAIT_S = 0.005  # how long a lost CAS waits for the watch to bring the winner's write before reading it
 _KEY_PART = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -149,7 +151,8 @@ class Limiter:
         self._open_lock = asyncio.Lock()
         self._pending: dict[str, list[tuple[Callable[[Counters, float], Any], asyncio.Future[Any]]]] = {}
         self._committers: dict[str, asyncio.Task[None]] = {}  # entry -> the task writing its batches
-        self._cache: dict[str, tuple[Counters, int]] = {}  # entry -> (what this limiter last wrote, revision)
+        self._cache: dict[str, tuple[Counters, int]] = {}  # entry -> (the latest write heard of, revision)
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}  # entry -> lost CASes waiting for the watch
         self._slots: dict[str, set[str]] = {}  # entry -> request ids holding a slot through this limiter
         self._settling: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
@@ -366,9 +369,10 @@ class Limiter:
                 continue
             try:
                 revision = await self._io(self._kv.update(entry, state.encode(), last=revision))
-            except KeyWrongLastSequenceError:  # another replica wrote: back off a little (no livelock), re-read
-                cached = None
-                await asyncio.sleep(random.uniform(0, CAS_BACKOFF_S * min(attempt + 1, 8)))
+            except KeyWrongLastSequenceError:  # another replica wrote: start from its write, as the watch brings it
+                if attempt:  # lost again: back off a little (no livelock)
+                    await asyncio.sleep(random.uniform(0, CAS_BACKOFF_S * min(attempt, 8)))
+                cached = await self._past(entry, revision)  # None: not heard in time, read it
                 continue
             self._remember(entry, state, revision)
             return outcomes
@@ -378,6 +382,22 @@ class Limiter:
         cached = self._cache.get(entry)
         if cached is None or revision > cached[1]:
             self._cache[entry] = (state, revision)
+            for waiter in self._waiters.pop(entry, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def _past(self, entry: str, revision: int) -> tuple[Counters, int] | None:
+        """The cached entry once the watch brought a revision past `revision` (a lost CAS: another replica's
+        write is on its way), or None after WATCH_WAIT_S: one round trip saved on each lost CAS."""
+        cached = self._cache.get(entry)
+        if cached is None or cached[1] <= revision:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(entry, []).append(waiter)
+            await asyncio.wait({waiter}, timeout=WATCH_WAIT_S)
+            if not waiter.done():
+                waiter.cancel()
+            cached = self._cache.get(entry)
+        return cached if cached is not None and cached[1] > revision else None
 
     async def _follow(self, watcher: Any) -> None:
         """Every replica's writes, as they happen, into the cache: the next CAS starts from the latest revision
