@@ -1,5 +1,5 @@
-"""The bulk lane: length-prefixed frames over TCP (TLS unless the mesh runs insecure) beside gRPC, for the bytes
-gRPC moves too slowly.
+"""The bulk lane: length-prefixed frames over TCP beside gRPC (authenticated and sealed unless the mesh runs
+insecure), for the bytes gRPC moves too slowly.
 
 grpc-python copies a message's bytes several times on each side (serialise, frame, deframe, parse, and once more
 when a `bytes` field is read), and on loopback it moved about a third of what one socket moves. KV blocks are the
@@ -8,10 +8,11 @@ and decode takes prefill's KV pushes here (decode.proto, PushLaneFrame): the nod
 holds and the reader receives straight into the buffers the engine loads from (mesh.lane_io). Control stays on gRPC.
 
 A frame is an 8-byte header (uint32 little-endian: the LaneFrame's length, the payload's length), the LaneFrame,
-then the payload. Sockets are non-blocking and driven by the event loop, so one lane costs no thread.
+then the payload (sealed: each followed by its 16-byte tag). Sockets are non-blocking and driven by the event loop, so one lane costs no thread.
 `LaneListener` serves each accepted connection with one task, one exchange at a time, and answers errors alike on
-every lane. With an `ssl.SSLContext` it speaks mutual TLS: a peer without a certificate of the mesh's CA, or of a
-role the lane does not take, is closed after the handshake with nothing sent. Every connection is bounded
+every lane. With an `ssl.SSLContext` a connection opens with a mutual TLS handshake and then carries frames sealed
+with keys that handshake carried (mesh.lane_io): a peer without a certificate of the mesh's CA, or of a role the
+lane does not take, is closed after the handshake with nothing sent. Every connection is bounded
 (`LaneSettings`): connections per peer address and in all, a handshake deadline, an idle limit between exchanges,
 a stall limit while a frame or an answer is under way and a deadline per exchange (an unfinished write is dropped
 and its memory freed); a frame's bytes are buffered as they arrive, never at the size its header declares.
@@ -41,18 +42,24 @@ from mesh.lane_io import (
     LaneError,
     handshake,
     is_idle_open,
-    recv_bytes,
-    recv_exactly_into,
+    recv_frame_bytes,
+    recv_raw_into,
     role_of,
-    send_all,
+    seal_as_client,
+    seal_as_server,
+    send_frame_bytes,
     server_context,
     stall_limit,
     wait_ready,
 )
-from mesh.lane_io import has_pending as has_pending  # the lane's users ask it of mesh.lane
+from mesh.lane_io import has_pending as has_pending  # the lane's users ask these of mesh.lane
+from mesh.lane_io import recv_bytes as recv_bytes
+from mesh.lane_io import recv_exactly_into as recv_exactly_into
+from mesh.lane_io import send_all as send_all
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2
 from mesh.rpc import ServiceError
+from mesh.tls import MeshCredentials, client_ssl_context, server_ssl_context
 
 HEADER = struct.Struct("<II")
 MAX_FRAME_BYTES = 16 * 2**20  # a LaneFrame (headers and requests: keys and layouts, never bulk bytes)
@@ -70,11 +77,11 @@ async def recv_frame(sock: socket.socket, kind: type[M]) -> tuple[M, int]:
     """The next frame, a `kind` message, and its payload's length (the caller reads the payload). A frame past
     the lane's limits, or one that does not parse, is a LaneError; the frame's bytes are buffered as they come."""
     header = bytearray(HEADER.size)
-    await recv_exactly_into(sock, memoryview(header))
+    await recv_raw_into(sock, memoryview(header))
     frame_bytes, payload_bytes = HEADER.unpack(header)
     if frame_bytes > MAX_FRAME_BYTES or payload_bytes > MAX_PAYLOAD_BYTES:
         raise LaneError(f"frame of {frame_bytes} bytes with a payload of {payload_bytes}: past the lane's limits")
-    encoded = await recv_bytes(sock, frame_bytes)
+    encoded = await recv_frame_bytes(sock, bytes(header), frame_bytes, payload_bytes)
     try:
         return kind.FromString(encoded), payload_bytes
     except DecodeError as exc:
@@ -84,7 +91,7 @@ async def recv_frame(sock: socket.socket, kind: type[M]) -> tuple[M, int]:
 async def send_frame(sock: socket.socket, frame: Message, payload: Sequence[Buffer] = ()) -> None:
     """The frame, then the payload's pieces in order."""
     encoded = frame.SerializeToString()
-    await send_all(sock, [HEADER.pack(len(encoded), sum(len(p) for p in payload)), encoded, *payload])
+    await send_frame_bytes(sock, HEADER.pack(len(encoded), sum(len(p) for p in payload)), encoded, payload)
 
 
 async def read_answer(
@@ -102,6 +109,16 @@ async def read_answer(
         yield frame.block, payload_bytes
 
 
+def server_tls(credentials: MeshCredentials | None) -> ssl.SSLContext | None:
+    """A listener's TLS context from this process's credentials (None under KVMESH_INSECURE=1: plain TCP)."""
+    return None if credentials is None else server_ssl_context(credentials)
+
+
+def client_tls(credentials: MeshCredentials | None) -> ssl.SSLContext | None:
+    """A LanePool's TLS context from this process's credentials (None under KVMESH_INSECURE=1: plain TCP)."""
+    return None if credentials is None else client_ssl_context(credentials)
+
+
 def error_end(error: ServiceError) -> common_pb2.LaneEnd:
     """The end frame that reports `error`: its message, and the code the same error has on gRPC."""
     return common_pb2.LaneEnd(error=str(error), code=error.code.value[0])
@@ -117,7 +134,7 @@ async def send_error(sock: socket.socket, frame: Message) -> None:
     the error frame before the peer has read it."""
     await send_frame(sock, frame)
     with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)  # on TLS this also leaves the rest as raw bytes: dropped all the same
+        sock.shutdown(socket.SHUT_WR)
     sink = bytearray(2**16)
     with contextlib.suppress(OSError, TimeoutError), stall_limit(None):
         async with asyncio.timeout(DRAIN_AFTER_ERROR_S):
@@ -125,12 +142,12 @@ async def send_error(sock: socket.socket, frame: Message) -> None:
                 try:
                     if not sock.recv_into(sink):
                         return
-                except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                except (BlockingIOError, InterruptedError):
                     await wait_ready(sock, writable=False)
 
 
 async def connect(address: str, timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> socket.socket:
-    """A connection to the lane at host:port, over TLS when `ssl_context` is given (handshake included)."""
+    """A connection to the lane at host:port; with `ssl_context`, authenticated by mutual TLS and sealed."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     loop = asyncio.get_running_loop()
@@ -143,8 +160,10 @@ async def connect(address: str, timeout_s: float, ssl_context: ssl.SSLContext | 
         async with asyncio.timeout(timeout_s):
             await loop.sock_connect(sock, sockaddr)
             if ssl_context is not None:
-                sock = ssl_context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
-                await handshake(sock)
+                tls = ssl_context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+                sock = tls
+                await handshake(tls)
+                sock = await seal_as_client(tls)
     except BaseException:
         sock.close()
         raise
@@ -278,20 +297,20 @@ class LaneListener(abc.ABC, Generic[M]):
             del self._num_by_peer[peer]
 
     async def _authenticate(self, sock: socket.socket, peer: str) -> socket.socket | None:
-        """The connection over TLS with a peer of a role this lane takes; None (and closed) for any other."""
+        """The connection, sealed, with a peer of a role this lane takes (mutual TLS); None (and closed) for any
+        other."""
         if self.ssl_context is None:
             return sock
         tls = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         try:
             async with asyncio.timeout(self.limits.lane_handshake_timeout_s):
                 await handshake(tls)
+                role = role_of(tls.getpeercert())
+                if role in self.peer_roles:
+                    return await seal_as_server(tls)
+            reason = f"role {role!r} may not use this lane"
         except (LaneError, TimeoutError, OSError) as exc:
             reason = str(exc) or "no handshake in time"
-        else:
-            role = role_of(tls.getpeercert())
-            if role in self.peer_roles:
-                return tls
-            reason = f"role {role!r} may not use this lane"
         self.num_unauthorized += 1
         log.info("bulk lane peer refused", peer=peer, reason=reason)
         tls.close()
@@ -325,8 +344,6 @@ class LaneListener(abc.ABC, Generic[M]):
 
     async def _wait_for_exchange(self, sock: socket.socket) -> bool:
         """Until the next exchange's first bytes (or the peer's close) are there; False past the idle limit."""
-        if isinstance(sock, ssl.SSLSocket) and sock.pending():
-            return True
         try:
             with stall_limit(self.limits.lane_idle_timeout_s):
                 await wait_ready(sock, writable=False)

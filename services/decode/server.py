@@ -17,6 +17,7 @@ from mesh.compute.convert import finish_reason_to_proto, logprob_to_proto, worke
 from mesh.compute.engines import ModelEngines
 from mesh.compute.errors import abort, status_on_error
 from mesh.discovery import now_ms
+from mesh.lane import server_tls
 from mesh.logging import bind_request_id, get_logger
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc, events_pb2
 from mesh.rpc import ServiceError
@@ -137,8 +138,8 @@ class DecodeService:
             data_port = 0
             if settings.data_port >= 0:
                 service.lane = PushLane(
-                    service.decoder, runtime.lifecycle, runtime.worker_id, settings, ssl_context=None
-                )  # TLS: mesh.tls.server_ssl_context, once wired
+                    service.decoder, runtime.lifecycle, runtime.worker_id, settings, server_tls(runtime.credentials)
+                )
                 data_port = await service.lane.start(settings.host, settings.data_port)
             await runtime.start(
                 register=lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server),

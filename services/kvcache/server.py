@@ -20,6 +20,7 @@ from mesh.bus import Bus
 from mesh.discovery import WorkerRegistry
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower, ensure_kv_stream, publish_acked
+from mesh.lane import server_tls
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.service import Lifecycle, ServiceRuntime
@@ -250,7 +251,7 @@ async def serve(settings: KVCacheSettings) -> None:
         await follower.start()
     except RuntimeError:  # no JetStream: no global index here, so no repair (the node still serves)
         log.warning("no KV event stream: repair is off on this node")
-    lane = LaneServer(servicer, settings, ssl_context=None)  # TLS: mesh.tls.server_ssl_context, once wired
+    lane = LaneServer(servicer, settings, server_tls(runtime.credentials))
     data_port = await lane.start(settings.host, settings.data_port) if settings.data_port >= 0 else 0
     await runtime.start(
         register=lambda server: kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import AsyncIterator
 
 import grpc
@@ -53,11 +54,17 @@ def push_error(job: PrefillJob, code: grpc.StatusCode, details: str | None) -> P
 
 
 class DecodePusher:
-    def __init__(self, channels: rpc.Channels, timeout_s: float = PUSH_TIMEOUT_S, use_lanes: bool = True) -> None:
+    def __init__(
+        self,
+        channels: rpc.Channels,
+        timeout_s: float = PUSH_TIMEOUT_S,
+        use_lanes: bool = True,
+        lane_tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.channels = channels
         self.timeout_s = timeout_s
         self.use_lanes = use_lanes  # push over decode workers' bulk lanes where they have one
-        self.lanes = lane.LanePool(ssl_context=None)  # TLS: mesh.tls.client_ssl_context, once wired
+        self.lanes = lane.LanePool(ssl_context=lane_tls)  # mutual TLS unless the mesh runs insecure
 
     def close(self) -> None:
         self.lanes.close()

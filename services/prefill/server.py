@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import grpc.aio
 
-from mesh import metrics, rpc
+from mesh import lane, metrics, rpc
 from mesh.compute.convert import (
     finish_reason_to_proto,
     image_from_proto,
@@ -173,6 +173,7 @@ class PrefillService:
                 use_index=settings.kv_index_enabled,
                 stream_layers=settings.kv_stream_layers,
                 use_lanes=settings.kv_store_lanes,
+                lane_tls=lane.client_tls(runtime.credentials),
             )
             await store.start(bus)
             writer = StoreWriter(store, settings.store_write_queue_bytes)
@@ -183,7 +184,9 @@ class PrefillService:
         service.store = store
         try:
             service.engines = engines = await ModelEngines.load(settings, relay.hook)
-            service.pusher = DecodePusher(runtime.channels, use_lanes=settings.kv_push_lanes)
+            service.pusher = DecodePusher(
+                runtime.channels, use_lanes=settings.kv_push_lanes, lane_tls=lane.client_tls(runtime.credentials)
+            )
             prefiller = Prefiller(
                 engines,
                 service.pusher,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 
@@ -98,6 +99,7 @@ class StoreClient:
         stream_layers: bool = True,
         use_lanes: bool = True,
         read_buffer_bytes: int = 512 * 2**20,
+        lane_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.registry = registry
         self.channels = channels
@@ -108,7 +110,7 @@ class StoreClient:
         self.use_index = use_index
         self.stream_layers = stream_layers  # read layer-major into the engine while it computes (store_stream.py)
         self.use_lanes = use_lanes  # ... over the nodes' bulk lanes where they have one (mesh.lane), else gRPC
-        self.lanes = LanePool(ssl_context=None)  # TLS: mesh.tls.client_ssl_context, once wired
+        self.lanes = LanePool(ssl_context=lane_tls)  # mutual TLS unless the mesh runs insecure
         self.read_buffers = BufferPool(read_buffer_bytes)
         self._classes: OrderedDict[bytes, str] = OrderedDict()  # block key -> traffic class of its request
 

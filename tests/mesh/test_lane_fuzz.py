@@ -2,11 +2,14 @@
 socket pair: whatever bytes arrive (valid frames, then truncated, with bytes flipped, with header fields replaced,
 or random), it yields frames that parse, the same frames when nothing was changed, and ends in the lane's own
 error (LaneError), never another exception; it never waits past its stall limit when the peer goes quiet, and
-never holds more than twice the bytes that came (plus the first 64 KiB buffer)."""
+never holds more than twice the bytes that came (plus the first 64 KiB buffer). And on a sealed lane, a stream with
+any byte changed or cut yields only frames and payloads as they were sent, up to the change, then the lane's
+error."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 import tracemalloc
@@ -15,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mesh import lane
-from mesh.lane_io import FIRST_PIECE_BYTES, stall_limit
+from mesh.lane_io import FIRST_PIECE_BYTES, SealedSocket, stall_limit
 from mesh.pb import common_pb2, kvcache_pb2
 
 STALL_S = 0.2
@@ -102,3 +105,55 @@ def test_the_frame_reader_yields_valid_frames_or_the_lanes_error_within_its_limi
     assert sum(len(lane.HEADER.pack(0, 0)) + f.ByteSize() + len(p) for f, p in got) <= len(stream)
     assert elapsed < (0.5 if close else STALL_S + 0.5)  # the stall limit ends a quiet peer's frame
     assert peak < 2 * len(stream) + 2 * FIRST_PIECE_BYTES + 32 * 2**10
+
+
+async def sealed_stream(sent: list[tuple[kvcache_pb2.LaneFrame, bytes]], keys: tuple[bytes, bytes]) -> bytes:
+    """The bytes a sealed lane puts on the wire for `sent`."""
+    near, far = socket.socketpair()
+    sealed = SealedSocket(near, keys[0], keys[1])
+    far.setblocking(False)
+    for frame, payload in sent:
+        await lane.send_frame(sealed, frame, [payload])
+    sealed.close()
+    wire = bytearray()
+    loop = asyncio.get_running_loop()
+    while chunk := await loop.sock_recv(far, 2**16):
+        wire += chunk
+    far.close()
+    return bytes(wire)
+
+
+async def read_sealed(wire: bytes, keys: tuple[bytes, bytes]) -> list[tuple[kvcache_pb2.LaneFrame, bytes]]:
+    near, far = socket.socketpair()
+    far.setblocking(False)
+    await asyncio.get_running_loop().sock_sendall(far, wire)
+    far.close()
+    sealed = SealedSocket(near, keys[1], keys[0])
+    got: list[tuple[kvcache_pb2.LaneFrame, bytes]] = []
+    try:
+        with stall_limit(STALL_S):
+            while True:
+                try:
+                    frame, payload_bytes = await lane.recv_frame(sealed, kvcache_pb2.LaneFrame)
+                    got.append((frame, await lane.recv_bytes(sealed, payload_bytes)))
+                except lane.LaneError:
+                    return got
+    finally:
+        sealed.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(frames.filter(bool), st.data())
+def test_a_sealed_lane_yields_only_what_was_sent_and_stops_at_the_first_changed_byte(
+    sent: list[tuple[kvcache_pb2.LaneFrame, bytes]], data: st.DataObject
+) -> None:
+    keys = (os.urandom(16), os.urandom(16))
+    wire = bytearray(asyncio.run(sealed_stream(sent, keys)))
+    assert asyncio.run(read_sealed(bytes(wire), keys)) == sent
+    at = data.draw(st.integers(0, len(wire) - 1))
+    if data.draw(st.booleans()):
+        wire[at] ^= data.draw(st.integers(1, 255))
+    else:
+        del wire[at:]
+    got = asyncio.run(read_sealed(bytes(wire), keys))
+    assert len(got) < len(sent) and got == sent[: len(got)]  # never a changed frame or payload

@@ -1,5 +1,5 @@
-"""The bulk lane over mutual TLS, on real loopback sockets with throwaway certificates: a prefill peer of the
-mesh's CA gets its exchange byte for byte (pieces larger than a TLS record, pooled and reused); a peer without a
+"""The bulk lane authenticated by mutual TLS and sealed, on real loopback sockets with throwaway certificates: a
+prefill peer of the mesh's CA gets its exchange byte for byte (megabytes, pooled and reused); a peer without a
 certificate, with one of another CA, with one of a role the lane does not take, or speaking plain TCP gets
 nothing: no byte of an answer, the connection closed, and the refusal counted."""
 
@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from mesh import lane
 from mesh.config import LaneSettings
-from mesh.lane_io import role_of
+from mesh.lane_io import SealedSocket, role_of
 from mesh.pb import kvcache_pb2
 
 from .echo_lane import EchoLane, echo
@@ -50,8 +50,8 @@ async def test_a_prefill_peer_gets_its_exchange_byte_for_byte_and_the_connection
     pool = lane.LanePool(ssl_context=mesh.client("prefill"))
     data = os.urandom(3 * 2**20 + 17)  # many TLS records, not a multiple of one
     async with pool.connection(mesh.address) as sock:
-        assert isinstance(sock, ssl.SSLSocket) and sock.version() == "TLSv1.3"
-        assert role_of(sock.getpeercert()) == "kvcache"
+        assert isinstance(sock, SealedSocket)
+        assert role_of(sock.peer_cert) == "kvcache"
         assert await echo(sock, data, offset=1) == data
     assert pool.num_idle(mesh.address) == 1
     async with pool.connection(mesh.address) as again:

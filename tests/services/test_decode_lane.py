@@ -5,6 +5,7 @@ bad pushes, blocks freed when the pusher goes away or stalls, and PushKV when th
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -37,6 +38,11 @@ nats_url = pd_harness.nats_url  # fixture: this file starts its own NATS
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 LLAMA_BLOCK_BYTES = 3 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head size * fp32
 LAYER_BLOCK_BYTES = LLAMA_BLOCK_BYTES // 3  # one layer's slice of one block: a chunk's unit
+
+
+def as_prefill() -> ssl.SSLContext | None:
+    """The TLS context prefill dials decode's lane with (the suite's certificates, tests/conftest.py)."""
+    return lane.client_tls(tls.load_credentials("prefill"))
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -151,7 +157,7 @@ async def test_an_unreachable_lane_falls_back_to_pushkv(pair: Pair):
 async def exchange(address: str, frames: list[tuple[decode_pb2.PushLaneFrame, bytes]]) -> decode_pb2.PushLaneFrame:
     """Send the frames on a new connection, then read decode's answers up to the one that ends the push; after an
     error decode must close the connection."""
-    sock = await lane.connect(address, timeout_s=2.0)
+    sock = await lane.connect(address, 2.0, as_prefill())
     try:
         for frame, payload in frames:
             await lane.send_frame(sock, frame, [payload])
@@ -219,7 +225,7 @@ async def test_bad_pushes_on_the_lane_get_the_codes_pushkv_gives_and_free_their_
 @contextlib.asynccontextmanager
 async def holding_blocks(pair: Pair, num_tokens: int) -> AsyncIterator[None]:
     """A push that reserved its blocks and sends nothing more until the block exits."""
-    sock = await lane.connect(pair.decode.runtime.data_address, timeout_s=2.0)
+    sock = await lane.connect(pair.decode.runtime.data_address, 2.0, as_prefill())
     try:
         await lane.send_frame(sock, decode_pb2.PushLaneFrame(header=pair.header(f"holds-{num_tokens}", num_tokens)))
         assert (await lane.recv_frame(sock, decode_pb2.PushLaneFrame))[0].WhichOneof("kind") == "reserved"
@@ -239,7 +245,7 @@ async def test_a_whole_push_by_hand_is_answered_with_its_bytes(pair: Pair):
 
 
 async def test_a_pusher_that_goes_away_or_stalls_frees_the_blocks(pair: Pair):
-    sock = await lane.connect(pair.decode.runtime.data_address, timeout_s=2.0)
+    sock = await lane.connect(pair.decode.runtime.data_address, 2.0, as_prefill())
     await lane.send_frame(sock, decode_pb2.PushLaneFrame(header=pair.header("gone", 100)))
     answer, _ = await lane.recv_frame(sock, decode_pb2.PushLaneFrame)
     assert answer.WhichOneof("kind") == "reserved" and pair.num_free_blocks() == 16 - 7

@@ -74,8 +74,11 @@ async def cluster(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, Node], S
         bus = await Bus.connect(nats.url, "test-client")
         registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], 0.2)
         await registry.start()
-        channels = rpc.Channels(tls.load_credentials(PREFILL))
-        client = StoreClient(registry, channels, timeout_s=5.0, protection=Protection(2, 1))
+        credentials = tls.load_credentials(PREFILL)
+        channels = rpc.Channels(credentials)
+        client = StoreClient(
+            registry, channels, timeout_s=5.0, protection=Protection(2, 1), lane_tls=lane.client_tls(credentials)
+        )
         await client.start(bus)
         await wait_until(_async(lambda: len(client.nodes()) == 3))
         try:
@@ -193,7 +196,7 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
     address = next(
         w.info.data_address for w in client.registry.workers(common_pb2.ROLE_KVCACHE) if w.worker_id == "kv-0"
     )
-    sock = await lane.connect(address, timeout_s=2.0)
+    sock = await lane.connect(address, 2.0, client.lanes.ssl_context)
     await lane.send_frame(
         sock,
         kvcache_pb2.LaneFrame(
@@ -209,7 +212,7 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
         await lane.recv_frame(sock, kvcache_pb2.LaneFrame)
     sock.close()
 
-    sock = await lane.connect(address, timeout_s=2.0)  # a new one is served; and the model is required
+    sock = await lane.connect(address, 2.0, client.lanes.ssl_context)  # a new one is served; and the model is required
     await lane.send_frame(
         sock, kvcache_pb2.LaneFrame(request=kvcache_pb2.GetRequest(block_hashes=[blocks[0].block_hash], slice_bytes=64))
     )
@@ -217,7 +220,8 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
     assert frame.end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "model is required" in frame.end.error
     sock.close()
 
-    sock = await lane.connect(address, timeout_s=2.0)  # whole (slice_bytes 0): each header with its bytes
+    # whole (slice_bytes 0): each header with its bytes
+    sock = await lane.connect(address, 2.0, client.lanes.ssl_context)
     await lane.send_frame(
         sock,
         kvcache_pb2.LaneFrame(
@@ -235,7 +239,7 @@ async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_se
     assert frame.WhichOneof("kind") == "end" and not frame.end.error
     sock.close()
 
-    sock = await lane.connect(address, timeout_s=2.0)  # a key nobody holds: no headers, a clean end
+    sock = await lane.connect(address, 2.0, client.lanes.ssl_context)  # a key nobody holds: no headers, a clean end
     for _ in range(2):  # twice on one connection
         await lane.send_frame(
             sock,
@@ -257,7 +261,7 @@ async def test_a_write_on_the_bulk_lane_stores_the_good_blocks_and_names_the_bad
         kvcache_pb2.Block(block_hash=b.block_hash, parent_hash=b.parent_hash, layout=layout_to_proto(b.layout))
         for b in good
     ]
-    sock = await lane.connect(address, timeout_s=2.0)
+    sock = await lane.connect(address, 2.0, client.lanes.ssl_context)
     for _ in range(2):  # twice on one connection: the second time both are already there
         for header, block in zip(headers, good, strict=True):
             await lane.send_frame(sock, kvcache_pb2.LaneFrame(block=header), [block.data])

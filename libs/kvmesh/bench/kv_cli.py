@@ -37,6 +37,12 @@ def add_parsers(bench_commands: Any) -> None:
         help="also time grpc-python variants: aio/sync, protobuf/identity, message sizes, streams",
     )
     transfer.add_argument("--repeats", type=int, default=3, help="runs per measurement, best reported")
+    transfer.add_argument(
+        "--protection",
+        choices=("tls", "none"),
+        default="tls",
+        help="the lane as deployed (mutual TLS) or plain (KVMESH_INSECURE=1); raw TCP is measured either way",
+    )
     transfer.add_argument("--json", action="store_true", help="one line of JSON")
 
     push = bench_commands.add_parser("kv-push", help="prefill's KV push to decode: the bulk lane vs Decode.PushKV")
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench_command == "kv-transfer":
         from kvmesh.bench.kv_transfer import run_transfer_bench
 
-        result = run_transfer_bench(args.megabytes, args.block_kib, args.repeats)
+        result = run_transfer_bench(args.megabytes, args.block_kib, args.repeats, args.protection)
         if args.explore:
             from kvmesh.bench.grpc_bulk import explore
 

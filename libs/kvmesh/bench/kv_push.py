@@ -29,7 +29,7 @@ from engine_core.kv_cache.manager import cdiv
 from engine_core.kv_transfer import KVChunk, KVExport
 from kvmesh.certs import ProcessCertificates
 from kvmesh.nats_server import EmbeddedNats, free_port
-from mesh import rpc
+from mesh import lane, rpc
 from mesh.bus import Bus
 from mesh.compute.settings import WorkerSettings
 from mesh.config import load_settings
@@ -92,9 +92,10 @@ async def _measure(
     repeats: int,
     certs: ProcessCertificates,
 ) -> dict[str, Any]:
-    channels = rpc.Channels(certs.credentials("prefill", "bench-prefill"))  # only prefill may push KV
+    credentials = certs.credentials("prefill", "bench-prefill")  # only prefill may push KV
+    channels = rpc.Channels(credentials)
     as_gateway = rpc.Channels(certs.credentials("gateway", "bench-gateway"))  # only the gateway may abort
-    pusher = DecodePusher(channels)
+    pusher = DecodePusher(channels, lane_tls=lane.client_tls(credentials))
     abort = decode_pb2_grpc.DecodeStub(as_gateway.get(worker.address)).Abort
     results: dict[str, Any] = {}
     try:

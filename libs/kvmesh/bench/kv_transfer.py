@@ -11,15 +11,25 @@ writes left out); `ratio` = store / raw. `store_grpc_stream_gbps` is the same st
 a node without a lane answers). `store_fetch_gbps` is the other read path (whole blocks, over the lane; used
 without the index or when parity must be decoded), `store_put_gbps` the write path (over the lane; every block checked
 by the node, written to host memory, events acked by JetStream).
+
+Protection (`--protection`, the `protection` field): `tls` (the default, as deployed) runs the node and the client
+with a throwaway CA, so the lane is mutual TLS and `ratio` is the protected lane over raw TCP; `none` runs both
+under KVMESH_INSECURE=1 (the plain lane). Either way the run also reports `raw_tls_gbps` (the raw socket wrapped
+in TLS: the ceiling of TLS in one Python process) and, for the other way to protect a lane (an authenticated
+handshake and a keyed MAC per block instead of TLS), what one core hashes: `hmac_sha256_gbps` and
+`blake2b_keyed_gbps`, a cost both ends would pay on every byte.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import multiprocessing
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -29,11 +39,13 @@ from typing import Any
 
 from kvmesh.certs import ProcessCertificates
 from kvmesh.nats_server import EmbeddedNats, free_port
-from mesh import rpc
+from mesh import lane, rpc
 from mesh.bus import Bus
+from mesh.config import TLSSettings
 from mesh.discovery import WorkerRegistry
 from mesh.kv_blocks import KVLayout
 from mesh.pb import common_pb2
+from mesh.tls import client_ssl_context, load_credentials, server_ssl_context
 from services.prefill.prefiller import StoreBlock
 from services.prefill.store_client import StoreClient
 
@@ -46,18 +58,27 @@ def bench_layout(block_kib: int) -> KVLayout:
     return KVLayout(MODEL, "float16", 16, num_layers, (2, 1, 16, 8, 128), 1)
 
 
-def _tcp_sink(port: int, ready: Any) -> None:
+def _tcp_sink(port: int, ready: Any, tls_dir: str | None = None) -> None:
+    """Read what comes, acknowledge each push; over TLS (as a kvcache node, a client certificate required) when
+    `tls_dir` holds a node's certificate."""
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind(("127.0.0.1", port))
     server.listen(1)
     ready.set()
     connection, _ = server.accept()
+    if tls_dir is not None:
+        credentials = load_credentials("kvcache", TLSSettings(tls_dir=tls_dir))
+        assert credentials is not None
+        connection = server_ssl_context(credentials).wrap_socket(connection, server_side=True)
     buffer = memoryview(bytearray(8 << 20))
     while True:
-        header = connection.recv(8, socket.MSG_WAITALL)
-        if len(header) < 8:
-            return
+        header = bytearray()
+        while len(header) < 8:  # TLS sockets take no MSG_WAITALL
+            part = connection.recv(8 - len(header))
+            if not part:
+                return
+            header += part
         remaining = int.from_bytes(header, "little")
         while remaining:
             received = connection.recv_into(buffer[: min(len(buffer), remaining)])
@@ -65,6 +86,20 @@ def _tcp_sink(port: int, ready: Any) -> None:
                 return
             remaining -= received
         connection.sendall(b"k")
+
+
+def _mac_gbps(data: bytes, repeats: int) -> tuple[float, float]:
+    """(HMAC-SHA256, keyed BLAKE2b) GB/s of one core over `data`: the best of `repeats`."""
+    key = os.urandom(32)
+    hmac_s, blake_s = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        hmac.new(key, data, hashlib.sha256).digest()
+        hmac_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        hashlib.blake2b(data, key=key).digest()
+        blake_s.append(time.perf_counter() - started)
+    return len(data) / min(hmac_s) / 1e9, len(data) / min(blake_s) / 1e9
 
 
 def _tcp_push(connection: socket.socket, blocks: list[StoreBlock]) -> float:
@@ -110,14 +145,21 @@ async def _store_round(
     return put_s, fetch_s, lane_s, grpc_s
 
 
-async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
+def _raw_tls_client(certs: ProcessCertificates) -> ssl.SSLContext:
+    credentials = load_credentials("prefill", TLSSettings(tls_dir=str(certs.issue("prefill", "kv-bench-raw"))))
+    assert credentials is not None
+    return client_ssl_context(credentials)
+
+
+async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) -> dict[str, Any]:
     layout = bench_layout(block_kib)
     num_block_bytes = layout.num_layers * layout.chunk_bytes(1)
     num_blocks = max(1, megabytes * 2**20 // num_block_bytes)
     payload = os.urandom(num_block_bytes)
     blocks = [StoreBlock(n.to_bytes(32, "big"), b"\0" * 32, layout, payload) for n in range(num_blocks)]  # distinct
     total = num_blocks * num_block_bytes
-    certs = ProcessCertificates(Path(tempfile.mkdtemp(prefix="kvmesh-bench-certs-")))  # mutual TLS, as deployed
+    insecure = {"KVMESH_INSECURE": "1" if protection == "none" else "0"}
+    certs = ProcessCertificates(Path(tempfile.mkdtemp(prefix="kvmesh-bench-certs-")), insecure)
     with EmbeddedNats() as nats:
         env = {
             **os.environ,
@@ -127,17 +169,22 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
             "KVMESH_CAPACITY_BYTES": str(total * (repeats + 2)),
             "KVMESH_HEARTBEAT_INTERVAL_S": "0.2",
             "KVMESH_HTTP_PORT": str(free_port()),
+            **insecure,
             **certs.env("kvcache", "kv-bench"),
         }
         node = subprocess.Popen([sys.executable, "-m", "services.kvcache"], env=env)
-        ready = multiprocessing.Event()
-        port = free_port()
-        sink = multiprocessing.Process(target=_tcp_sink, args=(port, ready), daemon=True)
-        sink.start()
+        sinks, ports = [], []
+        for tls_dir in (None, str(certs.issue("kvcache", "kv-bench-sink"))):
+            ready = multiprocessing.Event()
+            ports.append(free_port())
+            sinks.append(multiprocessing.Process(target=_tcp_sink, args=(ports[-1], ready, tls_dir), daemon=True))
+            sinks[-1].start()
+            ready.wait(10)
         bus = await Bus.connect(nats.url, "bench-kv-transfer")
         registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], 0.2)
-        channels = rpc.Channels(certs.credentials("prefill", "kv-bench-client"))
-        client = StoreClient(registry, channels, timeout_s=120.0)
+        credentials = certs.credentials("prefill", "kv-bench-client")
+        channels = rpc.Channels(credentials)
+        client = StoreClient(registry, channels, timeout_s=120.0, lane_tls=lane.client_tls(credentials))
         try:
             await registry.start()
             await client.start(bus)
@@ -145,19 +192,22 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
                 if node.poll() is not None:
                     raise RuntimeError("the kvcache node exited")
                 await asyncio.sleep(0.05)
-            ready.wait(10)
-            connection = socket.create_connection(("127.0.0.1", port))
-            _tcp_push(connection, blocks[:2])  # warm up both paths
+            raw = socket.create_connection(("127.0.0.1", ports[0]))
+            raw_tls = _raw_tls_client(certs).wrap_socket(socket.create_connection(("127.0.0.1", ports[1])))
+            _tcp_push(raw, blocks[:2])  # warm up every path
+            _tcp_push(raw_tls, blocks[:2])
             await _store_round(client, blocks[:2], 0)
-            put_s, fetch_s, stream_s, grpc_stream_s, tcp_s = [], [], [], [], []
+            put_s, fetch_s, stream_s, grpc_stream_s, tcp_s, tls_s = [], [], [], [], [], []
             for round_id in range(1, repeats + 1):
                 put, fetch, streamed, grpc_streamed = await _store_round(client, blocks, round_id)
                 put_s.append(put)
                 fetch_s.append(fetch)
                 stream_s.append(streamed)
                 grpc_stream_s.append(grpc_streamed)
-                tcp_s.append(_tcp_push(connection, blocks))
-            connection.close()
+                tcp_s.append(_tcp_push(raw, blocks))
+                tls_s.append(_tcp_push(raw_tls, blocks))
+            raw.close()
+            raw_tls.close()
         finally:
             await client.stop()
             await registry.stop()
@@ -165,14 +215,20 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
             await bus.close()
             node.terminate()
             node.wait(10)
-            sink.terminate()
+            for sink in sinks:
+                sink.terminate()
             shutil.rmtree(certs.directory, ignore_errors=True)
+    hmac_gbps, blake2b_gbps = _mac_gbps(payload * max(1, 64 * 2**20 // len(payload)), repeats)
     store_gbps = total / min(stream_s) / 1e9
     raw_gbps = total / min(tcp_s) / 1e9
     return {
+        "protection": protection,
         "store_gbps": round(store_gbps, 3),
         "raw_tcp_gbps": round(raw_gbps, 3),
         "ratio": round(store_gbps / raw_gbps, 3),
+        "raw_tls_gbps": round(total / min(tls_s) / 1e9, 3),
+        "hmac_sha256_gbps": round(hmac_gbps, 3),
+        "blake2b_keyed_gbps": round(blake2b_gbps, 3),
         "store_grpc_stream_gbps": round(total / min(grpc_stream_s) / 1e9, 3),
         "store_fetch_gbps": round(total / min(fetch_s) / 1e9, 3),
         "store_put_gbps": round(total / min(put_s) / 1e9, 3),
@@ -183,5 +239,11 @@ async def _run(megabytes: int, block_kib: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def run_transfer_bench(megabytes: int = 256, block_kib: int = 2048, repeats: int = 3) -> dict[str, Any]:
-    return asyncio.run(_run(megabytes, block_kib, repeats))
+PROTECTIONS = ("tls", "none")
+
+
+def run_transfer_bench(
+    megabytes: int = 256, block_kib: int = 2048, repeats: int = 3, protection: str = "tls"
+) -> dict[str, Any]:
+    assert protection in PROTECTIONS, protection
+    return asyncio.run(_run(megabytes, block_kib, repeats, protection))
