@@ -31,7 +31,6 @@ from typing import Any
 import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError
 from sqlalchemy import select
 
 from mesh import subjects
@@ -41,7 +40,7 @@ from mesh.pb import events_pb2
 from mesh.tasks import cancel_until_done
 from services.gateway.tenancy import schema
 from services.gateway.tenancy.db import Database
-from services.gateway.tenancy.ledger import settle
+from services.gateway.tenancy.ledger import ensure_stream, settle
 
 FINISHED_STREAM = "KVMESH_FINISHED"
 FINISHED_MAX_AGE_S = 3600.0  # longer than a request may live (request_timeout_s) plus the sweeper's margin
@@ -56,11 +55,6 @@ Gateway = tuple[str, int]  # a gateway process: worker id, start time (unix ms)
 
 async def ensure_finished_stream(js: JetStreamContext) -> None:
     """Keep every RequestFinished for an hour (limits retention: nothing consumes them away)."""
-    try:
-        await js.stream_info(FINISHED_STREAM)
-        return
-    except NotFoundError:
-        pass
     config = StreamConfig(
         name=FINISHED_STREAM,
         subjects=[subjects.REQUESTS_FINISHED],
@@ -69,10 +63,7 @@ async def ensure_finished_stream(js: JetStreamContext) -> None:
         max_age=FINISHED_MAX_AGE_S,
         max_bytes=FINISHED_MAX_BYTES,
     )
-    try:
-        await js.add_stream(config)
-    except Exception:  # another replica created it in between: fine if it now exists
-        await js.stream_info(FINISHED_STREAM)
+    await ensure_stream(js, config)
 
 
 def attempt_pattern(request_id: str) -> re.Pattern[str]:

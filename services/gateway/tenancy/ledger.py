@@ -57,13 +57,21 @@ OPEN = "open"  # the status of an open record: the request started generating (n
 log = get_logger(__name__)
 
 
-async def ensure_usage_stream(js: JetStreamContext) -> None:
-    """Create KVMESH_USAGE if it does not exist (a work queue: a message leaves once the ledger acks it)."""
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream `config` names if it does not exist (replicas race to: the loser finds it made)."""
     try:
-        await js.stream_info(STREAM)
+        await js.stream_info(config.name or "")
         return
     except NotFoundError:
         pass
+    try:
+        await js.add_stream(config)
+    except Exception:  # another replica created it in between: fine if it now exists
+        await js.stream_info(config.name or "")
+
+
+async def ensure_usage_stream(js: JetStreamContext) -> None:
+    """KVMESH_USAGE: a work queue (a message leaves once the ledger acks it)."""
     config = StreamConfig(
         name=STREAM,
         subjects=[subjects.ALL_USAGE],
@@ -71,10 +79,7 @@ async def ensure_usage_stream(js: JetStreamContext) -> None:
         storage=StorageType.FILE,
         duplicate_window=DUPLICATE_WINDOW_S,
     )
-    try:
-        await js.add_stream(config)
-    except Exception:  # another replica created it in between: fine if it now exists
-        await js.stream_info(STREAM)
+    await ensure_stream(js, config)
 
 
 # ---- publishing ----------------------------------------------------------------------------------------------
