@@ -12,7 +12,7 @@ from services.gateway.images import ImageSettings
 
 @dataclass(frozen=True)
 class GatewaySettings(ServiceSettings):
-    http_port: int = setting(8080, "the REST API, with /healthz, /readyz and /metrics beside it")
+    http_port: int = setting(8080, "the REST API, with /healthz, /readyz and /metrics (the admin key's) beside it")
     grpc_port: int = setting(50050, "the Gateway gRPC service")
     # Never printed: kept out of repr, and auth.KeyRing holds only digests.
     api_keys: tuple[str, ...] = setting(
@@ -71,6 +71,14 @@ class GatewaySettings(ServiceSettings):
     admin_key: str = setting(
         "", "the key of /admin/v1/ (`kvmesh up` generates one when unset; empty: admin routes are off)", secret=True
     )
+    metrics_port: int = setting(
+        -1,
+        "a second port serving /metrics, /healthz and /readyz with no key, for scrapers on a private network "
+        "(-1: none, 0: any free port); on the public port /metrics needs the admin key",
+    )
+    public_metrics: bool = setting(
+        False, "serve /metrics on the public port with no key (tenant names and traffic to anyone; logs a warning)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,6 +92,7 @@ class GatewaySettings(ServiceSettings):
         require(bool(self.models), "models", self.models, "name at least one model")
         require(self.block_size > 0, "block_size", self.block_size, "must be positive")
         require(self.max_retries >= 0, "max_retries", self.max_retries, "must not be negative")
+        require(self.metrics_port >= -1, "metrics_port", self.metrics_port, "must be -1 (none), 0 (any) or a port")
         require(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be positive")
         require(self.limits_lease_s >= 1, "limits_lease_s", self.limits_lease_s, "must be at least 1 second")
         require(

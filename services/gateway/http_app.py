@@ -8,7 +8,8 @@ or the Decode.Stream call in flight.
     messages_api.py      /v1/messages (Anthropic)
     mesh_workers.py      /v1/mesh/workers (the admin key)
     tenancy/admin_api.py /admin/v1/: tenants, keys, prices
-    plain_routes.py      /v1/models, /openapi.json, /healthz, /readyz, /metrics
+    plain_routes.py      /v1/models, /openapi.json, /healthz, /readyz, /metrics (the admin key, unless
+                         public_metrics; server.py may serve it with no key on a second port)
 """
 
 from __future__ import annotations
@@ -20,14 +21,26 @@ from aiohttp import web
 from services.gateway import chat_completions, completions, mesh_workers, messages_api, plain_routes, responses_api
 from services.gateway.core import GatewayCore
 from services.gateway.response_store import ResponseStore
-from services.gateway.rest import CORE_KEY, MAX_BODY_BYTES, STARTED_AT_KEY, STORE_KEY, api_middleware
+from services.gateway.rest import (
+    CORE_KEY,
+    MAX_BODY_BYTES,
+    PUBLIC_METRICS_KEY,
+    STARTED_AT_KEY,
+    STORE_KEY,
+    api_middleware,
+)
 from services.gateway.tenancy import admin_api
 
 
 def create_app(
-    core: GatewayCore, store: ResponseStore | None = None, admin: admin_api.Admin | None = None
+    core: GatewayCore,
+    store: ResponseStore | None = None,
+    admin: admin_api.Admin | None = None,
+    *,
+    public_metrics: bool = False,
 ) -> web.Application:
     app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)
+    app[PUBLIC_METRICS_KEY] = public_metrics
     app[CORE_KEY] = core
     app[STORE_KEY] = store or ResponseStore(None)
     app[STARTED_AT_KEY] = time.time()

@@ -8,7 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.api_models.document import openapi_document
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.rest import CORE_KEY, PRINCIPAL, STARTED_AT_KEY
+from services.gateway.rest import CORE_KEY, PRINCIPAL, PUBLIC_METRICS_KEY, STARTED_AT_KEY
+from services.gateway.tenancy.admin_api import require_admin
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -61,5 +62,8 @@ async def readyz(request: web.Request) -> web.Response:
     return web.Response(status=503, text="not ready: no balancer, or no model with prefill and decode workers\n")
 
 
-async def metrics(_: web.Request) -> web.Response:
+async def metrics(request: web.Request) -> web.Response:
+    """The admin key's (tenant names and their traffic are no client's business), unless public_metrics."""
+    if not request.app.get(PUBLIC_METRICS_KEY, False):
+        require_admin(request)
     return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})

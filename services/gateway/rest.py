@@ -31,6 +31,7 @@ log = get_logger(__name__)
 
 CORE_KEY = web.AppKey("core", GatewayCore)
 STORE_KEY = web.AppKey("response_store", ResponseStore)
+PUBLIC_METRICS_KEY = web.AppKey("public_metrics", bool)  # /metrics with no key (gateway setting public_metrics)
 STARTED_AT_KEY = web.AppKey("started_at", float)  # the `created` of every model in /v1/models
 REQUEST_ID = web.RequestKey("request_id", str)  # the id the mesh knows the request by
 ECHOED_ID = web.RequestKey("echoed_request_id", str)  # what x-request-id says back

@@ -11,7 +11,7 @@ from aiohttp import web
 from mesh.discovery import WorkerRegistry
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, gateway_pb2_grpc
-from mesh.service import ServiceRuntime
+from mesh.service import ServiceRuntime, status_app
 from services.gateway.auth import KeyRing
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewaySettings
@@ -47,6 +47,8 @@ class GatewayServer:
         self.core: GatewayCore | None = None
         self.http_port = 0
         self._http: web.AppRunner | None = None
+        self.metrics_port = -1  # the keyless /metrics port (setting metrics_port), once bound; -1: none
+        self._metrics: web.AppRunner | None = None
         self.database: Database | None = None  # tenants, keys, prices, usage (tenancy/db.py)
         self.limiter: Limiter | None = None
         self.prices: PriceBook | None = None
@@ -107,8 +109,14 @@ class GatewayServer:
             cache_secret=secret,
         )
         admin = Admin(settings.admin_key, self.database, secret, key_store, bus.client)
-        app = create_app(self.core, ResponseStore(bus.client), admin)
+        app = create_app(self.core, ResponseStore(bus.client), admin, public_metrics=settings.public_metrics)
+        if settings.public_metrics:
+            log.warning("public_metrics: /metrics answers anyone on the public port (tenant names and traffic)")
         self._http, self.http_port = await start_http(app, settings.host, settings.http_port)
+        if settings.metrics_port >= 0:  # scrapers on a private network: no key
+            self._metrics, self.metrics_port = await start_http(
+                status_app(self.core.is_ready), settings.host, settings.metrics_port
+            )
         servicer = GatewayServicer(self.core)
         await self.runtime.start(
             register=lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
@@ -149,8 +157,9 @@ class GatewayServer:
                 await self.ledger_consumer.stop()
 
         await self.runtime.shutdown(before_drain=stop_following, after_drain=flush_usage)
-        if self._http is not None:
-            await self._http.cleanup()
+        for runner in (self._http, self._metrics):
+            if runner is not None:
+                await runner.cleanup()
         if self.database is not None:
             await self.database.close()
 

@@ -201,6 +201,10 @@ class Mesh:
     def script(self) -> Script:
         return self.fakes.script
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.metrics_port}/metrics"
+
     def client(self, key: str = KEY) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0, timeout=20)
 
@@ -224,6 +228,7 @@ async def mesh() -> AsyncIterator[Mesh]:
             models=(MODEL, IDLE_MODEL),
             heartbeat_interval_s=0.5,
             log_level="warning",
+            metrics_port=0,  # /metrics with no key, on its own port (the public one wants the admin key)
         )
         gateway = GatewayServer(settings, catalog=catalog)
         await gateway.start()

@@ -46,6 +46,10 @@ async def test_models_health_ready_metrics(mesh: Mesh, script: Script) -> None:
             async with session.get(f"{mesh.base_url}{path}") as response:
                 assert response.status == 200
         async with session.get(f"{mesh.base_url}/metrics") as response:
+            assert response.status == 401  # the public port's /metrics wants the admin key
+        async with session.get(f"{mesh.base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}) as response:
+            assert response.status == 403  # a client's key is not enough
+        async with session.get(mesh.metrics_url) as response:  # the scrapers' port: no key
             text = await response.text()
         assert (
             'kvmesh_gateway_requests_total{api="chat.completions",code="200",model="deepseek-tiny",tenant="default"}'

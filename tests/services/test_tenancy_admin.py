@@ -114,7 +114,9 @@ async def test_no_key_or_digest_in_logs_error_bodies_metrics_or_nats(
         assert (await api.call("DELETE", f"/admin/v1/keys/{keys[0]['id']}"))[0] == 200
         assert (await api.call("GET", "/v1/models", key=key))[0] == 401  # revoked
         assert (await api.call("GET", "/v1/models", key=keys[1]["key"]))[0] == 200
-        metrics = (await api.call("GET", "/metrics", key=None))[1]
+        assert (await api.call("GET", "/metrics", key=None))[0] == 401  # the admin key's
+        assert (await api.call("GET", "/metrics", key=keys[1]["key"]))[0] == 403  # a tenant key
+        metrics = (await api.call("GET", "/metrics"))[1]
         await asyncio.sleep(0.2)
         await spy.drain()
         secret = server_secret(server.settings)

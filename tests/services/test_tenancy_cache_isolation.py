@@ -33,6 +33,7 @@ from .gateway_harness import COMPLETION, KEY, MODEL, Fakes, Script
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 ADMIN_KEY = "sk-admin-cache-isolation-5c1e"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPT = "Tell me a long story about the sea, the wind and the lighthouse keeper who watched them both"
 
 
@@ -181,12 +182,12 @@ async def test_metrics_name_the_busiest_tenants_and_the_rest_other(
     monkeypatch.setattr(telemetry, "TENANT_LABELS", TenantLabels(2, telemetry.forget_tenant))  # N = 2 from here
     names = [f"metered-{i}" for i in range(4)]  # N + 2 tenants
     keys = [(await gateway.tenant(name))[1] for name in names]
-    async with gateway.session.get(f"{gateway.base_url}/metrics") as response:
+    async with gateway.session.get(f"{gateway.base_url}/metrics", headers=ADMIN_HEADERS) as response:
         before = requests_by_tenant(await response.text())
     for key, num_requests in zip(keys, (3, 2, 1, 1), strict=True):
         for _ in range(num_requests):
             await gateway.block_keys(key)
-    async with gateway.session.get(f"{gateway.base_url}/metrics") as response:
+    async with gateway.session.get(f"{gateway.base_url}/metrics", headers=ADMIN_HEADERS) as response:
         text = await response.text()
     after = requests_by_tenant(text)
     assert {name: after.get(name) for name in names} == {names[0]: 3, names[1]: 2, names[2]: None, names[3]: None}
@@ -198,7 +199,7 @@ async def test_metrics_name_the_busiest_tenants_and_the_rest_other(
     for _ in range(3):  # the 4th tenant's 3rd request overtakes the 2nd (2): the 2nd's series go, `other` counts it
         await gateway.block_keys(keys[3])
     await gateway.block_keys(keys[1])
-    async with gateway.session.get(f"{gateway.base_url}/metrics") as response:
+    async with gateway.session.get(f"{gateway.base_url}/metrics", headers=ADMIN_HEADERS) as response:
         text = await response.text()
     final = requests_by_tenant(text)
     assert {name: final.get(name) for name in names} == {names[0]: 3, names[1]: None, names[2]: None, names[3]: 2}
