@@ -53,6 +53,13 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 _TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 # gateway
+GATEWAY_CONNECTIONS_REFUSED = _counter(
+    "kvmesh_gateway_connections_refused_total",
+    "Connections the public listener closed: over a cap, or no whole request head in time",
+    ["reason"],
+    roles="gateway",
+    note="reason: max_connections, max_connections_per_client, head_timeout (services/gateway/listener.py)",
+)
 _TENANT_NOTE = "tenant: the busiest tenants' names (gateway setting metrics_named_tenants), other, unknown"
 GATEWAY_REQUESTS = _counter(
     "kvmesh_gateway_requests_total",

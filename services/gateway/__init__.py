@@ -23,6 +23,7 @@ decode stream, detokenizing as tokens arrive.
     responses_api.py     /v1/responses (+ response_store.py: stored responses in NATS JetStream KV)
     messages_api.py      /v1/messages: Anthropic's Messages API
     plain_routes.py      /v1/models, /openapi.json, /healthz, /readyz, /metrics
-    http_app.py          builds the REST app: the route table, start_http
+    http_app.py          builds the REST app: the route table
+    listener.py          serves it, bounded: connections in all and per client, the first head's time
     grpc_api.py          the Gateway servicer; server.py wires them up
 """

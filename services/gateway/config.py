@@ -8,6 +8,7 @@ from engine_core.images import ImageLimits
 from mesh.config import ServiceSettings, require, setting
 from services.gateway.egress import EgressGuard
 from services.gateway.images import ImageSettings
+from services.gateway.listener import ListenerLimits
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,12 @@ class GatewaySettings(ServiceSettings):
         "a second port serving /metrics, /healthz and /readyz with no key, for scrapers on a private network "
         "(-1: none, 0: any free port); on the public port /metrics needs the admin key",
     )
+    max_connections: int = setting(4096, "open connections to the public port, in all (0: no cap); more are closed")
+    max_connections_per_client: int = setting(
+        256, "open connections from one client address (0: no cap; behind a proxy every client shares its address)"
+    )
+    head_timeout_s: float = setting(10.0, "seconds from a connection's accept to the end of its first request head")
+    keepalive_timeout_s: float = setting(75.0, "seconds an idle kept-alive connection stays open")
     public_metrics: bool = setting(
         False, "serve /metrics on the public port with no key (tenant names and traffic to anyone; logs a warning)"
     )
@@ -92,6 +99,10 @@ class GatewaySettings(ServiceSettings):
         require(bool(self.models), "models", self.models, "name at least one model")
         require(self.block_size > 0, "block_size", self.block_size, "must be positive")
         require(self.max_retries >= 0, "max_retries", self.max_retries, "must not be negative")
+        for name in ("max_connections", "max_connections_per_client"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "must not be negative (0: no cap)")
+        for name in ("head_timeout_s", "keepalive_timeout_s"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
         require(self.metrics_port >= -1, "metrics_port", self.metrics_port, "must be -1 (none), 0 (any) or a port")
         require(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be positive")
         require(self.limits_lease_s >= 1, "limits_lease_s", self.limits_lease_s, "must be at least 1 second")
@@ -105,6 +116,12 @@ class GatewaySettings(ServiceSettings):
             "max_images_per_request",
             self.max_images_per_request,
             "must not be negative (0: no images)",
+        )
+
+    @property
+    def listener_limits(self) -> ListenerLimits:
+        return ListenerLimits(
+            self.max_connections, self.max_connections_per_client, self.head_timeout_s, self.keepalive_timeout_s
         )
 
     @property

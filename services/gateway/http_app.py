@@ -1,6 +1,5 @@
 """The REST app (aiohttp): one route table over the API modules, the plumbing they share (rest.py) and the
-plain routes. A client that leaves cancels its handler (handler_cancellation), which cancels the Prefill call
-or the Decode.Stream call in flight.
+plain routes. listener.py serves it.
 
     chat_completions.py  /v1/chat/completions
     completions.py       /v1/completions (legacy)
@@ -60,16 +59,3 @@ def create_app(
     app.router.add_get("/readyz", plain_routes.readyz)
     app.router.add_get("/metrics", plain_routes.metrics)
     return app
-
-
-async def start_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app`; returns the runner (to clean up) and the bound port. A client that disconnects cancels
-    its handler, which is what cancels the gRPC calls made for it."""
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    server = site._server
-    assert server is not None
-    bound = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
-    return runner, bound

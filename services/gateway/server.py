@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp import web
-
 from mesh.discovery import WorkerRegistry
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, gateway_pb2_grpc
@@ -17,8 +15,9 @@ from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewaySettings
 from services.gateway.core import GatewayCore
 from services.gateway.grpc_api import GatewayServicer
-from services.gateway.http_app import create_app, start_http
+from services.gateway.http_app import create_app
 from services.gateway.image_encoding import ImageEncoding
+from services.gateway.listener import Listener
 from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
 from services.gateway.pipeline import Pipeline
 from services.gateway.response_store import ResponseStore
@@ -46,9 +45,9 @@ class GatewayServer:
         self.registry: WorkerRegistry | None = None
         self.core: GatewayCore | None = None
         self.http_port = 0
-        self._http: web.AppRunner | None = None
+        self._http: Listener | None = None
         self.metrics_port = -1  # the keyless /metrics port (setting metrics_port), once bound; -1: none
-        self._metrics: web.AppRunner | None = None
+        self._metrics: Listener | None = None
         self.database: Database | None = None  # tenants, keys, prices, usage (tenancy/db.py)
         self.limiter: Limiter | None = None
         self.prices: PriceBook | None = None
@@ -112,11 +111,14 @@ class GatewayServer:
         app = create_app(self.core, ResponseStore(bus.client), admin, public_metrics=settings.public_metrics)
         if settings.public_metrics:
             log.warning("public_metrics: /metrics answers anyone on the public port (tenant names and traffic)")
-        self._http, self.http_port = await start_http(app, settings.host, settings.http_port)
+        limits = settings.listener_limits
+        self._http = await Listener.start(app, settings.host, settings.http_port, limits)
+        self.http_port = self._http.port
         if settings.metrics_port >= 0:  # scrapers on a private network: no key
-            self._metrics, self.metrics_port = await start_http(
-                status_app(self.core.is_ready), settings.host, settings.metrics_port
+            self._metrics = await Listener.start(
+                status_app(self.core.is_ready), settings.host, settings.metrics_port, limits
             )
+            self.metrics_port = self._metrics.port
         servicer = GatewayServicer(self.core)
         await self.runtime.start(
             register=lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
@@ -157,9 +159,9 @@ class GatewayServer:
                 await self.ledger_consumer.stop()
 
         await self.runtime.shutdown(before_drain=stop_following, after_drain=flush_usage)
-        for runner in (self._http, self._metrics):
-            if runner is not None:
-                await runner.cleanup()
+        for listener in (self._http, self._metrics):
+            if listener is not None:
+                await listener.stop()
         if self.database is not None:
             await self.database.close()
 
