@@ -107,10 +107,13 @@ async def test_a_head_not_finished_in_time_is_closed_while_a_prompt_one_is_serve
     assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200")
 
 
-async def test_an_oversized_head_is_a_400(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_an_oversized_head_is_a_400_and_no_traceback_in_the_log(  # type: ignore[no-untyped-def]
+    serve, caplog: pytest.LogCaptureFixture
+) -> None:
     listener = await serve(ListenerLimits())
     huge = b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 65536 + b"\r\n\r\n"
     assert (await get(listener, huge)).split(b" ")[1] == b"400"
     many = b"GET / HTTP/1.1\r\nHost: t\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(1000)) + b"\r\n"
     assert (await get(listener, many)).split(b" ")[1] == b"400"
     assert (await get(listener)).startswith(b"HTTP/1.1 200")
+    assert [r for r in caplog.records if r.name == "aiohttp.server"] == []  # no flood of tracebacks
