@@ -135,6 +135,11 @@ class LaneSettings:
     lane_max_write_bytes: int = setting(
         2**30, "bulk lane: bytes one write to a store node may carry before its end frame; past it the write is refused"
     )
+    lane_encrypt: bool = setting(
+        True,
+        "bulk lane: encrypt KV on the wire (AES-GCM); false: authenticate it only (a GMAC per frame, faster, the KV "
+        "readable on the wire; logs a warning)",
+    )
 
     def __post_init__(self) -> None:
         check_lane_settings(self)
@@ -143,7 +148,8 @@ class LaneSettings:
 def check_lane_settings(settings: LaneSettings) -> None:
     for field in dataclasses.fields(LaneSettings):
         value = getattr(settings, field.name)
-        require(value > 0, field.name, value, "must be positive")
+        if not isinstance(value, bool):
+            require(value > 0, field.name, value, "must be positive")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ and decode takes prefill's KV pushes here (decode.proto, PushLaneFrame): the nod
 holds and the reader receives straight into the buffers the engine loads from (mesh.lane_io). Control stays on gRPC.
 
 A frame is an 8-byte header (uint32 little-endian: the LaneFrame's length, the payload's length), the LaneFrame,
-then the payload (sealed: each followed by its 16-byte tag). Sockets are non-blocking and driven by the event loop, so one lane costs no thread.
+then the payload (sealed: each followed by its 16-byte tag). Sockets are non-blocking and driven by the event
+loop, so one lane costs no thread.
 `LaneListener` serves each accepted connection with one task, one exchange at a time, and answers errors alike on
 every lane. With an `ssl.SSLContext` a connection opens with a mutual TLS handshake and then carries frames sealed
 with keys that handshake carried (mesh.lane_io): a peer without a certificate of the mesh's CA, or of a role the
@@ -248,6 +249,8 @@ class LaneListener(abc.ABC, Generic[M]):
         """Listen on host:port (0: any free port); the port bound."""
         if self.ssl_context is None:
             log.warning("bulk lane without TLS: any peer that reaches its port can read and write KV", port=port)
+        elif not self.limits.lane_encrypt:
+            log.warning("bulk lane authenticates KV but does not encrypt it: it can be read on the wire", port=port)
         listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
@@ -307,7 +310,7 @@ class LaneListener(abc.ABC, Generic[M]):
                 await handshake(tls)
                 role = role_of(tls.getpeercert())
                 if role in self.peer_roles:
-                    return await seal_as_server(tls)
+                    return await seal_as_server(tls, self.limits.lane_encrypt)
             reason = f"role {role!r} may not use this lane"
         except (LaneError, TimeoutError, OSError) as exc:
             reason = str(exc) or "no handshake in time"

@@ -6,9 +6,10 @@ A lane with TLS uses TLS for what it does well, who the peer is: the connection 
 (the peer's role is read from its certificate), and the server then sends, inside TLS, two fresh AES-128 keys, one
 per direction. From there the connection is a `SealedSocket`: TLS is left (its records went one 16 KiB record per
 call through Python's ssl module, at a fifth of the socket's speed), and each frame is sealed with AES-GCM under
-those keys (the `cryptography` package: one OpenSSL call per megabyte, in place): the 8-byte header in the clear
-but authenticated, the frame encrypted with its tag after it, the payload encrypted with a second tag after it.
-Nonces count frames and payloads per direction, so a frame replayed, reordered, cut or altered fails its tag. A
+those keys (the `cryptography` package: one OpenSSL call per MiB, in place): the 8-byte header in the clear
+but authenticated, the frame encrypted with its tag after it, the payload encrypted with a second tag after it (or,
+where the server runs with KVMESH_LANE_ENCRYPT=false, the payload only authenticated: sent as it lies, its tag a
+GMAC). Nonces count frames and payloads per direction, so a frame replayed, reordered, cut or altered fails its tag. A
 payload is decrypted in place as it lands in the caller's views; its tag is checked when its last byte is in,
 before the read that completes it returns (LaneError otherwise), and a frame is checked before it is parsed.
 
@@ -33,13 +34,19 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import (
+    AEADDecryptionContext,
+    AEADEncryptionContext,
+    Cipher,
+    algorithms,
+    modes,
+)
 
 IOV_MAX = 512  # pieces per sendmsg / recvmsg_into (the kernel allows 1024)
 FIRST_PIECE_BYTES = 64 * 2**10  # recv_bytes: the first buffer; each next one at most doubles what arrived
 MAX_PIECE_BYTES = 8 * 2**20
-SEAL_SLICE_BYTES = 256 * 2**10  # a sealed payload is encrypted and written this much at a time
-OPEN_BATCH_BYTES = 256 * 2**10  # ... and received and decrypted this much at a time, so both ends keep moving
+SEAL_SLICE_BYTES = 2**20  # a sealed payload is encrypted and written this much at a time
+OPEN_BATCH_BYTES = 2**20  # ... and received and decrypted this much at a time, so both ends keep moving
 KEY_BYTES = 16  # AES-128
 TAG_BYTES = 16
 SPIFFE_PREFIX = "spiffe://kvmesh/"
@@ -88,27 +95,33 @@ class SealedSocket(socket.socket):
     is written only by the one task that holds the connection (one exchange at a time)."""
 
     def __init__(
-        self, sock: socket.socket, send_key: bytes, receive_key: bytes, peer_cert: dict[str, Any] | None = None
+        self,
+        sock: socket.socket,
+        send_key: bytes,
+        receive_key: bytes,
+        encrypt: bool = True,
+        peer_cert: dict[str, Any] | None = None,
     ) -> None:
         """Takes over `sock`'s connection (a TLS socket after its handshake is left without closing TLS)."""
         family, kind, proto = sock.family, sock.type, sock.proto
         super().__init__(family, kind, proto, fileno=sock.detach())
         self.setblocking(False)
+        self.encrypt = encrypt  # payloads encrypted; False: authenticated only (their tag a GMAC), sent as they lie
         self.peer_cert = peer_cert  # the certificate the handshake checked
         self.send_key = algorithms.AES(send_key)
         self.receive_key = algorithms.AES(receive_key)
         self.num_sent = 0  # segments sealed: each frame, each payload; the nonce of the next
         self.num_received = 0
-        self.payload: CipherContext | None = None  # the payload being received, opened as it lands
+        self.payload: AEADDecryptionContext | None = None  # the payload being received, opened as it lands
         self.num_payload_left = 0
 
-    def sealer(self, header: bytes) -> CipherContext:
+    def sealer(self, header: bytes) -> AEADEncryptionContext:
         self.num_sent += 1
         encryptor = Cipher(self.send_key, modes.GCM(self.num_sent.to_bytes(12, "big"))).encryptor()
         encryptor.authenticate_additional_data(header)
         return encryptor
 
-    def opener(self, header: bytes) -> CipherContext:
+    def opener(self, header: bytes) -> AEADDecryptionContext:
         self.num_received += 1
         decryptor = Cipher(self.receive_key, modes.GCM(self.num_received.to_bytes(12, "big"))).decryptor()
         decryptor.authenticate_additional_data(header)
@@ -162,7 +175,10 @@ async def recv_exactly_into(sock: socket.socket, *views: memoryview) -> None:
     for batch in _batches(views, OPEN_BATCH_BYTES):  # opened as they come: the sender never waits on a whole chunk
         await recv_raw_into(sock, *batch)
         for view in batch:
-            sock.payload.update_into(view, view)
+            if sock.encrypt:
+                sock.payload.update_into(view, view)
+            else:
+                sock.payload.authenticate_additional_data(view)
     sock.num_payload_left -= num_bytes
     if not sock.num_payload_left:
         opener, sock.payload = sock.payload, None
@@ -185,11 +201,11 @@ def _batches(views: Sequence[memoryview], max_bytes: int) -> Iterator[list[memor
         yield batch
 
 
-async def _check_tag(sock: SealedSocket, opener: CipherContext) -> None:
+async def _check_tag(sock: SealedSocket, opener: AEADDecryptionContext) -> None:
     tag = bytearray(TAG_BYTES)
     await recv_raw_into(sock, memoryview(tag))
     try:
-        opener.finalize_with_tag(bytes(tag))  # type: ignore[attr-defined]
+        opener.finalize_with_tag(bytes(tag))
     except InvalidTag:
         raise LaneError("a sealed frame failed its tag: altered, replayed or cut") from None
 
@@ -237,10 +253,15 @@ async def send_frame_bytes(sock: socket.socket, header: bytes, encoded: bytes, p
     sealed = bytearray(encoded)
     sealer.update_into(encoded, sealed)
     sealer.finalize()
-    await send_raw(sock, [header, sealed, sealer.tag])  # type: ignore[attr-defined]
+    await send_raw(sock, [header, sealed, sealer.tag])
     if not any(len(p) for p in payload):
         return
     sealer = sock.sealer(header)
+    if not sock.encrypt:  # authenticated only: the pieces go from where they lie, their tag after them
+        for piece in payload:
+            sealer.authenticate_additional_data(piece)
+        sealer.finalize()
+        return await send_raw(sock, [*payload, sealer.tag])
     scratch = memoryview(bytearray(SEAL_SLICE_BYTES))  # per frame: an idle connection holds no buffer
     filled = 0  # pieces are sealed into the scratch buffer, written whenever it is full
     for piece in payload:
@@ -254,7 +275,7 @@ async def send_frame_bytes(sock: socket.socket, header: bytes, encoded: bytes, p
                 await send_raw(sock, [scratch])
                 filled = 0
     sealer.finalize()
-    await send_raw(sock, [scratch[:filled], sealer.tag])  # type: ignore[attr-defined]
+    await send_raw(sock, [scratch[:filled], sealer.tag])
 
 
 async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
@@ -308,20 +329,21 @@ async def handshake(tls: ssl.SSLSocket) -> None:
     await _tls_step(tls, tls.do_handshake)
 
 
-async def seal_as_server(tls: ssl.SSLSocket) -> SealedSocket:
-    """After the handshake: send the connection's keys inside TLS, then leave TLS for sealed frames. The client
-    speaks first after this, so no byte of the sealed lane can reach OpenSSL's buffers."""
-    keys = os.urandom(2 * KEY_BYTES)  # client to server, server to client
+async def seal_as_server(tls: ssl.SSLSocket, encrypt: bool = True) -> SealedSocket:
+    """After the handshake: send the connection's keys (and whether payloads are encrypted) inside TLS, then leave
+    TLS for sealed frames. The client speaks first after this, so no byte of the sealed lane can reach OpenSSL's
+    buffers."""
+    keys = os.urandom(2 * KEY_BYTES) + bytes([encrypt])  # client to server, server to client, the mode
     sent = 0
     while sent < len(keys):
         sent += await _tls_step(tls, lambda start=sent: tls.send(keys[start:]))
-    return SealedSocket(tls, keys[KEY_BYTES:], keys[:KEY_BYTES], tls.getpeercert())
+    return SealedSocket(tls, keys[KEY_BYTES : 2 * KEY_BYTES], keys[:KEY_BYTES], encrypt, tls.getpeercert())
 
 
 async def seal_as_client(tls: ssl.SSLSocket) -> SealedSocket:
     """After the handshake: read the connection's keys inside TLS (a refused certificate is an alert here), then
     leave TLS for sealed frames."""
-    keys = bytearray(2 * KEY_BYTES)
+    keys = bytearray(2 * KEY_BYTES + 1)
     view = memoryview(keys)
     received = 0
     while received < len(keys):
@@ -329,7 +351,8 @@ async def seal_as_client(tls: ssl.SSLSocket) -> SealedSocket:
         if not count:
             raise LaneError("the lane closed the connection during its handshake")
         received += count
-    return SealedSocket(tls, bytes(keys[:KEY_BYTES]), bytes(keys[KEY_BYTES:]), tls.getpeercert())
+    send_key, receive_key, encrypt = bytes(keys[:KEY_BYTES]), bytes(keys[KEY_BYTES : 2 * KEY_BYTES]), keys[-1] == 1
+    return SealedSocket(tls, send_key, receive_key, encrypt, tls.getpeercert())
 
 
 def server_context(context: ssl.SSLContext) -> ssl.SSLContext:

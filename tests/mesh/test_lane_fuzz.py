@@ -4,7 +4,7 @@ or random), it yields frames that parse, the same frames when nothing was change
 error (LaneError), never another exception; it never waits past its stall limit when the peer goes quiet, and
 never holds more than twice the bytes that came (plus the first 64 KiB buffer). And on a sealed lane, a stream with
 any byte changed or cut yields only frames and payloads as they were sent, up to the change, then the lane's
-error."""
+error, whether its payloads are encrypted or only authenticated (and encrypted ones are not on the wire)."""
 
 from __future__ import annotations
 
@@ -107,10 +107,12 @@ def test_the_frame_reader_yields_valid_frames_or_the_lanes_error_within_its_limi
     assert peak < 2 * len(stream) + 2 * FIRST_PIECE_BYTES + 32 * 2**10
 
 
-async def sealed_stream(sent: list[tuple[kvcache_pb2.LaneFrame, bytes]], keys: tuple[bytes, bytes]) -> bytes:
+async def sealed_stream(
+    sent: list[tuple[kvcache_pb2.LaneFrame, bytes]], keys: tuple[bytes, bytes], encrypt: bool
+) -> bytes:
     """The bytes a sealed lane puts on the wire for `sent`."""
     near, far = socket.socketpair()
-    sealed = SealedSocket(near, keys[0], keys[1])
+    sealed = SealedSocket(near, keys[0], keys[1], encrypt)
     far.setblocking(False)
     for frame, payload in sent:
         await lane.send_frame(sealed, frame, [payload])
@@ -123,12 +125,14 @@ async def sealed_stream(sent: list[tuple[kvcache_pb2.LaneFrame, bytes]], keys: t
     return bytes(wire)
 
 
-async def read_sealed(wire: bytes, keys: tuple[bytes, bytes]) -> list[tuple[kvcache_pb2.LaneFrame, bytes]]:
+async def read_sealed(
+    wire: bytes, keys: tuple[bytes, bytes], encrypt: bool
+) -> list[tuple[kvcache_pb2.LaneFrame, bytes]]:
     near, far = socket.socketpair()
     far.setblocking(False)
     await asyncio.get_running_loop().sock_sendall(far, wire)
     far.close()
-    sealed = SealedSocket(near, keys[1], keys[0])
+    sealed = SealedSocket(near, keys[1], keys[0], encrypt)
     got: list[tuple[kvcache_pb2.LaneFrame, bytes]] = []
     try:
         with stall_limit(STALL_S):
@@ -143,17 +147,19 @@ async def read_sealed(wire: bytes, keys: tuple[bytes, bytes]) -> list[tuple[kvca
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(frames.filter(bool), st.data())
+@given(frames.filter(bool), st.booleans(), st.data())
 def test_a_sealed_lane_yields_only_what_was_sent_and_stops_at_the_first_changed_byte(
-    sent: list[tuple[kvcache_pb2.LaneFrame, bytes]], data: st.DataObject
+    sent: list[tuple[kvcache_pb2.LaneFrame, bytes]], encrypt: bool, data: st.DataObject
 ) -> None:
     keys = (os.urandom(16), os.urandom(16))
-    wire = bytearray(asyncio.run(sealed_stream(sent, keys)))
-    assert asyncio.run(read_sealed(bytes(wire), keys)) == sent
+    wire = bytearray(asyncio.run(sealed_stream(sent, keys, encrypt)))
+    assert asyncio.run(read_sealed(bytes(wire), keys, encrypt)) == sent
+    for _, payload in sent:  # encrypted: no payload readable on the wire; authenticated only: each as it was
+        assert len(payload) < 32 or (payload in wire) != encrypt
     at = data.draw(st.integers(0, len(wire) - 1))
     if data.draw(st.booleans()):
         wire[at] ^= data.draw(st.integers(1, 255))
     else:
         del wire[at:]
-    got = asyncio.run(read_sealed(bytes(wire), keys))
+    got = asyncio.run(read_sealed(bytes(wire), keys, encrypt))
     assert len(got) < len(sent) and got == sent[: len(got)]  # never a changed frame or payload

@@ -46,11 +46,15 @@ async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
     await echo_lane.stop()
 
 
-async def test_a_prefill_peer_gets_its_exchange_byte_for_byte_and_the_connection_is_reused(mesh: Mesh) -> None:
+@pytest.mark.parametrize("encrypt", [True, False])
+async def test_a_prefill_peer_gets_its_exchange_byte_for_byte_and_the_connection_is_reused(
+    mesh: Mesh, encrypt: bool
+) -> None:
+    mesh.lane.limits = LaneSettings(lane_encrypt=encrypt)  # the server's choice; the client follows it
     pool = lane.LanePool(ssl_context=mesh.client("prefill"))
     data = os.urandom(3 * 2**20 + 17)  # many TLS records, not a multiple of one
     async with pool.connection(mesh.address) as sock:
-        assert isinstance(sock, SealedSocket)
+        assert isinstance(sock, SealedSocket) and sock.encrypt == encrypt
         assert role_of(sock.peer_cert) == "kvcache"
         assert await echo(sock, data, offset=1) == data
     assert pool.num_idle(mesh.address) == 1

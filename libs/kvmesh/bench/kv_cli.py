@@ -39,9 +39,10 @@ def add_parsers(bench_commands: Any) -> None:
     transfer.add_argument("--repeats", type=int, default=3, help="runs per measurement, best reported")
     transfer.add_argument(
         "--protection",
-        choices=("tls", "none"),
+        choices=("tls", "mac", "none"),
         default="tls",
-        help="the lane as deployed (mutual TLS) or plain (KVMESH_INSECURE=1); raw TCP is measured either way",
+        help="the lane as deployed (mutual TLS, AES-GCM), authenticated only (KVMESH_LANE_ENCRYPT=0) or plain "
+        "(KVMESH_INSECURE=1); raw TCP is measured either way",
     )
     transfer.add_argument("--json", action="store_true", help="one line of JSON")
 

@@ -13,11 +13,12 @@ without the index or when parity must be decoded), `store_put_gbps` the write pa
 by the node, written to host memory, events acked by JetStream).
 
 Protection (`--protection`, the `protection` field): `tls` (the default, as deployed) runs the node and the client
-with a throwaway CA, so the lane is mutual TLS and `ratio` is the protected lane over raw TCP; `none` runs both
-under KVMESH_INSECURE=1 (the plain lane). Either way the run also reports `raw_tls_gbps` (the raw socket wrapped
-in TLS: the ceiling of TLS in one Python process) and, for the other way to protect a lane (an authenticated
-handshake and a keyed MAC per block instead of TLS), what one core hashes: `hmac_sha256_gbps` and
-`blake2b_keyed_gbps`, a cost both ends would pay on every byte.
+with a throwaway CA, so the lane is authenticated by mutual TLS and its frames sealed (AES-GCM), and `ratio` is the
+protected lane over raw TCP; `mac` is the same with KVMESH_LANE_ENCRYPT=0 (payloads authenticated, not encrypted);
+`none` runs both under KVMESH_INSECURE=1 (the plain lane). Either way the run also reports `raw_tls_gbps` (the raw
+socket wrapped in TLS: the ceiling of TLS records in one Python process) and what one core hashes with the MACs a
+lane could have used per block instead: `hmac_sha256_gbps` and `blake2b_keyed_gbps`, a cost both ends would pay
+on every byte.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
     blocks = [StoreBlock(n.to_bytes(32, "big"), b"\0" * 32, layout, payload) for n in range(num_blocks)]  # distinct
     total = num_blocks * num_block_bytes
     insecure = {"KVMESH_INSECURE": "1" if protection == "none" else "0"}
+    encrypt = {"KVMESH_LANE_ENCRYPT": "0" if protection == "mac" else "1"}
     certs = ProcessCertificates(Path(tempfile.mkdtemp(prefix="kvmesh-bench-certs-")), insecure)
     with EmbeddedNats() as nats:
         env = {
@@ -170,6 +172,7 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
             "KVMESH_HEARTBEAT_INTERVAL_S": "0.2",
             "KVMESH_HTTP_PORT": str(free_port()),
             **insecure,
+            **encrypt,
             **certs.env("kvcache", "kv-bench"),
         }
         node = subprocess.Popen([sys.executable, "-m", "services.kvcache"], env=env)
@@ -239,7 +242,7 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
     }
 
 
-PROTECTIONS = ("tls", "none")
+PROTECTIONS = ("tls", "mac", "none")
 
 
 def run_transfer_bench(
