@@ -4,6 +4,11 @@
 shutdown). `WorkerRegistry` follows heartbeats of some roles and keeps who is alive: a worker joins on its
 first heartbeat and leaves on `leaving` or after `MISSED_HEARTBEATS` intervals of silence.
 
+A heartbeat is heard only from the worker it names: it travels on `kvmesh.workers.<role>.<worker id>`, NATS lets a
+user publish only its own role's (or, under `kvmesh up`, its own worker's) subjects (mesh.bus_auth), and the
+registry drops one whose WorkerInfo names another role or worker than its subject, so a decode worker can neither
+join the balancers nor make another worker leave.
+
 Silence is counted only while the registry could listen. When its event loop stalls (a long synchronous step,
 a paused process, a test session's loop idle between tests), heartbeats wait unread in the socket; a prune
 that wakes first would drop every worker at once and answer the next request with "no workers". The prune
@@ -128,7 +133,7 @@ class Announcer:
 
     async def _beat(self, leaving: bool = False) -> None:
         beat = events_pb2.WorkerHeartbeat(worker=self.info, load=self.load(), timestamp_ms=now_ms(), leaving=leaving)
-        await self.bus.publish(subjects.heartbeat(ROLE_NAMES[self.info.role]), beat)
+        await self.bus.publish(subjects.worker_heartbeat(ROLE_NAMES[self.info.role], self.info.worker_id), beat)
 
 
 @dataclass
@@ -154,6 +159,8 @@ class WorkerRegistry:
         self.interval_s = interval_s
         self.on_leave = on_leave
         self._workers: dict[str, KnownWorker] = {}
+        self.num_forged = 0  # heartbeats dropped because they named another worker than their subject
+        self._forged_subjects: set[str] = set()  # logged once each
         self._subscriptions: list = []
         self._task: asyncio.Task[None] | None = None
 
@@ -184,6 +191,9 @@ class WorkerRegistry:
 
     async def _on_beat(self, beat: events_pb2.WorkerHeartbeat, subject: str) -> None:
         worker_id = beat.worker.worker_id
+        if not subjects.heartbeat_names(subject, ROLE_NAMES.get(beat.worker.role, "?"), worker_id):
+            self._drop_forged(beat, subject)
+            return
         if beat.leaving:
             self._remove(worker_id, "announced leaving")
             return
@@ -196,6 +206,17 @@ class WorkerRegistry:
                 models=list(beat.worker.models),
             )
         self._workers[worker_id] = KnownWorker(beat.worker, beat.load, now_ms(), time.monotonic())
+
+    def _drop_forged(self, beat: events_pb2.WorkerHeartbeat, subject: str) -> None:
+        self.num_forged += 1
+        if subject not in self._forged_subjects and len(self._forged_subjects) < 1024:
+            self._forged_subjects.add(subject)
+            log.warning(
+                "heartbeat dropped: it names another worker than its subject",
+                subject=subject,
+                role=ROLE_NAMES.get(beat.worker.role, str(beat.worker.role)),
+                worker_id=beat.worker.worker_id,
+            )
 
     def mark_failed(self, worker_id: str) -> None:
         """A call to the worker failed: take it out of the pools until it is heard from again."""

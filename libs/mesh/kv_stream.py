@@ -86,6 +86,7 @@ class KVEventFollower:
         self.num_replayed = 0  # stream messages applied (not those a snapshot covered)
         self.num_restores = 0  # snapshots restored
         self.num_lost = 0  # stream messages skipped that no snapshot covered (aged out of the stream)
+        self.num_forged = 0  # batches dropped: they named another worker than their subject
         self._target_seq = 0
         self._caught_up = asyncio.Event()
         self._started = 0.0
@@ -168,8 +169,11 @@ class KVEventFollower:
             log.warning("undecodable KV event batch skipped", subject=msg.subject)
             return
         if self.tiers is None or batch.tier in self.tiers or not batch.tier:  # "": all_cleared of every tier
-            worker_id = batch.worker_id or msg.subject.removeprefix(subjects.KV_EVENTS_PREFIX + ".")
-            self.index.apply(batch, worker_id)
+            worker_id = subjects.kv_events_worker(msg.subject, batch.worker_id)
+            if worker_id is not None:  # else it names another worker than its subject: dropped
+                self.index.apply(batch, worker_id)
+            else:
+                self.num_forged += 1
         self.num_replayed += 1
         if metadata.timestamp is not None:
             self.lag_s = max(0.0, time.time() - metadata.timestamp.timestamp())

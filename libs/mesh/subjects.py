@@ -6,9 +6,20 @@ HEARTBEAT_PREFIX = "kvmesh.workers"
 KV_EVENTS_PREFIX = "kvmesh.kv"
 
 
+def worker_heartbeat(role: str, worker_id: str) -> str:
+    """WorkerHeartbeat of one worker: its role and id are in the subject, so NATS permissions can hold a worker to
+    its own (mesh.bus_auth) and a registry drops a heartbeat whose WorkerInfo names anyone else (mesh.discovery)."""
+    return f"{HEARTBEAT_PREFIX}.{role}.{worker_id}"
+
+
 def heartbeat(role: str) -> str:
-    """WorkerHeartbeat of every worker of `role` (gateway, prefill, decode, kvcache, balancer, ...)."""
-    return f"{HEARTBEAT_PREFIX}.{role}"
+    """WorkerHeartbeat of every worker of `role` (gateway, prefill, decode, kvcache, balancer, ...): a wildcard."""
+    return f"{HEARTBEAT_PREFIX}.{role}.>"
+
+
+def heartbeat_names(subject: str, role: str, worker_id: str) -> bool:
+    """Whether a heartbeat heard on `subject` was published on the subject of the worker it names."""
+    return subject == worker_heartbeat(role, worker_id)
 
 
 def kv_events(worker_id: str) -> str:
@@ -17,6 +28,14 @@ def kv_events(worker_id: str) -> str:
 
 
 ALL_KV_EVENTS = f"{KV_EVENTS_PREFIX}.>"
+
+
+def kv_events_worker(subject: str, claimed: str) -> str | None:
+    """The worker a KVEventBatch heard on `subject` is about: the subject's, which permissions tie to its
+    publisher; None when the batch claims (`claimed`, its worker_id; empty: none) another worker."""
+    worker_id = subject.removeprefix(KV_EVENTS_PREFIX + ".")
+    return worker_id if claimed in ("", worker_id) else None
+
 
 REQUESTS_FINISHED = "kvmesh.requests.finished"  # events_pb2.RequestFinished: requests leaving decode workers
 

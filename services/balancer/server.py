@@ -264,7 +264,11 @@ async def follow_kv_events(bus: Bus, index: GlobalKVIndex, settings: BalancerSet
         return stop
 
     async def on_batch(batch: events_pb2.KVEventBatch, subject: str) -> None:
-        index.apply(batch, batch.worker_id or subject.removeprefix(subjects.KV_EVENTS_PREFIX + "."))
+        worker_id = subjects.kv_events_worker(subject, batch.worker_id)
+        if worker_id is None:  # a batch about another worker than the one its subject (and permissions) name
+            log.warning("KV events dropped: they name another worker", subject=subject, worker_id=batch.worker_id)
+            return
+        index.apply(batch, worker_id)
 
     subscription = await bus.subscribe(subjects.ALL_KV_EVENTS, events_pb2.KVEventBatch, on_batch)
     return subscription.unsubscribe
