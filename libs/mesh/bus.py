@@ -1,13 +1,21 @@
 """The NATS bus: protobuf messages on subjects, with the request id in the `x-request-id` header.
 
 Events only: bulk bytes (KV blocks, embeddings) travel over gRPC, never through NATS.
+
+A role joins as its NATS user (`connect_as`: KVMESH_NATS_CREDS, or nats.creds beside its certificate, or
+user:password in the URL), presenting its mesh certificate when the server asks for TLS; what the user may publish
+and subscribe is mesh.bus_auth's table. URLs are logged and raised with the user and password cut out (`redact`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import nats
 from google.protobuf.message import DecodeError, Message
@@ -15,14 +23,46 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from mesh.bus_auth import CREDS_FILE, NatsUser, read_user
+from mesh.config import NatsSettings, TLSSettings, load_settings
 from mesh.logging import REQUEST_ID_KEY, bind_request_id, current_request_id, get_logger
+from mesh.tls import CertificateError, MeshCredentials, client_ssl_context, load_credentials
 
 M = TypeVar("M", bound=Message)
 log = get_logger(__name__)
 
 
 class BusError(RuntimeError):
-    """NATS cannot be reached."""
+    """NATS cannot be reached, or refused this process's credentials."""
+
+
+def redact(url: str) -> str:
+    """`url` (or a comma-separated list of them) with any user and password replaced by `***`."""
+    servers = []
+    for server in url.split(","):
+        parts = urlsplit(server.strip())
+        if "@" in parts.netloc:
+            parts = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2])
+        servers.append(parts.geturl())
+    return ",".join(servers)
+
+
+def has_userinfo(url: str) -> bool:
+    return any("@" in urlsplit(server.strip()).netloc for server in url.split(","))
+
+
+def load_user(role: str, env: dict[str, str] | None = None) -> NatsUser | None:
+    """This process's NATS user as `role`: KVMESH_NATS_CREDS, else nats.creds in KVMESH_TLS_DIR or its <role>/
+    (where `kvmesh certs init` puts it), else None (then only a user:password in the URL authenticates)."""
+    creds = load_settings(NatsSettings, env).nats_creds
+    if creds:
+        return read_user(Path(creds).expanduser())
+    tls_dir = load_settings(TLSSettings, env).tls_dir
+    for base in (Path(tls_dir).expanduser(),) if tls_dir else ():
+        for path in (base / CREDS_FILE, base / role / CREDS_FILE):
+            if path.is_file():
+                return read_user(path)
+    return None
 
 
 class Bus:
@@ -30,23 +70,42 @@ class Bus:
         self.client = client
 
     @classmethod
-    async def connect(cls, url: str, name: str, timeout_s: float = 5.0) -> Bus:
-        """Connect, failing within `timeout_s` with an error naming the URL; reconnects forever afterwards."""
+    async def connect(
+        cls,
+        url: str,
+        name: str,
+        timeout_s: float = 5.0,
+        user: NatsUser | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> Bus:
+        """Connect, failing within `timeout_s` with an error naming the URL; reconnects forever afterwards.
+
+        `user` authenticates unless the URL carries a user:password of its own; `tls` is used when the server
+        requires TLS, and for a tls:// URL before any byte is exchanged (the server's `handshake_first`), so a
+        server, or anyone between, that does not speak TLS never gets to ask for the password."""
+        shown = redact(url)
+        refused: list[str] = []
 
         async def on_error(exc: Exception) -> None:  # one line, not the client's traceback per retry
-            log.warning("nats error", url=url, error=f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, nats.errors.Error) and "authorization" in str(exc).lower():
+                refused.append(str(exc))
+            log.warning("nats error", url=shown, error=f"{type(exc).__name__}: {exc}")
 
         async def on_disconnected() -> None:
-            log.warning("nats disconnected; reconnecting", url=url)
+            log.warning("nats disconnected; reconnecting", url=shown)
 
         async def on_reconnected() -> None:
-            log.info("nats reconnected", url=url)
+            log.info("nats reconnected", url=shown)
 
+        login = {"user": user.user, "password": user.password} if user and not has_userinfo(url) else {}
         try:
             client = await asyncio.wait_for(
                 nats.connect(
                     url,
                     name=name,
+                    tls=tls,
+                    tls_handshake_first=tls is not None and url.startswith("tls://"),
+                    **login,
                     connect_timeout=timeout_s,
                     max_reconnect_attempts=-1,
                     allow_reconnect=True,
@@ -57,9 +116,28 @@ class Bus:
                 ),
                 timeout=timeout_s * 2,
             )
-        except (OSError, asyncio.TimeoutError, nats.errors.NoServersError) as exc:
-            raise BusError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from exc
+        except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            if refused or isinstance(exc, nats.errors.AuthorizationError):
+                raise BusError(
+                    f"NATS at {shown} refused this process's credentials ({refused[-1] if refused else exc}): give "
+                    "it its role's nats.creds (KVMESH_NATS_CREDS, or KVMESH_TLS_DIR from `kvmesh certs init`)"
+                ) from None
+            raise BusError(f"cannot reach NATS at {shown}: {exc or type(exc).__name__}") from None
         return cls(client)
+
+    @classmethod
+    async def connect_as(cls, role: str, url: str, name: str, credentials: MeshCredentials | None) -> Bus:
+        """Connect as `role`'s NATS user (`load_user`), presenting the mesh certificate if NATS asks for TLS.
+
+        Under KVMESH_INSECURE=1 (no `credentials`) a tls:// URL still takes the certificate where there is one: the
+        setting opens the roles' gRPC, not a NATS that demands TLS (compose's)."""
+        if credentials is None and url.startswith("tls://"):
+            try:
+                credentials = load_credentials(role, replace(load_settings(TLSSettings), insecure=False))
+            except CertificateError:
+                credentials = None
+        tls = client_ssl_context(credentials) if credentials is not None else None
+        return await cls.connect(url, name, user=load_user(role), tls=tls)
 
     async def publish(self, subject: str, message: Message, request_id: str | None = None) -> None:
         request_id = request_id or current_request_id()

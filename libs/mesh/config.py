@@ -222,6 +222,18 @@ class TLSSettings:
         )
 
 
+@dataclass(frozen=True)
+class NatsSettings:
+    """How a process proves who it is to NATS (mesh.bus): read by every process that joins the bus, like
+    TLSSettings. A `tls://` KVMESH_NATS_URL also makes a role present its mesh certificate to NATS."""
+
+    nats_creds: str = setting(
+        "",
+        "a file with this process's NATS user and password (`kvmesh certs init` writes <role>/nats.creds); empty: "
+        "nats.creds in KVMESH_TLS_DIR (or its <role>/), else user:password in KVMESH_NATS_URL; never logged",
+    )
+
+
 def process_variables(cls: type, roles: str) -> tuple[EnvVariable, ...]:
     """The fields of a settings class read by every process (not one role's class) as OTHER_VARIABLES rows."""
     rows = []
@@ -235,3 +247,4 @@ def process_variables(cls: type, roles: str) -> tuple[EnvVariable, ...]:
 
 
 OTHER_VARIABLES += process_variables(TLSSettings, "every role, `kvmesh up` and the benchmarks that start roles")
+OTHER_VARIABLES += process_variables(NatsSettings, "every role")

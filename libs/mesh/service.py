@@ -114,7 +114,7 @@ class ServiceRuntime:
         return self.advertised(self.grpc_port)
 
     async def connect_bus(self) -> Bus:
-        self.bus = await Bus.connect(self.settings.nats_url, name=self.worker_id)
+        self.bus = await Bus.connect_as(self.role_name, self.settings.nats_url, self.worker_id, self.credentials)
         return self.bus
 
     async def start(
