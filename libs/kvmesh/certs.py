@@ -1,7 +1,9 @@
 """The mesh's certificates (the `cryptography` package): a CA and one certificate per role or per process.
 
     kvmesh certs init DIR     ca.pem, and <role>/ with ca.pem, <role>.pem and <role>-key.pem for every role
-                              (KVMESH_TLS_DIR=DIR serves every role on one host; compose mounts <role>/ alone)
+                              (KVMESH_TLS_DIR=DIR serves every role on one host; compose mounts <role>/ alone),
+                              <role>/nats.creds (the role's NATS user and password, 0600), and nats/ with the
+                              NATS server's certificate and nats-server.conf (users bcrypt-hashed, permissions)
 
 Keys are ECDSA P-256, certificates valid for a year. The CA's key is never written: a new CA means running init
 again (--force), which re-issues every certificate. `kvmesh up` keeps a throwaway CA in memory and issues one
@@ -24,12 +26,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kvmesh.nats_config import ServerTLS, role_grants, server_config
 from mesh.access import ROLES
+from mesh.bus_auth import CREDS_FILE
 from mesh.config import TLSSettings, load_settings
 from mesh.tls import CA_FILE, SERVER_NAME, MeshCredentials, PeerIdentity, load_credentials
 
 VALID_FOR = datetime.timedelta(days=365)
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # valid from a little before now: peers' clocks differ
+NATS_DIR = "nats"  # the NATS server's directory (and the role its certificate names)
+NATS_CONFIG = "nats-server.conf"
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -113,13 +119,31 @@ class CertificateAuthority:
 
 
 def init_directory(directory: Path, roles: tuple[str, ...] = ROLES) -> CertificateAuthority:
-    """A new CA and one certificate per role, `spiffe://kvmesh/<role>/<role>`, each role's under <role>/."""
+    """A new CA and one certificate per role, `spiffe://kvmesh/<role>/<role>`, each role's under <role>/, and
+    what NATS needs (`write_nats`)."""
     authority = CertificateAuthority.create()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CA_FILE).write_bytes(authority.pem)
     for role in roles:
         authority.write(directory / role, PeerIdentity(role, role))
+    write_nats(directory, authority, roles)
     return authority
+
+
+def write_nats(directory: Path, authority: CertificateAuthority, roles: tuple[str, ...] = ROLES) -> Path:
+    """NATS's side: one user per role with a new random password, plain only in <role>/nats.creds (0600), hashed
+    in nats/nats-server.conf beside the server's certificate (`spiffe://kvmesh/nats/nats`, DNS SAN `kvmesh`),
+    which demands TLS with a client certificate of this CA. The paths in the file are absolute, as `directory`
+    is here: compose runs init at /certs and mounts the volume at /certs in the nats container too."""
+    server_dir = authority.write(directory / NATS_DIR, PeerIdentity(NATS_DIR, NATS_DIR))
+    grants = role_grants(roles)
+    for grant, role in zip(grants, roles, strict=True):
+        grant.user.write(directory / role / CREDS_FILE)
+    base = server_dir.absolute()
+    tls = ServerTLS(base / f"{NATS_DIR}.pem", base / f"{NATS_DIR}-key.pem", base / CA_FILE)
+    config = server_dir / NATS_CONFIG
+    config.write_text(server_config(grants, tls))
+    return config
 
 
 class ProcessCertificates:
@@ -161,8 +185,12 @@ def run(args: argparse.Namespace) -> int:
     directory = Path(args.directory).expanduser()
     if (directory / CA_FILE).exists() and not args.force:
         print(f"kvmesh certs: {directory} already holds a CA (--force makes a new one)", file=sys.stderr)
+        if not (directory / NATS_DIR / NATS_CONFIG).exists():  # made before NATS had users: no CA key to add them
+            print(f"  but no {NATS_DIR}/{NATS_CONFIG}: run init again with --force for NATS's users", file=sys.stderr)
+            return 1
         return 0
     init_directory(directory)
     print(f"kvmesh certs: a CA and certificates for {', '.join(ROLES)} in {directory}", file=sys.stderr)
+    print(f"  NATS: {directory / NATS_DIR / NATS_CONFIG} and <role>/{CREDS_FILE} (one user per role)", file=sys.stderr)
     print(f"  every role on this host: KVMESH_TLS_DIR={directory}", file=sys.stderr)
     return 0

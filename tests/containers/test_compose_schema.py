@@ -106,7 +106,7 @@ def test_settings_reach_every_role_and_the_host_api_keys_are_required(compose):
     services = compose["services"]
     for role in ROLES:
         env = services[role]["environment"]
-        assert env["KVMESH_NATS_URL"] == "nats://nats:4222" and env["KVMESH_HOST"] == "0.0.0.0"
+        assert env["KVMESH_NATS_URL"] == "tls://nats:4222" and env["KVMESH_HOST"] == "0.0.0.0"
         assert "KVMESH_MODELS" in env and env["KVMESH_MODELS"] is None  # passed through from the host when set
         assert "KVMESH_WORKER_ID" not in env  # the default names each container apart (its hostname)
     assert services["gateway"]["environment"]["KVMESH_API_KEYS"].startswith("${KVMESH_API_KEYS:?")
