@@ -20,6 +20,7 @@ from aiohttp import web
 
 from mesh.logging import bind_request_id, get_logger
 from services.gateway.auth import bearer_key
+from services.gateway.body_shape import check_body_shape
 from services.gateway.chat import ChatRun, ChatTurn, start_chat
 from services.gateway.core import GatewayCore, check_scope, echoed_request_id, new_request_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
@@ -133,14 +134,17 @@ def http_error_response(request: web.Request, exc: web.HTTPException) -> web.Res
 
 
 async def json_body(request: web.Request) -> Any:
+    """The body, parsed and its shape checked (body_shape.py)."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise GatewayError(ErrorKind.TOO_LARGE, f"the request body is over {MAX_BODY_BYTES} bytes") from None
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise invalid(None, "We could not parse the JSON body of your request: it must be a JSON object.") from None
+    check_body_shape(body)
+    return body
 
 
 # ---- a generation endpoint's life ----------------------------------------------------------------------------
