@@ -138,8 +138,12 @@ class Listener:
     async def start(cls, app: web.Application, host: str, port: int, limits: ListenerLimits) -> Listener:
         """Serve `app` on host:port (0: any free port). A client that disconnects cancels its handler, which
         is what cancels the gRPC calls made for it."""
-        runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, keepalive_timeout=limits.keepalive_timeout_s
+        runner = web.AppRunner(  # bodies are not inflated: rest.json_body refuses a Content-Encoding unread
+            app,
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=limits.keepalive_timeout_s,
+            auto_decompress=False,
         )
         await runner.setup()
         listener = cls(runner, limits)
