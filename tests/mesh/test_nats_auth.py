@@ -19,7 +19,7 @@ from mesh import subjects
 from mesh.bus import Bus, BusError, redact
 from mesh.discovery import WorkerRegistry
 from mesh.kv_index import GlobalKVIndex
-from mesh.kv_stream import KVEventFollower, ensure_kv_stream, publish_acked
+from mesh.kv_stream import KVEventFollower, KVIndexCompactor, ensure_kv_stream, publish_acked
 from mesh.pb import common_pb2, events_pb2
 
 SETTLE_S = 0.3  # a publish refused or delivered on loopback is heard well within this
@@ -237,6 +237,32 @@ async def test_the_kv_index_drops_batches_that_name_another_worker(server: Embed
     assert (index.num_blocks("decode-0"), index.num_blocks("kvcache-0"), follower.num_forged) == (1, 0, 1)
     await follower.stop()
     await asyncio.gather(balancer.close(), admin.close())
+
+
+async def test_the_balancer_compacts_and_the_stores_restore_as_their_own_users(server: EmbeddedNats) -> None:
+    urls = {role: server.url_as(role) for role in ("balancer", "prefill", "kvcache")}
+    buses = {role: await Bus.connect(url, role) for role, url in urls.items()}
+    kvcache = buses["kvcache"]
+    assert await ensure_kv_stream(kvcache)
+    for seq in range(1, 5):  # a store node's own acknowledged publishes
+        block = events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(block_hashes=[bytes([seq]) * 32]))
+        await publish_acked(
+            kvcache, events_pb2.KVEventBatch(worker_id="kvcache-0", seq=seq, tier="host", events=[block])
+        )
+    follower = KVEventFollower(buses["balancer"], GlobalKVIndex())
+    await follower.start()
+    assert await follower.wait_caught_up(5)
+    assert await KVIndexCompactor(follower, every=4).compact()  # a snapshot in the balancer's KV and object store
+    restored = [
+        KVEventFollower(buses[role], GlobalKVIndex(), frozenset({"host", "ssd"})) for role in ("prefill", "kvcache")
+    ]
+    for late in restored:
+        await late.start()
+        assert await late.wait_caught_up(5)
+        assert (late.num_restores, late.index.num_blocks("kvcache-0")) == (1, 4)
+    for each in (follower, *restored):
+        await each.stop()
+    await asyncio.gather(*(bus.close() for bus in buses.values()))
 
 
 async def test_a_server_restarted_on_its_store_keeps_its_users(tmp_path) -> None:
