@@ -7,8 +7,10 @@ A role's subjects follow `mesh.subjects`; `{worker}` stands for the worker's own
 (`kvmesh up` knows every id) gets exactly its own subjects, a user shared by a role's replicas (compose) gets `*`
 (`>`) there, so one decode worker may then speak for another decode worker, never for another role.
 
-JetStream is for the roles that use it: its API (`$JS.API.>`, acks, flow control) and the inboxes its replies
-arrive on (`_INBOX.>`); a bucket's own subjects (`$KV.<bucket>.>`, `$O.<bucket>.>`) only for the role that writes it.
+JetStream is for the roles that use it, and each only on its own streams: the API subjects that name them
+(`jetstream_api`), acks and flow control, and the inboxes replies arrive on (`_INBOX.>`); a bucket's own subjects
+(`$KV.<bucket>.>`, `$O.<bucket>.>`) only for the role that writes it. So prefill, which reads the KV index's
+stream, cannot touch the gateway's usage stream; a role may still purge or delete a stream it uses itself.
 """
 
 from __future__ import annotations
@@ -21,7 +23,35 @@ from mesh.access import BALANCER, DECODE, ENCODER, EXPERT_LB, GATEWAY, KVCACHE, 
 
 WORKER = "{worker}"  # a worker's own id in a subject of the table
 INBOXES = "_INBOX.>"
-JETSTREAM_API = ("$JS.API.>", "$JS.ACK.>", "$JS.FC.>")
+KV_STREAMS = ("KVMESH_KV", "KV_KVMESH_KV_SNAPSHOT", "OBJ_KVMESH_KV_SNAPSHOTS")  # the KV index and its snapshots
+GATEWAY_STREAMS = ("KVMESH_USAGE", "KVMESH_FINISHED", "KV_KVMESH_LIMITS", "KV_kvmesh_responses")
+
+
+def jetstream_api(*streams: str) -> tuple[str, ...]:
+    """The JetStream API on `streams` only (a KV bucket's stream is KV_<bucket>, an object store's OBJ_<bucket>):
+    stream info, create, update, purge and message get; consumers on them; direct gets; plus the read-only
+    `$JS.API.INFO` and `$JS.API.STREAM.NAMES`, and acks and flow-control replies of consumers."""
+    per_stream = [
+        (
+            f"$JS.API.STREAM.*.{stream}",
+            f"$JS.API.STREAM.MSG.*.{stream}",
+            f"$JS.API.CONSUMER.*.{stream}",
+            f"$JS.API.CONSUMER.*.{stream}.>",
+            f"$JS.API.CONSUMER.*.*.{stream}.>",  # DURABLE.CREATE, MSG.NEXT
+            f"$JS.API.DIRECT.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>",
+        )
+        for stream in streams
+    ]
+    return (
+        "$JS.API.INFO",
+        "$JS.API.STREAM.NAMES",
+        *(s for group in per_stream for s in group),
+        "$JS.ACK.>",
+        "$JS.FC.>",
+    )
+
+
 ALL_HEARTBEATS = f"{subjects.HEARTBEAT_PREFIX}.>"
 CREDS_FILE = "nats.creds"  # beside a role's certificate in its directory (`kvmesh certs init`)
 
@@ -55,7 +85,7 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
             _heartbeat(GATEWAY),
             subjects.ALL_USAGE,
             "kvmesh.tenancy.changed",
-            *JETSTREAM_API,
+            *jetstream_api(*GATEWAY_STREAMS),
             *_GATEWAY_BUCKETS,
         ),
         subscribe=(ALL_HEARTBEATS, "kvmesh.tenancy.changed", INBOXES),
@@ -63,7 +93,12 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
     ENCODER: SubjectPermissions(publish=(_heartbeat(ENCODER),)),
     # its cache's events, its expert loads; follows the store nodes, expert plans and the KV stream (JetStream)
     PREFILL: SubjectPermissions(
-        publish=(_heartbeat(PREFILL), subjects.kv_events(WORKER), subjects.ALL_EXPERT_LOADS, *JETSTREAM_API),
+        publish=(
+            _heartbeat(PREFILL),
+            subjects.kv_events(WORKER),
+            subjects.ALL_EXPERT_LOADS,
+            *jetstream_api(*KV_STREAMS),
+        ),
         subscribe=(subjects.heartbeat(KVCACHE), f"{subjects.EXPERT_PLAN_PREFIX}.>", INBOXES),
     ),
     # no balancer assignments, no expert plans, no other role's heartbeats
@@ -78,7 +113,7 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
     ),
     # its tiers' events (acknowledged JetStream publishes); follows its peers and the KV stream (repair)
     KVCACHE: SubjectPermissions(
-        publish=(_heartbeat(KVCACHE), subjects.kv_events(WORKER), *JETSTREAM_API),
+        publish=(_heartbeat(KVCACHE), subjects.kv_events(WORKER), *jetstream_api(*KV_STREAMS)),
         subscribe=(subjects.heartbeat(KVCACHE), INBOXES),
     ),
     # the only publisher of assignments and pool sizes; keeps the KV index (stream, snapshots)
@@ -87,7 +122,7 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
             _heartbeat(BALANCER),
             subjects.BALANCER_ASSIGN,
             subjects.BALANCER_REPLICAS,
-            *JETSTREAM_API,
+            *jetstream_api(*KV_STREAMS),
             *_BALANCER_BUCKETS,
         ),
         subscribe=(

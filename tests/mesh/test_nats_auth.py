@@ -182,6 +182,26 @@ async def test_jetstream_is_refused_to_the_roles_that_do_not_use_it(server: Embe
     await decode.close()
 
 
+async def test_a_role_reaches_only_its_own_streams(server: EmbeddedNats) -> None:
+    from services.gateway.tenancy.ledger import ensure_usage_stream
+
+    gateway = await nats.connect(server.url_as("gateway"))
+    await ensure_usage_stream(gateway.jetstream(timeout=2))
+    heard = Heard()
+    prefill = await connect(server.url_as("prefill", "prefill-0"), heard)
+    assert await ensure_kv_stream(Bus(prefill))  # the KV index's stream: its own to read
+    with pytest.raises(nats.errors.Error):  # the gateway's usage (billing) stream: not even its info
+        await prefill.jetstream(timeout=0.5).stream_info("KVMESH_USAGE")
+    with pytest.raises(nats.errors.Error):
+        await prefill.jetstream(timeout=0.5).delete_stream("KVMESH_USAGE")
+    assert heard.errors == [
+        violation("$JS.API.STREAM.INFO.KVMESH_USAGE"),
+        violation("$JS.API.STREAM.DELETE.KVMESH_USAGE"),
+    ]
+    assert (await gateway.jetstream(timeout=2).stream_info("KVMESH_USAGE")).config.name == "KVMESH_USAGE"
+    await asyncio.gather(gateway.close(), prefill.close())
+
+
 def heartbeat(worker_id: str, role: Any, leaving: bool = False) -> events_pb2.WorkerHeartbeat:
     info = common_pb2.WorkerInfo(worker_id=worker_id, role=role, address="127.0.0.1:1")
     return events_pb2.WorkerHeartbeat(worker=info, leaving=leaving)
