@@ -2,8 +2,8 @@
 worker) with a random password stored bcrypt-hashed, its subject permissions, bounded resources, and TLS with
 the mesh's CA when a server certificate is given.
 
-    users = [admin_user(), *role_users()]
-    text = server_config(users, tls=ServerTLS(cert, key, ca))    # nats-server -c FILE
+    grants = role_grants()                                        # one user per role, new random passwords
+    text = server_config(grants, tls=ServerTLS(cert, key, ca))    # nats-server -c FILE
 
 Limits (nats-server's own settings):
 - `max_payload` 1 MiB: NATS carries events only; bulk bytes (KV blocks, embeddings) go over gRPC and the lanes.
@@ -66,18 +66,9 @@ def role_user_name(role: str, worker_id: str | None = None) -> str:
     return role if worker_id is None else f"{role}.{worker_id}"
 
 
-def admin_grant(password: str | None = None) -> Grant:
-    return Grant(NatsUser(ADMIN, password or new_password()), None)
-
-
 def role_grants(roles: Iterable[str] = ROLES) -> list[Grant]:
     """One user per role, shared by its replicas (compose): `{worker}` subjects open to any worker of the role."""
     return [Grant(NatsUser(role_user_name(role), new_password()), permissions(role)) for role in roles]
-
-
-def worker_grant(role: str, worker_id: str) -> Grant:
-    """A user for one worker: only its own heartbeat and KV event subjects."""
-    return Grant(NatsUser(role_user_name(role, worker_id), new_password()), permissions(role, worker_id))
 
 
 def hash_password(password: str, rounds: int = BCRYPT_ROUNDS) -> str:

@@ -27,12 +27,11 @@ from kvmesh.nats_config import (
     EMBEDDED_BCRYPT_ROUNDS,
     Grant,
     ServerTLS,
-    admin_grant,
-    role_grants,
+    new_password,
     role_user_name,
     server_config,
-    worker_grant,
 )
+from mesh.access import ROLES
 from mesh.bus_auth import NatsUser, SubjectPermissions, permissions
 from mesh.config import TLSSettings, load_settings
 from mesh.logging import get_logger
@@ -126,18 +125,12 @@ class EmbeddedNats:
         """The users, kept in the store directory (owner-only): the same ones again for a restart on that store."""
         saved = self.store_dir / "kvmesh-users.json"
         passwords: dict[str, str] = json.loads(saved.read_text()) if saved.is_file() else {}
-        grants = [admin_grant(), *role_grants(), *(worker_grant(role, worker_id) for role, worker_id in workers)]
-        for grant in grants:
-            if grant.user.user in passwords:
-                grant = Grant(NatsUser(grant.user.user, passwords[grant.user.user]), grant.permissions)
-            passwords[grant.user.user] = grant.user.password
+        names = [ADMIN, *map(role_user_name, ROLES), *(role_user_name(role, worker) for role, worker in workers)]
+        for name in names:
+            passwords.setdefault(name, new_password())
         NatsUser("", "").write(saved)  # owner-only before the passwords are in it
         saved.write_text(json.dumps(passwords))
-        return {
-            name: Grant(NatsUser(name, password), _permissions_of(name))
-            for name, password in passwords.items()
-            if name in {grant.user.user for grant in grants}
-        }
+        return {name: Grant(NatsUser(name, passwords[name]), _permissions_of(name)) for name in names}
 
     @property
     def address(self) -> str:
