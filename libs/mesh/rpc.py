@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from mesh.access import allowed_callers
 from mesh.logging import REQUEST_ID_KEY, current_request_id, get_logger
@@ -155,21 +156,66 @@ def _guarded(handler: Any, method: str) -> Any:
 
     kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
     inner = getattr(handler, kind)
+    parse = _parsed_stream if kind.startswith("stream_") else _parsed
+    tolerant = {"request_deserializer": _tolerant(handler.request_deserializer)}
     if inspect.isasyncgenfunction(inner):
 
         async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             await check(context)
-            async for response in inner(request, context):
+            async for response in inner(await parse(request, context, method), context):
                 yield response
 
-        return handler._replace(**{kind: streaming})
+        return handler._replace(**{kind: streaming}, **tolerant)
     assert inspect.iscoroutinefunction(inner), f"{method}: the mesh's handlers are async"
 
     async def single(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await check(context)
-        return await inner(request, context)
+        return await inner(await parse(request, context, method), context)
 
-    return handler._replace(**{kind: single})
+    return handler._replace(**{kind: single}, **tolerant)
+
+
+class _Malformed:
+    """A request message whose bytes did not parse. grpc.aio parses before the handler runs and answers a parse
+    error with UNKNOWN and a logged traceback, before the access check: so the deserializer hands this on
+    instead, and the handler's wrapper answers INVALID_ARGUMENT once the caller is known to be allowed."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            return _Malformed(str(error))
+
+    return deserialize
+
+
+async def _refuse_malformed(context: grpc.aio.ServicerContext, method: str, request: _Malformed) -> None:
+    log.warning("malformed request refused", method=method)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}")
+
+
+async def _parsed(request: Any, context: grpc.aio.ServicerContext, method: str) -> Any:
+    if isinstance(request, _Malformed):
+        await _refuse_malformed(context, method, request)
+    return request
+
+
+async def _parsed_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str) -> Any:
+    async def messages() -> AsyncIterator[Any]:
+        async for request in requests:
+            if isinstance(request, _Malformed):
+                await _refuse_malformed(context, method, request)
+            yield request
+
+    return messages()
 
 
 def metadata(request_id: str | None = None) -> tuple[tuple[str, str], ...]:
