@@ -138,10 +138,10 @@ async def servers() -> AsyncIterator[Servers]:
         async with contextlib.AsyncExitStack() as stack:
             common: dict[str, Any] = {"nats_url": nats.url, "heartbeat_interval_s": 0.5, "log_level": "warning"}
 
-            def ports() -> dict[str, int]:
+            def ports() -> dict[str, Any]:
                 return {"grpc_port": free_port(), "http_port": free_port()}
 
-            started = {
+            started: dict[str, tuple[Any, Any]] = {
                 "Balancer": (serve_balancer, BalancerSettings(worker_id="balancer-h", **ports(), **common)),
                 "KVCache": (serve_kvcache, KVCacheSettings(worker_id="kvcache-h", **ports(), **common)),
                 "ExpertBalancer": (serve_expert_lb, ExpertLBSettings(worker_id="expert-lb-h", **ports(), **common)),
@@ -152,7 +152,7 @@ async def servers() -> AsyncIterator[Servers]:
             }
             addresses = {}
             for name, (serve, settings) in started.items():
-                await stack.enter_async_context(serving(serve, settings))  # type: ignore[arg-type]
+                await stack.enter_async_context(serving(serve, settings))
                 addresses[name] = f"127.0.0.1:{settings.grpc_port}"
             engines = {"models": (model_dir,), "kv_cache_memory_bytes": 2 * 2**20, "drain_timeout_s": 1.0, **common}
             decode = await DecodeService.start(load_settings(DecodeSettings, env={}, worker_id="decode-h", **engines))
