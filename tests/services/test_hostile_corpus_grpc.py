@@ -221,6 +221,16 @@ WELL_FORMED = {
 }
 
 
+def status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith(field_name + ":")).split()[1])
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # VmHWM := VmRSS
+
+
 # ---- the tests --------------------------------------------------------------------------------------------------
 
 
@@ -241,6 +251,8 @@ async def test_every_case_to_every_method_is_refused_in_time_and_the_servers_kee
     corpus = load_corpus()
     assert len(corpus) == 8
     outcomes: dict[tuple[str, str], tuple[str, float]] = {}
+    rss_before = status_kib("VmRSS")
+    reset_peak()
     for case in corpus:
         data = payload(case["request"]["bytes"])
         for method in internal_methods():
@@ -255,7 +267,10 @@ async def test_every_case_to_every_method_is_refused_in_time_and_the_servers_kee
         or outcome[1] >= DEADLINE_S
     }
     slowest = max(outcomes.items(), key=lambda item: item[1][1])
-    print(json.dumps({"num_calls": len(outcomes), "slowest": [list(slowest[0]), slowest[1][1]]}))
+    peak_growth_mib = (status_kib("VmHWM") - rss_before) // 1024  # clients and servers: one process
+    print(
+        json.dumps({"num_calls": len(outcomes), "slowest": [*slowest[0], slowest[1][1]], "peak_mib": peak_growth_mib})
+    )
     assert wrong == {}
     answers = {service: await well_formed_call(servers, service) for service in WELL_FORMED}
     assert answers == WELL_FORMED
