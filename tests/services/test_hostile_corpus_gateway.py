@@ -18,14 +18,23 @@ import base64
 import gzip
 import json
 import struct
+import tempfile
 import time
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import pytest_asyncio
+
+from engine_core import model_store
+from kvmesh.nats_server import EmbeddedNats
+from services.gateway.catalog import ModelCatalog, ServedModel, load_model
+from services.gateway.config import GatewaySettings
+from services.gateway.server import GatewayServer
 
 from . import gateway_harness
 from .gateway_harness import COMPLETION, KEY, MODEL, Mesh, Script, sse_events
@@ -36,6 +45,7 @@ mesh, script = gateway_harness.mesh, gateway_harness.script  # fixtures: this fi
 CORPUS = Path(__file__).parents[1] / "hostile" / "gateway.jsonl"
 PATHS = {
     "chat": "/v1/chat/completions",
+    "vision_chat": "/v1/chat/completions",  # to a second gateway: deepseek-tiny with its image token, remote images on
     "completions": "/v1/completions",
     "responses": "/v1/responses",
     "messages": "/v1/messages",
@@ -208,6 +218,8 @@ def mismatch(case: dict[str, Any], outcome: Outcome, mesh: Mesh, script: Script)
         return None if error["type"] == "invalid_request_error" else f"error {error}"
     if error.get("param") != expect["param"]:
         return f"param {error.get('param')!r}, wanted {expect['param']!r}: {error['message'][:300]!r}"
+    if expect.get("message_contains", "") not in error["message"]:
+        return f"the message {error['message'][:300]!r} lacks {expect['message_contains']!r}"
     for name, limit in expect.get("header_max", {}).items():
         if len(outcome.headers.get(name, "")) > limit:
             return f"header {name} is {len(outcome.headers[name])} bytes"
@@ -289,6 +301,35 @@ def reset_peak() -> None:
         clear_refs.write("5")  # VmHWM := VmRSS
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def vision_url() -> AsyncIterator[str]:
+    """A second gateway whose deepseek-tiny keeps its image token (the harness's has none, so every image part
+    there is refused for the model before it is read) and fetches remote images: the image and SSRF cases reach
+    the image checks and the egress guard. No worker serves it: those cases are all refused before routing."""
+    model = load_model(str(model_store.ensure(MODEL)))
+    catalog = ModelCatalog([ServedModel(MODEL, model.tokenizer, model.context_len, model.image_token_id)])
+    assert catalog.require(MODEL).image_token_id is not None
+    with EmbeddedNats() as nats, tempfile.TemporaryDirectory() as state_dir:
+        settings = GatewaySettings(
+            nats_url=nats.url,
+            http_port=0,
+            grpc_port=0,
+            api_keys=(KEY,),
+            state_dir=state_dir,
+            models=(MODEL,),
+            log_level="warning",
+            metrics_port=0,
+            allow_remote_images=True,
+            image_fetch_timeout_s=1.0,
+        )
+        gateway = GatewayServer(settings, catalog=catalog)
+        await gateway.start()
+        try:
+            yield f"http://127.0.0.1:{gateway.http_port}"
+        finally:
+            await gateway.stop()
+
+
 # ---- the tests --------------------------------------------------------------------------------------------------
 
 
@@ -323,11 +364,14 @@ class Pass:
     slowest_of_the_2s_cases: tuple[float, str] = (0.0, "")
 
 
-async def run_pass(mesh: Mesh, script: Script, corpus: list[dict[str, Any]], requests: list[HttpRequest]) -> Pass:
+async def run_pass(
+    mesh: Mesh, vision_url: str, script: Script, corpus: list[dict[str, Any]], requests: list[HttpRequest]
+) -> Pass:
     result = Pass()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         for case, request in zip(corpus, requests, strict=True):
-            outcome = await send(session, mesh.base_url, request)
+            base_url = vision_url if case["target"] == "vision_chat" else mesh.base_url
+            outcome = await send(session, base_url, request)
             problem = mismatch(case, outcome, mesh, script)
             if problem is not None:
                 result.failures[case["name"]] = problem
@@ -339,7 +383,7 @@ async def run_pass(mesh: Mesh, script: Script, corpus: list[dict[str, Any]], req
     return result
 
 
-async def test_every_case_is_answered_in_time_while_streams_flow(mesh: Mesh, script: Script) -> None:
+async def test_every_case_is_answered_in_time_while_streams_flow(mesh: Mesh, vision_url: str, script: Script) -> None:
     """Twice over, and the peak of both passes together is bounded (MAX_GROWTH_BYTES says what it is made of)."""
     script.batch_size, script.batch_delay_s = 1, 0.01
     await served(mesh)
@@ -349,9 +393,9 @@ async def test_every_case_is_answered_in_time_while_streams_flow(mesh: Mesh, scr
     streaming = asyncio.ensure_future(stream_until_stopped(mesh.base_url, streams))
     rss_before = status_kib("VmRSS")
     reset_peak()
-    first = await run_pass(mesh, script, corpus, requests)
+    first = await run_pass(mesh, vision_url, script, corpus, requests)
     first_peak_kib = status_kib("VmHWM") - rss_before
-    second = await run_pass(mesh, script, corpus, requests)
+    second = await run_pass(mesh, vision_url, script, corpus, requests)
     peak_kib = status_kib("VmHWM") - rss_before
     streams.running = False
     await asyncio.wait_for(streaming, timeout=10)
