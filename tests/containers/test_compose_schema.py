@@ -71,9 +71,10 @@ def test_healthchecks_dial_each_role_on_its_own_status_port(compose):
     assert "8222/healthz" in services["nats"]["healthcheck"]["test"][-1]
 
 
-def certs_of(role: str) -> dict:
-    """The mount of one role's own directory of the certs volume (its certificate, key and the CA), read-only."""
-    return {"type": "volume", "source": "certs", "target": "/certs", "read_only": True, "volume": {"subpath": role}}
+def certs_of(role: str) -> str:
+    """The mount of one role's own certs volume (its certificate, key, the CA and its NATS credentials),
+    read-only: no container holds another role's key."""
+    return f"certs-{role.replace('_', '-')}:/certs:ro"
 
 
 def test_roles_start_after_the_bus_and_the_models_and_read_the_models_volume_read_only(compose):
@@ -87,13 +88,20 @@ def test_roles_start_after_the_bus_and_the_models_and_read_the_models_volume_rea
     assert services["models"]["volumes"] == ["models:/models"]
     assert services["kvcache"]["volumes"] == ["kv-data:/data", certs_of("kvcache")]  # the SSD tier outlives it
     assert services["kvcache"]["environment"]["KVMESH_DATA_DIR"] == "/data"
-    assert set(compose["volumes"]) == {"models", "nats-data", "kv-data", "certs"}
+    certs_volumes = {f"certs-{r.replace('_', '-')}" for r in (*ROLES, "nats")}
+    assert set(compose["volumes"]) == {"models", "nats-data", "kv-data", "certs", *certs_volumes}
 
 
 def test_the_certs_service_makes_the_certificates_once_and_each_role_mounts_only_its_own(compose):
     services = compose["services"]
     assert services["certs"]["command"] == ["certs", "init", "/certs"]  # leaves a CA already there alone
-    assert services["certs"]["volumes"] == ["certs:/certs"] and services["certs"]["restart"] == "no"
+    assert services["certs"]["volumes"] == [  # each role's directory lands in its own volume
+        "certs:/certs",
+        *(f"certs-{r.replace('_', '-')}:/certs/{r}" for r in ("nats", "gateway", "prefill", "decode", "kvcache")),
+        *(f"certs-{r.replace('_', '-')}:/certs/{r}" for r in ("balancer", "expert_lb", "encoder")),
+    ]
+    assert services["certs"]["restart"] == "no"
+    assert services["nats"]["volumes"] == ["nats-data:/data", "certs-nats:/certs/nats:ro"]
     for role in ROLES:
         assert services[role]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
         assert certs_of(role) in services[role]["volumes"]
