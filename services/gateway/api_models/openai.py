@@ -26,6 +26,9 @@ from services.gateway.chat import MAX_N
 from services.gateway.tool_calls import TOOL_NAME
 
 MAX_STOP_STRINGS = 4
+# A stop string's characters: the detokenizer holds back output that could begin one and checks each held tail
+# against it on every token, so a 7.9 MiB stop string was quadratic work per token on the event loop.
+MAX_STOP_CHARS = 1024
 MAX_TOP_LOGPROBS = 20
 MAX_LEGACY_LOGPROBS = 5
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -263,8 +266,9 @@ def _stop_kind(value: Any) -> str | None:
     return None
 
 
+StopString = Annotated[str, Field(strict=True, max_length=MAX_STOP_CHARS)]
 Stop = Annotated[
-    Annotated[Str, Tag("One")] | Annotated[list[Str], Field(max_length=MAX_STOP_STRINGS), Tag("Many")],
+    Annotated[StopString, Tag("One")] | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS), Tag("Many")],
     by_shape(_stop_kind, "must be a string or an array of strings"),
 ]
 
