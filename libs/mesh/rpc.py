@@ -40,12 +40,21 @@ OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-# Servers must accept the clients' keepalive pings (by default they answer pings more often than every 5 minutes
-# on an idle connection with GOAWAY "too_many_pings", which kills the connection and its calls).
+# Servers accept the clients' keepalive pings (every 10 s, OPTIONS) but enforce a floor: a peer pinging an idle
+# connection more often than every 5 s gets two strikes, then GOAWAY (gRPC's default floor is 5 minutes, which
+# killed our own connections). Bounded per peer: streams per connection (past it a client queues its calls), the
+# metadata of a call, connections idle 5 minutes (closed; a client redials on its next call), and calls in flight
+# in all (MAX_CONCURRENT_RPCS: past it RESOURCE_EXHAUSTED). Messages are capped by MAX_MESSAGE_BYTES as they
+# arrive (gRPC refuses a larger one from its length prefix, before reading it).
+MAX_CONCURRENT_STREAMS = 4096  # per connection: above any decode worker's batch, so a gateway never waits on it
+MAX_CONCURRENT_RPCS = 16384  # per server, every connection together
 SERVER_OPTIONS = [
     *OPTIONS,
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),  # never close a connection for pinging
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+    ("grpc.max_metadata_size", 16 * 1024),
+    ("grpc.max_connection_idle_ms", 300_000),
 ]
 
 # Deadlines (seconds) for calls between roles.
@@ -65,12 +74,14 @@ KV_RESERVED_KEY = "kvmesh-kv-reserved"
 def create_server(credentials: MeshCredentials | None) -> grpc.aio.Server:
     """An internal server: with credentials, every call is authorized by the caller's role (mesh.access)."""
     interceptors = [Authorization()] if credentials is not None else []
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    return grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=interceptors, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
+    )
 
 
 def create_public_server() -> grpc.aio.Server:
     """The gateway's API for clients: API keys authenticate them, not certificates (bind it with credentials=None)."""
-    return grpc.aio.server(options=SERVER_OPTIONS)
+    return grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: MeshCredentials | None) -> int:
