@@ -170,6 +170,7 @@ class Mesh:
     prefill_stub: prefill_pb2_grpc.PrefillStub
     decode_stub: decode_pb2_grpc.DecodeStub
     small_decode_stub: decode_pb2_grpc.DecodeStub  # calls as prefill: it pushes KV
+    decode_push_stub: decode_pb2_grpc.DecodeStub  # to `decode`, as prefill (decode_stub calls as the gateway)
     channels: rpc.Channels
     llama: str
     deepseek: str
@@ -242,6 +243,7 @@ async def mesh(nats_url, llama_reference, deepseek_reference) -> AsyncIterator[M
         prefill_pb2_grpc.PrefillStub(channels.get(prefill.runtime.address)),
         decode_pb2_grpc.DecodeStub(channels.get(decode.runtime.address)),
         decode_pb2_grpc.DecodeStub(as_prefill.get(small_decode.runtime.address)),
+        decode_pb2_grpc.DecodeStub(as_prefill.get(decode.runtime.address)),
         channels,
         llama,
         deepseek,

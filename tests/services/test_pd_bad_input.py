@@ -99,9 +99,12 @@ async def test_bad_pushes_get_the_right_codes_and_free_their_blocks(mesh: Mesh):
     ]
     for messages, code, message in cases:
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await push(mesh.decode_stub, *messages)
+            await push(mesh.decode_push_stub, *messages)
         assert (error.value.code(), message in error.value.details()) == (code, True), error.value.details()
     await wait_for_free_blocks(mesh.decode, mesh.llama)
+    with pytest.raises(grpc.aio.AioRpcError) as error:  # a push from anyone but prefill: refused before parsing
+        await push(mesh.decode_stub, *cases[0][0])
+    assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await mesh.decode_stub.Stream(decode_pb2.StreamRequest(request_id="never-pushed")).read()

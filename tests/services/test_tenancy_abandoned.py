@@ -27,19 +27,26 @@ from services.gateway.tenancy.ledger import OPEN, remember_open, settle
 
 from .tenancy_databases import BACKENDS, empty_database_url
 
-NOW_MS = int(time.time() * 1000)
+
+def now_ms() -> int:
+    """The clock at the call: a module-level constant would be minutes old when the suite reaches a test."""
+    return int(time.time() * 1000)
+
+
 DEAD = ("gateway-0", 111)  # a gateway process no heartbeat names any more
 LIVE = ("gateway-1", 222)
 
 
-def finished(request_id: str, tokens: int, worker: str = "decode-0", at_ms: int = NOW_MS) -> Any:
+def finished(request_id: str, tokens: int, worker: str = "decode-0", at_ms: int | None = None) -> Any:
+    at_ms = now_ms() if at_ms is None else at_ms
     return events_pb2.RequestFinished(
         request_id=request_id, worker_id=worker, num_output_tokens=tokens, finish_reason="abort", timestamp_ms=at_ms
     )
 
 
-def opened(request_id: str, gateway: tuple[str, int] = DEAD, settle_in_s: float = 600.0) -> Any:
-    started = NOW_MS - 30_000
+def opened(request_id: str, gateway: tuple[str, int] = DEAD, settle_in_s: float = 600.0, now: int = 0) -> Any:
+    now = now or now_ms()
+    started = now - 30_000
     return events_pb2.UsageRecord(
         request_id=request_id,
         tenant_id="ten_0123456789abcdef",
@@ -54,7 +61,7 @@ def opened(request_id: str, gateway: tuple[str, int] = DEAD, settle_in_s: float 
         started_at_ms=started,
         gateway_id=gateway[0],
         gateway_started_at_ms=gateway[1],
-        settle_after_ms=NOW_MS + int(settle_in_s * 1000),
+        settle_after_ms=now + int(settle_in_s * 1000),
     )
 
 
@@ -77,14 +84,15 @@ def test_attempts_choices_retries_and_migrations_count_for_their_request_only() 
 
 
 def test_the_aborted_record_keeps_the_prompt_and_bills_what_decode_emitted() -> None:
-    (emitted,) = match_emitted(["r1"], [finished("r1", 12, worker="decode-3", at_ms=NOW_MS - 1000)]).values()
-    record = aborted_record(opened("r1"), emitted, NOW_MS)
+    now = now_ms()
+    (emitted,) = match_emitted(["r1"], [finished("r1", 12, worker="decode-3", at_ms=now - 1000)]).values()
+    record = aborted_record(opened("r1", now=now), emitted, now)
     assert (record.status, record.http_status, record.completion_tokens) == ("aborted", 0, 12)
     assert (record.prompt_tokens, record.cached_tokens, record.decode_worker) == (40, 16, "decode-3")
-    assert (record.ended_at_ms, record.e2e_ms) == (NOW_MS - 1000, 29_000)
+    assert (record.ended_at_ms, record.e2e_ms) == (now - 1000, 29_000)
     assert (record.gateway_id, record.gateway_started_at_ms, record.settle_after_ms) == ("", 0, 0)
-    unheard = aborted_record(opened("r2"), None, NOW_MS)
-    assert (unheard.completion_tokens, unheard.ended_at_ms) == (0, NOW_MS)
+    unheard = aborted_record(opened("r2", now=now), None, now)
+    assert (unheard.completion_tokens, unheard.ended_at_ms) == (0, now)
 
 
 @pytest.fixture

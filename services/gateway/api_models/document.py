@@ -278,7 +278,13 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
                 }
             },
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}},
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics (admin key; keyless on KVMESH_METRICS_PORT)",
+                    "responses": {"200": {"description": "metrics"}, **_errors(OpenAIError, ("401", "403"))},
+                    "security": [{"bearer": []}, {"apiKey": []}],
+                }
+            },
             **_admin_paths(),
         },
     }
