@@ -42,6 +42,8 @@ from cryptography.hazmat.primitives.ciphers import (
     modes,
 )
 
+from mesh.tls import PeerIdentity
+
 IOV_MAX = 512  # pieces per sendmsg / recvmsg_into (the kernel allows 1024)
 FIRST_PIECE_BYTES = 64 * 2**10  # recv_bytes: the first buffer; each next one at most doubles what arrived
 MAX_PIECE_BYTES = 8 * 2**20
@@ -49,7 +51,6 @@ SEAL_SLICE_BYTES = 2**20  # a sealed payload is encrypted and written this much 
 OPEN_BATCH_BYTES = 2**20  # ... and received and decrypted this much at a time, so both ends keep moving
 KEY_BYTES = 16  # AES-128
 TAG_BYTES = 16
-SPIFFE_PREFIX = "spiffe://kvmesh/"
 
 Buffer = bytes | bytearray | memoryview
 _stall_limit_s: contextvars.ContextVar[float | None] = contextvars.ContextVar("lane_stall_limit_s", default=None)
@@ -365,12 +366,9 @@ def server_context(context: ssl.SSLContext) -> ssl.SSLContext:
 
 def role_of(cert: dict[str, Any] | None) -> str | None:
     """The role in a peer's certificate (`ssl.SSLSocket.getpeercert()`): its `spiffe://kvmesh/<role>/<name>` URI
-    SAN; None when it has none."""
-    if not cert:
-        return None
-    for kind, value in cert.get("subjectAltName", ()):
-        if kind == "URI" and value.startswith(SPIFFE_PREFIX):
-            role, _, name = value[len(SPIFFE_PREFIX) :].partition("/")
-            if role and name and "/" not in name:
-                return str(role)
+    SAN, read as mesh.tls reads every identity; None when it has none."""
+    for kind, value in (cert or {}).get("subjectAltName", ()):
+        identity = PeerIdentity.parse(str(value)) if kind == "URI" else None
+        if identity is not None:
+            return identity.role
     return None
