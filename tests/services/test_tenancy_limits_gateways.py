@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -179,6 +180,12 @@ async def not_near_a_minute_end() -> None:
         await asyncio.sleep(60 - into + 0.2)
 
 
+def seconds_to_window_end(window_s: int, before: float, after: float) -> range:
+    """What retry-after may say for a refusal decided between `before` and `after`: the whole seconds to the end
+    of the window (a minute, a UTC day) it was decided in, rounded up."""
+    return range(math.ceil(window_s - after % window_s), math.ceil(window_s - before % window_s) + 1)
+
+
 OPENAI_HEADERS = (
     "x-ratelimit-limit-tokens",
     "x-ratelimit-remaining-tokens",
@@ -232,9 +239,11 @@ async def test_a_partly_fitting_request_runs_clamped_and_says_so(replicas: Repli
     assert headers["x-kvmesh-max-tokens-clamped"] == str(clamped)
     assert body["usage"]["completion_tokens"] == clamped and body["choices"][0]["finish_reason"] == "length"
     assert headers["x-ratelimit-remaining-tokens"] == "0" and headers["x-ratelimit-remaining-requests"] == "99"
+    before = time.time()
     status, headers, body = await post(replicas.url(1), "sk-small", chat(1))
+    after = time.time()
     assert status == 429 and headers["x-ratelimit-remaining-tokens"] == "0"
-    assert 1 <= int(headers["retry-after"]) <= 60
+    assert int(headers["retry-after"]) in seconds_to_window_end(60, before, after)  # the minute's end
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -318,6 +327,8 @@ async def test_a_spend_budget_holds_at_the_price_set_through_the_admin_api(repli
     status, headers, answer = await post(replicas.url(1), "sk-spend", chat(100))
     assert status == 200 and headers["x-kvmesh-max-tokens-clamped"] == str(30 - num_prompt)
     assert answer["usage"]["completion_tokens"] == 30 - num_prompt  # the whole budget: 30 tokens at 1,000 each
+    before = time.time()
     status, headers, answer = await post(replicas.url(2), "sk-spend", chat(1))
+    after = time.time()
     assert status == 429 and answer["error"]["type"] == "insufficient_quota"
-    assert 1 <= int(headers["retry-after"]) <= 86400
+    assert int(headers["retry-after"]) in seconds_to_window_end(86400, before, after)  # the UTC day's end
