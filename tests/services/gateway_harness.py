@@ -209,6 +209,33 @@ class Mesh:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0, timeout=20)
 
 
+def gateway_settings(nats_url: str, state_dir: str, **overrides: Any) -> GatewaySettings:
+    """A gateway for the scripted workers: any free ports, KEY, MODEL, heartbeats every 0.5 s, the tenancy
+    database and server secret under `state_dir` (not the home directory); `overrides` replace any of them."""
+    values: dict[str, Any] = dict(
+        nats_url=nats_url,
+        http_port=0,
+        grpc_port=0,
+        api_keys=(KEY,),
+        state_dir=state_dir,
+        models=(MODEL,),
+        heartbeat_interval_s=0.5,
+        log_level="warning",
+    )
+    return GatewaySettings(**{**values, **overrides})
+
+
+async def wait_for_ready(base_url: str, timeout_s: float = 10.0) -> None:
+    """Until the gateway's /readyz says 200 (it has heard a balancer and workers), or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            async with session.get(f"{base_url}/readyz") as response:
+                if response.status == 200:
+                    return
+            await asyncio.sleep(0.05)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh() -> AsyncIterator[Mesh]:
     model = load_model(str(model_store.ensure(MODEL)))
@@ -219,15 +246,11 @@ async def mesh() -> AsyncIterator[Mesh]:
         server = await fakes.serve()
         bus = await Bus.connect(nats.url, name="fake-workers")
         announcers = fakes.announcers(bus)
-        settings = GatewaySettings(
-            nats_url=nats.url,
-            http_port=0,
-            grpc_port=0,
+        settings = gateway_settings(
+            nats.url,
+            state_dir,
             api_keys=(KEY, "sk-other"),
-            state_dir=state_dir,  # the tenancy database and server secret, not the home directory
             models=(MODEL, IDLE_MODEL),
-            heartbeat_interval_s=0.5,
-            log_level="warning",
             metrics_port=0,  # /metrics with no key, on its own port (the public one wants the admin key)
         )
         gateway = GatewayServer(settings, catalog=catalog)
@@ -235,12 +258,7 @@ async def mesh() -> AsyncIterator[Mesh]:
         for announcer in announcers:
             await announcer.start()
         base_url = f"http://127.0.0.1:{gateway.http_port}"
-        async with aiohttp.ClientSession() as session:
-            for _ in range(100):
-                async with session.get(f"{base_url}/readyz") as response:
-                    if response.status == 200:
-                        break
-                await asyncio.sleep(0.05)
+        await wait_for_ready(base_url)
         try:
             yield Mesh(fakes, gateway, model, base_url, f"127.0.0.1:{gateway.grpc_port}")
         finally:

@@ -6,9 +6,7 @@ tenants. The workers hash from the salt that prefill receives, so the route's ke
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +22,10 @@ from kvmesh.nats_server import EmbeddedNats
 from mesh.bus import Bus
 from services.gateway import telemetry
 from services.gateway.catalog import ModelCatalog, ServedModel, load_model
-from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
 from services.gateway.tenancy.metric_labels import TenantLabels
 
-from .gateway_harness import COMPLETION, KEY, MODEL, Fakes, Script
+from .gateway_harness import COMPLETION, KEY, MODEL, Fakes, Script, gateway_settings, wait_for_ready
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -86,30 +83,15 @@ async def gateway() -> AsyncIterator[Gateway]:
         grpc_server = await fakes.serve()
         bus = await Bus.connect(nats.url, name="fake-workers")
         announcers = fakes.announcers(bus)
-        settings = GatewaySettings(
-            nats_url=nats.url,
-            http_port=0,
-            grpc_port=0,
-            api_keys=(KEY,),
-            admin_key=ADMIN_KEY,
-            state_dir=state_dir,
-            models=(MODEL,),
-            heartbeat_interval_s=0.5,
-            log_level="warning",
-        )
+        settings = gateway_settings(nats.url, state_dir, admin_key=ADMIN_KEY)
         server = GatewayServer(settings, catalog=ModelCatalog([model]))
         await server.start()
         for announcer in announcers:
             await announcer.start()
         base_url = f"http://127.0.0.1:{server.http_port}"
         try:
+            await wait_for_ready(base_url)
             async with aiohttp.ClientSession() as session:
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    async with session.get(f"{base_url}/readyz") as response:
-                        if response.status == 200:
-                            break
-                    await asyncio.sleep(0.05)
                 yield Gateway(fakes, server, model, session, base_url)
         finally:
             for announcer in announcers:

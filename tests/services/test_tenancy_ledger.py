@@ -41,7 +41,7 @@ from services.gateway.tenancy import schema
 from services.gateway.tenancy.db import Database, open_database
 from services.gateway.tenancy.ledger import MSG_ID_HEADER, LedgerConsumer, UsagePublisher, ensure_usage_stream
 
-from .gateway_harness import COMPLETION, DECODES, KEY, MODEL, PREFILLS, Fakes, Script
+from .gateway_harness import COMPLETION, DECODES, KEY, MODEL, PREFILLS, Fakes, Script, wait_for_ready
 from .tenancy_databases import BACKENDS, empty_database_url
 
 ADMIN_KEY = "sk-admin-ledger-test"
@@ -152,13 +152,7 @@ async def ledger_mesh(backend: str, tmp_path: Path, model: ServedModel) -> Async
             nats, fakes, gateway, database, consumer_bus, consumer, f"http://127.0.0.1:{gateway.http_port}", model
         )
         try:
-            async with aiohttp.ClientSession() as session:
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    async with session.get(f"{mesh.base_url}/readyz") as response:
-                        if response.status == 200:
-                            break
-                    await asyncio.sleep(0.05)
+            await wait_for_ready(mesh.base_url)
             yield mesh
         finally:
             for announcer in announcers:

@@ -28,12 +28,11 @@ from kvmesh.nats_server import EmbeddedNats
 from mesh.bus import Bus
 from mesh.pb import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from services.gateway.catalog import ModelCatalog, ServedModel, load_model
-from services.gateway.config import GatewaySettings
 from services.gateway.core import GatewayCore
 from services.gateway.server import GatewayServer
 from services.gateway.tenancy.principal import Limits, Principal
 
-from .gateway_harness import KEY, MODEL, Fakes, Script
+from .gateway_harness import MODEL, Fakes, Script, gateway_settings, wait_for_ready
 
 NUM_REPLICAS = 3
 ADMIN_KEY = "sk-admin-limits-5c1e"
@@ -117,30 +116,15 @@ async def replicas() -> AsyncIterator[Replicas]:
         server = await fakes.serve()
         bus = await Bus.connect(nats.url, name="fake-workers")
         announcers = fakes.announcers(bus)
-        settings = GatewaySettings(
-            nats_url=nats.url,
-            http_port=0,
-            grpc_port=0,
-            api_keys=(KEY,),
-            admin_key=ADMIN_KEY,
-            state_dir=state_dir,  # one tenancy database (SQLite) for the 3 replicas, as a shared PostgreSQL would be
-            models=(MODEL,),
-            heartbeat_interval_s=0.5,
-            log_level="warning",
-        )
+        # one tenancy database (SQLite) for the 3 replicas, as a shared PostgreSQL would be
+        settings = gateway_settings(nats.url, state_dir, admin_key=ADMIN_KEY)
         gateways = [GatewayServer(settings, catalog=ModelCatalog([model])) for _ in range(NUM_REPLICAS)]
         for gateway in gateways:
             await gateway.start()
         for announcer in announcers:
             await announcer.start()
-        async with aiohttp.ClientSession() as session:
-            for gateway in gateways:
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    async with session.get(f"http://127.0.0.1:{gateway.http_port}/readyz") as response:
-                        if response.status == 200:
-                            break
-                    await asyncio.sleep(0.05)
+        for gateway in gateways:
+            await wait_for_ready(f"http://127.0.0.1:{gateway.http_port}")
         try:
             yield Replicas(fakes, gateways, model)
         finally:
