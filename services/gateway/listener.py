@@ -113,11 +113,12 @@ class Listener:
         self.limits = limits
         self.port = 0
         self._per_client: collections.Counter[str] = collections.Counter()
+        self._num_connections = 0  # the sum of _per_client, kept: every accept reads it
         self._server: asyncio.Server | None = None
 
     @property
     def num_connections(self) -> int:
-        return sum(self._per_client.values())
+        return self._num_connections
 
     def admit(self, client: str) -> str | None:
         """Count a new connection from `client`; the reason it is refused, or None."""
@@ -127,10 +128,12 @@ class Listener:
         if limits.max_connections_per_client and self._per_client[client] >= limits.max_connections_per_client:
             return "max_connections_per_client"
         self._per_client[client] += 1
+        self._num_connections += 1
         return None
 
     def release(self, client: str) -> None:
         self._per_client[client] -= 1
+        self._num_connections -= 1
         if self._per_client[client] <= 0:
             del self._per_client[client]
 

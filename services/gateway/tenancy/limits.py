@@ -158,7 +158,6 @@ class Limiter:
         self._renewer: asyncio.Task[None] | None = None
         self._watcher: Any = None  # the KV watch that feeds the cache (_follow)
         self._follower: asyncio.Task[None] | None = None
-        self._is_stopping = False
         if fail_open:
             log.warning("limits fail open: when the counter store is unreachable, requests pass uncounted")
 
@@ -168,7 +167,6 @@ class Limiter:
 
     async def stop(self) -> None:
         await self.drain()
-        self._is_stopping = True
         for task in (self._renewer, self._follower):
             await cancel_until_done(task)
         if self._watcher is not None:
@@ -405,7 +403,7 @@ class Limiter:
         from nats.errors import TimeoutError as NatsTimeout
 
         try:
-            while not self._is_stopping:  # besides cancel(): watcher.updates may swallow one (mesh/tasks.py)
+            while True:  # stop() ends it with mesh.tasks.cancel_until_done: watcher.updates may swallow one cancel
                 try:
                     update = await watcher.updates(timeout=3600)
                 except NatsTimeout:
