@@ -1,4 +1,5 @@
-"""The NATS bus: protobuf messages on subjects, with the request id in the `x-request-id` header.
+"""The NATS bus: protobuf messages on subjects, with the request id in the `x-request-id` header and, while
+tracing is on, the sender's span in `traceparent` (a message that carries one is handled in a span of its trace).
 
 Events only: bulk bytes (KV blocks, embeddings) travel over gRPC, never through NATS.
 
@@ -10,6 +11,7 @@ and subscribe is mesh.bus_auth's table. URLs are logged and raised with the user
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -22,11 +24,14 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.trace import SpanKind
 
 from mesh.bus_auth import CREDS_FILE, NatsUser, read_user
 from mesh.config import NatsSettings, TLSSettings, load_settings
 from mesh.logging import REQUEST_ID_KEY, bind_request_id, current_request_id, get_logger
 from mesh.tls import CertificateError, MeshCredentials, client_ssl_context, load_credentials
+from mesh.tracing import TRACEPARENT, context_from, span
+from mesh.tracing import headers as trace_headers
 
 M = TypeVar("M", bound=Message)
 log = get_logger(__name__)
@@ -141,8 +146,8 @@ class Bus:
 
     async def publish(self, subject: str, message: Message, request_id: str | None = None) -> None:
         request_id = request_id or current_request_id()
-        headers = {REQUEST_ID_KEY: request_id} if request_id else None
-        await self.client.publish(subject, message.SerializeToString(), headers=headers)
+        headers = {REQUEST_ID_KEY: request_id, **trace_headers()} if request_id else trace_headers()
+        await self.client.publish(subject, message.SerializeToString(), headers=headers or None)
 
     async def subscribe(
         self, subject: str, message_type: type[M], handler: Callable[[M, str], Awaitable[None]]
@@ -156,7 +161,8 @@ class Bus:
             except DecodeError:
                 log.warning("undecodable message dropped", subject=msg.subject, type=message_type.__name__)
                 return
-            with bind_request_id((msg.headers or {}).get(REQUEST_ID_KEY)):
+            headers = msg.headers or {}
+            with bind_request_id(headers.get(REQUEST_ID_KEY)), traced(headers, msg.subject):
                 try:
                     await handler(message, msg.subject)
                 except Exception:  # one bad event must not stop the subscription
@@ -179,6 +185,14 @@ class Bus:
     @property
     def is_connected(self) -> bool:
         return bool(self.client.is_connected)
+
+
+def traced(headers: dict[str, str], subject: str) -> contextlib.AbstractContextManager[Any]:
+    """A message sent inside a trace is handled in a CONSUMER span of it (messaging conventions); others in none."""
+    if TRACEPARENT not in headers:
+        return contextlib.nullcontext()
+    attributes = {"messaging.system": "nats", "messaging.destination.name": subject}
+    return span(f"process {subject}", SpanKind.CONSUMER, attributes, context_from(headers))
 
 
 def decode(message_type: type[M], data: bytes) -> M:

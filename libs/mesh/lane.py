@@ -31,11 +31,12 @@ import ssl
 import struct
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
-from typing import Generic, TypeVar
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import ClassVar, Generic, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from opentelemetry.trace import SpanKind
 
 from mesh.config import LaneSettings
 from mesh.lane_io import (
@@ -61,6 +62,7 @@ from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2
 from mesh.rpc import ServiceError
 from mesh.tls import MeshCredentials, client_ssl_context, server_ssl_context
+from mesh.tracing import context_of, span, traceparent
 
 HEADER = struct.Struct("<II")
 MAX_FRAME_BYTES = 16 * 2**20  # a LaneFrame (headers and requests: keys and layouts, never bulk bytes)
@@ -100,7 +102,7 @@ async def read_answer(
 ) -> AsyncIterator[tuple[kvcache_pb2.Block, int]]:
     """Send a read request, then yield each answer frame's Block and payload length until the end frame. The
     caller reads each payload before asking for the next frame; an answer that ends in an error is a LaneError."""
-    await send_frame(sock, kvcache_pb2.LaneFrame(request=request))
+    await send_frame(sock, kvcache_pb2.LaneFrame(request=request, traceparent=traceparent()))
     while True:
         frame, payload_bytes = await recv_frame(sock, kvcache_pb2.LaneFrame)
         if frame.WhichOneof("kind") == "end":
@@ -217,7 +219,13 @@ class LaneListener(abc.ABC, Generic[M]):
 
     `ssl_context` (a server context of the mesh's CA; None: plain TCP, which logs a warning at start) makes it
     mutual TLS, and only peers whose certificate names one of `peer_roles` get an exchange. `limits` bound what a
-    peer can hold: see LaneSettings. Only the accepting task and the connection tasks write the counts."""
+    peer can hold: see LaneSettings. Only the accepting task and the connection tasks write the counts.
+
+    While tracing is on, an exchange whose first frame carries a traceparent is answered in a SERVER span of that
+    trace, named by `span_names` for the frame's kind as the gRPC method it stands in for."""
+
+    # the first frame's kind -> the span's name (the gRPC method the exchange mirrors)
+    span_names: ClassVar[Mapping[str, str]] = {}
 
     def __init__(
         self,
@@ -334,7 +342,8 @@ class LaneListener(abc.ABC, Generic[M]):
                         except LaneError:
                             return  # closed between exchanges: the normal end of a pooled connection
                         try:
-                            await self.answer(sock, frame, payload_bytes)
+                            with self._span(frame):
+                                await self.answer(sock, frame, payload_bytes)
                         except ServiceError as error:
                             await send_error(sock, self.frame_type(end=error_end(error)))
                             return
@@ -344,6 +353,13 @@ class LaneListener(abc.ABC, Generic[M]):
             log.info("bulk lane connection dropped", peer=peer, error=str(exc))
         finally:
             (sock or raw).close()
+
+    def _span(self, frame: M) -> contextlib.AbstractContextManager[object]:
+        parent = context_of(getattr(frame, "traceparent", ""))
+        if parent is None:
+            return contextlib.nullcontext()
+        name = self.span_names.get(str(frame.WhichOneof("kind")), type(self).__name__)
+        return span(name, SpanKind.SERVER, {"rpc.system": "kvmesh.lane"}, parent)
 
     async def _wait_for_exchange(self, sock: socket.socket) -> bool:
         """Until the next exchange's first bytes (or the peer's close) are there; False past the idle limit."""

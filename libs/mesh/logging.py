@@ -1,5 +1,6 @@
 """structlog for every service: JSON lines when not on a terminal, the request id bound per request and
-carried across gRPC metadata (`x-request-id`) and NATS headers. Logs go to stderr, always: stdout belongs to the
+carried across gRPC metadata (`x-request-id`) and NATS headers, and inside a traced request the trace_id and
+span_id of the span the line was logged in (mesh.tracing). Logs go to stderr, always: stdout belongs to the
 commands that print results (`kvmesh bench ... --json`), also when they start services in-process."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import structlog
+
+from mesh.tracing import add_trace_ids
 
 REQUEST_ID_KEY = "x-request-id"
 
@@ -27,6 +30,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", **context: Any) ->
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -21,6 +21,7 @@ from mesh.access import allowed_callers
 from mesh.logging import REQUEST_ID_KEY, current_request_id, get_logger
 from mesh.metrics import GRPC_CALLS_DENIED
 from mesh.tls import SERVER_NAME, MeshCredentials, peer_identity
+from mesh.tracing import TRACEPARENT, server_interceptors, traceparent
 
 log = get_logger(__name__)
 
@@ -73,7 +74,7 @@ KV_RESERVED_KEY = "kvmesh-kv-reserved"
 
 def create_server(credentials: MeshCredentials | None) -> grpc.aio.Server:
     """An internal server: with credentials, every call is authorized by the caller's role (mesh.access)."""
-    interceptors = [Authorization()] if credentials is not None else []
+    interceptors = [*server_interceptors(), *([Authorization()] if credentials is not None else [])]
     return grpc.aio.server(
         options=SERVER_OPTIONS, interceptors=interceptors, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
     )
@@ -81,7 +82,9 @@ def create_server(credentials: MeshCredentials | None) -> grpc.aio.Server:
 
 def create_public_server() -> grpc.aio.Server:
     """The gateway's API for clients: API keys authenticate them, not certificates (bind it with credentials=None)."""
-    return grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+    return grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=server_interceptors(), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
+    )
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: MeshCredentials | None) -> int:
@@ -230,8 +233,11 @@ async def _parsed_stream(requests: AsyncIterator[Any], context: grpc.aio.Service
 
 
 def metadata(request_id: str | None = None) -> tuple[tuple[str, str], ...]:
+    """A call's metadata: the request id, and the current span's traceparent while tracing is on."""
     request_id = request_id or current_request_id()
-    return ((REQUEST_ID_KEY, request_id),) if request_id else ()
+    pairs = ((REQUEST_ID_KEY, request_id),) if request_id else ()
+    parent = traceparent()
+    return (*pairs, (TRACEPARENT, parent)) if parent else pairs
 
 
 def request_id_of(context: grpc.aio.ServicerContext) -> str | None:

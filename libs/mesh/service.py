@@ -26,6 +26,7 @@ from mesh.config import ServiceSettings
 from mesh.discovery import ROLE_NAMES, Announcer, advertise_host, default_worker_id, now_ms
 from mesh.logging import configure_logging, get_logger
 from mesh.pb import common_pb2
+from mesh.tracing import configure_tracing, shutdown_tracing
 
 log = get_logger(__name__)
 
@@ -91,6 +92,7 @@ class ServiceRuntime:
         self.worker_id = settings.worker_id or default_worker_id(self.role_name)
         self.started_at_ms = now_ms()  # with worker_id, names this process (a restart keeps the id, not this)
         configure_logging(settings.log_level, settings.log_format, role=self.role_name, worker_id=self.worker_id)
+        configure_tracing(self.role_name, self.worker_id)  # before the servers: they trace calls only when on
         # before anything else starts: without certificates (or KVMESH_INSECURE=1) the process refuses to run
         self.credentials = tls.load_credentials(self.role_name)
         self.lifecycle = Lifecycle()
@@ -203,4 +205,5 @@ class ServiceRuntime:
         await self.channels.close()
         if self.bus is not None:
             await self.bus.close()
+        shutdown_tracing()
         log.info("stopped")

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import ClassVar
 
 import grpc
 
 from engine_core.kv_transfer import KVChunk, KVLayoutError
-from mesh import metrics
+from mesh import metrics, tracing
 from mesh.compute.convert import image_from_proto, layout_from_proto, sampling_from_proto
 from mesh.compute.errors import status_on_error
 from mesh.config import LaneSettings
@@ -52,6 +53,8 @@ def header_from_proto(h: decode_pb2.KVPushHeader) -> PushHeader:
 
 
 class PushLane(LaneListener[decode_pb2.PushLaneFrame]):
+    span_names: ClassVar[Mapping[str, str]] = {"header": "kvmesh.v1.Decode/PushKV"}
+
     def __init__(
         self,
         decoder: Decoder,
@@ -77,6 +80,7 @@ class PushLane(LaneListener[decode_pb2.PushLaneFrame]):
             with bind_request_id(header.request_id):
                 num_bytes = await self._receive(sock, header)
         metrics.KV_TRANSFER_BYTES.labels(direction=PREFILL_TO_DECODE).inc(num_bytes)
+        tracing.current_span().set_attribute(tracing.BYTES_MOVED, num_bytes)
         response = decode_pb2.PushKVResponse(worker_id=self.worker_id, num_bytes=num_bytes)
         await send_frame(sock, decode_pb2.PushLaneFrame(response=response))
 

@@ -11,7 +11,7 @@ import grpc.aio
 
 from engine_core import EngineStats
 from engine_core.kv_transfer import KVChunk
-from mesh import metrics, rpc, subjects
+from mesh import metrics, rpc, subjects, tracing
 from mesh.bus import Bus
 from mesh.compute.convert import finish_reason_to_proto, logprob_to_proto, worker_load
 from mesh.compute.engines import ModelEngines
@@ -75,15 +75,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except ServiceError as error:
             await abort(context, error)
         metrics.KV_TRANSFER_BYTES.labels(direction=PREFILL_TO_DECODE).inc(num_bytes)
+        tracing.current_span().set_attribute(tracing.BYTES_MOVED, num_bytes)
         return decode_pb2.PushKVResponse(worker_id=self.worker_id, num_bytes=num_bytes)
 
     async def Stream(
         self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.TokenBatch]:
         with bind_request_id(request.request_id):
+            span = tracing.current_span()
             try:
                 with self.lifecycle.track(), status_on_error():
+                    is_first = True
                     async for batch in self.decoder.follow(request.request_id):
+                        trace_batch(span, batch, is_first)
+                        is_first = False
                         yield token_batch_to_proto(batch)
             except ServiceError as error:
                 await abort(context, error)
@@ -94,6 +99,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # not tracked: aborting must work while draining too (it only shortens the drain)
         with bind_request_id(request.request_id):
             return decode_pb2.AbortResponse(aborted=await self.decoder.abort(request.request_id))
+
+
+def trace_batch(span: tracing.Span, batch: TokenBatch, is_first: bool) -> None:
+    """The stream's span: an event at its first tokens, the output count and finish reason as they come."""
+    if not span.is_recording():
+        return
+    if is_first:
+        span.add_event("first token", {"kvmesh.num_tokens": len(batch.token_ids)})
+    span.set_attribute(tracing.GEN_AI_OUTPUT_TOKENS, batch.num_output_tokens)
+    if batch.finish_reason is not None:
+        span.set_attribute(tracing.GEN_AI_FINISH_REASONS, [batch.finish_reason])
 
 
 def export_metrics(stats: dict[str, EngineStats]) -> None:

@@ -27,7 +27,7 @@ import grpc
 import grpc.aio
 
 from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
-from mesh import rpc
+from mesh import rpc, tracing
 from mesh.logging import get_logger
 from mesh.pb import (
     balancer_pb2,
@@ -359,7 +359,9 @@ class GenerationStream:
             num_output_tokens=self.num_completion_tokens,
             migration=self.num_migrations,
         )
-        self._attempt = await self._pipeline.attempt(resumed, self._deadline, excluded=[failed])
+        attributes = {"kvmesh.failed_worker_id": failed, "kvmesh.reason": why, "kvmesh.migration": self.num_migrations}
+        with tracing.span("kvmesh.migrate", attributes=attributes):
+            self._attempt = await self._pipeline.attempt(resumed, self._deadline, excluded=[failed])
         self.placement = self._attempt.placement
         self._is_held_by_decode = self._attempt.first.finish_reason == NOT_FINISHED
 

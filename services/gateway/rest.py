@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mesh import tracing
 from mesh.logging import bind_request_id, get_logger
 from services.gateway.auth import bearer_key
 from services.gateway.body_shape import check_body_shape
@@ -91,37 +92,55 @@ def presented_key(request: web.Request) -> str | None:
 
 @web.middleware
 async def api_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Request ids, the API key on /v1, and error bodies for whatever escapes a handler."""
+    """Request ids, the request's span, the API key on /v1, and error bodies for whatever escapes a handler."""
     client_id = request.headers.get("x-request-id")
     request[REQUEST_ID] = new_request_id(client_id)
     request[ECHOED_ID] = echoed_request_id(client_id, request[REQUEST_ID])
-    with bind_request_id(request[REQUEST_ID]):
-        try:
-            principal = await request.app[CORE_KEY].authenticate(presented_key(request))
-        except GatewayError as unreadable:  # the key store cannot be read: a 503, never a 401 for a valid key
-            return error_response(request, unreadable)
-        if principal is not None:
-            request[PRINCIPAL] = principal
-        elif request.path.startswith("/v1/") and request.path not in ADMIN_ONLY_PATHS:
-            error = GatewayError(
-                ErrorKind.INVALID_API_KEY,
-                "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key'.",
-            )
-            if request.path in API_NAMES:  # a fixed set: metric labels stay bounded
-                RequestRecord(API_NAMES[request.path], request[REQUEST_ID]).finish(error.http_status)
-            return error_response(request, error)
-        try:
-            response = await handler(request)
-        except GatewayError as error:
-            return error_response(request, error)
-        except web.HTTPException as exc:  # the router's 404 and 405, a body over MAX_BODY_BYTES
-            return http_error_response(request, exc)
-        except Exception:
-            log.exception("unhandled error")
-            return error_response(request, GatewayError(ErrorKind.INTERNAL, "internal error"))
-        if not response.prepared:
-            response.headers.setdefault("x-request-id", request[ECHOED_ID])
+    with bind_request_id(request[REQUEST_ID]), server_span(request) as span:
+        response = await _answer(request, handler)
+        span.set_attribute("http.response.status_code", response.status)
         return response
+
+
+def server_span(request: web.Request) -> contextlib.AbstractContextManager[tracing.Span]:
+    """An API request's root span (a child of the client's traceparent, if it sent one); RequestRecord names it
+    by the GenAI conventions once the model is known. Probes and scrapes are not traced."""
+    if not tracing.is_enabled() or not request.path.startswith("/v1/"):
+        return contextlib.nullcontext(tracing.current_span())
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "/v1/*"  # a bounded name: the route, not the path
+    attributes = {"http.request.method": request.method, "http.route": route, tracing.REQUEST_ID: request[REQUEST_ID]}
+    parent = tracing.context_from(request.headers)
+    return tracing.span(f"{request.method} {route}", tracing.SpanKind.SERVER, attributes, parent)
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        principal = await request.app[CORE_KEY].authenticate(presented_key(request))
+    except GatewayError as unreadable:  # the key store cannot be read: a 503, never a 401 for a valid key
+        return error_response(request, unreadable)
+    if principal is not None:
+        request[PRINCIPAL] = principal
+    elif request.path.startswith("/v1/") and request.path not in ADMIN_ONLY_PATHS:
+        error = GatewayError(
+            ErrorKind.INVALID_API_KEY,
+            "Missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key'.",
+        )
+        if request.path in API_NAMES:  # a fixed set: metric labels stay bounded
+            RequestRecord(API_NAMES[request.path], request[REQUEST_ID]).finish(error.http_status)
+        return error_response(request, error)
+    try:
+        response = await handler(request)
+    except GatewayError as error:
+        return error_response(request, error)
+    except web.HTTPException as exc:  # the router's 404 and 405, a body over MAX_BODY_BYTES
+        return http_error_response(request, exc)
+    except Exception:
+        log.exception("unhandled error")
+        return error_response(request, GatewayError(ErrorKind.INTERNAL, "internal error"))
+    if not response.prepared:
+        response.headers.setdefault("x-request-id", request[ECHOED_ID])
+    return response
 
 
 def http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 
+from mesh import tracing
 from mesh.logging import get_logger
 from mesh.metrics import GATEWAY_E2E, GATEWAY_IN_FLIGHT, GATEWAY_ITL, GATEWAY_REQUESTS, GATEWAY_TOKENS, GATEWAY_TTFT
-from mesh.pb import events_pb2
+from mesh.pb import common_pb2, events_pb2
 from services.gateway.chat import ChatRun
 from services.gateway.pipeline import GenerationStream, Usage
 from services.gateway.tenancy.ledger import UsagePublisher
@@ -19,6 +20,8 @@ from services.gateway.tenancy.principal import Principal
 
 log = get_logger("services.gateway.requests")
 UNKNOWN_MODEL = "unknown"  # the label for requests refused before their model was known (bounds cardinality)
+# the GenAI conventions' gen_ai.operation.name of each API
+OPERATIONS = {"completions": "text_completion"}
 
 
 def forget_tenant(name: str) -> None:
@@ -52,6 +55,11 @@ _GRPC_HTTP = {
     "UNAVAILABLE": 503,
     "DEADLINE_EXCEEDED": 504,
 }
+
+
+def finish_reason_name(reason: int) -> str:
+    """common_pb2.FinishReason as the GenAI conventions spell it: stop, length, abort ("" while unfinished)."""
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower().replace("unspecified", "")
 
 
 def http_status(code: int | str) -> int:
@@ -90,12 +98,25 @@ class RequestRecord:
         self._last_token_at: float | None = None
         self._is_admitted = False
         self._is_finished = False
+        self._span = tracing.current_span()  # the request's root span (a no-op one when tracing is off)
 
     def admit(self, model: str) -> None:
         """The request names a served model and is being worked on."""
         self.model = model
         self._is_admitted = True
         GATEWAY_IN_FLIGHT.labels(model).inc()
+        if self._span.is_recording():
+            operation = OPERATIONS.get(self.api, "chat")
+            self._span.update_name(f"{operation} {model}")
+            self._span.set_attributes(
+                {
+                    tracing.GEN_AI_OPERATION: operation,
+                    tracing.GEN_AI_SYSTEM: tracing.SYSTEM,
+                    tracing.GEN_AI_MODEL: model,
+                }
+            )
+            if self.principal is not None:
+                self._span.set_attribute(tracing.TENANT, self.principal.tenant_name)
 
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -158,6 +179,29 @@ class RequestRecord:
         )
         if self._ledger is not None and self.principal is not None:
             self._ledger.submit(self.usage_record(http_status(code), latency))
+        if self._span.is_recording():
+            self.trace(http_status(code))
+
+    def trace(self, status: int) -> None:
+        """The GenAI conventions' usage and finish reasons on the request's span; an error status past 5xx."""
+        attributes: dict[str, str | int | list[str]] = {"kvmesh.status_code": status}
+        if self.run is not None:
+            usage = self.run.usage
+            reasons = [finish_reason_name(choice.stream.finish_reason) for choice in self.run.choices]
+            attributes.update(
+                {
+                    tracing.GEN_AI_INPUT_TOKENS: usage.prompt_tokens,
+                    tracing.GEN_AI_OUTPUT_TOKENS: usage.completion_tokens,
+                    tracing.CACHED_TOKENS: usage.cached_tokens,
+                    tracing.GEN_AI_FINISH_REASONS: reasons,
+                    "kvmesh.prefill_worker_id": self.run.placement.prefill_worker,
+                    "kvmesh.decode_worker_id": self.run.placement.decode_worker,
+                    "kvmesh.num_migrations": sum(choice.stream.num_migrations for choice in self.run.choices),
+                }
+            )
+        self._span.set_attributes(attributes)
+        if status >= 500:
+            tracing.mark_error(self._span, f"HTTP {status}")
 
     def usage_record(self, status: int, latency_s: float) -> events_pb2.UsageRecord:
         """What the ledger keeps of this request: the usage of every choice as far as it got."""

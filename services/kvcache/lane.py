@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import socket
 import ssl
-from typing import Protocol
+from collections.abc import Mapping
+from typing import ClassVar, Protocol
 
 import grpc
 
@@ -44,6 +45,8 @@ class BlockService(Protocol):
 
 
 class LaneServer(LaneListener[kvcache_pb2.LaneFrame]):
+    span_names: ClassVar[Mapping[str, str]] = {"request": "kvmesh.v1.KVCache/Get", "block": "kvmesh.v1.KVCache/Put"}
+
     def __init__(
         self, servicer: BlockService, limits: LaneSettings | None = None, ssl_context: ssl.SSLContext | None = None
     ) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import NoReturn
 
 import grpc.aio
 
-from mesh import metrics, rpc, subjects
+from mesh import metrics, rpc, subjects, tracing
 from mesh.bus import Bus
 from mesh.discovery import WorkerRegistry
 from mesh.kv_index import GlobalKVIndex
@@ -121,6 +122,17 @@ def layer_major_chunks(datas: Sequence[bytes], slice_bytes: int) -> Iterator[kvc
         yield kvcache_pb2.Block(offset=offset, first_block=first, data=b"".join(parts))
 
 
+def trace_read(num_asked: int, blocks: Sequence[tuple[Block, str]]) -> None:
+    """The read's span (gRPC or lane): blocks asked, found per tier, bytes sent."""
+    span = tracing.current_span()
+    if not span.is_recording():
+        return
+    span.set_attribute("kvmesh.kv.num_blocks_asked", num_asked)
+    for tier, count in Counter(tier for _, tier in blocks).items():
+        span.set_attribute(f"kvmesh.kv.num_blocks.{tier}", count)
+    span.set_attribute(tracing.BYTES_MOVED, sum(len(block.data) for block, _ in blocks))
+
+
 def count_lookup(num_asked: int, num_hits: int) -> None:
     metrics.KVCACHE_LOOKUPS.labels(outcome="hit").inc(num_hits)
     metrics.KVCACHE_LOOKUPS.labels(outcome="miss").inc(num_asked - num_hits)
@@ -198,6 +210,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         for block, tier in result.blocks:
             metrics.KVCACHE_HIT_TOKENS.labels(tier=tier).inc(block.layout.block_size)
             metrics.KV_TRANSFER_BYTES.labels(direction="store_out").inc(len(block.data))
+        trace_read(len(request.block_hashes), result.blocks)
         return result.blocks
 
     async def Lookup(

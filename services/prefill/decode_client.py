@@ -17,6 +17,7 @@ from mesh import lane, rpc
 from mesh.compute.convert import image_to_proto, layout_to_proto, sampling_to_proto
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from mesh.tracing import traceparent
 from services.prefill.prefiller import PrefillJob, PushError
 
 PUSH_TIMEOUT_S = 120.0  # the whole push; a long prompt's KV is hundreds of MB on a slow network
@@ -92,7 +93,8 @@ class DecodePusher:
         num_bytes = 0
         try:
             async with asyncio.timeout(self.timeout_s):
-                await lane.send_frame(sock, decode_pb2.PushLaneFrame(header=header_to_proto(job, export)))
+                header = decode_pb2.PushLaneFrame(header=header_to_proto(job, export), traceparent=traceparent())
+                await lane.send_frame(sock, header)
                 await self._answer(sock, job, "reserved")
                 async for chunk in chunks:
                     if lane.has_pending(sock):  # decode gave up on the push: its end frame says why

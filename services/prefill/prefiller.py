@@ -30,6 +30,7 @@ from engine_core.request import EmbeddingSpan, TokenLogprobs
 from mesh.compute.engines import ModelEngines
 from mesh.kv_blocks import KVLayout
 from mesh.logging import get_logger
+from mesh.tracing import BYTES_MOVED, span
 
 log = get_logger(__name__)
 
@@ -182,9 +183,11 @@ class Prefiller:
         feeding: asyncio.Task[None] | None = None
         try:
             started = time.monotonic()
-            num_injected, load = await engine.call(lambda e: self._admit(e, job, first_params, hit))
-            feeding = self._feed(engine, job, hit, load)
-            first = await _first_output(engine, request_id, outputs)
+            with span("kvmesh.prefill.compute") as computing:
+                num_injected, load = await engine.call(lambda e: self._admit(e, job, first_params, hit))
+                feeding = self._feed(engine, job, hit, load)
+                first = await _first_output(engine, request_id, outputs)
+                computing.set_attribute("kvmesh.num_computed_tokens", first.num_prompt_tokens - first.num_cached_tokens)
             computed = time.monotonic()
             seconds = computed - started
             finish_reason = self._finish_reason(job, first)
@@ -201,8 +204,10 @@ class Prefiller:
             )
             on_first(result)
             if finish_reason is None:
-                export = await engine.call(lambda e: e.export_kv(request_id))
-                num_bytes = await self.pusher.push(job, export, self._read_chunks(export))
+                with span("kvmesh.kv.push", attributes={"kvmesh.decode_worker_id": job.decode_worker_id}) as pushing:
+                    export = await engine.call(lambda e: e.export_kv(request_id))
+                    num_bytes = await self.pusher.push(job, export, self._read_chunks(export))
+                    pushing.set_attribute(BYTES_MOVED, num_bytes)
                 result = dataclasses.replace(result, kv_bytes_sent=num_bytes)
             log.debug(
                 "prefill timing",
@@ -253,9 +258,11 @@ class Prefiller:
         async def feed() -> None:
             is_complete = False
             try:
-                is_complete = await stream.run(
-                    layout, load.num_blocks, lambda layer, pieces: engine.write_layer(load, layer, pieces)
-                )
+                with span("kvmesh.kv.read store", attributes=_read_attributes("stream", load.num_blocks)) as reading:
+                    is_complete = await stream.run(
+                        layout, load.num_blocks, lambda layer, pieces: engine.write_layer(load, layer, pieces)
+                    )
+                    reading.set_attribute("kvmesh.kv.is_complete", is_complete)
             except Exception:
                 log.warning("KV store stream failed; its blocks are recomputed", exc_info=True)
             finally:
@@ -296,7 +303,9 @@ class Prefiller:
         )
         self.store.note_traffic_class(hashes, job.traffic_class)
         hashes = hashes[: (len(job.prompt_token_ids) - 1) // block_size]
-        num_local = await engine.call(lambda e: e.num_cached_blocks(hashes))
+        with span("kvmesh.kv.read device", attributes=_read_attributes("lookup", len(hashes))) as reading:
+            num_local = await engine.call(lambda e: e.num_cached_blocks(hashes))
+            reading.set_attribute("kvmesh.kv.num_blocks", num_local)
         if num_local == len(hashes):
             return None
         wanted = hashes[num_local:]
@@ -306,7 +315,9 @@ class Prefiller:
             count = len(stream.block_hashes)
             tokens = job.prompt_token_ids[num_local * block_size : (num_local + count) * block_size]
             return _StoreHit(parent, list(stream.block_hashes), tokens, [], num_local, stream)
-        blocks = _usable_prefix(await self.store.fetch(job.model, wanted), wanted, self.engines.layout(job.model))
+        with span("kvmesh.kv.read store", attributes=_read_attributes("fetch", len(wanted))) as reading:
+            blocks = _usable_prefix(await self.store.fetch(job.model, wanted), wanted, self.engines.layout(job.model))
+            reading.set_attributes({"kvmesh.kv.num_blocks": len(blocks), BYTES_MOVED: sum(len(b.data) for b in blocks)})
         if not blocks:
             return None
         tokens = job.prompt_token_ids[num_local * block_size : (num_local + len(blocks)) * block_size]
@@ -319,6 +330,10 @@ def first_token_params(params: SamplingParams, num_output_tokens: int = 0) -> Sa
     tokens are masked for this token exactly as the user's value does)."""
     limit = num_output_tokens + 1
     return dataclasses.replace(params, max_tokens=limit, min_tokens=min(params.min_tokens, limit))
+
+
+def _read_attributes(mode: str, num_blocks_asked: int) -> dict[str, str | int]:
+    return {"kvmesh.kv.read_mode": mode, "kvmesh.kv.num_blocks_asked": num_blocks_asked}
 
 
 def _num_store_tokens(num_cached_tokens: int, hit: _StoreHit | None, num_injected: int, block_size: int) -> int:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import grpc.aio
 
-from mesh import lane, metrics, rpc
+from mesh import lane, metrics, rpc, tracing
 from mesh.compute.convert import (
     finish_reason_to_proto,
     image_from_proto,
@@ -90,6 +90,17 @@ def export_metrics(model: str, result: PrefillResult) -> None:
     metrics.PREFILL_CACHED_TOKENS.labels(model=model, tier="store").inc(result.num_store_tokens)
     metrics.PREFILL_SECONDS.labels(model=model).observe(result.prefill_seconds)
     metrics.KV_TRANSFER_BYTES.labels(direction="prefill_to_decode").inc(result.kv_bytes_sent)
+    span = tracing.current_span()
+    if span.is_recording():
+        span.set_attributes(
+            {
+                tracing.GEN_AI_MODEL: model,
+                tracing.GEN_AI_INPUT_TOKENS: result.num_prompt_tokens,
+                f"{tracing.CACHED_TOKENS}.device": result.num_cached_tokens - result.num_store_tokens,
+                f"{tracing.CACHED_TOKENS}.store": result.num_store_tokens,
+                tracing.BYTES_MOVED: result.kv_bytes_sent,
+            }
+        )
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):

@@ -233,7 +233,7 @@ class StoreClient:
     async def _lookup(self, address: str, model: str, keys: list[bytes]) -> list[int]:
         request = kvcache_pb2.LookupRequest(block_hashes=keys, model=model, per_block=True)
         try:
-            response = await self.stub(address).Lookup(request, timeout=self.timeout_s)
+            response = await self.stub(address).Lookup(request, timeout=self.timeout_s, metadata=rpc.metadata())
         except grpc.aio.AioRpcError as exc:
             store_failed("lookup", address, exc)
             return [-1] * len(keys)
@@ -267,7 +267,7 @@ class StoreClient:
     async def _get(self, address: str, model: str, keys: list[bytes], fetched: dict[bytes, Fetched]) -> None:
         request = kvcache_pb2.GetRequest(block_hashes=keys, model=model, skip_missing=True)
         try:
-            async for message in self.stub(address).Get(request, timeout=self.timeout_s):
+            async for message in self.stub(address).Get(request, timeout=self.timeout_s, metadata=rpc.metadata()):
                 data = message.data  # each access to a bytes field copies it (upb): once
                 message.ClearField("data")
                 self._take(address, message, data, fetched)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc.aio
 
-from mesh import lane, metrics
+from mesh import lane, metrics, rpc
 from mesh.kv_blocks import KVLayout, checksum, layout_to_proto
 from mesh.logging import get_logger
 from mesh.pb import kvcache_pb2
@@ -194,7 +194,7 @@ class LayerStream:
             return False
         positions, request = self._get_request(keys, items, slice_bytes)
         headers: list[tuple[int, int]] = []  # (block index, fragment index), in the node's order
-        call = self.client.stub(address).Get(request, timeout=self.client.timeout_s)
+        call = self.client.stub(address).Get(request, timeout=self.client.timeout_s, metadata=rpc.metadata())
         try:
             async for message in call:
                 if message.HasField("layout"):  # a header

@@ -26,7 +26,7 @@ from mesh.pb import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 from mesh.pb import encoder_pb2 as kvmesh_dot_v1_dot_encoder__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/decode.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x17kvmesh/v1/encoder.proto\"\x9b\x02\n\x0cKVPushHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12#\n\x06layout\x18\x07 \x01(\x0b\x32\x13.kvmesh.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x08 \x01(\x05\x12\x12\n\nnum_blocks\x18\t \x01(\x05\x12&\n\x06images\x18\n \x03(\x0b\x32\x16.kvmesh.v1.PromptImage\"O\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"g\n\rKVPushMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvmesh.v1.KVPushHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.kvmesh.v1.KVChunkH\x00\x42\x06\n\x04kind\"6\n\x0ePushKVResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\"\xe6\x01\n\rPushLaneFrame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvmesh.v1.KVPushHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.kvmesh.v1.KVChunkH\x00\x12!\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.LaneEndH\x00\x12+\n\x08reserved\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.PushReservedH\x00\x12-\n\x08response\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.PushKVResponseH\x00\x42\x06\n\x04kind\"\x0e\n\x0cPushReserved\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x95\x01\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xc2\x01\n\x06\x44\x65\x63ode\x12?\n\x06PushKV\x12\x18.kvmesh.v1.KVPushMessage\x1a\x19.kvmesh.v1.PushKVResponse(\x01\x12;\n\x06Stream\x12\x18.kvmesh.v1.StreamRequest\x1a\x15.kvmesh.v1.TokenBatch0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/decode.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x17kvmesh/v1/encoder.proto\"\x9b\x02\n\x0cKVPushHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12#\n\x06layout\x18\x07 \x01(\x0b\x32\x13.kvmesh.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x08 \x01(\x05\x12\x12\n\nnum_blocks\x18\t \x01(\x05\x12&\n\x06images\x18\n \x03(\x0b\x32\x16.kvmesh.v1.PromptImage\"O\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"g\n\rKVPushMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvmesh.v1.KVPushHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.kvmesh.v1.KVChunkH\x00\x42\x06\n\x04kind\"6\n\x0ePushKVResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\"\xfb\x01\n\rPushLaneFrame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvmesh.v1.KVPushHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.kvmesh.v1.KVChunkH\x00\x12!\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.LaneEndH\x00\x12+\n\x08reserved\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.PushReservedH\x00\x12-\n\x08response\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.PushKVResponseH\x00\x12\x13\n\x0btraceparent\x18\x06 \x01(\tB\x06\n\x04kind\"\x0e\n\x0cPushReserved\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x95\x01\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xc2\x01\n\x06\x44\x65\x63ode\x12?\n\x06PushKV\x12\x18.kvmesh.v1.KVPushMessage\x1a\x19.kvmesh.v1.PushKVResponse(\x01\x12;\n\x06Stream\x12\x18.kvmesh.v1.StreamRequest\x1a\x15.kvmesh.v1.TokenBatch0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,17 +42,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHKVRESPONSE']._serialized_start=558
   _globals['_PUSHKVRESPONSE']._serialized_end=612
   _globals['_PUSHLANEFRAME']._serialized_start=615
-  _globals['_PUSHLANEFRAME']._serialized_end=845
-  _globals['_PUSHRESERVED']._serialized_start=847
-  _globals['_PUSHRESERVED']._serialized_end=861
-  _globals['_STREAMREQUEST']._serialized_start=863
-  _globals['_STREAMREQUEST']._serialized_end=898
-  _globals['_TOKENBATCH']._serialized_start=901
-  _globals['_TOKENBATCH']._serialized_end=1050
-  _globals['_ABORTREQUEST']._serialized_start=1052
-  _globals['_ABORTREQUEST']._serialized_end=1086
-  _globals['_ABORTRESPONSE']._serialized_start=1088
-  _globals['_ABORTRESPONSE']._serialized_end=1120
-  _globals['_DECODE']._serialized_start=1123
-  _globals['_DECODE']._serialized_end=1317
+  _globals['_PUSHLANEFRAME']._serialized_end=866
+  _globals['_PUSHRESERVED']._serialized_start=868
+  _globals['_PUSHRESERVED']._serialized_end=882
+  _globals['_STREAMREQUEST']._serialized_start=884
+  _globals['_STREAMREQUEST']._serialized_end=919
+  _globals['_TOKENBATCH']._serialized_start=922
+  _globals['_TOKENBATCH']._serialized_end=1071
+  _globals['_ABORTREQUEST']._serialized_start=1073
+  _globals['_ABORTREQUEST']._serialized_end=1107
+  _globals['_ABORTRESPONSE']._serialized_start=1109
+  _globals['_ABORTRESPONSE']._serialized_end=1141
+  _globals['_DECODE']._serialized_start=1144
+  _globals['_DECODE']._serialized_end=1338
 # @@protoc_insertion_point(module_scope)

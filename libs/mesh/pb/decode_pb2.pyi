@@ -61,18 +61,20 @@ class PushKVResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class PushLaneFrame(_message.Message):
-    __slots__ = ("header", "chunk", "end", "reserved", "response")
+    __slots__ = ("header", "chunk", "end", "reserved", "response", "traceparent")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     header: KVPushHeader
     chunk: KVChunk
     end: _common_pb2.LaneEnd
     reserved: PushReserved
     response: PushKVResponse
-    def __init__(self, header: _Optional[_Union[KVPushHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.LaneEnd, _Mapping]] = ..., reserved: _Optional[_Union[PushReserved, _Mapping]] = ..., response: _Optional[_Union[PushKVResponse, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, header: _Optional[_Union[KVPushHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.LaneEnd, _Mapping]] = ..., reserved: _Optional[_Union[PushReserved, _Mapping]] = ..., response: _Optional[_Union[PushKVResponse, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PushReserved(_message.Message):
     __slots__ = ()

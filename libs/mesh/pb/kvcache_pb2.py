@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mesh.pb import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvcache.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xb3\x01\n\tLaneFrame\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.GetRequestH\x00\x12!\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.BlockH\x00\x12!\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.LaneEndH\x00\x12.\n\x0cput_response\x18\x04 \x01(\x0b\x32\x16.kvmesh.v1.PutResponseH\x00\x42\x06\n\x04kind\"\xb4\x02\n\x05\x42lock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.KVLayout\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x15\n\x08\x63hecksum\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0e\x62lock_checksum\x18\x06 \x01(\r\x12\x16\n\x0e\x66ragment_index\x18\x07 \x01(\x05\x12\x1a\n\x12num_data_fragments\x18\x08 \x01(\x05\x12\x15\n\rnum_fragments\x18\t \x01(\x05\x12\x15\n\rtraffic_class\x18\n \x01(\t\x12\x0c\n\x04tier\x18\x0b \x01(\t\x12\x0e\n\x06offset\x18\x0c \x01(\x03\x12\x13\n\x0b\x66irst_block\x18\r \x01(\x05\x42\x0b\n\t_checksum\"6\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\x05\x12\x13\n\x0bnum_present\x18\x02 \x01(\x05\"\\\n\nGetRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0cskip_missing\x18\x03 \x01(\x08\x12\x13\n\x0bslice_bytes\x18\x04 \x01(\x03\"G\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tper_block\x18\x03 \x01(\x08\"<\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\x05\x12\x18\n\x10\x66ragment_indices\x18\x02 \x03(\x05\"F\n\nPinRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\"!\n\x0bPinResponse\x12\x12\n\nnum_pinned\x18\x01 \x01(\x05\x32\xe3\x01\n\x07KVCache\x12\x31\n\x03Put\x12\x10.kvmesh.v1.Block\x1a\x16.kvmesh.v1.PutResponse(\x01\x12\x30\n\x03Get\x12\x15.kvmesh.v1.GetRequest\x1a\x10.kvmesh.v1.Block0\x01\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x34\n\x03Pin\x12\x15.kvmesh.v1.PinRequest\x1a\x16.kvmesh.v1.PinResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvcache.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xc8\x01\n\tLaneFrame\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.GetRequestH\x00\x12!\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.BlockH\x00\x12!\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x12.kvmesh.v1.LaneEndH\x00\x12.\n\x0cput_response\x18\x04 \x01(\x0b\x32\x16.kvmesh.v1.PutResponseH\x00\x12\x13\n\x0btraceparent\x18\x05 \x01(\tB\x06\n\x04kind\"\xb4\x02\n\x05\x42lock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.KVLayout\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x15\n\x08\x63hecksum\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0e\x62lock_checksum\x18\x06 \x01(\r\x12\x16\n\x0e\x66ragment_index\x18\x07 \x01(\x05\x12\x1a\n\x12num_data_fragments\x18\x08 \x01(\x05\x12\x15\n\rnum_fragments\x18\t \x01(\x05\x12\x15\n\rtraffic_class\x18\n \x01(\t\x12\x0c\n\x04tier\x18\x0b \x01(\t\x12\x0e\n\x06offset\x18\x0c \x01(\x03\x12\x13\n\x0b\x66irst_block\x18\r \x01(\x05\x42\x0b\n\t_checksum\"6\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\x05\x12\x13\n\x0bnum_present\x18\x02 \x01(\x05\"\\\n\nGetRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0cskip_missing\x18\x03 \x01(\x08\x12\x13\n\x0bslice_bytes\x18\x04 \x01(\x03\"G\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tper_block\x18\x03 \x01(\x08\"<\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\x05\x12\x18\n\x10\x66ragment_indices\x18\x02 \x03(\x05\"F\n\nPinRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\"!\n\x0bPinResponse\x12\x12\n\nnum_pinned\x18\x01 \x01(\x05\x32\xe3\x01\n\x07KVCache\x12\x31\n\x03Put\x12\x10.kvmesh.v1.Block\x1a\x16.kvmesh.v1.PutResponse(\x01\x12\x30\n\x03Get\x12\x15.kvmesh.v1.GetRequest\x1a\x10.kvmesh.v1.Block0\x01\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x34\n\x03Pin\x12\x15.kvmesh.v1.PinRequest\x1a\x16.kvmesh.v1.PinResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.kvcache_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LANEFRAME']._serialized_start=63
-  _globals['_LANEFRAME']._serialized_end=242
-  _globals['_BLOCK']._serialized_start=245
-  _globals['_BLOCK']._serialized_end=553
-  _globals['_PUTRESPONSE']._serialized_start=555
-  _globals['_PUTRESPONSE']._serialized_end=609
-  _globals['_GETREQUEST']._serialized_start=611
-  _globals['_GETREQUEST']._serialized_end=703
-  _globals['_LOOKUPREQUEST']._serialized_start=705
-  _globals['_LOOKUPREQUEST']._serialized_end=776
-  _globals['_LOOKUPRESPONSE']._serialized_start=778
-  _globals['_LOOKUPRESPONSE']._serialized_end=838
-  _globals['_PINREQUEST']._serialized_start=840
-  _globals['_PINREQUEST']._serialized_end=910
-  _globals['_PINRESPONSE']._serialized_start=912
-  _globals['_PINRESPONSE']._serialized_end=945
-  _globals['_KVCACHE']._serialized_start=948
-  _globals['_KVCACHE']._serialized_end=1175
+  _globals['_LANEFRAME']._serialized_end=263
+  _globals['_BLOCK']._serialized_start=266
+  _globals['_BLOCK']._serialized_end=574
+  _globals['_PUTRESPONSE']._serialized_start=576
+  _globals['_PUTRESPONSE']._serialized_end=630
+  _globals['_GETREQUEST']._serialized_start=632
+  _globals['_GETREQUEST']._serialized_end=724
+  _globals['_LOOKUPREQUEST']._serialized_start=726
+  _globals['_LOOKUPREQUEST']._serialized_end=797
+  _globals['_LOOKUPRESPONSE']._serialized_start=799
+  _globals['_LOOKUPRESPONSE']._serialized_end=859
+  _globals['_PINREQUEST']._serialized_start=861
+  _globals['_PINREQUEST']._serialized_end=931
+  _globals['_PINRESPONSE']._serialized_start=933
+  _globals['_PINRESPONSE']._serialized_end=966
+  _globals['_KVCACHE']._serialized_start=969
+  _globals['_KVCACHE']._serialized_end=1196
 # @@protoc_insertion_point(module_scope)

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LaneFrame(_message.Message):
-    __slots__ = ("request", "block", "end", "put_response")
+    __slots__ = ("request", "block", "end", "put_response", "traceparent")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     PUT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request: GetRequest
     block: Block
     end: _common_pb2.LaneEnd
     put_response: PutResponse
-    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.LaneEnd, _Mapping]] = ..., put_response: _Optional[_Union[PutResponse, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.LaneEnd, _Mapping]] = ..., put_response: _Optional[_Union[PutResponse, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Block(_message.Message):
     __slots__ = ("block_hash", "parent_hash", "layout", "data", "checksum", "block_checksum", "fragment_index", "num_data_fragments", "num_fragments", "traffic_class", "tier", "offset", "first_block")

@@ -1,0 +1,115 @@
+"""mesh.tracing against a real OTLP receiver (gRPC and http/protobuf): a call's span joins its caller's trace
+through gRPC metadata, resources name the role and worker, log lines carry the ids, and off means no spans."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import grpc
+import grpc.aio
+import pytest
+import structlog
+
+from kvmesh.bench.otlp_sink import OTLPSink
+from mesh import rpc, tracing
+from mesh.logging import configure_logging, get_logger
+
+ECHO = "/kvmesh.v1.Test/Echo"
+
+
+@pytest.fixture
+def receiver():
+    with OTLPSink() as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def off_after():
+    logging_config = structlog.get_config()
+    yield
+    tracing.shutdown_tracing()
+    structlog.configure(**logging_config)
+
+
+async def call_echo(payload: bytes) -> bytes:
+    """A real server from rpc.create_server (insecure), one unary call to it with rpc.metadata."""
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        get_logger("test").info("inside the call")
+        return request
+
+    server = rpc.create_server(None)
+    handler = grpc.unary_unary_rpc_method_handler(echo)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvmesh.v1.Test", {"Echo": handler}),))
+    port = rpc.bind(server, "127.0.0.1", 0, None)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return await channel.unary_unary(ECHO)(payload, metadata=rpc.metadata("req-1"), timeout=10)
+    finally:
+        await server.stop(None)
+
+
+def test_off_without_an_endpoint_no_span_no_header(monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    assert tracing.configure_tracing("prefill", "prefill-0") is False
+    assert not tracing.is_enabled()
+    with tracing.span("work") as span:
+        assert not span.is_recording()
+        assert tracing.traceparent() == ""
+        assert tracing.headers() == {}
+        assert rpc.metadata("req-1") == (("x-request-id", "req-1"),)
+    assert tracing.server_interceptors() == []
+
+
+def test_an_unknown_protocol_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL='http/json'"):
+        tracing.configure_tracing("prefill", "prefill-0")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+async def test_a_call_joins_its_callers_trace_over_either_protocol(monkeypatch, receiver, protocol):
+    port = receiver.grpc_port if protocol == "grpc" else receiver.http_port
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    lines = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", lines)
+    configure_logging("info", "json")
+    assert tracing.configure_tracing("prefill", "prefill-7") is True
+    with tracing.span("caller", attributes={tracing.GEN_AI_MODEL: "m"}) as caller:
+        assert await call_echo(b"hello") == b"hello"
+        trace_id = format(caller.get_span_context().trace_id, "032x")
+        caller_id = format(caller.get_span_context().span_id, "016x")
+    tracing.shutdown_tracing()  # flushes
+
+    spans = {s.name: s for s in receiver.spans(trace_id)}
+    assert set(spans) == {"caller", "kvmesh.v1.Test/Echo"}
+    server = spans["kvmesh.v1.Test/Echo"]
+    assert (server.parent_id, server.kind) == (caller_id, "SERVER")
+    assert server.attributes["rpc.system"] == "grpc"
+    assert (server.attributes["rpc.service"], server.attributes["rpc.method"]) == ("kvmesh.v1.Test", "Echo")
+    assert {(s.service, s.instance) for s in spans.values()} == {("kvmesh-prefill", "prefill-7")}
+    assert spans["caller"].attributes == {tracing.WORKER_ID: "prefill-7", tracing.GEN_AI_MODEL: "m"}
+    logged = [json.loads(line) for line in lines.getvalue().splitlines() if line.startswith("{")]
+    inside = next(line for line in logged if line["event"] == "inside the call")
+    assert (inside["trace_id"], inside["span_id"]) == (trace_id, server.span_id)
+
+
+async def test_a_callers_traceparent_is_honoured_and_errors_mark_the_span(monkeypatch, receiver):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    assert tracing.configure_tracing("gateway", "gateway-0")
+    client = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with tracing.span("root", parent=tracing.context_of(client)), pytest.raises(RuntimeError), tracing.span("failing"):
+        raise RuntimeError("boom")
+    tracing.shutdown_tracing()
+    spans = {s.name: s for s in receiver.spans("0af7651916cd43dd8448eb211c80319c")}
+    assert spans["root"].parent_id == "b7ad6b7169203331"
+    assert spans["failing"].parent_id == spans["root"].span_id
+    assert spans["failing"].is_error and not spans["root"].is_error
