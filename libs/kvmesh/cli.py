@@ -186,6 +186,7 @@ def _bench(args: argparse.Namespace) -> int:
             url=args.url,
             seed=args.seed,
             api_key=args.api_key,
+            trace=args.trace,
         )
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
@@ -261,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the gateway's API key (default: $KVMESH_API_KEY, else the key of the mesh started here)",
     )
     serve_bench.add_argument("--seed", type=int, default=0)
+    serve_bench.add_argument(
+        "--trace", action="store_true", help="tracing on in the mesh started here, exported to a receiver in the bench"
+    )
     serve_bench.add_argument("--json", action="store_true", help="one line of JSON")
 
     engine = bench_commands.add_parser("engine", help="engine prefill/decode tokens/s against transformers")

@@ -7,6 +7,10 @@ prefill engine's own time (the gateway's `server-timing: prefill;dur=...` header
 what the mesh adds: HTTP, tokenizing, routing, gRPC, and pushing the KV to decode. The in-process baseline runs
 the same prompts through one `LLMEngine` with the same batch limit, so the throughput ratio prices disaggregation
 on this machine.
+
+--trace turns OpenTelemetry tracing on in every process of the mesh it starts, exporting over OTLP/gRPC to a
+receiver in this process (otlp_sink.py), and reports the spans received per request: run it with and without to
+price tracing.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from kvmesh.bench.otlp_sink import OTLPSink
 
 WORDS = [
     "river",
@@ -176,10 +182,15 @@ def run_serve_bench(
     url: str | None = None,
     seed: int = 0,
     api_key: str | None = None,
+    trace: bool = False,
 ) -> dict[str, Any]:
-    """`api_key`: the gateway's key (default: the built-in key of the mesh started here)."""
+    """`api_key`: the gateway's key (default: the built-in key of the mesh started here). `trace`: the mesh started
+    here exports its spans to an OTLP receiver in this process."""
+    if trace and url is not None:
+        raise ValueError("--trace applies to the mesh the bench starts: leave out --url")
     api_key = api_key or API_KEY
     prompts = _prompts(num_requests + 2, prompt_words, seed)
+    sink = None
     with contextlib.ExitStack() as stack:
         if url is None:
             from kvmesh.nats_server import free_port
@@ -195,12 +206,18 @@ def run_serve_bench(
                 api_keys=(api_key,),
                 env={"KVMESH_LOG_LEVEL": "warning", "KVMESH_MAX_NUM_SEQS": str(concurrency)},
             )
+            if trace:
+                sink = stack.enter_context(OTLPSink())
+                plan.env.update(sink.exporter_env())
             mesh = Mesh(plan, out=stack.enter_context(open(os.devnull, "w")))
             stack.callback(mesh.stop)
             mesh.start()
             mesh.wait_ready()
             url = mesh.base_url
         samples, seconds = asyncio.run(_load(url, api_key, model, prompts, concurrency, max_tokens))
+        if sink is not None:
+            time.sleep(1.0)  # the batch processors' last exports (OTEL_BSP_SCHEDULE_DELAY is theirs to set)
+            num_spans = len(sink.spans())
     baseline = _in_process(model, prompts, concurrency, max_tokens)
     ttft = [s.ttft_s for s in samples]
     overhead = [s.ttft_s - s.prefill_s for s in samples]
@@ -224,4 +241,6 @@ def run_serve_bench(
         "in_process_throughput_tok_s": round(baseline, 2),
         "throughput_vs_in_process": round(throughput / baseline, 3),
         "goal_overhead_p50_under_10ms": _percentile(overhead, 50) < 0.010,
+        "tracing": trace,
+        **({"spans_per_request": round(num_spans / len(prompts), 1)} if sink is not None else {}),
     }
