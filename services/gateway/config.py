@@ -55,6 +55,11 @@ class GatewaySettings(ServiceSettings):
     limits_lease_s: float = setting(
         30.0, "a concurrency slot's lease: renewed while its request runs, freed this long after its gateway dies"
     )
+    limits_allowance_requests: int = setting(
+        32,
+        "room for this many requests drawn from a roomy limit ahead of need, so most admissions need no store "
+        "round trip (grows when it runs short; exact either way); 0: every admission a compare-and-set",
+    )
     # tenancy (services/gateway/tenancy/): tenants, keys, prices and the usage ledger live in one database
     database_url: str = setting(
         "", "the tenancy database: postgresql://... (asyncpg) or sqlite:///path (empty: SQLite kvmesh.db in state_dir)"
@@ -106,6 +111,12 @@ class GatewaySettings(ServiceSettings):
         require(self.metrics_port >= -1, "metrics_port", self.metrics_port, "must be -1 (none), 0 (any) or a port")
         require(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be positive")
         require(self.limits_lease_s >= 1, "limits_lease_s", self.limits_lease_s, "must be at least 1 second")
+        require(
+            self.limits_allowance_requests >= 0,
+            "limits_allowance_requests",
+            self.limits_allowance_requests,
+            "must not be negative (0: no allowances)",
+        )
         require(
             self.metrics_named_tenants >= 0, "metrics_named_tenants", self.metrics_named_tenants, "must not be negative"
         )

@@ -90,7 +90,11 @@ class GatewayServer:
         self.prices = PriceBook(self.database)  # spend budgets' prices at admission
         await self.prices.start()
         self.limiter = Limiter(
-            bus.client, fail_open=settings.limits_fail_open, lease_s=settings.limits_lease_s, prices=self.prices
+            bus.client,
+            fail_open=settings.limits_fail_open,
+            lease_s=settings.limits_lease_s,
+            prices=self.prices,
+            allowance_requests=settings.limits_allowance_requests,
         )
         self.limiter.start()
         mesh = MeshView(self.registry)

@@ -59,8 +59,9 @@ class Counters:
     def decode(data: bytes) -> Counters:
         return Counters(**json.loads(data)) if data else Counters()
 
-    def rolled(self, ids: WindowIds, now: float) -> Counters:
-        """A copy in the current windows: a past window's counts drop to 0; expired slots go."""
+    def rolled(self, ids: WindowIds, now: float, *, with_slots: bool = True) -> Counters:
+        """A copy in the current windows: a past window's counts drop to 0; expired slots go (all of them when
+        not `with_slots`: a copy for its counts alone)."""
         fresh = Counters(ids.minute, 0, 0, ids.day, 0, ids.month, 0)
         if self.minute == ids.minute:
             fresh.requests_minute, fresh.tokens_minute = self.requests_minute, self.tokens_minute
@@ -68,7 +69,8 @@ class Counters:
             fresh.tokens_day, fresh.spend_day = self.tokens_day, self.spend_day
         if self.month == ids.month:
             fresh.tokens_month, fresh.spend_month = self.tokens_month, self.spend_month
-        fresh.slots = {rid: expiry for rid, expiry in self.slots.items() if expiry > now}
+        if with_slots:
+            fresh.slots = {rid: expiry for rid, expiry in self.slots.items() if expiry > now}
         return fresh
 
     def token_room(self, limits: Limits, now: float) -> tuple[int | None, int | None, float]:
@@ -213,7 +215,7 @@ def release(
     if state.month == held.windows.month:
         state.tokens_month = max(0, state.tokens_month - unused)
         state.spend_month = max(0, state.spend_month - unused_micros)
-    state.slots.pop(held.request_id, None)
+    state.slots.pop(held.slot_id or held.request_id, None)
 
 
 @dataclass(frozen=True)
@@ -226,3 +228,5 @@ class ScopeHold:
     windows: WindowIds
     has_slot: bool
     reserved_micros: int = 0  # spend reserved, where a budget applies
+    from_allowance: bool = False  # taken from the limiter's allowance (allowance.py), not from the store
+    slot_id: str = ""  # the allowance's slot lent to it; "" when its slot, if any, is keyed by request_id

@@ -12,6 +12,11 @@ which a KV watch keeps at the latest revision every replica wrote; a lost CAS re
 the watch brings it (reading it when the watch is slower than WATCH_WAIT_S), backing off when lost again.
 A refusal decided on the cache is re-checked on a fresh read.
 
+Allowances (allowance.py) keep most requests off the store: where a scope's limits leave room for many requests,
+the limiter draws room for up to `allowance_requests` of them in one CAS, counted in the store as used, and admits
+and settles from it in memory, drawing again in the background when half is spent. Tight limits draw nothing and
+are decided request by request as above.
+
 Concurrency slots are leases: each slot holds an expiry (now + lease_s); the limiter that holds it renews its
 slots every lease_s / 3 (one CAS per scope), and any admission drops expired slots. A gateway that dies holding
 slots frees them within lease_s. When the store cannot be reached the limiter refuses with 503 (fail closed),
@@ -27,14 +32,17 @@ import dataclasses
 import hashlib
 import random
 import re
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mesh.logging import get_logger
 from mesh.tasks import cancel_until_done
 from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.tenancy import allowance as allowances
+from services.gateway.tenancy.allowance import Allowance
 from services.gateway.tenancy.limit_counters import (
     Counters,
     Demand,
@@ -57,6 +65,8 @@ STORE_TIMEOUT_S = 2.0  # one KV operation; past it the store counts as unreachab
 MAX_CAS_ATTEMPTS = 64
 CAS_BACKOFF_S = 0.0005  # the most a CAS lost twice or more waits, times the attempts so far (up to 8)
 WATCH_WAIT_S = 0.005  # how long a lost CAS waits for the watch to bring the winner's write before reading it
+ALLOWANCE_REQUESTS = 32  # the requests an allowance makes room for at first (0: no allowances)
+GROWTH = 16  # an allowance that runs short doubles, up to this many times ALLOWANCE_REQUESTS
 _KEY_PART = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -140,6 +150,7 @@ class Limiter:
         clock: Callable[[], float] = time.time,
         bucket: str = BUCKET,
         prices: PriceBook | None = None,
+        allowance_requests: int = ALLOWANCE_REQUESTS,
     ) -> None:
         self._client = client
         self._fail_open = fail_open
@@ -158,15 +169,27 @@ class Limiter:
         self._renewer: asyncio.Task[None] | None = None
         self._watcher: Any = None  # the KV watch that feeds the cache (_follow)
         self._follower: asyncio.Task[None] | None = None
+        self._allowance_requests = allowance_requests
+        self._allowances: dict[str, Allowance] = {}  # entry -> room drawn ahead of need
+        self._drawing: set[str] = set()  # entries with a draw in flight
+        self._sizes: dict[str, int] = {}  # entry -> the requests its allowance makes room for, when grown
+        self._slot_prefix = f"a.{secrets.token_hex(4)}."  # this limiter's allowance slots in the store
+        self._draws = 0
+        self._keeper: asyncio.Task[None] | None = None
+        self.store_writes = 0  # compare-and-sets sent, lost ones included (what `kvmesh bench admission` reports)
         if fail_open:
             log.warning("limits fail open: when the counter store is unreachable, requests pass uncounted")
 
     # -- lifecycle --
     def start(self) -> None:
         self._renewer = asyncio.ensure_future(self._renew_forever())
+        self._keeper = asyncio.ensure_future(self._keep_allowances())
 
     async def stop(self) -> None:
         await self.drain()
+        await cancel_until_done(self._keeper)
+        for entry, allowance in list(self._allowances.items()):
+            await self._retire(entry, allowance)
         for task in (self._renewer, self._follower):
             await cancel_until_done(task)
         if self._watcher is not None:
@@ -183,7 +206,22 @@ class Limiter:
         """Hold `demand` against the key's limits and the tenant's. Raises GatewayError: 429 with the facts
         when a limit refuses, 503 when the store is unreachable (fail closed). A caller cancelled meanwhile
         leaves nothing held: what was reserved for it is released when the store answers."""
-        task = asyncio.ensure_future(self._reserve(principal, demand))
+        if self._prices is not None and demand.model:
+            demand = dataclasses.replace(demand, price=self._prices.price(principal.tenant_id, demand.model))
+        scopes = [
+            (entry, limits)
+            for entry, limits in (
+                (entry_name("key", principal.key_id), principal.key_limits),
+                (entry_name("tenant", principal.tenant_id), principal.tenant_limits),
+            )
+            if _has_any(limits)
+        ]
+        if not scopes:
+            return Reservation(demand, demand.max_tokens, None)
+        ready = self._reserve_from_allowances(scopes, demand)
+        if ready is not None:
+            return ready
+        task = asyncio.ensure_future(self._reserve(scopes, demand))
         try:
             return await asyncio.shield(task)
         except _FailOpen as passed:
@@ -196,18 +234,26 @@ class Limiter:
         if not task.cancelled() and task.exception() is None:
             self.settle_soon(task.result(), 0)
 
-    async def _reserve(self, principal: Principal, demand: Demand) -> Reservation:
+    def _reserve_from_allowances(self, scopes: list[tuple[str, Limits]], demand: Demand) -> Reservation | None:
+        """The whole reservation from this limiter's allowances, at once and without waiting on anything; None
+        when one scope's allowance does not cover it."""
+        now = self._clock()
+        for entry, limits in scopes:
+            allowance = self._allowances.get(entry)
+            if allowance is None or not allowance.covers(limits, demand, demand.spend(limits, demand.max_tokens), now):
+                return None
+        reservation = Reservation(demand, demand.max_tokens, None)
+        for entry, limits in scopes:
+            held, facts = self._take(entry, limits, demand, now)
+            reservation.holds.append(held)
+            reservation.facts = _merge(reservation.facts, facts)
+        return reservation
+
+    async def _reserve(self, scopes: list[tuple[str, Limits]], demand: Demand) -> Reservation:
         """Both scopes at once (one round trip, not two): each grants what it can; the request runs with the
         smaller grant, and the scope that granted more holds the difference until settlement (never less)."""
-        if self._prices is not None and demand.model:
-            demand = dataclasses.replace(demand, price=self._prices.price(principal.tenant_id, demand.model))
-        scopes = [
-            (entry_name("key", principal.key_id), principal.key_limits),
-            (entry_name("tenant", principal.tenant_id), principal.tenant_limits),
-        ]
         outcomes = await asyncio.gather(
-            *(self._hold(entry, limits, demand) for entry, limits in scopes if _has_any(limits)),
-            return_exceptions=True,
+            *(self._hold(entry, limits, demand) for entry, limits in scopes), return_exceptions=True
         )
         reservation = Reservation(demand, demand.max_tokens, None)
         for outcome in outcomes:
@@ -243,6 +289,21 @@ class Limiter:
         )
 
     async def _hold(self, entry: str, limits: Limits, demand: Demand) -> tuple[ScopeHold, int, RateLimitFacts]:
+        now = self._clock()
+        micros = demand.spend(limits, demand.max_tokens)
+        allowance = self._allowances.get(entry)
+        if allowance is not None and allowance.covers(limits, demand, micros, now):
+            held, facts = self._take(entry, limits, demand, now)
+            return held, demand.max_tokens, facts
+        if allowance is not None and (allowance.limits != limits or allowance.windows.minute != int(now // 60)):
+            self._in_background(self._retire(entry, allowance))  # the limits changed, or its minute ended
+        elif allowance is not None:  # it ran short: the next draws make room for more
+            self._sizes[entry] = min(self._most(entry) * 2, self._allowance_requests * GROWTH)
+        held, granted, facts = await self._hold_in_store(entry, limits, demand)
+        self._top_up(entry, limits, demand, micros, self._clock())
+        return held, granted, self._with_allowance(facts, entry, limits)
+
+    async def _hold_in_store(self, entry: str, limits: Limits, demand: Demand) -> tuple[ScopeHold, int, RateLimitFacts]:
         def apply(state: Counters, now: float) -> tuple[int, RateLimitFacts, WindowIds]:
             granted = admit(state, limits, demand, now, self._lease_s)
             return granted, state.facts(limits, now), WindowIds.at(now)
@@ -259,12 +320,12 @@ class Limiter:
     # -- settlement --
     def settle_soon(self, reservation: Reservation, used_tokens: int, used_micros: int = 0) -> None:
         """Settle in the background (a request ending by cancellation cannot await); `drain` waits for it."""
-        if reservation.is_settled or not reservation.holds:
-            reservation.is_settled = True
+        if reservation.is_settled:
             return
-        task = asyncio.ensure_future(self.settle(reservation, used_tokens, used_micros))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        reservation.is_settled = True
+        rest = self._release_locally(reservation, used_tokens, used_micros)
+        if rest:
+            self._in_background(self._settle_in_store(reservation.demand.request_id, rest, used_tokens, used_micros))
 
     async def settle(self, reservation: Reservation, used_tokens: int, used_micros: int = 0) -> None:
         """The request used `used_tokens` (prompt + every choice's completion) costing `used_micros`: release the
@@ -272,25 +333,47 @@ class Limiter:
         if reservation.is_settled:
             return
         reservation.is_settled = True
+        rest = self._release_locally(reservation, used_tokens, used_micros)
+        if rest:
+            await self._settle_in_store(reservation.demand.request_id, rest, used_tokens, used_micros)
+
+    async def _settle_in_store(
+        self, request_id: str, holds: list[ScopeHold], used_tokens: int, used_micros: int
+    ) -> None:
         try:
-            await self._release_all(reservation, used_tokens, used_micros)
+            await self._release_in_store(holds, used_tokens, used_micros)
         except StoreUnavailable as exc:  # the minute window rolls anyway; slots expire with their lease
-            log.warning("settling a reservation failed", request_id=reservation.demand.request_id, error=str(exc)[:200])
+            log.warning("settling a reservation failed", request_id=request_id, error=str(exc)[:200])
 
     async def _release_all(
         self, reservation: Reservation, used_tokens: int, used_micros: int = 0, *, uncount_request: bool = False
     ) -> None:
         """Every scope at once; StoreUnavailable if any could not be written."""
+        rest = self._release_locally(reservation, used_tokens, used_micros, uncount_request)
+        await self._release_in_store(rest, used_tokens, used_micros, uncount_request)
 
+    def _release_locally(
+        self, reservation: Reservation, used_tokens: int, used_micros: int, uncount_request: bool = False
+    ) -> list[ScopeHold]:
+        """Give what came from an allowance back to it; the holds left to release in the store."""
+        holds, reservation.holds = reservation.holds, []
+        return [
+            held
+            for held in holds
+            if not (held.from_allowance and self._refund(held, used_tokens, used_micros, uncount_request))
+        ]
+
+    async def _release_in_store(
+        self, holds: list[ScopeHold], used_tokens: int, used_micros: int, uncount_request: bool = False
+    ) -> None:
         async def give_back(held: ScopeHold) -> None:
-            self._slots.get(held.entry, set()).discard(held.request_id)
+            self._slots.get(held.entry, set()).discard(held.slot_id or held.request_id)
 
             def apply(state: Counters, now: float) -> None:
                 release(state, held, used_tokens, used_micros, uncount_request=uncount_request)
 
             await self._transact(held.entry, apply)
 
-        holds, reservation.holds = reservation.holds, []
         outcomes = await asyncio.gather(*(give_back(held) for held in holds), return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
@@ -313,17 +396,151 @@ class Limiter:
                 except StoreUnavailable as exc:
                     log.warning("renewing concurrency leases failed", error=str(exc)[:200])
 
+    # -- allowances: room drawn ahead of need (allowance.py) --
+    def _take(self, entry: str, limits: Limits, demand: Demand, now: float) -> tuple[ScopeHold, RateLimitFacts]:
+        """One scope's hold from its allowance (which covers it)."""
+        allowance = self._allowances[entry]
+        tokens, micros = demand.tokens(demand.max_tokens), demand.spend(limits, demand.max_tokens)
+        slot_id = allowance.take(tokens, micros, limits.max_concurrent is not None, now)
+        self._top_up(entry, limits, demand, micros, now)
+        held = ScopeHold(entry, demand.request_id, tokens, allowance.windows, bool(slot_id), micros, True, slot_id)
+        return held, self._cached_facts(entry, limits, now)
+
+    def _refund(self, held: ScopeHold, used_tokens: int, used_micros: int, uncount_request: bool) -> bool:
+        """Give a request's unused reservation back to the allowance of its windows, if this limiter still has
+        one (the room is counted in the store for those windows either way); False: settle it in the store."""
+        allowance = self._allowances.get(held.entry)
+        if allowance is None or allowance.windows != held.windows:
+            return False
+        unused = max(0, held.reserved_tokens - used_tokens)
+        unused_micros = max(0, held.reserved_micros - used_micros)
+        allowance.refund(unused, unused_micros, held.slot_id, request=uncount_request)
+        if held.slot_id:
+            allowance.slot_ids.add(held.slot_id)  # a slot of an allowance given back since: this one keeps it
+        return True
+
+    def _most(self, entry: str) -> int:
+        return self._sizes.get(entry, self._allowance_requests)
+
+    def _top_up(self, entry: str, limits: Limits, demand: Demand, micros: int, now: float) -> None:
+        """Draw for `entry` in the background when its allowance is missing, stale or half spent, and the cached
+        counters say a draw would get something (a tight limit costs no extra write)."""
+        if self._allowance_requests < allowances.LEAST or entry in self._drawing:
+            return
+        current = self._allowances.get(entry)
+        is_current = current is not None and current.limits == limits and current.windows == WindowIds.at(now)
+        if current is not None and is_current and not current.is_low(demand, micros, self._most(entry)):
+            return
+        cached = self._cache.get(entry)
+        if cached is None:
+            return
+        trial = cached[0].rolled(WindowIds.at(now), now)
+        held = current if is_current else None
+        if allowances.draw(trial, limits, demand, now, self._lease_s, self._most(entry), held) is None:
+            return
+        self._drawing.add(entry)
+        self._in_background(self._draw(entry, limits, demand))
+
+    async def _draw(self, entry: str, limits: Limits, demand: Demand) -> None:
+        self._draws += 1
+        prefix = f"{self._slot_prefix}{self._draws}."
+
+        def apply(state: Counters, now: float) -> tuple[allowances.Grant | None, WindowIds, float]:
+            held = self._allowances.get(entry)
+            if held is not None and (held.limits != limits or held.windows != WindowIds.at(now)):
+                held = None
+            grant = allowances.draw(state, limits, demand, now, self._lease_s, self._most(entry), held, prefix)
+            return grant, WindowIds.at(now), now
+
+        try:
+            grant, windows, now = await self._transact(entry, apply)
+        except StoreUnavailable as exc:
+            log.warning("drawing an allowance failed", error=str(exc)[:200])
+            return
+        finally:
+            self._drawing.discard(entry)
+        if grant is None:
+            return
+        self._slots.setdefault(entry, set()).update(grant.slot_ids)
+        current = self._allowances.get(entry)
+        if current is None or current.limits != limits or current.windows != windows:
+            if current is not None:
+                self._in_background(self._retire(entry, current))
+            current = self._allowances[entry] = Allowance(limits, windows)
+        current.add(grant, now)
+
+    def _retire(self, entry: str, allowance: Allowance) -> Awaitable[None]:
+        """Take `allowance` out of use now and queue what is left of it to go back to the store, ahead of anything
+        queued later (a request on the store next sees the room returned); await the result to know it is written.
+        Its slots lent to running requests stay theirs: they are freed as those settle."""
+        if self._allowances.get(entry) is allowance:
+            del self._allowances[entry]
+        free_slots, allowance.free_slots = allowance.free_slots, []
+        requests, tokens, micros = allowance.requests, allowance.tokens, allowance.micros
+        allowance.requests = allowance.tokens = allowance.micros = 0
+        self._slots.get(entry, set()).difference_update(free_slots)
+
+        def apply(state: Counters, now: float) -> None:
+            allowances.give_back(state, allowance.windows, requests, tokens, micros, free_slots)
+
+        return self._written_back(self._enqueue(entry, apply))
+
+    async def _written_back(self, written: asyncio.Future[None]) -> None:
+        try:
+            await written
+        except StoreUnavailable as exc:  # it stays counted: the minute's part rolls away, slots expire
+            log.warning("giving an allowance back failed", error=str(exc)[:200])
+
+    def _in_background(self, work: Awaitable[None]) -> None:
+        """A store write no caller waits for; `drain` does."""
+        task = asyncio.ensure_future(work)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _keep_allowances(self) -> None:
+        """Allowances go back when idle IDLE_S or when their minute has ended."""
+        while True:
+            await asyncio.sleep(allowances.IDLE_S / 2)
+            now = self._clock()
+            for entry, allowance in list(self._allowances.items()):
+                if now - allowance.used_at >= allowances.IDLE_S:
+                    self._sizes.pop(entry, None)
+                    await self._retire(entry, allowance)
+                elif allowance.windows != WindowIds.at(now):
+                    await self._retire(entry, allowance)
+
+    def _cached_facts(self, entry: str, limits: Limits, now: float) -> RateLimitFacts:
+        cached = self._cache.get(entry)
+        state = cached[0].rolled(WindowIds.at(now), now, with_slots=False) if cached is not None else Counters()
+        return self._with_allowance(state.facts(limits, now), entry, limits)
+
+    def _with_allowance(self, facts: RateLimitFacts, entry: str, limits: Limits) -> RateLimitFacts:
+        """What is left for this replica: the store counts its allowance as used, but the allowance is its own."""
+        allowance = self._allowances.get(entry)
+        if allowance is None or allowance.windows.minute != int(facts.now // 60):
+            return facts
+        requests, tokens = facts.remaining_requests, facts.remaining_tokens
+        if requests is not None and facts.limit_requests is not None:
+            requests = min(facts.limit_requests, requests + allowance.requests)
+        if tokens is not None and facts.limit_tokens is not None:
+            tokens = min(facts.limit_tokens, tokens + allowance.tokens)
+        return dataclasses.replace(facts, remaining_requests=requests, remaining_tokens=tokens)
+
     # -- the store: one writer per entry in this limiter, batching what queues behind it --
     async def _transact(self, entry: str, apply: Callable[[Counters, float], R]) -> R:
         """Apply `apply` to the entry (rolled to now) and compare-and-set it. While one CAS on an entry is in
         flight, what arrives for it queues and goes in the next CAS together, each applied in order: one round
         trip for a batch, so the rate grows with the load instead of queueing one round trip per request."""
+        result: R = await self._enqueue(entry, apply)
+        return result
+
+    def _enqueue(self, entry: str, apply: Callable[[Counters, float], Any]) -> asyncio.Future[Any]:
+        """Queue `apply` for the entry's next CAS, now (before anything queued after this call)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(entry, []).append((apply, future))
         if entry not in self._committers:
             self._committers[entry] = asyncio.ensure_future(self._commit_all(entry))
-        result: R = await future
-        return result
+        return future
 
     async def _commit_all(self, entry: str) -> None:
         try:
@@ -366,6 +583,7 @@ class Limiter:
                 cached = None
                 continue
             try:
+                self.store_writes += 1
                 revision = await self._io(self._kv.update(entry, state.encode(), last=revision))
             except KeyWrongLastSequenceError:  # another replica wrote: start from its write, as the watch brings it
                 if attempt:  # lost again: back off a little (no livelock)
