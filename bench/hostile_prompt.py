@@ -1,7 +1,10 @@
 """A body just under the gateway's 8 MiB cap, all prompt text: how fast the gateway refuses it, whether /healthz
 waits meanwhile, and whether the gateway's memory comes back. Prints one JSON object on stdout.
 
-    .venv/bin/python bench/hostile_prompt.py [--model deepseek-tiny] [--repeats 10]
+    .venv/bin/python bench/hostile_prompt.py [--model deepseek-tiny] [--repeats 10] [--body-bytes N]
+
+`--body-bytes 1048576`: 1 MiB of words, which bytes / longest piece cannot prove too long (8,192 tokens for
+DeepSeek-V3's vocabulary) and the bound by byte counts can (engine_core.token_bound).
 
 The gateway runs in this process as the tests start it (a real NATS, real HTTP on loopback, the model's real
 tokenizer; no workers: the prompt is refused before routing). Figures:
@@ -43,10 +46,10 @@ KEY = "sk-bench-hostile"
 BODY_BYTES = 8 * 2**20 - 1024
 
 
-def huge_body(model: str) -> bytes:
+def huge_body(model: str, num_bytes: int) -> bytes:
     message = {"role": "user", "content": ""}
     body = {"model": model, "messages": [message], "max_tokens": 16}
-    room = BODY_BYTES - len(json.dumps(body).encode())
+    room = num_bytes - len(json.dumps(body).encode())
     message["content"] = "word " * (room // 5) + "x" * (room % 5)
     return json.dumps(body).encode()
 
@@ -72,7 +75,7 @@ async def healthz_ms(session: aiohttp.ClientSession, base: str) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-async def measure(model: str, repeats: int) -> dict[str, Any]:
+async def measure(model: str, repeats: int, body_bytes: int) -> dict[str, Any]:
     certificates = tempfile.TemporaryDirectory()
     if not any(os.environ.get(f"KVMESH_{name}") for name in ("TLS_DIR", "TLS_CERT", "INSECURE")):
         init_directory(Path(certificates.name))  # a throwaway CA, as `kvmesh up` makes: the gateway's gRPC is mTLS
@@ -92,7 +95,7 @@ async def measure(model: str, repeats: int) -> dict[str, Any]:
         await gateway.start()
         base = f"http://127.0.0.1:{gateway.http_port}"
         url = f"{base}/v1/chat/completions"
-        data = huge_body(catalog.names[0])
+        data = huge_body(catalog.names[0], body_bytes)
         try:
             async with aiohttp.ClientSession() as session:
                 _, status = await timed_post(session, url, data, KEY)  # warm: the first request builds caches
@@ -142,8 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="deepseek-tiny")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--body-bytes", type=int, default=BODY_BYTES)
     args = parser.parse_args()
-    print(json.dumps(asyncio.run(measure(args.model, args.repeats))))
+    print(json.dumps(asyncio.run(measure(args.model, args.repeats, args.body_bytes))))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
+from engine_core.token_bound import ByteCountBound
+
 
 class ChatTemplateError(ValueError):
     """A chat that the model's template refuses or cannot render."""
@@ -102,6 +104,17 @@ def _shrink_factor(step: dict[str, Any] | None) -> int | None:
     if kind in ("Split", "Punctuation") and step.get("behavior") == "Removed":
         return None
     return 1 if kind in _KEEPING_STEPS else None
+
+
+def _only_splits(step: dict[str, Any] | None) -> bool:
+    """Whether a pre-tokenizer keeps every byte as it is (splits, byte-level spelling, an added prefix space)."""
+    if step is None:
+        return True
+    if step.get("type") == "Sequence":
+        return all(map(_only_splits, step.get("pretokenizers", [])))
+    if step.get("type") in ("Split", "Punctuation"):
+        return step.get("behavior") != "Removed"
+    return step.get("type") in ("ByteLevel", "Digits")
 
 
 def _utf8_len(text: str) -> int:
@@ -187,7 +200,7 @@ class Tokenizer:
 
     def warm(self) -> None:
         """Build what encode_chat and the byte bound need now (about a second for a large vocabulary)."""
-        _ = self._plain, self.max_token_bytes
+        _ = self._plain, self.max_token_bytes, self._byte_count_bound
 
     @functools.cached_property
     def _plain(self) -> tokenizers.Tokenizer:
@@ -201,11 +214,17 @@ class Tokenizer:
         return plain
 
     @functools.cached_property
+    def _spec(self) -> dict[str, Any]:
+        """The tokenizer's definition (tokenizer.json), read-only."""
+        spec: dict[str, Any] = json.loads(self.backend.to_str())
+        return spec
+
+    @functools.cached_property
     def max_token_bytes(self) -> int | None:
         """At most how many bytes of input text one token stands for (every vocabulary piece's bytes, an unknown
         character's 4, and what the normalizer can compose), so a text of B bytes has at least
         ceil(B / max_token_bytes) tokens. None where the pipeline can drop or fuse text (no bound)."""
-        spec = json.loads(self.backend.to_str())
+        spec = self._spec
         model = spec["model"]
         if model.get("type") != "BPE" or (model.get("fuse_unk") and not model.get("byte_fallback")):
             return None
@@ -224,12 +243,36 @@ class Tokenizer:
         longest = max([4, *(piece_bytes(piece) for piece in vocab)])
         return longest * math.prod(f for f in shrink if f is not None)
 
-    def check_size(self, num_bytes: int, num_control_tokens: int, max_num_tokens: int) -> None:
-        """PromptTooLong when `num_bytes` of plain text plus the control tokens must reach max_num_tokens."""
+    @functools.cached_property
+    def _byte_count_bound(self) -> ByteCountBound | None:
+        """The bound by byte counts (engine_core.token_bound), where tokens cover the text's bytes as they are:
+        BPE over byte-level pre-tokens, nothing normalized, nothing else done before. Pieces with other characters
+        than the byte-level alphabet can never match, so they don't count."""
+        spec = self._spec
+        normalizer, pre_tokenizer = spec.get("normalizer"), spec.get("pre_tokenizer")
+        if spec["model"].get("type") != "BPE" or normalizer not in (None, {"type": "Sequence", "normalizers": []}):
+            return None
+        if not _only_splits(pre_tokenizer) or '"ByteLevel"' not in json.dumps(pre_tokenizer):
+            return None
+        chars = bytes_to_unicode()
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        pieces = [bytes(chars[c] for c in piece) for piece in vocab if all(c in chars for c in piece)]
+        pieces += [token.content.encode() for token in self.backend.get_added_tokens_decoder().values()]
+        return ByteCountBound(pieces)
+
+    def check_size(self, texts: Sequence[str], num_control_tokens: int, max_num_tokens: int) -> None:
+        """PromptTooLong when `texts` (tokenized each on its own) plus the control tokens must reach
+        max_num_tokens: first by their bytes / max_token_bytes, then, for a text long enough to possibly not fit,
+        by their byte counts (a few ms a MiB)."""
+        num_bytes = sum(map(_utf8_len, texts))
         per_token = self.max_token_bytes
         if per_token is None:
             return
         min_num_tokens = num_control_tokens + -(-num_bytes // per_token)
+        bound = self._byte_count_bound
+        if min_num_tokens < max_num_tokens and bound is not None and num_control_tokens + num_bytes >= max_num_tokens:
+            enough = max_num_tokens - num_control_tokens
+            min_num_tokens = max(min_num_tokens, num_control_tokens + bound.min_num_tokens(texts, enough))
         if min_num_tokens >= max_num_tokens:
             raise PromptTooLong(num_bytes, min_num_tokens)
 
@@ -261,7 +304,7 @@ class Tokenizer:
         """The text's ids (added tokens in it matched: a raw prompt is the model's own text). PromptTooLong first
         if its bytes prove it has max_num_tokens or more."""
         if max_num_tokens is not None:
-            self.check_size(_utf8_len(text), 0, max_num_tokens)
+            self.check_size([text], 0, max_num_tokens)
         ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids  # GIL released
         if (
             add_special_tokens
@@ -319,7 +362,7 @@ class Tokenizer:
         texts = [piece for piece in pieces if isinstance(piece, str) and piece]
         if max_num_tokens is not None:
             num_control = sum(isinstance(piece, int) for piece in pieces)
-            self.check_size(sum(map(_utf8_len, texts)), num_control, max_num_tokens)
+            self.check_size(texts, num_control, max_num_tokens)
         encoded = iter(self._plain.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
         ids: list[int] = []
         for piece in pieces:

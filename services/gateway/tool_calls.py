@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xgrammar as xgr  # at start: imported by the first request with tools, it held the event loop 1.5-2.7 s
+
 from engine_core.structured_output import StructuredOutput
 from services.gateway.errors import invalid
 from services.gateway.schema_support import Unsupported, check_schema, checked_grammar
@@ -235,8 +237,6 @@ class ToolSyntax:
 
 
 def _compact_json_grammar(schema: dict[str, Any]) -> str:
-    import xgrammar as xgr
-
     return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,48 @@ def test_a_prompt_whose_bytes_cannot_fit_is_refused_before_tokenizing(deepseek: 
         deepseek.encode("y" * (128 * context), max_num_tokens=context)
     fits = deepseek.encode_chat([{"role": "user", "content": "z " * 1000}], max_num_tokens=context)
     assert len(fits) < context
+
+
+def bound_texts(tokenizer: Tokenizer, rng: random.Random) -> list[str]:
+    """Texts that try to have fewer tokens than their bytes' counts suggest: runs of the longest pieces, pieces
+    strung together, words, random characters, every byte."""
+    vocab = list(tokenizer.backend.get_vocab(with_added_tokens=False))
+    spelled = [tokenizer.decode([tokenizer.backend.token_to_id(p)]) for p in vocab]
+    longest = sorted(spelled, key=lambda text: len(text.encode()))[-20:]
+    texts = [text * rng.randrange(1, 200) for text in longest]
+    texts += ["".join(rng.choice(spelled) for _ in range(rng.randrange(1, 2000))) for _ in range(30)]
+    texts += [" ".join(rng.choice([*longest, "describe", "M" * 64]) for _ in range(500)) for _ in range(10)]
+    texts += ["".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(3000)), bytes(range(256)).decode("latin-1")]
+    return [*texts, "describe " * 2000, " " * 5000, "\n" * 5000, "M" * 5000]
+
+
+def test_the_byte_count_bound_is_safe(deepseek: Tokenizer, smollm: Tokenizer) -> None:
+    """No text has fewer tokens than the bound by its bytes' counts (engine_core.token_bound)."""
+    rng = random.Random(0)
+    for tokenizer in (deepseek, smollm):
+        bound = tokenizer._byte_count_bound
+        assert bound is not None
+        for text in bound_texts(tokenizer, rng):
+            num_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+            assert num_tokens >= bound.min_num_tokens([text]), text[:80]
+        assert bound.min_num_tokens(["describe " * 2000]) > 2000 * 9 // 128  # tighter than bytes / 128
+
+
+def test_a_megabyte_of_words_is_refused_by_its_byte_counts(deepseek: Tokenizer) -> None:
+    """1 MiB of words fits 16,384 tokens by its bytes (8,192 at 128 bytes a token) but has 116,509: its bytes'
+    counts prove it too long, so it is refused without being tokenized."""
+    words = "describe " * 116_508
+    assert len(deepseek.encode(words, add_special_tokens=False)) == 116_509
+    start = time.perf_counter()
+    with pytest.raises(PromptTooLong) as caught:
+        deepseek.encode_chat([{"role": "system", "content": words}, {"role": "user", "content": "hi"}], None, 16384)
+    assert time.perf_counter() - start < 0.5  # tokenizing it takes 0.4-1 s here
+    assert caught.value.num_bytes == len(words) + len("hi")
+    assert 16384 <= caught.value.min_num_tokens <= 116_509
+    fits = "describe " * 1800  # 16,200 bytes, 1,801 tokens: more bytes than the limits, so the bound runs
+    chat = [{"role": "user", "content": fits}]
+    assert len(deepseek.encode_chat(chat)) == 1804  # BOS, User, 1,801, Assistant
+    assert deepseek.encode_chat(chat, max_num_tokens=1805) == deepseek.encode_chat(chat)  # and lets them through
+    assert deepseek.encode(fits, max_num_tokens=1802) == deepseek.encode(fits)
+    with pytest.raises(PromptTooLong):
+        deepseek.encode(fits * 20, max_num_tokens=16384)  # 324,000 bytes, 36,001 tokens: 2,532 by bytes / 128

@@ -52,11 +52,11 @@ PATHS = {
 }
 BASE_CHAT = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 DEADLINE_S = 2.0
-# The peak over two passes. The first adds about 200 MiB: tokenizing the 1 MiB tool description leaves about 110 MiB
-# in glibc's free lists (measured alone: the same on every later call, and malloc_trim(0) gives it all back), and a
-# million empty objects parse to about 60 MiB before the shape check refuses them. The second pass adds 0-55 MiB
-# more (allocator high-water marks, not a leak: five passes in a row stayed within 290 MiB).
-MAX_GROWTH_BYTES = 320 * 2**20
+EXPECT_KEYS = {"status", "param", "message_contains", "body", "header_max", "prompt_contains", "absent_tokens"}
+# The peak over two passes: 54-72 MiB after the first, 86-115 MiB after both (about 60 MiB of it a million empty
+# objects parsed before the shape check refuses them; the rest allocator high-water marks). It was 192-272 MiB
+# while the 1 MiB tool description was tokenized whole (glibc kept about 110 MiB of that).
+MAX_GROWTH_BYTES = 192 * 2**20
 STREAM_CONTENT = "a well-formed stream"
 CLOSED = 0  # the status of an answer that never came
 
@@ -206,7 +206,7 @@ def mismatch(case: dict[str, Any], outcome: Outcome, mesh: Mesh, script: Script)
     expect = case["expect"]
     if outcome.status != expect["status"]:
         return f"status {outcome.status}, wanted {expect['status']}: {outcome.body[:300]!r}"
-    if outcome.seconds >= expect.get("max_s", DEADLINE_S):  # a longer deadline comes with its reason (why_slower)
+    if outcome.seconds >= DEADLINE_S:
         return f"took {outcome.seconds:.2f} s"
     kind = expect.get("body", "openai")
     if outcome.status == 200:
@@ -343,8 +343,7 @@ async def test_the_corpus_is_well_formed() -> None:
         assert set(case) == {"name", "family", "target", "request", "expect"}, case["name"]
         assert case["target"] in PATHS, case["name"]
         assert case["expect"]["status"] == 200 or 400 <= case["expect"]["status"] < 500, case["name"]
-        assert ("max_s" in case["expect"]) == ("why_slower" in case["expect"]), case["name"]
-    assert [case["name"] for case in corpus if "max_s" in case["expect"]] == ["tool_description_1MiB"]
+        assert set(case["expect"]) <= EXPECT_KEYS, case["name"]  # one deadline for all: no case has its own
 
 
 async def test_the_bombs_inflate_to_what_they_claim() -> None:
@@ -361,7 +360,6 @@ class Pass:
 
     failures: dict[str, str] = field(default_factory=dict)
     slowest: tuple[float, str] = (0.0, "")
-    slowest_of_the_2s_cases: tuple[float, str] = (0.0, "")
 
 
 async def run_pass(
@@ -376,8 +374,6 @@ async def run_pass(
             if problem is not None:
                 result.failures[case["name"]] = problem
             result.slowest = max(result.slowest, (outcome.seconds, case["name"]))
-            if "max_s" not in case["expect"]:
-                result.slowest_of_the_2s_cases = max(result.slowest_of_the_2s_cases, (outcome.seconds, case["name"]))
             for seen in (script.routes, script.prefills, script.streams, script.prefill_ends, script.stream_ends):
                 seen.clear()  # the fakes' records hold whole requests (8 MiB stop strings): not the gateway's memory
     return result
@@ -402,7 +398,6 @@ async def test_every_case_is_answered_in_time_while_streams_flow(mesh: Mesh, vis
     summary = {
         "num_cases": len(corpus),
         "slowest": [first.slowest, second.slowest],
-        "slowest_of_the_2s_cases": [first.slowest_of_the_2s_cases, second.slowest_of_the_2s_cases],
         "peak_growth_mib": [first_peak_kib // 1024, peak_kib // 1024],
         "num_streams": len(streams.texts),
         "max_stream_gap_s": round(streams.max_gap_s, 3),
