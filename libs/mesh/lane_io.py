@@ -6,12 +6,17 @@ A lane with TLS uses TLS for what it does well, who the peer is: the connection 
 (the peer's role is read from its certificate), and the server then sends, inside TLS, two fresh AES-128 keys, one
 per direction. From there the connection is a `SealedSocket`: TLS is left (its records went one 16 KiB record per
 call through Python's ssl module, at a fifth of the socket's speed), and each frame is sealed with AES-GCM under
-those keys (the `cryptography` package: one OpenSSL call per MiB, in place): the 8-byte header in the clear
-but authenticated, the frame encrypted with its tag after it, the payload encrypted with a second tag after it (or,
-where the server runs with KVMESH_LANE_ENCRYPT=false, the payload only authenticated: sent as it lies, its tag a
-GMAC). Nonces count frames and payloads per direction, so a frame replayed, reordered, cut or altered fails its tag. A
-payload is decrypted in place as it lands in the caller's views; its tag is checked when its last byte is in,
-before the read that completes it returns (LaneError otherwise), and a frame is checked before it is parsed.
+those keys (the `cryptography` package): the 8-byte header in the clear but authenticated, the frame encrypted
+with its tag after it, the payload encrypted with a second tag after it (or, where the server runs with
+KVMESH_LANE_ENCRYPT=false, the payload only authenticated: sent as it lies, its tag a GMAC). Nonces count frames
+and payloads per direction, so a frame replayed, reordered, cut or altered fails its tag. A payload is decrypted in
+place as it lands in the caller's views; its tag is checked when its last byte is in, before the read that completes
+it returns (LaneError otherwise), and a frame is checked before it is parsed.
+
+A payload is sealed and opened 2 MiB at a time in a worker thread (`SEALING`: OpenSSL's AES-GCM runs without the
+GIL): the sender seals slice n + 1 while the event loop writes slice n, the receiver opens batch n while batch n + 1
+comes in, so the cipher and the socket's copies run on both cores instead of taking turns on one. The sender
+encrypts into a scratch buffer (its bytes are the store's blocks, never changed); the receiver opens in place.
 
 Memory follows the bytes: `recv_bytes` grows its buffers as bytes arrive (each new piece at most the size of what
 already came), so a peer that declares a size and sends nothing holds 64 KiB, not the size it declared. A wait for
@@ -31,6 +36,7 @@ import os
 import socket
 import ssl
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
@@ -47,13 +53,24 @@ from mesh.tls import PeerIdentity
 IOV_MAX = 512  # pieces per sendmsg / recvmsg_into (the kernel allows 1024)
 FIRST_PIECE_BYTES = 64 * 2**10  # recv_bytes: the first buffer; each next one at most doubles what arrived
 MAX_PIECE_BYTES = 8 * 2**20
-SEAL_SLICE_BYTES = 2**20  # a sealed payload is encrypted and written this much at a time
-OPEN_BATCH_BYTES = 2**20  # ... and received and decrypted this much at a time, so both ends keep moving
+SEAL_SLICE_BYTES = 2 * 2**20  # a sealed payload is sealed and written (received and opened) this much at a time
+MAX_IDLE_SCRATCH = 4  # sealing buffers kept between frames, for the process
 KEY_BYTES = 16  # AES-128
 TAG_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
+SEALING = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="lane-seal")
+_idle_scratch: list[bytearray] = []  # written by event loops only
 _stall_limit_s: contextvars.ContextVar[float | None] = contextvars.ContextVar("lane_stall_limit_s", default=None)
+
+
+def _fresh_sealing_threads() -> None:
+    """In a forked child: the parent's worker threads are not there, and a pool that counts them would never run."""
+    global SEALING
+    SEALING = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="lane-seal")
+
+
+os.register_at_fork(after_in_child=_fresh_sealing_threads)
 
 
 class LaneError(ConnectionError):
@@ -173,17 +190,60 @@ async def recv_exactly_into(sock: socket.socket, *views: memoryview) -> None:
     num_bytes = sum(len(v) for v in views)
     if sock.payload is None or num_bytes > sock.num_payload_left:
         raise LaneError(f"a read of {num_bytes} bytes past the frame's payload")
-    for batch in _batches(views, OPEN_BATCH_BYTES):  # opened as they come: the sender never waits on a whole chunk
-        await recv_raw_into(sock, *batch)
-        for view in batch:
-            if sock.encrypt:
-                sock.payload.update_into(view, view)
+    payload, batches = sock.payload, list(_batches(views, SEAL_SLICE_BYTES))
+    opening: Future[None] | None = None
+    try:
+        for n, batch in enumerate(batches):  # batch n is opened in a worker thread while batch n + 1 comes in
+            await recv_raw_into(sock, *batch)
+            if opening is not None:
+                await asyncio.wrap_future(opening)
+            if n + 1 < len(batches):
+                opening = SEALING.submit(_open, payload, sock.encrypt, batch)
             else:
-                sock.payload.authenticate_additional_data(view)
+                _open(payload, sock.encrypt, batch)
+    finally:
+        await _settle(opening)
     sock.num_payload_left -= num_bytes
     if not sock.num_payload_left:
         opener, sock.payload = sock.payload, None
         await _check_tag(sock, opener)
+
+
+def _open(opener: AEADDecryptionContext, encrypt: bool, views: list[memoryview]) -> None:
+    for view in views:
+        if encrypt:
+            opener.update_into(view, view)
+        else:
+            opener.authenticate_additional_data(view)
+
+
+def _seal(sealer: AEADEncryptionContext, parts: list[memoryview], out: memoryview | None) -> list[memoryview]:
+    """What to send of a slice: the parts encrypted into `out`, or with no `out` only authenticated (the parts)."""
+    if out is None:
+        for part in parts:
+            sealer.authenticate_additional_data(part)
+        return parts
+    filled = 0
+    for part in parts:
+        sealer.update_into(part, out[filled : filled + len(part)])
+        filled += len(part)
+    return [out[:filled]]
+
+
+async def _settle(job: Future[Any] | None) -> None:
+    """Until a worker thread has left the buffers its job was given (a job not started yet never starts)."""
+    if job is not None and not job.cancel() and not job.done():
+        await asyncio.wait([asyncio.wrap_future(job)])
+
+
+def _take_scratch() -> memoryview:
+    return memoryview(_idle_scratch.pop() if _idle_scratch else bytearray(SEAL_SLICE_BYTES))
+
+
+def _give_scratch(views: list[memoryview]) -> None:
+    for view in views:
+        if len(_idle_scratch) < MAX_IDLE_SCRATCH:
+            _idle_scratch.append(view.obj)  # type: ignore[arg-type]
 
 
 def _batches(views: Sequence[memoryview], max_bytes: int) -> Iterator[list[memoryview]]:
@@ -257,26 +317,28 @@ async def send_frame_bytes(sock: socket.socket, header: bytes, encoded: bytes, p
     await send_raw(sock, [header, sealed, sealer.tag])
     if not any(len(p) for p in payload):
         return
-    sealer = sock.sealer(header)
-    if not sock.encrypt:  # authenticated only: the pieces go from where they lie, their tag after them
-        for piece in payload:
-            sealer.authenticate_additional_data(piece)
+    await _send_sealed(sock, sock.sealer(header), sock.encrypt, payload)
+
+
+async def _send_sealed(
+    sock: socket.socket, sealer: AEADEncryptionContext, encrypt: bool, payload: Sequence[Buffer]
+) -> None:
+    """The payload slice by slice, encrypted (or, not `encrypt`, sent from where it lies), its tag after the last:
+    slice n + 1 is sealed in a worker thread while the event loop writes slice n."""
+    slices = list(_batches([memoryview(p).cast("B") for p in payload], SEAL_SLICE_BYTES))
+    scratch = [_take_scratch() for _ in slices[:2]] if encrypt else []  # per frame: an idle connection holds none
+    sealing: Future[list[memoryview]] | None = None
+    try:
+        sealed = _seal(sealer, slices[0], scratch[0] if encrypt else None)
+        for n in range(1, len(slices)):
+            sealing = SEALING.submit(_seal, sealer, slices[n], scratch[n % 2] if encrypt else None)
+            await send_raw(sock, sealed)
+            sealed = await asyncio.wrap_future(sealing)
         sealer.finalize()
-        return await send_raw(sock, [*payload, sealer.tag])
-    scratch = memoryview(bytearray(SEAL_SLICE_BYTES))  # per frame: an idle connection holds no buffer
-    filled = 0  # pieces are sealed into the scratch buffer, written whenever it is full
-    for piece in payload:
-        view = memoryview(piece).cast("B")
-        while len(view):
-            part = view[: len(scratch) - filled]
-            sealer.update_into(part, scratch[filled : filled + len(part)])
-            filled += len(part)
-            view = view[len(part) :]
-            if filled == len(scratch):
-                await send_raw(sock, [scratch])
-                filled = 0
-    sealer.finalize()
-    await send_raw(sock, [scratch[:filled], sealer.tag])
+        await send_raw(sock, [*sealed, sealer.tag])
+    finally:
+        await _settle(sealing)
+        _give_scratch(scratch)
 
 
 async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
