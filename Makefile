@@ -22,7 +22,13 @@ up: models  ## the whole mesh on this machine: http://127.0.0.1:8080 (prints an 
 typecheck: install
 	$(BIN)/mypy
 
-test: install typecheck  ## the whole suite (type check, generated-code check, lint, format, unit, parity, kernels, mesh)
+# Prometheus's rule checker for tests/deploy, from Debian's prometheus package (unpacked, never installed as a
+# service); where apt-get is missing or fails, that one test skips and says why.
+$(BIN)/promtool: | $(BIN)/.installed
+	-@command -v apt-get >/dev/null && tmp=$$(mktemp -d) && (cd $$tmp && apt-get download -qq prometheus \
+	  && dpkg-deb -x prometheus_*.deb root) && cp $$tmp/root/usr/bin/promtool $@; rm -rf "$$tmp"
+
+test: install typecheck $(BIN)/promtool  ## the whole suite (type check, generated-code check, lint, format, unit, parity, kernels, mesh)
 	$(BIN)/python -m mesh.protogen --check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -42,8 +42,16 @@ def test_the_validator_rejects_what_compose_would(validator, compose):
     assert paths == ["services/decode/depends_on", "services/gateway/ports", "services/prefill"]
 
 
+OBSERVABILITY = ("prometheus", "grafana", "jaeger")  # the optional profile: docs/operations.md
+
+
+def mesh_services(compose: dict) -> dict:
+    """The services `docker compose up` starts: those of no profile."""
+    return {name: service for name, service in compose["services"].items() if not service.get("profiles")}
+
+
 def test_every_role_is_a_service_of_one_image_that_one_service_builds(compose):
-    services = compose["services"]
+    services = mesh_services(compose)
     assert set(services) == {"nats", "models", "certs", *ROLES}
     images = {services[name]["image"] for name in ("models", "certs", *ROLES)}
     assert images == {"${KVMESH_IMAGE:-kvmesh:latest}"}
@@ -55,10 +63,23 @@ def test_every_role_is_a_service_of_one_image_that_one_service_builds(compose):
 
 
 def test_only_the_gateway_publishes_a_port_and_no_service_has_a_fixed_name(compose):
-    services = compose["services"]
+    services = mesh_services(compose)
     assert {name for name, service in services.items() if service.get("ports")} == {"gateway"}
     assert services["gateway"]["ports"] == ["${KVMESH_PUBLISH:-8080}:8080"]
-    assert not [name for name, service in services.items() if "container_name" in service or "hostname" in service]
+    everything = compose["services"]
+    assert not [name for name, service in everything.items() if "container_name" in service or "hostname" in service]
+
+
+def test_the_observability_profile_publishes_on_this_host_only_and_mounts_the_shipped_files(compose):
+    extra = {name: service for name, service in compose["services"].items() if service.get("profiles")}
+    assert set(extra) == set(OBSERVABILITY)
+    assert all(service["profiles"] == ["observability"] for service in extra.values())
+    for service in extra.values():
+        assert all(port.startswith("127.0.0.1:") for port in service.get("ports", []))
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert (REPO_ROOT / source).exists(), volume
+    assert compose["services"]["gateway"]["environment"]["KVMESH_METRICS_PORT"] == "9100"
 
 
 def test_healthchecks_dial_each_role_on_its_own_status_port(compose):

@@ -13,6 +13,8 @@ import urllib.request
 import openai
 import pytest
 
+from tests.deploy.promql import PROMETHEUS_OWN, expressions, family, metric_names
+
 from .conftest import API_KEY, ready, scrape, total, wait_until
 
 MODEL = "smollm2-135m"
@@ -114,6 +116,27 @@ def test_bad_input_gets_an_openai_error_never_a_500(mesh, client):
         openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="nope", max_retries=0).models.list()
     # the mesh carries on
     assert chat(client, "Say yes.", max_tokens=2)[0].choices[0].message.content
+
+
+def test_every_metric_a_dashboard_panel_or_alert_reads_is_served_by_the_mesh(mesh):
+    """deploy/grafana and deploy/prometheus read only series a live mesh serves (by family: a histogram's
+    `_bucket` is its family's), scraped from every process, the gateway with the admin key."""
+    families: set[str] = set()
+    for child in mesh.children:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{child.http_port}/metrics", headers={"Authorization": f"Bearer {mesh.admin_key}"}
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            text = response.read().decode()
+        families.update(line.split()[2] for line in text.splitlines() if line.startswith("# TYPE "))
+    assert {child.role for child in mesh.children} >= {"gateway", "prefill", "decode", "kvcache", "balancer"}
+    missing = {
+        where: sorted(
+            name for name in metric_names(expr) if family(name, families) is None and name not in PROMETHEUS_OWN
+        )
+        for where, expr in expressions().items()
+    }
+    assert {where: names for where, names in missing.items() if names} == {}
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_kv(mesh, client):
