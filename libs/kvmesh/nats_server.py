@@ -5,8 +5,9 @@ Authorization is on unless KVMESH_INSECURE=1 (then it warns): an administrator w
 user and password are in `url` (so a test connects with `nats.connect(server.url)`), one user per role with its
 subject permissions (mesh.bus_auth), and one per worker named in `workers` (`kvmesh up` knows them all).
 `url_as(role, worker_id)` and `write_creds(...)` hand those out. The users are kept in the store directory, so
-a server restarted on the same store takes the same passwords. `tls=ServerTLS(...)` requires TLS with client
-certificates of the mesh's CA (compose and Kubernetes do; `kvmesh up` and the tests stay on loopback without).
+a server restarted on the same store takes the same passwords. `tls=ServerTLS(...)` requires TLS, first thing on
+a connection, with a client certificate of the mesh's CA (`kvmesh up` does; its URLs are then tls://), so a client
+connects with `Bus.connect(server.url, ..., tls=...)`; without, the tests stay on loopback in plaintext.
 """
 
 from __future__ import annotations
@@ -133,9 +134,13 @@ class EmbeddedNats:
         return {name: Grant(NatsUser(name, passwords[name]), _permissions_of(name)) for name in names}
 
     @property
+    def scheme(self) -> str:
+        return "nats" if self.tls is None else "tls"  # tls://: the client's handshake comes first (handshake_first)
+
+    @property
     def address(self) -> str:
-        """nats://host:port, without credentials."""
-        return f"nats://{self.host}:{self.port}"
+        """nats://host:port (tls:// with TLS), without credentials."""
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -151,7 +156,7 @@ class EmbeddedNats:
         return self.address if self.insecure else self.url_as_user(self.user(role, worker_id))
 
     def url_as_user(self, user: NatsUser) -> str:
-        return f"nats://{user.user}:{user.password}@{self.host}:{self.port}"
+        return f"{self.scheme}://{user.user}:{user.password}@{self.host}:{self.port}"
 
     def write_creds(self, role: str, worker_id: str | None, path: Path) -> Path | None:
         """The credential file of `role`'s user (as `user`) at `path`, mode 0600; None when insecure."""

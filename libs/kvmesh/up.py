@@ -11,6 +11,8 @@ with its name. Nothing here knows a worker's address: workers announce themselve
 own certificate (`spiffe://kvmesh/<role>/<name>`) from a CA made for this run and gone with it, unless
 KVMESH_TLS_* name certificates of your own or KVMESH_INSECURE=1 turns mutual TLS off, and its own NATS user
 (KVMESH_NATS_CREDS), allowed only its role's subjects and its own heartbeat and KV event subjects (mesh.bus_auth).
+The embedded NATS demands TLS with a client certificate of the same CA (tls://, the handshake first); tools and
+tests connect as its administrator with `mesh.nats_url` and `mesh.nats_tls`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -30,9 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from kvmesh.certs import ProcessCertificates
+from kvmesh.certs import NATS_DIR, ProcessCertificates
+from kvmesh.nats_config import ServerTLS
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh.config import TLSSettings, load_settings
+from mesh.tls import CA_FILE, client_ssl_context, load_credentials
 
 DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny")
 START_ORDER = ("kvcache", "balancer", "expert_lb", "encoder", "prefill", "decode", "gateway")
@@ -85,6 +90,7 @@ class Mesh:
         self.admin_key = os.environ.get("KVMESH_ADMIN_KEY") or "sk-kvmesh-admin-" + secrets.token_urlsafe(18)
         self.nats: EmbeddedNats | None = None
         self.nats_url = plan.nats_url or ""
+        self.nats_tls: ssl.SSLContext | None = None  # with nats_url, for tools and tests: the embedded NATS's TLS
         self.children: list[Child] = []
         self._lock = threading.Lock()
         self.certificates: ProcessCertificates | None = None  # this run's throwaway CA, made by start()
@@ -96,14 +102,39 @@ class Mesh:
     def start(self) -> None:
         self.certificates = self.throwaway_certificates()
         if not self.nats_url:
-            insecure = load_settings(TLSSettings, {**os.environ, **self.plan.env}).insecure
-            self.nats = EmbeddedNats(workers=self.planned_workers(), insecure=insecure).start()
-            self.nats_url = self.nats.url  # the administrator's, for tools and tests; each child gets its own user
-            users = "no users (KVMESH_INSECURE=1)" if insecure else "a user per worker"
-            self._say(f"nats: embedded server at {self.nats.address} (JetStream on, {users})")
+            self.start_nats()
         for role in START_ORDER:
             for index in range(self._count(role)):
                 self.spawn(role, index)
+
+    def start_nats(self) -> None:
+        """The embedded NATS: a user per child, and TLS with client certificates of the mesh's CA (none under
+        KVMESH_INSECURE=1; with certificates of your own, where `kvmesh certs init` wrote NATS's in DIR/nats/)."""
+        settings = load_settings(TLSSettings, {**os.environ, **self.plan.env})
+        nats_dir = self.nats_certificate_dir(settings)
+        tls = None
+        if nats_dir is not None:
+            tls = ServerTLS(nats_dir / f"{NATS_DIR}.pem", nats_dir / f"{NATS_DIR}-key.pem", nats_dir / CA_FILE)
+            credentials = load_credentials(NATS_DIR, TLSSettings(tls_dir=str(nats_dir)))
+            assert credentials is not None
+            self.nats_tls = client_ssl_context(credentials)  # the server's own certificate: it may act as a client
+        self.nats = EmbeddedNats(workers=self.planned_workers(), insecure=settings.insecure, tls=tls).start()
+        self.nats_url = self.nats.url  # the administrator's, for tools and tests; each child gets its own user
+        users = "no users (KVMESH_INSECURE=1)" if settings.insecure else "a user per worker"
+        security = "TLS with client certificates" if tls is not None else "no TLS"
+        self._say(f"nats: embedded server at {self.nats.address} (JetStream on, {users}, {security})")
+
+    def nats_certificate_dir(self, settings: TLSSettings) -> Path | None:
+        """Where the embedded NATS's certificate is (ca.pem, nats.pem, nats-key.pem), or None: no TLS."""
+        if settings.insecure:
+            return None
+        if self.certificates is not None:
+            return self.certificates.issue(NATS_DIR, NATS_DIR)
+        own = Path(settings.tls_dir).expanduser() / NATS_DIR if settings.tls_dir else None
+        if own is not None and (own / f"{NATS_DIR}.pem").is_file():
+            return own
+        self._say("nats: no certificate for NATS among your own (KVMESH_TLS_DIR/nats/ from kvmesh certs init): no TLS")
+        return None
 
     def throwaway_certificates(self) -> ProcessCertificates | None:
         """A CA for this run (None where KVMESH_TLS_* name the user's certificates: the children use those)."""

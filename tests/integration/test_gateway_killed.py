@@ -8,6 +8,7 @@ import asyncio
 import datetime as dt
 import json
 import signal
+import ssl
 import threading
 import time
 import urllib.request
@@ -56,15 +57,15 @@ def call(mesh: Mesh, method: str, path: str, key: str, body: dict[str, Any] | No
 class FinishedFeed:
     """Every RequestFinished the decode workers publish, heard on NATS by the test itself."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, tls: ssl.SSLContext | None) -> None:
         self.events: list[events_pb2.RequestFinished] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._listen(nats_url), self._loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self._listen(nats_url, tls), self._loop).result(timeout=10)
 
-    async def _listen(self, url: str) -> None:
-        self._client = await nats.connect(url)
+    async def _listen(self, url: str, tls: ssl.SSLContext | None) -> None:
+        self._client = await nats.connect(url, tls=tls, tls_handshake_first=tls is not None)
 
         async def heard(message: Any) -> None:
             event = events_pb2.RequestFinished()
@@ -85,7 +86,7 @@ class FinishedFeed:
 def test_a_gateway_killed_mid_stream_leaves_one_aborted_record_billed_for_what_decode_emitted(mesh: Mesh) -> None:
     tenant = call(mesh, "POST", "/admin/v1/tenants", mesh.admin_key, {"name": "acme"})
     key = call(mesh, "POST", "/admin/v1/keys", mesh.admin_key, {"tenant": tenant["id"], "name": "ci"})["key"]
-    feed = FinishedFeed(mesh.nats_url)
+    feed = FinishedFeed(mesh.nats_url, mesh.nats_tls)
     try:
         body = {
             "model": MODEL,
