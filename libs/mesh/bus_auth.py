@@ -7,10 +7,13 @@ A role's subjects follow `mesh.subjects`; `{worker}` stands for the worker's own
 (`kvmesh up` knows every id) gets exactly its own subjects, a user shared by a role's replicas (compose) gets `*`
 (`>`) there, so one decode worker may then speak for another decode worker, never for another role.
 
-JetStream is for the roles that use it, and each only on its own streams: the API subjects that name them
-(`jetstream_api`), acks and flow control, and the inboxes replies arrive on (`_INBOX.>`); a bucket's own subjects
-(`$KV.<bucket>.>`, `$O.<bucket>.>`) only for the role that writes it. So prefill, which reads the KV index's
-stream, cannot touch the gateway's usage stream; a role may still purge or delete a stream it uses itself.
+JetStream is for the roles that use it, each only on its own streams and only for what it does there
+(`jetstream_api`): read a stream's info and messages, create it if missing (creating never changes a stream
+that exists), and make, read, delete and pull its consumers, ack and answer flow control on them; a bucket's own
+subjects (`$KV.<bucket>.>`, `$O.<bucket>.>`) only for the role that writes it. Only the balancer may purge, and
+only the KV index's stream and its snapshots' object store (compaction; an object store purges the chunks of an
+object it replaces or deletes). No role may delete or update a stream, delete a message, or snapshot or restore
+one: prefill can read KVMESH_KV but not purge it, and nobody can delete the gateway's usage (billing) stream.
 """
 
 from __future__ import annotations
@@ -27,29 +30,32 @@ KV_STREAMS = ("KVMESH_KV", "KV_KVMESH_KV_SNAPSHOT", "OBJ_KVMESH_KV_SNAPSHOTS")  
 GATEWAY_STREAMS = ("KVMESH_USAGE", "KVMESH_FINISHED", "KV_KVMESH_LIMITS", "KV_kvmesh_responses")
 
 
-def jetstream_api(*streams: str) -> tuple[str, ...]:
-    """The JetStream API on `streams` only (a KV bucket's stream is KV_<bucket>, an object store's OBJ_<bucket>):
-    stream info, create, update, purge and message get; consumers on them; direct gets; plus the read-only
-    `$JS.API.INFO` and `$JS.API.STREAM.NAMES`, and acks and flow-control replies of consumers."""
+def jetstream_api(*streams: str, purge: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The JetStream API a role uses on `streams` (a KV bucket's stream is KV_<bucket>, an object store's
+    OBJ_<bucket>): stream info and create, message gets and direct gets; consumers made, read, deleted and pulled;
+    acks and flow-control replies; and the names of streams (read-only: an object store's reader finds its stream
+    by subject). `purge`: streams (of `streams`) it may also purge."""
+    assert set(purge) <= set(streams)
     per_stream = [
         (
-            f"$JS.API.STREAM.*.{stream}",
-            f"$JS.API.STREAM.MSG.*.{stream}",
-            f"$JS.API.CONSUMER.*.{stream}",
-            f"$JS.API.CONSUMER.*.{stream}.>",
-            f"$JS.API.CONSUMER.*.*.{stream}.>",  # DURABLE.CREATE, MSG.NEXT
+            f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.STREAM.CREATE.{stream}",
+            f"$JS.API.STREAM.MSG.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.CONSUMER.CREATE.{stream}",  # an ephemeral consumer (older servers' form)
+            f"$JS.API.CONSUMER.CREATE.{stream}.>",  # <name>[.<filter>]
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.INFO.{stream}.>",
+            f"$JS.API.CONSUMER.DELETE.{stream}.>",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+            f"$JS.ACK.{stream}.>",
+            f"$JS.FC.{stream}.>",
         )
         for stream in streams
     ]
-    return (
-        "$JS.API.INFO",
-        "$JS.API.STREAM.NAMES",
-        *(s for group in per_stream for s in group),
-        "$JS.ACK.>",
-        "$JS.FC.>",
-    )
+    purges = tuple(f"$JS.API.STREAM.PURGE.{stream}" for stream in purge)
+    return ("$JS.API.STREAM.NAMES", *(s for group in per_stream for s in group), *purges)
 
 
 ALL_HEARTBEATS = f"{subjects.HEARTBEAT_PREFIX}.>"
@@ -122,7 +128,7 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
             _heartbeat(BALANCER),
             subjects.BALANCER_ASSIGN,
             subjects.BALANCER_REPLICAS,
-            *jetstream_api(*KV_STREAMS),
+            *jetstream_api(*KV_STREAMS, purge=("KVMESH_KV", "OBJ_KVMESH_KV_SNAPSHOTS")),
             *_BALANCER_BUCKETS,
         ),
         subscribe=(

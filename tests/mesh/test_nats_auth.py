@@ -202,6 +202,53 @@ async def test_a_role_reaches_only_its_own_streams(server: EmbeddedNats) -> None
     await asyncio.gather(gateway.close(), prefill.close())
 
 
+async def test_within_its_streams_a_role_may_do_only_what_it_does(server: EmbeddedNats) -> None:
+    """Prefill and store nodes read KVMESH_KV and its snapshots, but only the balancer purges them (compaction);
+    nobody deletes or reconfigures a stream, the gateway not even its own usage stream, nor acks another's."""
+    from services.gateway.tenancy.ledger import ensure_usage_stream
+
+    gateway_heard = Heard()
+    gateway = await connect(server.url_as("gateway"), gateway_heard)
+    kvcache = await nats.connect(server.url_as("kvcache"))
+    await ensure_usage_stream(gateway.jetstream(timeout=2))
+    assert await ensure_kv_stream(Bus(kvcache))
+    block = events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(block_hashes=[b"\x01" * 32]))
+    await publish_acked(Bus(kvcache), events_pb2.KVEventBatch(worker_id="kvcache-0", seq=1, events=[block]))
+    heard = Heard()
+    prefill = await connect(server.url_as("prefill", "prefill-0"), heard)
+    assert (await prefill.jetstream(timeout=2).stream_info("KVMESH_KV")).state.messages == 1  # its own to read
+    usage = await gateway.jetstream(timeout=2).stream_info("KVMESH_USAGE")
+    refused = [
+        prefill.jetstream(timeout=0.5).purge_stream("KVMESH_KV"),
+        prefill.jetstream(timeout=0.5).delete_stream("KVMESH_KV"),
+        prefill.jetstream(timeout=0.5).delete_msg("KVMESH_KV", 1),
+        prefill.jetstream(timeout=0.5).update_stream(usage.config),
+        gateway.jetstream(timeout=0.5).purge_stream("KVMESH_USAGE"),
+        gateway.jetstream(timeout=0.5).delete_stream("KVMESH_USAGE"),
+    ]
+    for call in refused:
+        with pytest.raises(nats.errors.Error):  # the request is dropped, so no answer comes
+            await call
+    await prefill.publish("$JS.ACK.KVMESH_USAGE.ledger.1.1.1.0.0", b"+ACK")  # a usage message acked by prefill
+    await prefill.flush()
+    assert heard.errors == [
+        violation("$JS.API.STREAM.PURGE.KVMESH_KV"),
+        violation("$JS.API.STREAM.DELETE.KVMESH_KV"),
+        violation("$JS.API.STREAM.MSG.DELETE.KVMESH_KV"),
+        violation("$JS.API.STREAM.UPDATE.KVMESH_USAGE"),
+        violation("$JS.ACK.KVMESH_USAGE.ledger.1.1.1.0.0"),
+    ]
+    assert gateway_heard.errors == [
+        violation("$JS.API.STREAM.PURGE.KVMESH_USAGE"),
+        violation("$JS.API.STREAM.DELETE.KVMESH_USAGE"),
+    ]
+    balancer = await nats.connect(server.url_as("balancer", "balancer-0"))
+    assert (await balancer.jetstream(timeout=2).stream_info("KVMESH_KV")).state.messages == 1  # nothing was purged
+    assert await balancer.jetstream(timeout=2).purge_stream("KVMESH_KV")  # compaction: the balancer's to do
+    assert (await balancer.jetstream(timeout=2).stream_info("KVMESH_KV")).state.messages == 0
+    await asyncio.gather(*(c.close() for c in (gateway, kvcache, prefill, balancer)))
+
+
 def heartbeat(worker_id: str, role: Any, leaving: bool = False) -> events_pb2.WorkerHeartbeat:
     info = common_pb2.WorkerInfo(worker_id=worker_id, role=role, address="127.0.0.1:1")
     return events_pb2.WorkerHeartbeat(worker=info, leaving=leaving)
