@@ -20,6 +20,9 @@ class WorkerSettings(ServiceSettings):
     max_num_seqs: int = setting(32, "requests in one batch")
     max_num_batched_tokens: int = setting(1024, "tokens in one engine step (chunked prefill past it)")
     torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
+    prefix_caching_enabled: bool = setting(
+        True, "reuse the KV of a prompt's leading blocks this worker already holds (off: every prompt computed in full)"
+    )
     block_size: int = setting(
         16,
         "tokens per KV block: the gateway, prefill and decode must agree (the KV layout says so; routing hits need it)",
@@ -58,6 +61,7 @@ class WorkerSettings(ServiceSettings):
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.prefix_caching_enabled,
             served_name=model,
             expert_parallel_size=self.expert_parallel_size,
             num_redundant_experts=self.num_redundant_experts,
