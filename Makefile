@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install models up test typecheck bench-engine gpu-check clean
+.PHONY: install models up eval test typecheck bench-engine gpu-check clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ models: install  ## fetch smollm2-135m and write deepseek-tiny (once)
 
 up: models  ## the whole mesh on this machine: http://127.0.0.1:8080 (prints an API key)
 	$(BIN)/kvmesh up $(UP_ARGS)
+
+EVAL_DATA := libs/kvmesh/eval/data
+eval: install  ## the default workload against `make up`'s mesh ($$KVMESH_API_KEY): eval-result.json, eval-report/
+	$(BIN)/kvmesh eval run --workload $(EVAL_DATA)/conversation_trace_first32.jsonl \
+		--workload $(EVAL_DATA)/requests.jsonl --model smollm2-135m --max-input-tokens 1024 \
+		--max-output-tokens 32 --concurrency 4 --output eval-result.json --report eval-report $(EVAL_ARGS)
 
 typecheck: install
 	$(BIN)/mypy

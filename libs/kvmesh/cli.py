@@ -14,6 +14,8 @@ kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store
 kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
 kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
 kvmesh bench admission --json       tenant limits: admission + settlement cost and decisions/s, 1 and 3 replicas
+kvmesh eval run --workload F --output R.json   replay a workload against a mesh: latency, cost, quality
+kvmesh eval compare BASELINE RESULT   the regression gate: exit 0 ok, 1 regressed, 2 bad input
 kvmesh expert-plan --input FILE     an expert placement planned offline from a load matrix (JSON)
 kvmesh config --markdown            docs/configuration.md from the settings (--metrics-markdown: docs/metrics.md)
 """
@@ -134,6 +136,12 @@ def _certs(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from kvmesh.eval.cli import run_command
+
+    return run_command(args)
+
+
 def _expert_plan(args: argparse.Namespace) -> int:
     from kvmesh.expert_plan import run
 
@@ -237,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.certs import add_parser as add_certs_parser
 
     add_certs_parser(commands)
+    from kvmesh.eval.cli import add_parser as add_eval_parser
+
+    add_eval_parser(commands)
 
     bench = commands.add_parser("bench", help="benchmarks that print JSON")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -317,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "expert-plan": _expert_plan,
         "admin": _admin,
         "certs": _certs,
+        "eval": _eval,
     }
     try:
         return handlers[args.command](args)

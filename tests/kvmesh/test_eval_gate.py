@@ -1,0 +1,206 @@
+"""The gate catches real regressions, on real meshes (`kvmesh up`'s launcher: NATS, every role a process, mutual
+TLS) serving deepseek-tiny. A baseline is recorded on mesh A for two short workloads: multi-turn conversations
+over a long document, and greedy requests on all three APIs with their golden answers (recorded from mesh A
+itself) and a schema check. Then:
+
+(a) a second run on mesh A passes the gate (exit 0);
+(b) mesh B, without a KV store and with prefix caching off, fails on TTFT for the conversations (exit 1):
+    later turns recompute the whole history;
+(c) mesh C serves another deepseek-tiny (other random weights) under the same name: it fails the golden check.
+
+Each mesh serving the requests answers one unmeasured run first: on a loaded machine a worker can take over 10 s
+to compile a model's first grammar, which fails that request (the workers' deadline) rather than waiting.
+
+Four minutes on two cores shared with other jobs (load average 10; three meshes start, 20-30 s each).
+EVAL_GATE_LONG=1 runs the long version (six conversations over 1,500 words, 8 repeats): a benchmark, not part of
+the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_core.tiny import write_deepseek_tiny
+from kvmesh.cli import main
+from kvmesh.up import Mesh
+from tests.integration.conftest import API_KEY, start_mesh
+
+MODEL = "deepseek-tiny"
+IS_LONG = os.environ.get("EVAL_GATE_LONG") == "1"
+NUM_CONVERSATIONS, NUM_DOCUMENT_WORDS, NUM_REPEATS = (6, 1500, 8) if IS_LONG else (2, 400, 5)
+# TTFT on the conversations (the machine is shared: a slower baseline must not fail a run), quality on the requests
+THRESHOLDS = {"conversations": "ttft_p50=50%", "requests": "golden=0,checks=0"}
+WORDS = ["river", "stone", "cloud", "garden", "lantern", "harbor", "meadow", "signal", "copper", "violet", "orbit"]
+
+
+def write_conversations(path: Path) -> Path:
+    rng = random.Random(0)
+    with open(path, "w") as file:
+        for index in range(NUM_CONVERSATIONS):
+            document = [rng.choice(WORDS) for _ in range(NUM_DOCUMENT_WORDS)]
+            turns = [
+                ("human", f"Notes {index}: {' '.join(document)}. Which word comes first?"),
+                ("gpt", f"The first word is {document[0]}."),
+                ("human", "And which word comes last?"),
+                ("gpt", f"The last word is {document[-1]}."),
+                ("human", "Which word appears most often?"),
+                ("gpt", f"The word {document[1]}."),
+                ("human", "Thank you. Which word comes second?"),
+            ]
+            file.write(json.dumps({"conversations": [{"from": who, "value": text} for who, text in turns]}) + "\n")
+    return path
+
+
+SCHEMA = {  # short enough that a random model, held by the grammar, closes it within max_tokens
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+REQUESTS: list[dict[str, Any]] = [
+    {"api": "chat", "body": {"model": MODEL, "messages": [{"role": "user", "content": "Name a river."}]}},
+    {"api": "chat", "body": {"model": MODEL, "messages": [{"role": "user", "content": "Count to five."}]}},
+    {"api": "responses", "body": {"model": MODEL, "input": "Describe a harbor.", "max_output_tokens": 12}},
+    {"api": "messages", "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hello!"}]}},
+    {
+        "api": "chat",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "A city as JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}},
+        },
+        "checks": [{"type": "json_schema"}],
+    },
+]
+
+
+def write_requests(path: Path, golden: list[str] | None = None) -> Path:
+    with open(path, "w") as file:
+        for index, line in enumerate(REQUESTS):
+            body = {"temperature": 0, **line["body"]}
+            if line["api"] != "responses":
+                body["max_tokens"] = 32 if "response_format" in body else 12
+            written = {**line, "body": body}
+            if golden is not None:
+                written["expected_text"] = golden[index]
+            file.write(json.dumps(written) + "\n")
+    return path
+
+
+def evaluate(mesh: Mesh, workload: Path, output: Path, *extra: str) -> int:
+    """`kvmesh eval run` (its exit code); `--baseline B` gates on B with the workload's THRESHOLDS."""
+    if "--baseline" in extra:
+        extra = (*extra, "--max-regression", THRESHOLDS[workload.stem])
+    return main(
+        [
+            "eval", "run", "--workload", str(workload), "--output", str(output), "--url", mesh.base_url,
+            "--api-key", API_KEY, "--admin-key", mesh.admin_key, "--model", MODEL, "--repeats", str(NUM_REPEATS),
+            "--concurrency", "2", "--max-output-tokens", "4", *extra,
+        ]
+    )  # fmt: skip
+
+
+def warm_up(mesh: Mesh, workload: Path) -> None:
+    """One unmeasured run: the workers compile their first grammar (which may fail a request, see above)."""
+    assert evaluate(mesh, workload, workload.with_suffix(".warm-up.json"), "--repeats", "1") == 0
+
+
+def summary(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())["summary"]
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """Mesh A, and the baselines recorded on it; yields the workloads and result paths, mesh A under "mesh"."""
+    directory = tmp_path_factory.mktemp("eval-gate")
+    mesh = start_mesh(directory / "mesh-a.log", encoder=0, models=(MODEL,))
+    try:
+        conversations = write_conversations(directory / "conversations.jsonl")
+        plain = write_requests(directory / "plain.jsonl")
+        warm_up(mesh, plain)
+        first = directory / "first.json"
+        assert evaluate(mesh, plain, first, "--repeats", "1") == 0
+        assert summary(first)["error_rate"]["values"] == [0.0]
+        golden = golden_texts(first)
+        assert len(golden) == len(REQUESTS) and all(golden)
+        requests = write_requests(directory / "requests.jsonl", golden)
+        paths = {"conversations": conversations, "requests": requests, "dir": directory}
+        assert evaluate(mesh, conversations, directory / "conversations-baseline.json") == 0
+        assert evaluate(mesh, requests, directory / "requests-baseline.json") == 0
+        yield {**paths, "mesh": mesh}  # type: ignore[dict-item]
+    finally:
+        mesh.stop()
+
+
+def golden_texts(result: Path) -> list[str]:
+    """Each request's answer in the workload's line order (records come in the order requests finished)."""
+    records = json.loads(result.read_text())["repeats"][0]["requests"]
+    return [r["text"] for r in sorted(records, key=lambda r: int(r["source"].rsplit(":", 1)[1]))]
+
+
+def test_a_second_run_on_the_same_mesh_passes(baselines: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    directory, mesh = baselines["dir"], baselines["mesh"]
+    baseline = summary(directory / "conversations-baseline.json")
+    assert baseline["cached_ratio"]["mean"] > 0.5  # two turns in three find the history cached
+    assert baseline["error_rate"]["values"] == [0.0] * NUM_REPEATS
+    assert summary(directory / "requests-baseline.json")["golden"]["values"] == [1.0] * NUM_REPEATS
+    for name in ("conversations", "requests"):
+        again = directory / f"{name}-again.json"
+        code = evaluate(mesh, baselines[name], again, "--baseline", str(directory / f"{name}-baseline.json"))
+        assert code == 0, capsys.readouterr().out
+    assert summary(directory / "requests-again.json")["checks"]["values"] == [1.0] * NUM_REPEATS
+
+
+def test_no_kv_store_and_no_prefix_caching_fails_on_ttft(
+    baselines: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = baselines["dir"]
+    mesh = start_mesh(
+        directory / "mesh-b.log",
+        {"KVMESH_KVCACHE_ENABLED": "false", "KVMESH_PREFIX_CACHING_ENABLED": "false"},
+        encoder=0,
+        kvcache=0,
+        models=(MODEL,),
+    )
+    try:
+        capsys.readouterr()
+        result = directory / "conversations-uncached.json"
+        code = evaluate(
+            mesh, baselines["conversations"], result, "--baseline", str(directory / "conversations-baseline.json")
+        )
+    finally:
+        mesh.stop()
+    out = capsys.readouterr()
+    assert code == 1, out.out
+    assert [line.split()[0] for line in out.out.splitlines() if "REGRESSED" in line] == ["ttft_p50"]
+    assert "regressed: ttft_p50" in out.err
+    assert summary(result)["cached_ratio"]["values"] == [0.0] * NUM_REPEATS
+
+
+def test_another_model_under_the_same_name_fails_the_golden_check(
+    baselines: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = baselines["dir"]
+    write_deepseek_tiny(directory / "models" / MODEL, seed=1)  # the same architecture and name, other weights
+    mesh = start_mesh(
+        directory / "mesh-c.log", {"KVMESH_MODEL_DIR": str(directory / "models")}, encoder=0, models=(MODEL,)
+    )
+    try:
+        warm_up(mesh, baselines["requests"])
+        capsys.readouterr()
+        result = directory / "requests-other-model.json"
+        code = evaluate(mesh, baselines["requests"], result, "--baseline", str(directory / "requests-baseline.json"))
+    finally:
+        mesh.stop()
+    out = capsys.readouterr()
+    assert code == 1, out.out
+    assert [line.split()[0] for line in out.out.splitlines() if "REGRESSED" in line] == ["golden"]
+    assert summary(result)["golden"]["values"] == [0.0] * NUM_REPEATS
+    assert summary(result)["checks"]["values"] == [1.0] * NUM_REPEATS  # the grammar still holds the schema
