@@ -88,6 +88,54 @@ GATEWAY_ITL = _histogram(
 GATEWAY_E2E = _histogram(
     "kvmesh_gateway_e2e_request_latency_seconds", "Arrival to last token", ["model"], buckets=_LATENCY, roles="gateway"
 )
+# The request-level series under the names vLLM's dashboards chart (vllm:X is kvmesh:X here, labelled model_name
+# as vLLM's are, and tenant), bucketed as the OpenTelemetry GenAI semantic conventions recommend for
+# gen_ai.server.time_to_first_token, .time_per_output_token, .request.duration and gen_ai.client.token.usage.
+OTEL_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+OTEL_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+OTEL_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+OTEL_TOKEN_BUCKETS = tuple(4.0**n for n in range(14))  # 1, 4, 16, ... 67108864
+_VLLM_NOTE = f"vLLM's vllm:{{}}; {_TENANT_NOTE}"
+REQUEST_TTFT = _histogram(
+    "kvmesh:time_to_first_token_seconds",
+    "Arrival at the gateway to the first token, per request",
+    ["model_name", "tenant"],
+    buckets=OTEL_TTFT_BUCKETS,
+    roles="gateway",
+    note=_VLLM_NOTE.format("time_to_first_token_seconds"),
+)
+REQUEST_ITL = _histogram(
+    "kvmesh:inter_token_latency_seconds",
+    "Time between output tokens after the first (a batch of n tokens: n equal gaps)",
+    ["model_name", "tenant"],
+    buckets=OTEL_TPOT_BUCKETS,
+    roles="gateway",
+    note=_VLLM_NOTE.format("inter_token_latency_seconds"),
+)
+REQUEST_E2E = _histogram(
+    "kvmesh:e2e_request_latency_seconds",
+    "Arrival to the last token of requests that finished",
+    ["model_name", "tenant"],
+    buckets=OTEL_DURATION_BUCKETS,
+    roles="gateway",
+    note=_VLLM_NOTE.format("e2e_request_latency_seconds"),
+)
+REQUEST_PROMPT_TOKENS = _histogram(
+    "kvmesh:request_prompt_tokens",
+    "Prompt tokens of each request that finished",
+    ["model_name", "tenant"],
+    buckets=OTEL_TOKEN_BUCKETS,
+    roles="gateway",
+    note=_VLLM_NOTE.format("request_prompt_tokens"),
+)
+REQUEST_GENERATION_TOKENS = _histogram(
+    "kvmesh:request_generation_tokens",
+    "Output tokens of each request that finished (every choice's)",
+    ["model_name", "tenant"],
+    buckets=OTEL_TOKEN_BUCKETS,
+    roles="gateway",
+    note=_VLLM_NOTE.format("request_generation_tokens"),
+)
 GATEWAY_IN_FLIGHT = _gauge("kvmesh_gateway_requests_in_flight", "Requests being served", ["model"], roles="gateway")
 USAGE_PUBLISHED = _counter(
     "kvmesh_gateway_usage_records_published_total",
@@ -145,6 +193,27 @@ PREFILL_STORE_DROPPED_BLOCKS = _counter(
 
 # decode
 DECODE_RUNNING = _gauge("kvmesh_decode_running_requests", "Requests in the decode batch", ["model"], roles="decode")
+KV_CACHE_USAGE = _gauge(
+    "kvmesh:kv_cache_usage_perc",
+    "Share of the decode engine's KV blocks held by requests (0 to 1)",
+    ["model_name"],
+    roles="decode",
+    note="vLLM's vllm:kv_cache_usage_perc",
+)
+NUM_REQUESTS_RUNNING = _gauge(
+    "kvmesh:num_requests_running",
+    "Requests in the decode engine's batch",
+    ["model_name"],
+    roles="decode",
+    note="vLLM's vllm:num_requests_running",
+)
+NUM_REQUESTS_WAITING = _gauge(
+    "kvmesh:num_requests_waiting",
+    "Requests the decode engine holds but has not yet scheduled",
+    ["model_name"],
+    roles="decode",
+    note="vLLM's vllm:num_requests_waiting",
+)
 DECODE_KV_TOKENS = _gauge("kvmesh_decode_kv_tokens", "Tokens of KV held by running requests", ["model"], roles="decode")
 DECODE_PROMPT_TOKENS_COMPUTED = _gauge(
     "kvmesh_decode_prompt_tokens_computed",

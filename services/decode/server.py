@@ -115,6 +115,9 @@ def trace_batch(span: tracing.Span, batch: TokenBatch, is_first: bool) -> None:
 def export_metrics(stats: dict[str, EngineStats]) -> None:
     for model, s in stats.items():
         metrics.DECODE_RUNNING.labels(model=model).set(s.num_running)
+        metrics.KV_CACHE_USAGE.labels(model_name=model).set(s.kv_usage)
+        metrics.NUM_REQUESTS_RUNNING.labels(model_name=model).set(s.num_running)
+        metrics.NUM_REQUESTS_WAITING.labels(model_name=model).set(s.num_waiting)
         metrics.DECODE_KV_TOKENS.labels(model=model).set(s.num_kv_tokens)
         metrics.DECODE_PROMPT_TOKENS_COMPUTED.labels(model=model).set(s.num_prompt_tokens_computed)
 

@@ -10,7 +10,19 @@ import time
 
 from mesh import tracing
 from mesh.logging import get_logger
-from mesh.metrics import GATEWAY_E2E, GATEWAY_IN_FLIGHT, GATEWAY_ITL, GATEWAY_REQUESTS, GATEWAY_TOKENS, GATEWAY_TTFT
+from mesh.metrics import (
+    GATEWAY_E2E,
+    GATEWAY_IN_FLIGHT,
+    GATEWAY_ITL,
+    GATEWAY_REQUESTS,
+    GATEWAY_TOKENS,
+    GATEWAY_TTFT,
+    REQUEST_E2E,
+    REQUEST_GENERATION_TOKENS,
+    REQUEST_ITL,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_TTFT,
+)
 from mesh.pb import common_pb2, events_pb2
 from services.gateway.chat import ChatRun
 from services.gateway.pipeline import GenerationStream, Usage
@@ -19,6 +31,7 @@ from services.gateway.tenancy.metric_labels import TenantLabels
 from services.gateway.tenancy.principal import Principal
 
 log = get_logger("services.gateway.requests")
+VLLM_NAMED = (REQUEST_TTFT, REQUEST_ITL, REQUEST_E2E, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS)
 UNKNOWN_MODEL = "unknown"  # the label for requests refused before their model was known (bounds cardinality)
 # the GenAI conventions' gen_ai.operation.name of each API
 OPERATIONS = {"completions": "text_completion"}
@@ -26,9 +39,11 @@ OPERATIONS = {"completions": "text_completion"}
 
 def forget_tenant(name: str) -> None:
     """Remove every series of the tenant label `name` (it left the named tenants: metric_labels.py)."""
+    by_model_name = ("model_name", "tenant")
     for metric, label_names in (
         (GATEWAY_REQUESTS, ("api", "model", "code", "tenant")),
         (GATEWAY_TOKENS, ("model", "tenant", "kind")),
+        *((histogram, by_model_name) for histogram in VLLM_NAMED),
     ):
         found = {
             tuple(sample.labels[label] for label in label_names)
@@ -98,6 +113,7 @@ class RequestRecord:
         self._last_token_at: float | None = None
         self._is_admitted = False
         self._is_finished = False
+        self._tenant_label: str | None = None
         self._span = tracing.current_span()  # the request's root span (a no-op one when tracing is off)
 
     def admit(self, model: str) -> None:
@@ -125,11 +141,21 @@ class RequestRecord:
         if self._last_token_at is None:
             self._first_token_at = now
             GATEWAY_TTFT.labels(self.model).observe(now - self._arrival)
+            REQUEST_TTFT.labels(self.model, self.tenant_label).observe(now - self._arrival)
         else:
             gap = (now - self._last_token_at) / num_tokens  # a batch of n tokens: n gaps of equal share
+            itl = REQUEST_ITL.labels(self.model, self.tenant_label)
             for _ in range(num_tokens):
                 GATEWAY_ITL.labels(self.model).observe(gap)
+                itl.observe(gap)
         self._last_token_at = now
+
+    @property
+    def tenant_label(self) -> str:
+        """The tenant as metrics name it (bounded: TENANT_LABELS), chosen once per request (choosing counts it)."""
+        if self._tenant_label is None:
+            self._tenant_label = TENANT_LABELS.label(self.principal.tenant_name if self.principal else None)
+        return self._tenant_label
 
     def start(self, run: ChatRun) -> None:
         """The request started generating: the ledger hears of it now, so that it is settled even if this
@@ -149,12 +175,16 @@ class RequestRecord:
             return
         self._is_finished = True
         latency = time.monotonic() - self._arrival
-        tenant = TENANT_LABELS.label(self.principal.tenant_name if self.principal is not None else None)
+        tenant = self.tenant_label
         GATEWAY_REQUESTS.labels(self.api, self.model, str(code), tenant).inc()
         if self._is_admitted:
             GATEWAY_IN_FLIGHT.labels(self.model).dec()
         if self._last_token_at is not None and str(code) in ("200", "OK"):
             GATEWAY_E2E.labels(self.model).observe(self._last_token_at - self._arrival)
+            REQUEST_E2E.labels(self.model, tenant).observe(self._last_token_at - self._arrival)
+            if self.run is not None:
+                REQUEST_PROMPT_TOKENS.labels(self.model, tenant).observe(self.run.usage.prompt_tokens)
+                REQUEST_GENERATION_TOKENS.labels(self.model, tenant).observe(self.run.usage.completion_tokens)
         if self.run is not None:
             usage = self.run.usage
             for kind, num_tokens in (

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.cli import main
+from mesh.metrics import OTEL_DURATION_BUCKETS, OTEL_TOKEN_BUCKETS, OTEL_TPOT_BUCKETS, OTEL_TTFT_BUCKETS
 
 from . import gateway_harness
 from .gateway_harness import KEY, MODEL, Mesh, Script, post
@@ -56,6 +59,17 @@ async def test_models_health_ready_metrics(mesh: Mesh, script: Script) -> None:
             in text
         )
         assert "kvmesh_gateway_time_to_first_token_seconds_bucket" in text
+        families = {family.name: family for family in text_string_to_metric_families(text)}
+        for name, buckets in (
+            ("kvmesh:time_to_first_token_seconds", OTEL_TTFT_BUCKETS),
+            ("kvmesh:inter_token_latency_seconds", OTEL_TPOT_BUCKETS),
+            ("kvmesh:e2e_request_latency_seconds", OTEL_DURATION_BUCKETS),
+            ("kvmesh:request_prompt_tokens", OTEL_TOKEN_BUCKETS),
+            ("kvmesh:request_generation_tokens", OTEL_TOKEN_BUCKETS),
+        ):
+            served = [s for s in families[name].samples if s.labels.get("model_name") == MODEL]
+            assert {s.labels["tenant"] for s in served} == {"default"}
+            assert sorted({float(s.labels["le"]) for s in served if "le" in s.labels}) == [*buckets, math.inf]
         async with session.get(f"{mesh.base_url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}) as response:
             assert response.status == 404 and (await response.json())["error"]["code"] == "not_found"
 

@@ -177,6 +177,8 @@ async def test_metrics_name_the_busiest_tenants_and_the_rest_other(
     prompt = f'kvmesh_gateway_tokens_total{{kind="prompt",model="{MODEL}",tenant="{names[1]}"}}'
     num_prompt_tokens = len(gateway.fakes.script.prefills[0].prompt_token_ids)
     assert f"{prompt} {2 * num_prompt_tokens}.0" in text
+    vllm_named = f'kvmesh:request_prompt_tokens_sum{{model_name="{MODEL}",tenant="{names[1]}"}}'
+    assert f"{vllm_named} {2 * num_prompt_tokens}.0" in text  # the vLLM-named histograms: the same tenant labels
     assert all(key not in text for key in keys)  # names, never keys
     for _ in range(3):  # the 4th tenant's 3rd request overtakes the 2nd (2): the 2nd's series go, `other` counts it
         await gateway.block_keys(keys[3])
