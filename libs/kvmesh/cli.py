@@ -195,6 +195,7 @@ def _bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             api_key=args.api_key,
             trace=args.trace,
+            baseline=not args.no_baseline,
         )
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
@@ -276,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument(
         "--trace", action="store_true", help="tracing on in the mesh started here, exported to a receiver in the bench"
     )
+    serve_bench.add_argument("--no-baseline", action="store_true", help="skip the in-process engine run")
     serve_bench.add_argument("--json", action="store_true", help="one line of JSON")
 
     engine = bench_commands.add_parser("engine", help="engine prefill/decode tokens/s against transformers")

@@ -183,9 +183,10 @@ def run_serve_bench(
     seed: int = 0,
     api_key: str | None = None,
     trace: bool = False,
+    baseline: bool = True,
 ) -> dict[str, Any]:
     """`api_key`: the gateway's key (default: the built-in key of the mesh started here). `trace`: the mesh started
-    here exports its spans to an OTLP receiver in this process."""
+    here exports its spans to an OTLP receiver in this process. `baseline`: also run the in-process engine."""
     if trace and url is not None:
         raise ValueError("--trace applies to the mesh the bench starts: leave out --url")
     api_key = api_key or API_KEY
@@ -218,7 +219,7 @@ def run_serve_bench(
         if sink is not None:
             time.sleep(1.0)  # the batch processors' last exports (OTEL_BSP_SCHEDULE_DELAY is theirs to set)
             num_spans = len(sink.spans())
-    baseline = _in_process(model, prompts, concurrency, max_tokens)
+    in_process = _in_process(model, prompts, concurrency, max_tokens) if baseline else 0.0
     ttft = [s.ttft_s for s in samples]
     overhead = [s.ttft_s - s.prefill_s for s in samples]
     gaps = [g for s in samples for g in s.gaps_s]
@@ -238,8 +239,8 @@ def run_serve_bench(
         "prefill_engine_p50_ms": round(_percentile([s.prefill_s for s in samples], 50) * 1000, 1),
         "mesh_overhead_p50_ms": round(_percentile(overhead, 50) * 1000, 2),
         "mesh_overhead_p99_ms": round(_percentile(overhead, 99) * 1000, 2),
-        "in_process_throughput_tok_s": round(baseline, 2),
-        "throughput_vs_in_process": round(throughput / baseline, 3),
+        "in_process_throughput_tok_s": round(in_process, 2),
+        "throughput_vs_in_process": round(throughput / in_process, 3) if baseline else None,
         "goal_overhead_p50_under_10ms": _percentile(overhead, 50) < 0.010,
         "tracing": trace,
         **({"spans_per_request": round(num_spans / len(prompts), 1)} if sink is not None else {}),
