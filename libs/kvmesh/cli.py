@@ -7,6 +7,7 @@ kvmesh models make-tiny             write deepseek-tiny (random weights, fixed s
 kvmesh generate MODEL PROMPT        one completion, offline
 kvmesh up [--prefill N] [--decode N] [--kvcache N] [--encoder N]   the whole mesh on this machine
 kvmesh certs init DIR               a CA and one certificate per role (mutual TLS between roles: KVMESH_TLS_DIR)
+    [--worker ROLE/NAME ...]        and per named worker, with a NATS user that speaks only as NAME
 kvmesh serve ROLE                   one role (gateway, encoder, prefill, decode, kvcache, balancer, expert_lb),
                                     configured by KVMESH_*
 kvmesh bench engine --json          engine throughput against transformers

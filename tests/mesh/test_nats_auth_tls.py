@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.certs import NATS_CONFIG, NATS_DIR, init_directory
+from kvmesh.cli import main
 from kvmesh.nats_config import MAX_PAYLOAD, MAX_PENDING
 from kvmesh.nats_server import EmbeddedNats, free_port, nats_server_binary, wait_for_port
 from mesh import subjects
@@ -27,7 +28,7 @@ from mesh.tls import client_ssl_context, load_credentials
 @pytest.fixture(scope="module")
 def certs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("certs")
-    init_directory(directory)
+    init_directory(directory, workers=(("decode", "decode-0"), ("decode", "decode-1")))
     return directory
 
 
@@ -72,6 +73,7 @@ def test_a_role_finds_its_credentials_beside_its_certificate(certs_dir: Path, tm
 
 
 async def connect_as(role: str, certs_dir: Path, port: int, scheme: str = "tls") -> Bus:
+    """As a process with KVMESH_TLS_DIR=certs_dir (a role's or a named worker's directory) connects."""
     credentials = load_credentials(role, TLSSettings(tls_dir=str(certs_dir)))
     assert credentials is not None
     user = load_user(role, {"KVMESH_TLS_DIR": str(certs_dir)})
@@ -116,3 +118,41 @@ async def test_a_tls_url_never_talks_plaintext_to_a_server_without_tls(certs_dir
     ):
         user, tls = plaintext.user("decode"), client_ssl_context(credentials)
         await Bus.connect(f"tls://127.0.0.1:{plaintext.port}", "decode", 1.0, user, tls)
+
+
+async def test_a_named_worker_speaks_only_as_itself(certs_dir: Path, nats_port: int) -> None:
+    """`certs init --worker decode/decode-0`: its own certificate and user, which may announce only decode-0; the
+    role's shared user (compose replicas) may announce any decode worker."""
+    credentials = load_credentials("decode", TLSSettings(tls_dir=str(certs_dir / "decode-0")))
+    assert credentials is not None and credentials.identity.uri == "spiffe://kvmesh/decode/decode-0"
+    assert read_user(certs_dir / "decode-0" / CREDS_FILE).user == "decode.decode-0"
+    balancer = await connect_as("balancer", certs_dir, nats_port)
+    heard: list[str] = []
+
+    async def on_beat(beat: events_pb2.WorkerHeartbeat, subject: str) -> None:
+        heard.append(subject)
+
+    await balancer.subscribe(subjects.heartbeat("decode"), events_pb2.WorkerHeartbeat, on_beat)
+    await balancer.flush()
+    named, shared = (
+        await connect_as("decode", certs_dir / "decode-0", nats_port),
+        await connect_as("decode", certs_dir, nats_port),
+    )
+    for bus, worker_id in ((named, "decode-0"), (named, "decode-1"), (shared, "decode-7")):
+        await bus.publish(subjects.worker_heartbeat("decode", worker_id), events_pb2.WorkerHeartbeat())
+        await bus.flush()
+    await asyncio.sleep(0.3)
+    assert heard == ["kvmesh.workers.decode.decode-0", "kvmesh.workers.decode.decode-7"]
+    await asyncio.gather(balancer.close(), named.close(), shared.close())
+
+
+def test_certs_init_names_workers_or_says_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["certs", "init", str(tmp_path / "ok"), "--worker", "prefill/prefill-a"]) == 0
+    assert (tmp_path / "ok" / "prefill-a" / "prefill.pem").is_file()
+    assert read_user(tmp_path / "ok" / "prefill-a" / CREDS_FILE).user == "prefill.prefill-a"
+    assert "KVMESH_TLS_DIR=" + str(tmp_path / "ok" / "prefill-a") in capsys.readouterr().err
+    assert main(["certs", "init", str(tmp_path / "ok"), "--worker", "prefill/prefill-b"]) == 1  # needs --force
+    for bad in ("nobody/x", "decode/a.b", "decode/>", "decode/decode", "decode/"):
+        assert main(["certs", "init", str(tmp_path / "bad"), "--worker", bad]) == 2, bad
+    assert not (tmp_path / "bad").exists()
+    assert "--worker decode/a.b: NAME must be letters, digits" in capsys.readouterr().err
