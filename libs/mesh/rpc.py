@@ -83,7 +83,9 @@ def create_server(credentials: MeshCredentials | None) -> grpc.aio.Server:
 def create_public_server() -> grpc.aio.Server:
     """The gateway's API for clients: API keys authenticate them, not certificates (bind it with credentials=None)."""
     return grpc.aio.server(
-        options=SERVER_OPTIONS, interceptors=server_interceptors(), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS
+        options=SERVER_OPTIONS,
+        interceptors=server_interceptors(is_public=True),
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
     )
 
 

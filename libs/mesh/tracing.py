@@ -137,8 +137,8 @@ def span(
     if tracer is None:
         yield _INVALID
         return
-    attrs = {WORKER_ID: _State.worker_id, **(attributes or {})}
-    with tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attrs) as started:
+    with tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes) as started:
+        started.set_attribute(WORKER_ID, _State.worker_id)
         yield started
 
 
@@ -166,7 +166,13 @@ def mark_error(target: Span, description: str) -> None:
 
 class ServerTracing(grpc.aio.ServerInterceptor):
     """Each call in a SERVER span named for its method, a child of the caller's `traceparent` (gRPC's
-    semantic conventions: rpc.system, rpc.service, rpc.method); installed only while tracing is on."""
+    semantic conventions: rpc.system, rpc.service, rpc.method); installed only while tracing is on.
+
+    `is_public`: the gateway's API, where a call without a traceparent starts a trace. Between roles a call
+    without one is background work (heartbeat-driven polls, the store's write-behind), not a request: untraced."""
+
+    def __init__(self, is_public: bool) -> None:
+        self.is_public = is_public
 
     async def intercept_service(
         self,
@@ -176,10 +182,10 @@ class ServerTracing(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        return _traced(handler, handler_call_details.method)  # type: ignore[attr-defined]
+        return _traced(handler, handler_call_details.method, self.is_public)  # type: ignore[attr-defined]
 
 
-def _traced(handler: Any, method: str) -> Any:
+def _traced(handler: Any, method: str, is_public: bool) -> Any:
     name = method.lstrip("/")
     service, _, rpc_method = name.rpartition("/")
     attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc_method}
@@ -188,6 +194,8 @@ def _traced(handler: Any, method: str) -> Any:
 
     def server_span(context: grpc.aio.ServicerContext) -> contextlib.AbstractContextManager[Span]:
         caller = {key: value for key, value in context.invocation_metadata() or () if key == TRACEPARENT}
+        if not caller and not is_public:
+            return contextlib.nullcontext(_INVALID)
         return span(name, SpanKind.SERVER, attributes, context_from(caller))  # type: ignore[arg-type]
 
     if kind.endswith("_stream"):
@@ -206,8 +214,8 @@ def _traced(handler: Any, method: str) -> Any:
     return handler._replace(**{kind: single})
 
 
-def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    return [ServerTracing()] if is_enabled() else []
+def server_interceptors(is_public: bool = False) -> list[grpc.aio.ServerInterceptor]:
+    return [ServerTracing(is_public)] if is_enabled() else []
 
 
 # ---- logs ----------------------------------------------------------------------------------------------------

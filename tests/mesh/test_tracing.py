@@ -33,14 +33,14 @@ def off_after():
     structlog.configure(**logging_config)
 
 
-async def call_echo(payload: bytes) -> bytes:
-    """A real server from rpc.create_server (insecure), one unary call to it with rpc.metadata."""
+async def call_echo(payload: bytes, public: bool = False) -> bytes:
+    """A real server from rpc.create_server (insecure; or the public one), one unary call to it with rpc.metadata."""
 
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         get_logger("test").info("inside the call")
         return request
 
-    server = rpc.create_server(None)
+    server = rpc.create_public_server() if public else rpc.create_server(None)
     handler = grpc.unary_unary_rpc_method_handler(echo)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvmesh.v1.Test", {"Echo": handler}),))
     port = rpc.bind(server, "127.0.0.1", 0, None)
@@ -99,6 +99,17 @@ async def test_a_call_joins_its_callers_trace_over_either_protocol(monkeypatch, 
     logged = [json.loads(line) for line in lines.getvalue().splitlines() if line.startswith("{")]
     inside = next(line for line in logged if line["event"] == "inside the call")
     assert (inside["trace_id"], inside["span_id"]) == (trace_id, server.span_id)
+
+
+async def test_between_roles_only_calls_inside_a_trace_are_traced_the_public_api_always(monkeypatch, receiver):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    assert tracing.configure_tracing("gateway", "gateway-0")
+    assert await call_echo(b"background") == b"background"  # no traceparent: a heartbeat-like poll, untraced
+    assert await call_echo(b"client", public=True) == b"client"  # a client without one: a new trace
+    tracing.shutdown_tracing()
+    (root,) = receiver.spans()
+    assert (root.name, root.kind, root.parent_id) == ("kvmesh.v1.Test/Echo", "SERVER", "")
 
 
 async def test_a_callers_traceparent_is_honoured_and_errors_mark_the_span(monkeypatch, receiver):
