@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from engine_core.engine import EngineStats, LLMEngine
@@ -139,7 +139,7 @@ class AsyncEngine:
 
     async def follow(
         self, request_id: str, stream: asyncio.Queue[RequestOutput | BaseException]
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; abort it if the caller stops listening first."""
         finished = False
         try:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 import types
 import typing
@@ -21,6 +22,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 ENV_PREFIX = "KVMESH_"
+try:
+    PACKAGE_VERSION = importlib.metadata.version("kvmesh")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    PACKAGE_VERSION = "unknown"
 T = TypeVar("T")
 DOC = "doc"  # the metadata key of a setting's meaning
 
@@ -168,6 +173,9 @@ class ServiceSettings:
     log_level: str = setting("info", "debug, info, warning or error (structlog)")
     log_format: str = setting("auto", "auto (JSON unless a terminal), json or console")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish (seconds)")
+    version: str = setting(
+        PACKAGE_VERSION, "the version this worker announces in its heartbeat (a rollout splits traffic by it)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port"):
@@ -175,6 +183,7 @@ class ServiceSettings:
             require(0 <= value < 65536, name, value, "must be a port number (0 for any free port)")
         require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s, "must be positive")
         require(self.drain_timeout_s >= 0, "drain_timeout_s", self.drain_timeout_s, "must not be negative")
+        require(self.version.strip() != "", "version", self.version, "must not be empty")
         require(
             self.log_format in ("auto", "json", "console"),
             "log_format",

@@ -163,11 +163,18 @@ class ServiceRuntime:
             block_size=block_size,
             data_address=self.data_address,
             started_at_ms=self.started_at_ms,
+            version=self.settings.version,
         )
         self._announcer = Announcer(self.bus, info, load, self.settings.heartbeat_interval_s)
         await self._announcer.start()
         self._install_signal_handlers()
-        log.info("serving", grpc=self.address, http_port=self.http_port, models=list(models))
+        log.info(
+            "serving",
+            grpc=self.address,
+            http_port=self.http_port,
+            models=list(models),
+            version=self.settings.version,
+        )
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

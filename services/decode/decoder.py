@@ -12,6 +12,7 @@ balancers count its KV as free before the next heartbeat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -23,6 +24,7 @@ from engine_core.kv_transfer import KVChunk, KVLayout, KVLayoutError
 from engine_core.request import EmbeddingSpan, TokenLogprobs
 from mesh.compute.engines import ModelEngines
 from mesh.compute.errors import NoFreeBlocksError, UnknownRequestError
+from mesh.compute.faults import Faults
 from mesh.logging import get_logger
 
 T = TypeVar("T")
@@ -75,11 +77,16 @@ class _Pushed:
 
 class Decoder:
     def __init__(
-        self, engines: ModelEngines, attach_timeout_s: float, on_left: Callable[[LeftRequest], None] = lambda left: None
+        self,
+        engines: ModelEngines,
+        attach_timeout_s: float,
+        on_left: Callable[[LeftRequest], None] = lambda left: None,
+        faults: Faults | None = None,
     ) -> None:
         self.engines = engines
         self.attach_timeout_s = attach_timeout_s
         self.on_left = on_left
+        self.faults = faults or Faults()  # testing only (KVMESH_ALLOW_FAULT_INJECTION)
         # request id -> model / state; written only by this object, on the event loop
         self._importing: dict[str, str] = {}
         self._pushed: dict[str, _Pushed] = {}
@@ -191,10 +198,15 @@ class Decoder:
         num_output_tokens = pushed.num_output_tokens
         finish_reason = "abort"  # unless the engine says otherwise: the follower left, so it was aborted
         try:
-            async for output in self.engines.get(pushed.model).follow(request_id, pushed.outputs):
-                num_output_tokens += len(output.new_token_ids)
-                finish_reason = output.finish_reason or finish_reason
-                yield TokenBatch(output.new_token_ids, output.new_logprobs, output.finish_reason, num_output_tokens)
+            outputs = self.engines.get(pushed.model).follow(request_id, pushed.outputs)
+            async with contextlib.aclosing(outputs):  # an injected fault aborts the request at once
+                async for output in outputs:
+                    if num_output_tokens == pushed.num_output_tokens:  # the request's first batch here
+                        self.faults.check()
+                    await self.faults.delay(len(output.new_token_ids))
+                    num_output_tokens += len(output.new_token_ids)
+                    finish_reason = output.finish_reason or finish_reason
+                    yield TokenBatch(output.new_token_ids, output.new_logprobs, output.finish_reason, num_output_tokens)
         finally:
             del self._following[request_id]
             num_decoded = num_output_tokens - pushed.num_output_tokens

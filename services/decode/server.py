@@ -142,7 +142,9 @@ class DecodeService:
         self.settings = settings
         self.runtime = runtime
         self.engines = engines
-        self.decoder = Decoder(engines, settings.stream_attach_timeout_s, on_left=self._announce_left)
+        self.decoder = Decoder(
+            engines, settings.stream_attach_timeout_s, on_left=self._announce_left, faults=settings.faults()
+        )
         self.lane: PushLane | None = None  # the bulk lane prefill pushes KV over (KVMESH_DATA_PORT)
         self._announcing: set[asyncio.Task[None]] = set()
         self._exporter = asyncio.create_task(export_metrics_forever(engines, settings.heartbeat_interval_s))

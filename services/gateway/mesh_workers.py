@@ -39,6 +39,7 @@ def worker_json(status: balancer_pb2.WorkerStatus) -> dict[str, Any]:
         "id": info.worker_id,
         "address": info.address,
         "models": list(info.models),
+        "version": info.version,
         "last_seen_ms": status.last_seen_ms,
         "load": {
             "num_running": load.num_running,

@@ -19,6 +19,7 @@ from mesh.compute.convert import (
 )
 from mesh.compute.engines import ModelEngines
 from mesh.compute.errors import abort, status_on_error
+from mesh.compute.faults import Faults
 from mesh.discovery import WorkerRegistry
 from mesh.erasure import Protection
 from mesh.logging import bind_request_id, get_logger
@@ -104,10 +105,13 @@ def export_metrics(model: str, result: PrefillResult) -> None:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, prefiller: Prefiller, lifecycle: Lifecycle, worker_id: str) -> None:
+    def __init__(
+        self, prefiller: Prefiller, lifecycle: Lifecycle, worker_id: str, faults: Faults | None = None
+    ) -> None:
         self.prefiller = prefiller
         self.lifecycle = lifecycle
         self.worker_id = worker_id
+        self.faults = faults or Faults()  # testing only (KVMESH_ALLOW_FAULT_INJECTION)
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -115,7 +119,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         with bind_request_id(request.request_id or rpc.request_id_of(context)):
             try:
                 with self.lifecycle.track(), prefill_status_on_error():
+                    self.faults.check()
                     result = await self.prefiller.prefill(job_from_proto(request))
+                    await self.faults.delay(1)
             except ServiceError as error:
                 await abort(context, error)
         export_metrics(request.model, result)
@@ -128,6 +134,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         with bind_request_id(request.request_id or rpc.request_id_of(context)):
             try:
                 with self.lifecycle.track(), prefill_status_on_error():
+                    self.faults.check()
                     first: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
                     work = asyncio.ensure_future(
                         self.prefiller.prefill(job_from_proto(request), on_first=first.set_result)
@@ -135,6 +142,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     try:
                         await asyncio.wait((first, work), return_when=asyncio.FIRST_COMPLETED)
                         if first.done():
+                            await self.faults.delay(1)
                             response = response_to_proto(first.result(), self.worker_id)
                             response.kv_pending = not work.done()
                             yield response
@@ -206,7 +214,7 @@ class PrefillService:
                 max_chunk_bytes=rpc.KV_CHUNK_BYTES,
                 critical=writer.defer_while if writer is not None else contextlib.nullcontext,
             )
-            servicer = PrefillServicer(prefiller, runtime.lifecycle, runtime.worker_id)
+            servicer = PrefillServicer(prefiller, runtime.lifecycle, runtime.worker_id, settings.faults())
             await runtime.start(
                 register=lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server),
                 load=lambda: worker_load(engines.stats().values(), relay.num_cached_blocks),

@@ -46,6 +46,7 @@ async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size(tmp_pa
                     max_num_seqs=8,
                     num_kv_blocks=100,
                     block_size=16,
+                    version="1.0.0" if name.startswith("p") else "1.1.0-canary",
                 ),
                 lambda load=load: load,
                 0.2,
@@ -103,8 +104,14 @@ async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size(tmp_pa
     prefill, decode = body["pools"]["prefill"], body["pools"]["decode"]
     assert (prefill["num_recommended"], prefill["target_utilization"]) == (2, 0.8)  # busy: 1 x 1.0 / 0.8
     worker = prefill["workers"][0]
-    assert (worker["id"], worker["address"], worker["models"]) == ("prefill-1", "127.0.0.1:7101", [MODEL])
+    assert (worker["id"], worker["address"], worker["models"], worker["version"]) == (
+        "prefill-1",
+        "127.0.0.1:7101",
+        [MODEL],
+        "1.0.0",
+    )
     assert worker["load"] == {"num_running": 1, "num_waiting": 0, "num_queued_prompt_tokens": 300, "num_kv_tokens": 0}
     assert worker["kv"] == {"usage": 0.25, "num_blocks": 100, "num_free_blocks": 75, "block_size": 16}
     assert worker["cache"] == {"num_blocks": 12, "num_tokens": 192}
+    assert decode["workers"][0]["version"] == "1.1.0-canary"
     assert decode["workers"][0]["load"]["num_kv_tokens"] == 640 and decode["workers"][0]["kv"]["usage"] == 0.4

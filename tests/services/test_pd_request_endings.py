@@ -6,6 +6,8 @@ Harness: the `mesh` fixture of tests/services/pd_harness.py (in-process workers)
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import grpc.aio
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from engine_core import SamplingParams
 from mesh import subjects
 from mesh.bus import Bus
+from mesh.compute.faults import Faults
 from mesh.pb import common_pb2, decode_pb2, events_pb2
 
 from . import pd_harness
@@ -113,3 +116,33 @@ async def test_every_request_leaving_decode_is_announced_with_its_kv_and_length(
     dropped = heard["left-dropped"]
     assert (dropped.num_kv_tokens, dropped.num_output_tokens, dropped.finish_reason) == (20, 1, "dropped")
     assert done.timestamp_ms <= aborted.timestamp_ms <= dropped.timestamp_ms
+
+
+async def test_an_injected_error_fails_the_stream_unavailable_and_frees_its_blocks(mesh: Mesh, monkeypatch):
+    monkeypatch.setattr(mesh.decode.decoder, "faults", Faults(error_rate=1.0))  # KVMESH_FAULT_ERROR_RATE=1
+    await mesh.prefill_stub.Prefill(mesh.request("faulty", mesh.llama, prompt_of(20, seed=11), LONG))
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await mesh.decode_stub.Stream(decode_pb2.StreamRequest(request_id="faulty")).read()
+    assert (error.value.code(), error.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "injected fault (KVMESH_FAULT_ERROR_RATE)",
+    )
+    await wait_for_free_blocks(mesh.decode, mesh.llama)
+
+
+async def test_an_injected_token_delay_slows_the_stream_not_its_tokens(mesh: Mesh, monkeypatch):
+    prompt = prompt_of(20, seed=12)
+
+    async def stream(request_id: str) -> tuple[list[int], float]:
+        started = time.monotonic()
+        await mesh.prefill_stub.Prefill(mesh.request(request_id, mesh.llama, prompt, GREEDY))
+        tokens: list[int] = []
+        async for batch in mesh.decode_stub.Stream(decode_pb2.StreamRequest(request_id=request_id)):
+            tokens += batch.token_ids
+        return tokens, time.monotonic() - started
+
+    tokens, _ = await stream("undelayed")
+    monkeypatch.setattr(mesh.decode.decoder, "faults", Faults(token_delay_s=0.1))  # KVMESH_FAULT_TOKEN_DELAY_S
+    delayed_tokens, delayed_s = await stream("delayed")
+    assert delayed_tokens == tokens and len(tokens) == GREEDY.max_tokens - 1  # decode streams all but prefill's
+    assert delayed_s >= 0.1 * len(tokens)

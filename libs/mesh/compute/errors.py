@@ -11,6 +11,7 @@ import grpc.aio
 
 from engine_core.async_engine import EngineFailure
 from mesh import rpc
+from mesh.compute.faults import InjectedFault
 from mesh.rpc import UnknownModelError
 
 
@@ -32,6 +33,8 @@ def status_on_error() -> Iterator[None]:
         raise rpc.ServiceError(grpc.StatusCode.NOT_FOUND, str(exc)) from exc
     except NoFreeBlocksError as exc:
         raise rpc.ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+    except InjectedFault as exc:
+        raise rpc.ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
     except EngineFailure as exc:
         raise rpc.ServiceError(grpc.StatusCode.INTERNAL, str(exc)) from exc
 

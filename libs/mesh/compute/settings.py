@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_core import EngineConfig
+from mesh.compute.faults import Faults
 from mesh.config import ServiceSettings, require, setting
+from mesh.logging import get_logger
 
 DEVICES = ("auto", "cpu", "cuda", "ascend")
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,14 @@ class WorkerSettings(ServiceSettings):
     expert_report_steps: int = setting(
         0, "MoE models: publish expert loads every this many engine steps and apply expert_lb's plans (0: off)"
     )
+    # testing only: faults a canary rollout must catch (mesh.compute.faults)
+    allow_fault_injection: bool = setting(
+        False, "accept the FAULT_* settings below (testing only); without it a worker given one refuses to start"
+    )
+    fault_token_delay_s: float = setting(0.0, "testing: seconds added before each token this worker streams")
+    fault_error_rate: float = setting(
+        0.0, "testing: share of requests this worker fails (UNAVAILABLE) before their first token, 0 to 1"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,6 +63,26 @@ class WorkerSettings(ServiceSettings):
         for name in ("num_redundant_experts", "expert_report_steps"):
             value = getattr(self, name)
             require(value >= 0, name, value, "must not be negative")
+        self._check_faults()
+
+    def _check_faults(self) -> None:
+        require(self.fault_token_delay_s >= 0, "fault_token_delay_s", self.fault_token_delay_s, "must not be negative")
+        require(0 <= self.fault_error_rate <= 1, "fault_error_rate", self.fault_error_rate, "must be from 0 to 1")
+        for name in ("fault_token_delay_s", "fault_error_rate"):
+            value = getattr(self, name)
+            require(
+                self.allow_fault_injection or not value,
+                name,
+                value,
+                "fault injection is for tests: set KVMESH_ALLOW_FAULT_INJECTION=1 to accept it",
+            )
+
+    def faults(self) -> Faults:
+        if self.allow_fault_injection:
+            log.warning(
+                "fault injection allowed", token_delay_s=self.fault_token_delay_s, error_rate=self.fault_error_rate
+            )
+        return Faults(self.fault_token_delay_s, self.fault_error_rate)
 
     def engine_config(self, model: str) -> EngineConfig:
         return EngineConfig(

@@ -114,7 +114,7 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_shape: _Optional[_Iterable[int]] = ..., block_axis: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "models", "max_num_seqs", "num_kv_blocks", "block_size", "data_address", "started_at_ms")
+    __slots__ = ("worker_id", "role", "address", "models", "max_num_seqs", "num_kv_blocks", "block_size", "data_address", "started_at_ms", "version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     address: str
@@ -133,7 +134,8 @@ class WorkerInfo(_message.Message):
     block_size: int
     data_address: str
     started_at_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., data_address: _Optional[str] = ..., started_at_ms: _Optional[int] = ...) -> None: ...
+    version: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., data_address: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
 
 class LaneEnd(_message.Message):
     __slots__ = ("error", "code")
