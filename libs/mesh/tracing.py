@@ -115,13 +115,15 @@ def current_span() -> Span:
 
 
 def context_from(carrier: Mapping[str, str] | None) -> otel_context.Context | None:
-    """The caller's trace context from headers that may hold a `traceparent` (None: a root span)."""
-    if not carrier or TRACEPARENT not in carrier:
+    """The caller's trace context from headers that may hold a `traceparent` (None: a root span; so is a
+    malformed one, which the propagator ignores). Off: always None, the headers unread."""
+    if _State.tracer is None or not carrier or TRACEPARENT not in carrier:
         return None
     return _PROPAGATOR.extract(carrier)
 
 
 def context_of(traceparent: str) -> otel_context.Context | None:
+    """`context_from` for a traceparent carried in a message field ("" when the sender traced nothing)."""
     return context_from({TRACEPARENT: traceparent} if traceparent else None)
 
 

@@ -124,3 +124,13 @@ async def test_a_callers_traceparent_is_honoured_and_errors_mark_the_span(monkey
     assert spans["root"].parent_id == "b7ad6b7169203331"
     assert spans["failing"].parent_id == spans["root"].span_id
     assert spans["failing"].is_error and not spans["root"].is_error
+
+
+async def test_a_malformed_traceparent_starts_a_new_trace(monkeypatch, receiver):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}")
+    assert tracing.configure_tracing("gateway", "gateway-0")
+    with tracing.span("root", parent=tracing.context_from({"traceparent": "00-not-a-trace-01"})) as root:
+        trace_id = format(root.get_span_context().trace_id, "032x")
+    tracing.shutdown_tracing()
+    (received,) = receiver.spans(trace_id)
+    assert (received.name, received.parent_id) == ("root", "")
