@@ -85,6 +85,15 @@ class StoreReader(Protocol):
         """The stored blocks for the first keys, in order, up to the first one not found."""
         ...
 
+    def stored(self, block_hashes: Sequence[bytes]) -> list[bool] | None:
+        """Per key, whether the store may hold it (False: `fetch` and `plan_stream` will not find it); None when
+        that is not known without asking the nodes."""
+        ...
+
+    def note_skipped(self) -> None:
+        """A read `stored` made needless: the store holds nothing after the engine's cached prefix."""
+        ...
+
     def plan_stream(self, model: str, block_hashes: Sequence[bytes]) -> StoreStream | None:
         """A layer-major read of the leading blocks that feeds a load while the engine computes (None: `fetch`)."""
         ...
@@ -128,6 +137,20 @@ class _StoreHit:
     blocks_data: list[bytes]
     num_local_blocks: int  # blocks before these that the device cache held
     stream: StoreStream | None = None  # set instead of blocks_data: the blocks arrive while the request computes
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """The prompt's blocks the store could add to the engine's cached prefix, found on the event loop."""
+
+    block_hashes: list[bytes]  # the prompt's full blocks, but the one holding the last token
+    stored: list[bool] | None  # per block, whether the store may hold it; None: unknown
+
+    def may_extend(self, num_local: int) -> bool:
+        """Whether the store may hold the block after the `num_local` ones the engine has."""
+        if num_local == len(self.block_hashes):
+            return False
+        return self.stored is None or self.stored[num_local]
 
 
 # Called on the engine thread with the keys just injected from the store (the store has them already).
@@ -177,14 +200,24 @@ class Prefiller:
     ) -> PrefillResult:
         arrived = time.monotonic()
         await engine.prepare_grammar(job.params)  # off the engine thread, bounded; GrammarError: a bad request
-        hit = await self._fetch_from_store(engine, job)
+        lookup = self._lookup(engine, job)
         request_id = job.request_id
         outputs = engine.open_stream(request_id)
         feeding: asyncio.Task[None] | None = None
+        hit: _StoreHit | None = None
+        num_injected, load = 0, None
         try:
             started = time.monotonic()
+            num_local, is_admitted = await self._admit_unless_stored(engine, job, first_params, lookup)
+            if not is_admitted:
+                assert lookup is not None, "only a lookup defers the admission"
+                hit = await self._fetch_from_store(engine, job, lookup, num_local)
+            elif self.store is not None and lookup is not None and num_local < len(lookup.block_hashes):
+                self.store.note_skipped()
             with span("kvmesh.prefill.compute") as computing:
-                num_injected, load = await engine.call(lambda e: self._admit(e, job, first_params, hit))
+                if not is_admitted:
+                    started = time.monotonic()
+                    num_injected, load = await engine.call(lambda e: self._admit(e, job, first_params, hit))
                 feeding = self._feed(engine, job, hit, load)
                 first = await _first_output(engine, request_id, outputs)
                 computing.set_attribute("kvmesh.num_computed_tokens", first.num_prompt_tokens - first.num_cached_tokens)
@@ -220,6 +253,29 @@ class Prefiller:
             engine.call_soon(lambda e: _discard(e, request_id))
             _settle(feeding)
         return result
+
+    async def _admit_unless_stored(
+        self, engine: AsyncEngine, job: PrefillJob, params: SamplingParams, lookup: _Lookup | None
+    ) -> tuple[int, bool]:
+        """How many of the lookup's blocks the engine holds, and whether the request was admitted: in one engine
+        call (each waits for the step in flight), unless the store may hold the next block (then the caller fetches
+        it and admits). The call is the device cache's lookup, so it is traced as one."""
+        if lookup is None:
+            return await engine.call(lambda e: self._admit_now(e, job, params, None))
+        with span("kvmesh.kv.read device", attributes=_read_attributes("lookup", len(lookup.block_hashes))) as reading:
+            num_local, is_admitted = await engine.call(lambda e: self._admit_now(e, job, params, lookup))
+            reading.set_attribute("kvmesh.kv.num_blocks", num_local)
+        return num_local, is_admitted
+
+    def _admit_now(
+        self, engine: LLMEngine, job: PrefillJob, params: SamplingParams, lookup: _Lookup | None
+    ) -> tuple[int, bool]:
+        """On the engine thread: `_admit_unless_stored`'s count and admission."""
+        num_local = 0 if lookup is None else engine.num_cached_blocks(lookup.block_hashes)
+        if lookup is not None and lookup.may_extend(num_local):
+            return num_local, False
+        self._admit(engine, job, params, None)
+        return num_local, True
 
     def _admit(
         self, engine: LLMEngine, job: PrefillJob, params: SamplingParams, hit: _StoreHit | None
@@ -292,22 +348,26 @@ class Prefiller:
             yield chunk
 
     # -- the KV store ---------------------------------------------------------------------------------
-    async def _fetch_from_store(self, engine: AsyncEngine, job: PrefillJob) -> _StoreHit | None:
-        """The blocks right after the locally cached ones that the store holds; None when there are none."""
+    def _lookup(self, engine: AsyncEngine, job: PrefillJob) -> _Lookup | None:
+        """The prompt's blocks and which of them the store may hold; None when the store is not used."""
         if self.store is None or not self.store.is_available() or not _is_valid_prompt(engine, job):
             return None
         block_size = self.engines.layout(job.model).block_size
-        # The last prompt token is always computed (its logits give the first token), so its block never helps.
         hashes = engine.prompt_block_hashes(
             job.prompt_token_ids, job.cache_salt, [image.key_span for image in job.images]
         )
         self.store.note_traffic_class(hashes, job.traffic_class)
+        # The last prompt token is always computed (its logits give the first token), so its block never helps.
         hashes = hashes[: (len(job.prompt_token_ids) - 1) // block_size]
-        with span("kvmesh.kv.read device", attributes=_read_attributes("lookup", len(hashes))) as reading:
-            num_local = await engine.call(lambda e: e.num_cached_blocks(hashes))
-            reading.set_attribute("kvmesh.kv.num_blocks", num_local)
-        if num_local == len(hashes):
-            return None
+        return _Lookup(hashes, self.store.stored(hashes))
+
+    async def _fetch_from_store(
+        self, engine: AsyncEngine, job: PrefillJob, lookup: _Lookup, num_local: int
+    ) -> _StoreHit | None:
+        """The blocks right after the `num_local` the engine holds that the store holds; None when there are none."""
+        assert self.store is not None, "a lookup means a store"
+        block_size = self.engines.layout(job.model).block_size
+        hashes = lookup.block_hashes
         wanted = hashes[num_local:]
         parent = hashes[num_local - 1] if num_local else root_hash(engine.served_name, job.cache_salt)
         stream = self.store.plan_stream(job.model, wanted)

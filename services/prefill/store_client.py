@@ -174,6 +174,17 @@ class StoreClient:
         metrics.PREFILL_STORE_READS.labels(mode="stream").inc()
         return LayerStream(self, model, list(block_hashes[: len(plan)]), plan, num_data[: len(plan)])
 
+    def stored(self, block_hashes: Sequence[bytes]) -> list[bool] | None:
+        """Per key, whether a live node holds it by the index (None until the index has caught up): where it says
+        no, `plan_stream` and `fetch` would find nothing, so prefill skips them and the engine call they need."""
+        if self.follower is None or not self.follower.is_caught_up:
+            return None
+        nodes = self.nodes()
+        return [any(worker in nodes for worker in self.index.holders(key)) for key in block_hashes]
+
+    def note_skipped(self) -> None:
+        metrics.PREFILL_STORE_READS.labels(mode="skipped").inc()
+
     async def fetch(self, model: str, block_hashes: Sequence[bytes]) -> list[StoreBlock]:
         """The stored blocks for the first keys, in order, up to the first miss. Never raises."""
         nodes = self.nodes()

@@ -113,6 +113,7 @@ async def test_a_stopped_node_loses_no_block_and_a_replacement_is_repaired(clust
     await wait_until(_async(lambda: all(sorted(fragments_on(client, k, every).values()) == [0, 1, 2] for k in keys)))
     assert await client.fetch("m", keys) == blocks
     assert await client.fetch("m", [bytes(32)]) == []  # the index says no: not a single call
+    assert client.stored([*keys, bytes(32)]) == [True] * 8 + [False]  # what prefill asks before any engine call
 
     for stopped in sorted(nodes):  # any one node: every block is still read back, decoded from the other two
         await nodes[stopped].stop()

@@ -131,6 +131,25 @@ async def test_blocks_go_to_the_store_and_come_back_to_an_empty_device_cache(mes
     ] * 2  # computed, then injected from the store
 
 
+async def test_a_prefix_the_store_cannot_extend_costs_one_engine_call_before_the_first_token(mesh: Mesh, monkeypatch):
+    model, prompt = mesh.llama, prompt_of(50, seed=11)
+    engine = mesh.prefill.engines.get(model)
+    one_token = dataclasses.replace(GREEDY, max_tokens=1)  # ends at prefill: no export, no push
+    first = await mesh.prefill_stub.Prefill(mesh.request("cached-first", model, prompt, one_token))
+    assert first.num_cached_tokens == 0
+    calls = []
+    call = engine.call
+
+    async def counted(fn):
+        calls.append(fn)
+        return await call(fn)
+
+    monkeypatch.setattr(engine, "call", counted)
+    second = await mesh.prefill_stub.Prefill(mesh.request("cached-again", model, prompt, one_token))
+    assert (second.num_cached_tokens, second.num_store_tokens) == (48, 0)
+    assert len(calls) == 1  # the call that found every block cached admitted the request: no lookup call first
+
+
 async def test_a_failing_or_foreign_store_block_is_a_miss_never_a_failure(mesh: Mesh):
     model = mesh.llama
     engine = mesh.prefill.engines.get(model)
