@@ -37,7 +37,7 @@ import socket
 import ssl
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import (
@@ -59,6 +59,7 @@ KEY_BYTES = 16  # AES-128
 TAG_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 SEALING = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="lane-seal")
 _idle_scratch: list[bytearray] = []  # written by event loops only
 _stall_limit_s: contextvars.ContextVar[float | None] = contextvars.ContextVar("lane_stall_limit_s", default=None)
@@ -196,7 +197,7 @@ async def recv_exactly_into(sock: socket.socket, *views: memoryview) -> None:
         for n, batch in enumerate(batches):  # batch n is opened in a worker thread while batch n + 1 comes in
             await recv_raw_into(sock, *batch)
             if opening is not None:
-                await asyncio.wrap_future(opening)
+                await _result(opening)
             if n + 1 < len(batches):
                 opening = SEALING.submit(_open, payload, sock.encrypt, batch)
             else:
@@ -228,6 +229,11 @@ def _seal(sealer: AEADEncryptionContext, parts: list[memoryview], out: memoryvie
         sealer.update_into(part, out[filled : filled + len(part)])
         filled += len(part)
     return [out[:filled]]
+
+
+async def _result(job: Future[T]) -> T:
+    """A job's result; the event loop waits (and a thread wakes it) only when the job is not done yet."""
+    return job.result() if job.done() else await asyncio.wrap_future(job)
 
 
 async def _settle(job: Future[Any] | None) -> None:
@@ -333,7 +339,7 @@ async def _send_sealed(
         for n in range(1, len(slices)):
             sealing = SEALING.submit(_seal, sealer, slices[n], scratch[n % 2] if encrypt else None)
             await send_raw(sock, sealed)
-            sealed = await asyncio.wrap_future(sealing)
+            sealed = await _result(sealing)
         sealer.finalize()
         await send_raw(sock, [*sealed, sealer.tag])
     finally:
