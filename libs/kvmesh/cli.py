@@ -170,6 +170,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.expert import run_expert_bench
 
         result = run_expert_bench(quick=args.quick, seed=args.seed)
+    elif args.bench_command == "spans":
+        from kvmesh.bench.spans import run_span_bench
+
+        result = run_span_bench(args.spans, args.repeats)
     elif args.bench_command == "engine":
         from kvmesh.bench.engine import run_engine_bench
 
@@ -291,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--json", action="store_true", help="one line of JSON")
+
+    spans = bench_commands.add_parser("spans", help="CPU time of one span, tracing off and on, and its OTLP encoding")
+    spans.add_argument("--spans", type=int, default=5000, help="spans per measurement")
+    spans.add_argument("--repeats", type=int, default=5, help="measurements, median reported")
+    spans.add_argument("--json", action="store_true", help="one line of JSON")
 
     expert = bench_commands.add_parser("expert", help="expert placement on drifting skewed loads vs DeepSeek EPLB")
     expert.add_argument("--quick", action="store_true", help="smoke test: fewer layers and intervals")

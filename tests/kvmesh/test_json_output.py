@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "route": (("bench", "route", "--trace", TRACE, "--limit", "50"), "hit_rate"),
     "serve": (("bench", "serve", *TINY, "--requests", "2", "--concurrency", "1", "--max-tokens", "2"), "ttft_p50_ms"),
     "admission": (("bench", "admission", "--smoke"), "results"),
+    "spans": (("bench", "spans", "--spans", "200", "--repeats", "1"), "on_cpu_us_per_span"),
     "expert-plan": (("expert-plan", "--input", str(DATA / "eplb" / "eplb_readme_example.json")), "phy2log"),
 }
 
