@@ -28,6 +28,7 @@ WORKER = "{worker}"  # a worker's own id in a subject of the table
 INBOXES = "_INBOX.>"
 KV_STREAMS = ("KVMESH_KV", "KV_KVMESH_KV_SNAPSHOT", "OBJ_KVMESH_KV_SNAPSHOTS")  # the KV index and its snapshots
 GATEWAY_STREAMS = ("KVMESH_USAGE", "KVMESH_FINISHED", "KV_KVMESH_LIMITS", "KV_kvmesh_responses")
+ROLLOUT_STREAM = "KV_KVMESH_ROLLOUTS"  # canary rollouts (mesh.rollouts): the admin API and the balancers write it
 
 
 def jetstream_api(*streams: str, purge: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -61,8 +62,10 @@ def jetstream_api(*streams: str, purge: tuple[str, ...] = ()) -> tuple[str, ...]
 ALL_HEARTBEATS = f"{subjects.HEARTBEAT_PREFIX}.>"
 CREDS_FILE = "nats.creds"  # beside a role's certificate in its directory (`kvmesh certs init`)
 
-_GATEWAY_BUCKETS = ("$KV.KVMESH_LIMITS.>", "$KV.kvmesh_responses.>")  # tenancy limits, the Responses API's store
-_BALANCER_BUCKETS = ("$KV.KVMESH_KV_SNAPSHOT.>", "$O.KVMESH_KV_SNAPSHOTS.>")  # the KV index's snapshots
+_ROLLOUTS_BUCKET = "$KV.KVMESH_ROLLOUTS.>"
+# the gateway's: tenancy limits, the Responses API's store; the balancer's: the KV index's snapshots; both: rollouts
+_GATEWAY_BUCKETS = ("$KV.KVMESH_LIMITS.>", "$KV.kvmesh_responses.>", _ROLLOUTS_BUCKET)
+_BALANCER_BUCKETS = ("$KV.KVMESH_KV_SNAPSHOT.>", "$O.KVMESH_KV_SNAPSHOTS.>", _ROLLOUTS_BUCKET)
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
             _heartbeat(GATEWAY),
             subjects.ALL_USAGE,
             "kvmesh.tenancy.changed",
-            *jetstream_api(*GATEWAY_STREAMS),
+            *jetstream_api(*GATEWAY_STREAMS, ROLLOUT_STREAM),
             *_GATEWAY_BUCKETS,
         ),
         subscribe=(ALL_HEARTBEATS, "kvmesh.tenancy.changed", INBOXES),
@@ -128,7 +131,7 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
             _heartbeat(BALANCER),
             subjects.BALANCER_ASSIGN,
             subjects.BALANCER_REPLICAS,
-            *jetstream_api(*KV_STREAMS, purge=("KVMESH_KV", "OBJ_KVMESH_KV_SNAPSHOTS")),
+            *jetstream_api(*KV_STREAMS, ROLLOUT_STREAM, purge=("KVMESH_KV", "OBJ_KVMESH_KV_SNAPSHOTS")),
             *_BALANCER_BUCKETS,
         ),
         subscribe=(

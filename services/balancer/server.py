@@ -7,7 +7,8 @@ Replicas: each publishes every decision on kvmesh.balancer.assign and counts its
 heartbeats include them), so several balancers behind the gateways do not all pick the same idle worker. Each
 publishes its recommended pool sizes on kvmesh.balancer.replicas once per heartbeat interval (and answers them in
 ListWorkers). Decode workers announce every request that leaves them on kvmesh.requests.finished: its KV stops
-counting at once (not at the worker's next heartbeat) and its output length teaches the decode policy.
+counting at once (not at the worker's next heartbeat) and its output length teaches the decode policy. Canary
+rollouts (mesh.rollouts, JetStream KV) split each model's conversations between its stable and canary workers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower, KVIndexCompactor
 from mesh.logging import get_logger
 from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2, events_pb2
+from mesh.rollouts import RolloutStore, splits
 from mesh.routing import Assignment, CostModel, NoWorkerError, Router, RouteRequest, WorkerState
 from mesh.routing import Route as Picked  # `Route` is the servicer's method
 from mesh.routing.capacity import CapacityPlanner, PoolRecommendation
@@ -54,6 +56,7 @@ def worker_state(worker: KnownWorker) -> WorkerState:
         num_queued_prompt_tokens=load.num_queued_prompt_tokens,
         num_kv_tokens=load.num_kv_tokens,
         num_cached_blocks=load.num_cached_blocks,
+        version=info.version,
     )
 
 
@@ -66,6 +69,7 @@ def route_request_from_pb(request: balancer_pb2.RouteRequest) -> RouteRequest:
         num_prompt_tokens=request.num_prompt_tokens,
         request_id=request.request_id,
         exclude_worker_ids=frozenset(request.exclude_worker_ids),
+        tenant=request.tenant,
     )
 
 
@@ -274,6 +278,30 @@ async def follow_kv_events(bus: Bus, index: GlobalKVIndex, settings: BalancerSet
     return subscription.unsubscribe
 
 
+async def follow_rollouts(bus: Bus, router: Router) -> asyncio.Task[None] | None:
+    """Route each model by its latest rollout's split (mesh.rollouts); this is the only writer of router.splits.
+    Without JetStream, no rollouts: routing is as without a rollout."""
+    rollouts: dict[str, events_pb2.Rollout] = {}
+
+    def on_change(rollout: events_pb2.Rollout) -> None:
+        rollouts[rollout.rollout_id] = rollout
+        router.splits = splits(rollouts.values())
+        log.info(
+            "rollout split",
+            rollout_id=rollout.rollout_id,
+            model=rollout.model,
+            canary_version=rollout.canary_version,
+            weight=rollout.weight,
+            state=rollout.state,
+        )
+
+    try:
+        return await RolloutStore(bus).follow(on_change)
+    except Exception:
+        log.warning("no rollout bucket: routing ignores canary rollouts", exc_info=True)
+        return None
+
+
 async def publish_pools(bus: Bus, pools: Pools, balancer_id: str, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
@@ -331,6 +359,7 @@ async def serve(settings: BalancerSettings) -> None:
         else None
     )
     finished = await bus.subscribe(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished, on_finished)
+    rollout_task = await follow_rollouts(bus, router)
     planner_task = asyncio.create_task(publish_pools(bus, pools, settings.worker_id, settings.heartbeat_interval_s))
     export_pool_sizes(pools)
     servicer = BalancerServicer(pools, router, runtime.lifecycle, bus if peers is not None else None, encoders)
@@ -341,6 +370,8 @@ async def serve(settings: BalancerSettings) -> None:
 
     async def stop_following() -> None:
         planner_task.cancel()
+        if rollout_task is not None:
+            rollout_task.cancel()
         if peers is not None:
             await peers.unsubscribe()
         await finished.unsubscribe()

@@ -168,3 +168,61 @@ class UsageRecord(_message.Message):
     gateway_started_at_ms: int
     settle_after_ms: int
     def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., key_id: _Optional[str] = ..., model: _Optional[str] = ..., api: _Optional[str] = ..., status: _Optional[str] = ..., http_status: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., cost: _Optional[str] = ..., price_plan: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ..., gateway_id: _Optional[str] = ..., gateway_started_at_ms: _Optional[int] = ..., settle_after_ms: _Optional[int] = ...) -> None: ...
+
+class Rollout(_message.Message):
+    __slots__ = ("rollout_id", "model", "stable_version", "canary_version", "steps", "check_interval_s", "gates", "state", "step_index", "weight", "created_ms", "step_started_ms", "decisions")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANARY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    GATES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_STARTED_MS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    model: str
+    stable_version: str
+    canary_version: str
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    check_interval_s: float
+    gates: RolloutGates
+    state: str
+    step_index: int
+    weight: int
+    created_ms: int
+    step_started_ms: int
+    decisions: _containers.RepeatedCompositeFieldContainer[RolloutDecision]
+    def __init__(self, rollout_id: _Optional[str] = ..., model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., check_interval_s: _Optional[float] = ..., gates: _Optional[_Union[RolloutGates, _Mapping]] = ..., state: _Optional[str] = ..., step_index: _Optional[int] = ..., weight: _Optional[int] = ..., created_ms: _Optional[int] = ..., step_started_ms: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RolloutDecision, _Mapping]]] = ...) -> None: ...
+
+class RolloutGates(_message.Message):
+    __slots__ = ("max_ttft_p95_ratio", "max_itl_p95_ratio", "max_error_rate_increase", "max_cost_per_token_ratio", "min_samples", "num_golden_prompts")
+    MAX_TTFT_P95_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MAX_ITL_P95_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MAX_ERROR_RATE_INCREASE_FIELD_NUMBER: _ClassVar[int]
+    MAX_COST_PER_TOKEN_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_GOLDEN_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    max_ttft_p95_ratio: float
+    max_itl_p95_ratio: float
+    max_error_rate_increase: float
+    max_cost_per_token_ratio: float
+    min_samples: int
+    num_golden_prompts: int
+    def __init__(self, max_ttft_p95_ratio: _Optional[float] = ..., max_itl_p95_ratio: _Optional[float] = ..., max_error_rate_increase: _Optional[float] = ..., max_cost_per_token_ratio: _Optional[float] = ..., min_samples: _Optional[int] = ..., num_golden_prompts: _Optional[int] = ...) -> None: ...
+
+class RolloutDecision(_message.Message):
+    __slots__ = ("at_ms", "action", "weight", "reason")
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    at_ms: int
+    action: str
+    weight: int
+    reason: str
+    def __init__(self, at_ms: _Optional[int] = ..., action: _Optional[str] = ..., weight: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -11,8 +11,10 @@ the trace-driven simulator (`kvmesh bench route`).
     router.py    Router (one balancer replica) and POLICIES, the names
     encoder.py   pick_encoder: the encoder pool's policy
     capacity.py  recommended replica counts per pool from observed load
+    canary.py    Split: a rollout's share of conversations for a canary version, sticky per conversation
 """
 
+from mesh.routing.canary import Split
 from mesh.routing.cost import CostModel
 from mesh.routing.router import DEFAULT_POLICY, POLICIES, Router, check_policy
 from mesh.routing.state import Assignment, NoWorkerError, PrefillPick, Route, RouteRequest, WorkerState
@@ -29,6 +31,7 @@ __all__ = [
     "Route",
     "RouteRequest",
     "Router",
+    "Split",
     "WorkerState",
     "check_policy",
 ]

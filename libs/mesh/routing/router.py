@@ -7,6 +7,7 @@ peers apply when they hear it (`apply`).
     router.apply(peer_assignment)                  # a peer's decision, heard on NATS
     router.update(worker_state)                    # a heartbeat (route() also takes newer reports it is given)
     router.observe_finished(decode_id, request_id, t, kv, n)  # a request left a decode worker
+    router.splits[model] = Split(model, "2.0", weight=5)  # a rollout's step: 5% of conversations to version 2.0
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mesh.routing.canary import Split, side_of
 from mesh.routing.context import CacheIndex, PickContext
 from mesh.routing.cost import CostModel
 from mesh.routing.decode import DecodePolicy, DeepSeekDecode, LeastKVDecode, LeastRequestsDecode, RoundRobinDecode
@@ -72,6 +74,7 @@ class Router:
         self.decode_policy = spec.decode()
         self.optimistic_cache = spec.optimistic_cache
         self.num_routes = 0
+        self.splits: dict[str, Split] = {}  # model -> its rollout's split; written only by the rollout follower
 
     def route(
         self, request: RouteRequest, prefill: Sequence[WorkerState], decode: Sequence[WorkerState], now_s: float
@@ -80,6 +83,10 @@ class Router:
         has nobody left."""
         if request.num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must not be negative, got {request.num_prompt_tokens}")
+        split = self.splits.get(request.model)
+        if split is not None:
+            prefill = side_of(split, request, prefill) or prefill  # empty: _eligible names the pool
+            decode = side_of(split, request, decode) or decode
         prefill_pool = self._eligible(request, prefill, "prefill")
         decode_pool = self._eligible(request, decode, "decode")
         for worker in (*prefill_pool, *decode_pool):

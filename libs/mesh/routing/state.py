@@ -23,6 +23,7 @@ class WorkerState:
     num_queued_prompt_tokens: int = 0  # prefill: prompt tokens admitted but not yet computed
     num_kv_tokens: int = 0  # decode: KV held by running requests
     num_cached_blocks: int = 0  # prefill: size of its prefix cache
+    version: str = ""  # the build it runs (WorkerInfo.version): a rollout splits traffic by it
 
     @property
     def num_kv_capacity_tokens(self) -> int:
@@ -36,6 +37,7 @@ class RouteRequest:
     num_prompt_tokens: int
     request_id: str = ""
     exclude_worker_ids: frozenset[str] = frozenset()
+    tenant: str = ""  # with the first block key, keeps a conversation on one side of a rollout's split
 
 
 @dataclass(frozen=True)
