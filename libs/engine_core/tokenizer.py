@@ -28,6 +28,7 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
+from engine_core import token_bound
 from engine_core.token_bound import ByteCountBound
 
 
@@ -262,15 +263,16 @@ class Tokenizer:
 
     def check_size(self, texts: Sequence[str], num_control_tokens: int, max_num_tokens: int) -> None:
         """PromptTooLong when `texts` (tokenized each on its own) plus the control tokens must reach
-        max_num_tokens: first by their bytes / max_token_bytes, then, for a text long enough to possibly not fit,
-        by their byte counts (a few ms a MiB)."""
+        max_num_tokens: first by their bytes / max_token_bytes, then, for texts long enough to possibly not fit and
+        to cost more to tokenize than the bound takes (token_bound.MIN_BYTES), by their byte counts."""
         num_bytes = sum(map(_utf8_len, texts))
         per_token = self.max_token_bytes
         if per_token is None:
             return
         min_num_tokens = num_control_tokens + -(-num_bytes // per_token)
         bound = self._byte_count_bound
-        if min_num_tokens < max_num_tokens and bound is not None and num_control_tokens + num_bytes >= max_num_tokens:
+        worth_it = num_bytes >= max(max_num_tokens - num_control_tokens, token_bound.MIN_BYTES)
+        if min_num_tokens < max_num_tokens and bound is not None and worth_it:
             enough = max_num_tokens - num_control_tokens
             min_num_tokens = max(min_num_tokens, num_control_tokens + bound.min_num_tokens(texts, enough))
         if min_num_tokens >= max_num_tokens:

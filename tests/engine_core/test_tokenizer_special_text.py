@@ -174,16 +174,19 @@ def test_a_megabyte_of_words_is_refused_by_its_byte_counts(deepseek: Tokenizer) 
     counts prove it too long, so it is refused without being tokenized."""
     words = "describe " * 116_508
     assert len(deepseek.encode(words, add_special_tokens=False)) == 116_509
+    deepseek.warm()  # as the gateway does at load: the bound's arrays are built once
     start = time.perf_counter()
     with pytest.raises(PromptTooLong) as caught:
         deepseek.encode_chat([{"role": "system", "content": words}, {"role": "user", "content": "hi"}], None, 16384)
     assert time.perf_counter() - start < 0.5  # tokenizing it takes 0.4-1 s here
     assert caught.value.num_bytes == len(words) + len("hi")
     assert 16384 <= caught.value.min_num_tokens <= 116_509
-    fits = "describe " * 1800  # 16,200 bytes, 1,801 tokens: more bytes than the limits, so the bound runs
+    fits = "describe " * 8000  # 72,000 bytes, 8,001 tokens: more bytes than the limits, so the bound runs
     chat = [{"role": "user", "content": fits}]
-    assert len(deepseek.encode_chat(chat)) == 1804  # BOS, User, 1,801, Assistant
-    assert deepseek.encode_chat(chat, max_num_tokens=1805) == deepseek.encode_chat(chat)  # and lets them through
-    assert deepseek.encode(fits, max_num_tokens=1802) == deepseek.encode(fits)
+    assert len(deepseek.encode_chat(chat)) == 8004  # BOS, User, 8,001, Assistant
+    assert deepseek.encode_chat(chat, max_num_tokens=8005) == deepseek.encode_chat(chat)  # and lets them through
+    assert deepseek.encode(fits, max_num_tokens=8002) == deepseek.encode(fits)
     with pytest.raises(PromptTooLong):
-        deepseek.encode(fits * 20, max_num_tokens=16384)  # 324,000 bytes, 36,001 tokens: 2,532 by bytes / 128
+        deepseek.encode(fits * 5, max_num_tokens=16384)  # 360,000 bytes, 40,001 tokens: 2,813 by bytes / 128
+    small = "describe " * 7000  # 63,000 bytes: under token_bound.MIN_BYTES, tokenizing is as cheap as the bound
+    assert len(deepseek.encode(small, max_num_tokens=7000)) > 7000  # not refused here; the caller counts the ids
