@@ -168,6 +168,10 @@ async def test_the_gateway_uses_its_jetstream_streams_and_buckets(server: Embedd
     limits = await js.create_key_value(bucket="KVMESH_LIMITS")
     await limits.put("tenant-a", b"3")
     assert (await limits.get("tenant-a")).value == b"3"
+    watcher = await limits.watchall()  # an ordered consumer on the bucket's stream, as the limiter follows it
+    seen = await watcher.updates(timeout=2)
+    assert seen is not None and (seen.key, seen.value) == ("tenant-a", b"3")
+    await watcher.stop()
     await gateway.close()
 
 
