@@ -178,6 +178,16 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 legend=("live {{pool}}", "recommended {{pool}}"),
             ),
             Panel(
+                "Canary rollouts: weight and decisions",
+                (
+                    "max by (model) (kvmesh_rollout_canary_weight)",
+                    "sum by (model, action) (increase(kvmesh_rollout_decisions_total[$__rate_interval]))",
+                ),
+                legend=("weight % {{model}}", "{{action}} {{model}}"),
+                description="The canary's share of each model's conversations, and the rollout controller's "
+                "decisions (hold, step, promote, rollback): docs/operations.md, Canary rollouts.",
+            ),
+            Panel(
                 "Expert balancedness (worst layer)",
                 ("min by (model) (kvmesh_expert_balancedness)",),
                 "percentunit",

@@ -139,6 +139,7 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
             subjects.ALL_KV_EVENTS,
             subjects.BALANCER_ASSIGN,
             subjects.REQUESTS_FINISHED,
+            subjects.ALL_USAGE,  # requests' outcomes: a canary rollout's samples
             INBOXES,
         ),
     ),

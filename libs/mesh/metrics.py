@@ -293,6 +293,19 @@ BALANCER_PEER_ASSIGNMENTS = _counter(
     "Decisions of peer balancer replicas counted in this one's load view",
     roles="balancer",
 )
+ROLLOUT_DECISIONS = _counter(
+    "kvmesh_rollout_decisions_total",
+    "Canary rollout decisions made by this balancer",
+    ["model", "action"],
+    roles="balancer",
+    note="action: start, hold, step, promote, rollback, abort (start and abort come from the admin API)",
+)
+ROLLOUT_WEIGHT = _gauge(
+    "kvmesh_rollout_canary_weight",
+    "The canary's share of the model's conversations (percent) by its latest rollout",
+    ["model"],
+    roles="balancer",
+)
 BALANCER_FINISHED_HEARD = _counter(
     "kvmesh_balancer_finished_requests_total",
     "Requests that left decode workers, heard on the finished-request feed",

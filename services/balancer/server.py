@@ -36,6 +36,7 @@ from mesh.routing.capacity import CapacityPlanner, PoolRecommendation
 from mesh.routing.encoder import EncoderBalancer
 from mesh.service import Lifecycle, ServiceRuntime
 from services.balancer.config import BalancerSettings
+from services.balancer.rollouts import ROLLOUT_TICK_S, RolloutController
 
 POOL_ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
 MAX_SHARED_BLOCKS = 4096  # block keys an Assignment carries (the uncached suffix's first ones)
@@ -278,14 +279,16 @@ async def follow_kv_events(bus: Bus, index: GlobalKVIndex, settings: BalancerSet
     return subscription.unsubscribe
 
 
-async def follow_rollouts(bus: Bus, router: Router) -> asyncio.Task[None] | None:
-    """Route each model by its latest rollout's split (mesh.rollouts); this is the only writer of router.splits.
-    Without JetStream, no rollouts: routing is as without a rollout."""
+async def follow_rollouts(bus: Bus, router: Router, controller: RolloutController) -> Callable[[], Any] | None:
+    """Route each model by its latest rollout's split (mesh.rollouts; this is the only writer of router.splits),
+    feed the controller every rollout and every request's usage record, and let it judge them. Without JetStream,
+    no rollouts: routing is as without one. Returns the coroutine function that stops following."""
     rollouts: dict[str, events_pb2.Rollout] = {}
 
     def on_change(rollout: events_pb2.Rollout) -> None:
         rollouts[rollout.rollout_id] = rollout
         router.splits = splits(rollouts.values())
+        controller.on_rollout(rollout)
         log.info(
             "rollout split",
             rollout_id=rollout.rollout_id,
@@ -295,11 +298,23 @@ async def follow_rollouts(bus: Bus, router: Router) -> asyncio.Task[None] | None
             state=rollout.state,
         )
 
+    async def on_usage(record: events_pb2.UsageRecord, subject: str) -> None:
+        controller.on_usage(record)
+
     try:
-        return await RolloutStore(bus).follow(on_change)
+        following = await controller.store.follow(on_change)
     except Exception:
         log.warning("no rollout bucket: routing ignores canary rollouts", exc_info=True)
         return None
+    usage = await bus.subscribe(subjects.ALL_USAGE, events_pb2.UsageRecord, on_usage)
+    checking = asyncio.create_task(controller.run_forever(ROLLOUT_TICK_S))
+
+    async def stop() -> None:
+        following.cancel()
+        checking.cancel()
+        await usage.unsubscribe()
+
+    return stop
 
 
 async def publish_pools(bus: Bus, pools: Pools, balancer_id: str, interval_s: float) -> None:
@@ -359,7 +374,7 @@ async def serve(settings: BalancerSettings) -> None:
         else None
     )
     finished = await bus.subscribe(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished, on_finished)
-    rollout_task = await follow_rollouts(bus, router)
+    stop_rollouts = await follow_rollouts(bus, router, RolloutController(RolloutStore(bus), registry))
     planner_task = asyncio.create_task(publish_pools(bus, pools, settings.worker_id, settings.heartbeat_interval_s))
     export_pool_sizes(pools)
     servicer = BalancerServicer(pools, router, runtime.lifecycle, bus if peers is not None else None, encoders)
@@ -370,8 +385,8 @@ async def serve(settings: BalancerSettings) -> None:
 
     async def stop_following() -> None:
         planner_task.cancel()
-        if rollout_task is not None:
-            rollout_task.cancel()
+        if stop_rollouts is not None:
+            await stop_rollouts()
         if peers is not None:
             await peers.unsubscribe()
         await finished.unsubscribe()

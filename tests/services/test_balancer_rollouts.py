@@ -3,9 +3,12 @@ canary's workers get the conversations the rollout's weight says, and none once 
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh.bus import Bus
@@ -124,6 +127,122 @@ async def test_the_balancer_routes_by_the_latest_rollout_weight(nats_url: str) -
             revision = (await store.get("to-2.0") or (None, 0))[1]
             await store.update(rollout("to-2.0", 0, created_ms=10), revision)  # rolled back
             await wait_until(lambda: only({("p-1", "d-1")}))
+    finally:
+        for announcer in workers:
+            await announcer.stop()
+        for bus in buses.values():
+            await bus.close()
+
+
+def usage(request_id: str, decode_worker: str, ttft_ms: float, now_ms: int) -> events_pb2.UsageRecord:
+    return events_pb2.UsageRecord(
+        request_id=request_id,
+        tenant_id="t",
+        model="m",
+        status="finished",
+        http_status=200,
+        prompt_tokens=40,
+        cached_tokens=32,
+        completion_tokens=11,
+        ttft_ms=ttft_ms,
+        e2e_ms=ttft_ms + 10 * 20.0,  # 20 ms between tokens
+        prefill_worker="p-1",
+        decode_worker=decode_worker,
+        ended_at_ms=now_ms,
+    )
+
+
+def gated_rollout(rollout_id: str, now_ms: int) -> events_pb2.Rollout:
+    return events_pb2.Rollout(
+        rollout_id=rollout_id,
+        model="m",
+        stable_version="1.0",
+        canary_version="2.0",
+        steps=[50, 100],
+        check_interval_s=0.5,
+        gates=events_pb2.RolloutGates(max_ttft_p95_ratio=1.5, max_itl_p95_ratio=1.5, min_samples=5),
+        state=RUNNING,
+        weight=50,
+        created_ms=now_ms,
+        step_started_ms=now_ms,
+    )
+
+
+async def test_the_controller_steps_promotes_and_rolls_back_by_the_gates(nats_url: str) -> None:
+    buses = {name: await Bus.connect(nats_url, name=name) for name in ("p-1", "d-1", "d-2", "gateway")}
+    workers = [
+        await start_worker(buses["p-1"], "p-1", common_pb2.ROLE_PREFILL, "1.0"),
+        await start_worker(buses["d-1"], "d-1", common_pb2.ROLE_DECODE, "1.0"),
+        await start_worker(buses["d-2"], "d-2", common_pb2.ROLE_DECODE, "2.0"),
+    ]
+    store = RolloutStore(buses["gateway"])
+    settings = BalancerSettings(
+        nats_url=nats_url,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        worker_id="balancer-c",
+        heartbeat_interval_s=INTERVAL_S,
+    )
+    num_sent = 0
+
+    async def serve_requests(canary_ttft_ms: float) -> None:
+        nonlocal num_sent
+        now_ms = int(time.time() * 1000)
+        for worker, ttft_ms in (("d-1", 100.0), ("d-2", canary_ttft_ms)):
+            for _ in range(5):
+                num_sent += 1
+                await buses["gateway"].publish("kvmesh.usage.t", usage(f"u{num_sent}", worker, ttft_ms, now_ms))
+
+    async def state_of(rollout_id: str) -> events_pb2.Rollout:
+        found = await store.get(rollout_id)
+        assert found is not None
+        return found[0]
+
+    try:
+        async with serving(serve, settings) as channel:
+            stub = balancer_pb2_grpc.BalancerStub(channel)
+
+            async def all_listed() -> bool:
+                return len((await stub.ListWorkers(balancer_pb2.ListWorkersRequest())).workers) == 3
+
+            await wait_until(all_listed)
+            await store.create(gated_rollout("good", int(time.time() * 1000)))
+            await asyncio.sleep(0.6)  # one interval without traffic: the step holds
+            assert [(d.action, d.weight) for d in (await state_of("good")).decisions] == [("hold", 50)]
+            await serve_requests(canary_ttft_ms=110.0)
+
+            async def moved_to_100() -> bool:
+                return (await state_of("good")).weight == 100
+
+            await wait_until(moved_to_100)
+            await serve_requests(canary_ttft_ms=110.0)
+
+            async def promoted() -> bool:
+                return (await state_of("good")).state == "promoted"
+
+            await wait_until(promoted, timeout_s=3)
+            actions = [(d.action, d.weight) for d in (await state_of("good")).decisions]
+            assert actions[0] == ("hold", 50) and actions[-2:] == [("step", 100), ("promote", 100)]
+
+            await store.create(gated_rollout("slow", int(time.time() * 1000)))
+            await serve_requests(canary_ttft_ms=400.0)  # 4x stable's TTFT
+            fault_s = time.time()
+
+            async def rolled_back() -> bool:
+                return (await state_of("slow")).state == "rolled_back"
+
+            await wait_until(rolled_back, timeout_s=3)
+            last = (await state_of("slow")).decisions[-1]
+            assert (last.action, last.weight, last.reason) == (
+                "rollback",
+                0,
+                "p95 TTFT 4.00x stable's, over 1.5x",
+            )
+            assert last.at_ms / 1000 - fault_s <= 0.5 + 0.3  # within one check interval (and a tick)
+            assert REGISTRY.get_sample_value("kvmesh_rollout_canary_weight", {"model": "m"}) == 0
+            assert (
+                REGISTRY.get_sample_value("kvmesh_rollout_decisions_total", {"model": "m", "action": "rollback"}) == 1
+            )
     finally:
         for announcer in workers:
             await announcer.stop()

@@ -170,7 +170,7 @@ class UsageRecord(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., key_id: _Optional[str] = ..., model: _Optional[str] = ..., api: _Optional[str] = ..., status: _Optional[str] = ..., http_status: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., cost: _Optional[str] = ..., price_plan: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ..., gateway_id: _Optional[str] = ..., gateway_started_at_ms: _Optional[int] = ..., settle_after_ms: _Optional[int] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("rollout_id", "model", "stable_version", "canary_version", "steps", "check_interval_s", "gates", "state", "step_index", "weight", "created_ms", "step_started_ms", "decisions")
+    __slots__ = ("rollout_id", "model", "stable_version", "canary_version", "steps", "check_interval_s", "gates", "state", "step_index", "weight", "created_ms", "step_started_ms", "decisions", "checked_ms")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class Rollout(_message.Message):
     CREATED_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_STARTED_MS_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_MS_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     model: str
     stable_version: str
@@ -197,7 +198,8 @@ class Rollout(_message.Message):
     created_ms: int
     step_started_ms: int
     decisions: _containers.RepeatedCompositeFieldContainer[RolloutDecision]
-    def __init__(self, rollout_id: _Optional[str] = ..., model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., check_interval_s: _Optional[float] = ..., gates: _Optional[_Union[RolloutGates, _Mapping]] = ..., state: _Optional[str] = ..., step_index: _Optional[int] = ..., weight: _Optional[int] = ..., created_ms: _Optional[int] = ..., step_started_ms: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RolloutDecision, _Mapping]]] = ...) -> None: ...
+    checked_ms: int
+    def __init__(self, rollout_id: _Optional[str] = ..., model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., check_interval_s: _Optional[float] = ..., gates: _Optional[_Union[RolloutGates, _Mapping]] = ..., state: _Optional[str] = ..., step_index: _Optional[int] = ..., weight: _Optional[int] = ..., created_ms: _Optional[int] = ..., step_started_ms: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RolloutDecision, _Mapping]]] = ..., checked_ms: _Optional[int] = ...) -> None: ...
 
 class RolloutGates(_message.Message):
     __slots__ = ("max_ttft_p95_ratio", "max_itl_p95_ratio", "max_error_rate_increase", "max_cost_per_token_ratio", "min_samples", "num_golden_prompts")

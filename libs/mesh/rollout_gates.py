@@ -1,0 +1,97 @@
+"""A rollout's gates: per-request samples by the version that served them, and the verdict on one step.
+
+A step is judged only once both versions have served `min_samples` requests (no traffic is never a failure: the
+step holds). Then the canary fails if its p95 time to first token or p95 inter-token latency exceeds the stable
+version's times the gate's ratio, if its error rate exceeds the stable one's by more than the gate allows, or if
+its cost per output token (tokens computed, prompt's uncached part and output, per output token: what a worker
+pays for a useful token, whatever the price list) exceeds the stable one's times the ratio. A gate left at 0 is
+off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mesh.pb import events_pb2
+
+HOLD, STEP, PROMOTE, ROLLBACK = "hold", "step", "promote", "rollback"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request's outcome, from its usage record (events.proto UsageRecord)."""
+
+    at_s: float  # when it ended
+    is_error: bool  # the client got a 5xx (or nothing)
+    ttft_s: float | None  # None: no token came
+    itl_s: float | None  # mean seconds between its output tokens; None under two tokens
+    num_computed_tokens: int  # uncached prompt tokens + output tokens
+    num_output_tokens: int
+
+    @classmethod
+    def from_usage(cls, record: events_pb2.UsageRecord) -> Sample:
+        ttft_s = record.ttft_ms / 1000 if record.HasField("ttft_ms") else None
+        itl_s = None
+        if ttft_s is not None and record.completion_tokens >= 2:
+            itl_s = max(record.e2e_ms / 1000 - ttft_s, 0.0) / (record.completion_tokens - 1)
+        return cls(
+            at_s=record.ended_at_ms / 1000,
+            is_error=record.http_status >= 500 or record.http_status == 0,
+            ttft_s=ttft_s,
+            itl_s=itl_s,
+            num_computed_tokens=max(record.prompt_tokens - record.cached_tokens, 0) + record.completion_tokens,
+            num_output_tokens=record.completion_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str  # hold | step | promote | rollback
+    reason: str
+
+
+def p95(values: Sequence[float]) -> float:
+    """The nearest-rank 95th percentile."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(0.95 * len(ordered)) - 1, 0)]
+
+
+def judge(gates: events_pb2.RolloutGates, is_last_step: bool, stable: list[Sample], canary: list[Sample]) -> Verdict:
+    if len(canary) < gates.min_samples or len(stable) < gates.min_samples:
+        return Verdict(HOLD, f"samples: canary {len(canary)}, stable {len(stable)} of {gates.min_samples}")
+    failed = _failed_gate(gates, stable, canary)
+    if failed:
+        return Verdict(ROLLBACK, failed)
+    summary = f"gates passed on {len(canary)} canary and {len(stable)} stable requests"
+    return Verdict(PROMOTE if is_last_step else STEP, summary)
+
+
+def _failed_gate(gates: events_pb2.RolloutGates, stable: list[Sample], canary: list[Sample]) -> str:
+    """What failed, in words; empty if nothing did."""
+    for name, limit, of in (
+        ("p95 TTFT", gates.max_ttft_p95_ratio, lambda s: s.ttft_s),
+        ("p95 inter-token latency", gates.max_itl_p95_ratio, lambda s: s.itl_s),
+    ):
+        canary_values = [v for v in map(of, canary) if v is not None]
+        stable_values = [v for v in map(of, stable) if v is not None]
+        if limit > 0 and canary_values and stable_values:
+            ratio = p95(canary_values) / max(p95(stable_values), 1e-6)
+            if ratio > limit:
+                return f"{name} {ratio:.2f}x stable's, over {limit:g}x"
+    increase = _error_rate(canary) - _error_rate(stable)
+    if gates.max_error_rate_increase > 0 and increase > gates.max_error_rate_increase:
+        return f"error rate {increase:+.3f} against stable's, over +{gates.max_error_rate_increase:g}"
+    ratio = _cost_per_token(canary) / max(_cost_per_token(stable), 1e-9)
+    if gates.max_cost_per_token_ratio > 0 and ratio > gates.max_cost_per_token_ratio:
+        return f"cost per output token {ratio:.2f}x stable's, over {gates.max_cost_per_token_ratio:g}x"
+    return ""
+
+
+def _error_rate(samples: list[Sample]) -> float:
+    return sum(s.is_error for s in samples) / len(samples)
+
+
+def _cost_per_token(samples: list[Sample]) -> float:
+    return sum(s.num_computed_tokens for s in samples) / max(sum(s.num_output_tokens for s in samples), 1)
