@@ -1,11 +1,11 @@
 """A rollout's gates: per-request samples by the version that served them, and the verdict on one step.
 
-A step is judged only once both versions have served `min_samples` requests (no traffic is never a failure: the
-step holds). Then the canary fails if its p95 time to first token or p95 inter-token latency exceeds the stable
-version's times the gate's ratio, if its error rate exceeds the stable one's by more than the gate allows, or if
-its cost per output token (tokens computed, prompt's uncached part and output, per output token: what a worker
-pays for a useful token, whatever the price list) exceeds the stable one's times the ratio. A gate left at 0 is
-off.
+A step is judged only once both versions have served `min_samples` requests, at least one (no traffic is never a
+failure: the step holds). Then the canary fails if its p95 time to first token or p95 inter-token latency exceeds
+the stable version's times the gate's ratio, if its error rate exceeds the stable one's by more than the gate
+allows, or if its cost per output token (tokens computed, prompt's uncached part and output, per output token: what
+a worker pays for a useful token, whatever the price list) exceeds the stable one's times the ratio. A gate left at
+0 is off.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ def p95(values: Sequence[float]) -> float:
 
 
 def judge(gates: events_pb2.RolloutGates, is_last_step: bool, stable: list[Sample], canary: list[Sample]) -> Verdict:
-    if len(canary) < gates.min_samples or len(stable) < gates.min_samples:
-        return Verdict(HOLD, f"samples: canary {len(canary)}, stable {len(stable)} of {gates.min_samples}")
+    min_samples = max(gates.min_samples, 1)
+    if len(canary) < min_samples or len(stable) < min_samples:
+        return Verdict(HOLD, f"samples: canary {len(canary)}, stable {len(stable)} of {min_samples}")
     failed = _failed_gate(gates, stable, canary)
     if failed:
         return Verdict(ROLLBACK, failed)

@@ -102,7 +102,11 @@ class RolloutController:
 
 
 def _is_due(rollout: events_pb2.Rollout, now_s: float) -> bool:
-    return now_s * 1000 - max(rollout.step_started_ms, rollout.checked_ms) >= rollout.check_interval_s * 1000
+    """A rollout without an interval (never written by the admin API) is never judged."""
+    return (
+        rollout.check_interval_s > 0
+        and now_s * 1000 - max(rollout.step_started_ms, rollout.checked_ms) >= rollout.check_interval_s * 1000
+    )
 
 
 def decided(rollout: events_pb2.Rollout, verdict: Verdict, now_s: float) -> events_pb2.Rollout:

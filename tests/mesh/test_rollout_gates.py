@@ -51,6 +51,8 @@ def test_too_few_samples_hold_the_step_never_fail_it():
         "hold", "samples: canary 9, stable 20 of 10"
     )
     assert judge(GATES, False, [], []) == Verdict("hold", "samples: canary 0, stable 0 of 10")
+    no_minimum = events_pb2.RolloutGates(max_ttft_p95_ratio=1.5)
+    assert judge(no_minimum, False, STABLE, []) == Verdict("hold", "samples: canary 0, stable 20 of 1")
 
 
 def test_passing_gates_step_and_the_last_step_promotes():

@@ -3,7 +3,6 @@ canary's workers get the conversations the rollout's weight says, and none once 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 
@@ -36,6 +35,7 @@ def rollout(rollout_id: str, weight: int, created_ms: int = 1, model: str = "m")
         stable_version="1.0",
         canary_version="2.0",
         steps=[5, 25, 50, 100],
+        check_interval_s=3600,  # never judged here: these tests move the weight by hand
         state=RUNNING,
         weight=weight,
         created_ms=created_ms,
@@ -207,7 +207,11 @@ async def test_the_controller_steps_promotes_and_rolls_back_by_the_gates(nats_ur
 
             await wait_until(all_listed)
             await store.create(gated_rollout("good", int(time.time() * 1000)))
-            await asyncio.sleep(0.6)  # one interval without traffic: the step holds
+
+            async def held() -> bool:  # an interval without traffic: the step holds
+                return len((await state_of("good")).decisions) > 0
+
+            await wait_until(held)
             assert [(d.action, d.weight) for d in (await state_of("good")).decisions] == [("hold", 50)]
             await serve_requests(canary_ttft_ms=110.0)
 
