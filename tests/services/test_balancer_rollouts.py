@@ -35,10 +35,11 @@ def rollout(rollout_id: str, weight: int, created_ms: int = 1, model: str = "m")
         stable_version="1.0",
         canary_version="2.0",
         steps=[5, 25, 50, 100],
-        check_interval_s=3600,  # never judged here: these tests move the weight by hand
+        check_interval_s=3600,  # not judged within these tests: they move the weight by hand
         state=RUNNING,
         weight=weight,
         created_ms=created_ms,
+        step_started_ms=int(time.time() * 1000),
     )
 
 
