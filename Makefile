@@ -22,8 +22,8 @@ up: models  ## the whole mesh on this machine: http://127.0.0.1:8080 (prints an 
 EVAL_DATA := libs/kvmesh/eval/data
 eval: install  ## the default workload against `make up`'s mesh ($$KVMESH_API_KEY): eval-result.json, eval-report/
 	$(BIN)/kvmesh eval run --workload $(EVAL_DATA)/conversation_trace_first32.jsonl \
-		--workload $(EVAL_DATA)/requests.jsonl --model smollm2-135m --max-input-tokens 1024 \
-		--max-output-tokens 32 --concurrency 4 --output eval-result.json --report eval-report $(EVAL_ARGS)
+		--workload $(EVAL_DATA)/requests.jsonl --model smollm2-135m --limit 16 --max-input-tokens 1024 \
+		--max-output-tokens 16 --concurrency 4 --output eval-result.json --report eval-report $(EVAL_ARGS)
 
 typecheck: install
 	$(BIN)/mypy

@@ -3,7 +3,8 @@ TLS) serving deepseek-tiny. A baseline is recorded on mesh A for two short workl
 over a long document, and greedy requests on all three APIs with their golden answers (recorded from mesh A
 itself) and a schema check. Then:
 
-(a) a second run on mesh A passes the gate (exit 0);
+(a) a second run on mesh A passes the gate (exit 0); a baseline from another workload, and a malformed line under
+    --strict, are refused (exit 2) before any request;
 (b) mesh B, without a KV store and with prefix caching off, fails on TTFT for the conversations (exit 1):
     later turns recompute the whole history;
 (c) mesh C serves another deepseek-tiny (other random weights) under the same name: it fails the golden check.
@@ -11,7 +12,7 @@ itself) and a schema check. Then:
 Each mesh serving the requests answers one unmeasured run first: on a loaded machine a worker can take over 10 s
 to compile a model's first grammar, which fails that request (the workers' deadline) rather than waiting.
 
-Four minutes on two cores shared with other jobs (load average 10; three meshes start, 20-30 s each).
+Three to five minutes on two cores shared with other jobs (load average 7-12; three meshes start, 20-30 s each).
 EVAL_GATE_LONG=1 runs the long version (six conversations over 1,500 words, 8 repeats): a benchmark, not part of
 the suite.
 """
@@ -156,6 +157,20 @@ def test_a_second_run_on_the_same_mesh_passes(baselines: dict[str, Any], capsys:
         code = evaluate(mesh, baselines[name], again, "--baseline", str(directory / f"{name}-baseline.json"))
         assert code == 0, capsys.readouterr().out
     assert summary(directory / "requests-again.json")["checks"]["values"] == [1.0] * NUM_REPEATS
+    capsys.readouterr()
+    other = evaluate(
+        mesh,
+        baselines["conversations"],
+        directory / "refused.json",
+        "--baseline",
+        str(directory / "requests-baseline.json"),
+    )
+    assert other == 2 and "the baseline was measured on another workload" in capsys.readouterr().err
+    malformed = directory / "malformed.jsonl"
+    malformed.write_text(json.dumps(REQUESTS[0]) + "\n{oops\n")
+    assert evaluate(mesh, malformed, directory / "strict.json", "--strict") == 2
+    assert f"kvmesh: error: {malformed}:2: not JSON" in capsys.readouterr().err
+    assert not (directory / "refused.json").exists() and not (directory / "strict.json").exists()
 
 
 def test_no_kv_store_and_no_prefix_caching_fails_on_ttft(
