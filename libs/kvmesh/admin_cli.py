@@ -7,6 +7,9 @@ and exits 1. The admin key comes from --admin-key or KVMESH_ADMIN_KEY and is nev
     kvmesh admin keys revoke key_...
     kvmesh admin prices set --model smollm2-135m --input 0.15 --cached-input 0.075 --output 0.6
     kvmesh admin usage --tenant ten_... --since 2026-12-01 --format csv     # totals by day and model
+    kvmesh admin rollout start --model smollm2-135m --stable 0.1.0 --canary 0.2.0 --steps 5 25 50 100
+    kvmesh admin rollout status [ro_...]       # every rollout, or one with its decisions
+    kvmesh admin rollout abort ro_...
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ def _json_arg(text: str) -> Any:
 
 
 def add_parser(commands: Any) -> None:
-    admin = commands.add_parser("admin", help="tenants, keys and prices through the gateway's admin API (JSON out)")
+    admin = commands.add_parser(
+        "admin", help="tenants, keys, prices and rollouts through the gateway's admin API (JSON out)"
+    )
     admin.add_argument("--url", default=DEFAULT_URL, help=f"the gateway (default {DEFAULT_URL})")
     admin.add_argument("--admin-key", default=None, help="the admin key (default: $KVMESH_ADMIN_KEY)")
     areas = admin.add_subparsers(dest="admin_area", required=True)
@@ -102,6 +107,20 @@ def add_parser(commands: Any) -> None:
     report.add_argument("--format", choices=("json", "csv"), default="json", help="csv: the totals only")
     report.add_argument("--limit", type=int, help="records listed in JSON (default 1000; the totals count all)")
 
+    rollout = areas.add_parser("rollout", help="canary rollouts: start, status, abort")
+    rollout_commands = rollout.add_subparsers(dest="admin_command", required=True)
+    start = rollout_commands.add_parser("start", help="move a model's traffic to a canary version step by step")
+    start.add_argument("--model", required=True)
+    start.add_argument("--stable", required=True, help="the version serving now (workers' KVMESH_VERSION)")
+    start.add_argument("--canary", required=True, help="the version to roll out")
+    start.add_argument("--steps", type=int, nargs="+", help="canary weights in percent, ending at 100 (5 25 50 100)")
+    start.add_argument("--check-interval-s", type=float, help="seconds between judgements of a step (60)")
+    start.add_argument("--gates", type=_json_arg, help='JSON, e.g. \'{"max_ttft_p95_ratio": 1.2, "min_samples": 100}\'')
+    rollout_commands.add_parser("status", help="every rollout, or one with its decisions").add_argument("id", nargs="?")
+    rollout_commands.add_parser("abort", help="abort a running rollout: weight 0, the canary drained").add_argument(
+        "id"
+    )
+
 
 def _without_none(values: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
@@ -141,11 +160,23 @@ def request_of(args: argparse.Namespace) -> tuple[str, str, Any]:
             return "DELETE", f"/admin/v1/keys/{_quoted(args.id)}", None
         body = {"tenant": args.tenant, "name": args.name, "models": args.models, "apis": args.apis}
         return "POST", "/admin/v1/keys", _without_none({**body, "expires_at": args.expires_at, "limits": args.limits})
+    if area == "rollout":
+        return _rollout_request(args)
     if command == "list":
         return "GET", "/admin/v1/prices", None
     row = {"plan": args.plan, "model": args.model, "input_per_mtok": args.input}
     row |= {"cached_input_per_mtok": args.cached_input, "output_per_mtok": args.output}
     return "PUT", "/admin/v1/prices", {"prices": [row]}
+
+
+def _rollout_request(args: argparse.Namespace) -> tuple[str, str, Any]:
+    if args.admin_command == "start":
+        body = {"model": args.model, "stable_version": args.stable, "canary_version": args.canary}
+        extra = {"steps": args.steps, "check_interval_s": args.check_interval_s, "gates": args.gates}
+        return "POST", "/admin/v1/rollouts", body | _without_none(extra)
+    if args.admin_command == "abort":
+        return "POST", f"/admin/v1/rollouts/{_quoted(args.id)}/abort", None
+    return "GET", "/admin/v1/rollouts" + (f"/{_quoted(args.id)}" if args.id else ""), None
 
 
 def _quoted(part: str) -> str:

@@ -12,7 +12,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from mesh.bus import Bus
+from nats.aio.client import Client
+
 from mesh.logging import get_logger
 from mesh.pb import events_pb2
 from mesh.routing.canary import Split
@@ -40,8 +41,8 @@ def splits(rollouts: Iterable[events_pb2.Rollout]) -> dict[str, Split]:
 
 
 class RolloutStore:
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
+    def __init__(self, client: Client) -> None:
+        self.client = client  # the process's NATS connection (Bus.client)
         self._kv: Any = None
         self._open_lock = asyncio.Lock()
 
@@ -51,7 +52,7 @@ class RolloutStore:
 
         async with self._open_lock:
             if self._kv is None:
-                js = self.bus.client.jetstream(timeout=STORE_TIMEOUT_S)
+                js = self.client.jetstream(timeout=STORE_TIMEOUT_S)
                 try:
                     self._kv = await js.key_value(BUCKET)
                 except BucketNotFoundError:

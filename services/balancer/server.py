@@ -374,7 +374,7 @@ async def serve(settings: BalancerSettings) -> None:
         else None
     )
     finished = await bus.subscribe(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished, on_finished)
-    stop_rollouts = await follow_rollouts(bus, router, RolloutController(RolloutStore(bus), registry))
+    stop_rollouts = await follow_rollouts(bus, router, RolloutController(RolloutStore(bus.client), registry))
     planner_task = asyncio.create_task(publish_pools(bus, pools, settings.worker_id, settings.heartbeat_interval_s))
     export_pool_sizes(pools)
     servicer = BalancerServicer(pools, router, runtime.lifecycle, bus if peers is not None else None, encoders)

@@ -7,6 +7,7 @@ plain routes. listener.py serves it.
     messages_api.py      /v1/messages (Anthropic)
     mesh_workers.py      /v1/mesh/workers (the admin key)
     tenancy/admin_api.py /admin/v1/: tenants, keys, prices
+    rollout_api.py       /admin/v1/rollouts: canary rollouts
     plain_routes.py      /v1/models, /openapi.json, /healthz, /readyz, /metrics (the admin key, unless
                          public_metrics; server.py may serve it with no key on a second port)
 """
@@ -17,7 +18,15 @@ import time
 
 from aiohttp import web
 
-from services.gateway import chat_completions, completions, mesh_workers, messages_api, plain_routes, responses_api
+from services.gateway import (
+    chat_completions,
+    completions,
+    mesh_workers,
+    messages_api,
+    plain_routes,
+    responses_api,
+    rollout_api,
+)
 from services.gateway.core import GatewayCore
 from services.gateway.response_store import ResponseStore
 from services.gateway.rest import (
@@ -54,6 +63,7 @@ def create_app(
     app.router.add_get("/v1/models/{model}", plain_routes.get_model)
     app.router.add_get(mesh_workers.MESH_WORKERS_PATH, mesh_workers.list_mesh_workers)
     admin_api.add_routes(app)
+    rollout_api.add_routes(app)
     app.router.add_get("/openapi.json", plain_routes.openapi_json)
     app.router.add_get("/healthz", plain_routes.healthz)
     app.router.add_get("/readyz", plain_routes.readyz)

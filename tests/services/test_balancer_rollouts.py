@@ -45,7 +45,7 @@ def rollout(rollout_id: str, weight: int, created_ms: int = 1, model: str = "m")
 
 async def test_the_store_creates_once_and_updates_by_compare_and_set(nats_url: str) -> None:
     bus = await Bus.connect(nats_url, name="rollout-store")
-    store = RolloutStore(bus)
+    store = RolloutStore(bus.client)
     try:
         revision = await store.create(rollout("cas", 5))
         with pytest.raises(RolloutConflict, match=r"^rollout 'cas' exists$"):
@@ -91,7 +91,7 @@ async def test_the_balancer_routes_by_the_latest_rollout_weight(nats_url: str) -
         await start_worker(buses["d-1"], "d-1", common_pb2.ROLE_DECODE, "1.0"),
         await start_worker(buses["d-2"], "d-2", common_pb2.ROLE_DECODE, "2.0"),
     ]
-    store = RolloutStore(buses["admin"])
+    store = RolloutStore(buses["admin"].client)
     settings = BalancerSettings(
         nats_url=nats_url,
         grpc_port=free_port(),
@@ -176,7 +176,7 @@ async def test_the_controller_steps_promotes_and_rolls_back_by_the_gates(nats_ur
         await start_worker(buses["d-1"], "d-1", common_pb2.ROLE_DECODE, "1.0"),
         await start_worker(buses["d-2"], "d-2", common_pb2.ROLE_DECODE, "2.0"),
     ]
-    store = RolloutStore(buses["gateway"])
+    store = RolloutStore(buses["gateway"].client)
     settings = BalancerSettings(
         nats_url=nats_url,
         grpc_port=free_port(),

@@ -1,13 +1,14 @@
-"""The admin API's request bodies (/admin/v1/, tenancy/admin_api.py): tenants, keys and prices. Unknown fields
-are refused by name (a misspelt limit must not silently mean "no limit")."""
+"""The admin API's request bodies (/admin/v1/, tenancy/admin_api.py, rollout_api.py): tenants, keys, prices and
+canary rollouts. Unknown fields are refused by name (a misspelt limit must not silently mean "no limit")."""
 
 from __future__ import annotations
 
+import itertools
 from datetime import datetime
 from decimal import Decimal
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from services.gateway.api_models.base import INT64_MAX, NonEmptyStr, RequestModel
 
@@ -75,4 +76,51 @@ class PricesUpdate(AdminBody):
     prices: list[Price] = Field(min_length=1)
 
 
-ADMIN_MODELS = (LimitsBody, TenantCreate, TenantUpdate, KeyCreate, Price, PricesUpdate)
+Ratio = Annotated[float, Field(ge=0, le=1000)]
+Weight = Annotated[int, Field(strict=True, ge=1, le=100)]
+
+
+class RolloutGatesBody(AdminBody):
+    """What the canary must not exceed against the stable version (docs/operations.md, Canary rollouts); 0: off."""
+
+    max_ttft_p95_ratio: Ratio = Field(default=1.5, description="canary p95 time to first token / stable's")
+    max_itl_p95_ratio: Ratio = Field(default=1.5, description="canary p95 inter-token latency / stable's")
+    max_error_rate_increase: float = Field(default=0.01, ge=0, le=1, description="canary error rate - stable's")
+    max_cost_per_token_ratio: Ratio = Field(
+        default=1.2, description="canary tokens computed per output token / stable's"
+    )
+    min_samples: int = Field(
+        default=50, strict=True, ge=0, le=1_000_000, description="requests each version serves first"
+    )
+
+
+class RolloutCreate(AdminBody):
+    """POST /admin/v1/rollouts: move `model`'s conversations from one worker version to another, step by step."""
+
+    model: Name
+    stable_version: Name = Field(description="the version serving now (workers' KVMESH_VERSION)")
+    canary_version: Name = Field(description="the version to roll out")
+    steps: list[Weight] = Field(
+        [5, 25, 50, 100], min_length=1, max_length=20, description="canary weights (percent), ascending, ending at 100"
+    )
+    check_interval_s: float = Field(
+        default=60.0, gt=0, le=86_400, description="seconds between two judgements of a step"
+    )
+    gates: RolloutGatesBody = Field(default_factory=RolloutGatesBody)
+
+    @field_validator("steps")
+    @classmethod
+    def _ascending_to_100(cls, steps: list[int]) -> list[int]:
+        if any(b <= a for a, b in itertools.pairwise(steps)) or steps[-1] != 100:
+            raise ValueError("steps must ascend and end at 100")
+        return steps
+
+    @field_validator("canary_version")
+    @classmethod
+    def _not_stable(cls, canary: str, info: Any) -> str:
+        if canary == info.data.get("stable_version"):
+            raise ValueError("canary_version must differ from stable_version")
+        return canary
+
+
+ADMIN_MODELS = (LimitsBody, TenantCreate, TenantUpdate, KeyCreate, Price, PricesUpdate, RolloutGatesBody, RolloutCreate)

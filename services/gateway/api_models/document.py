@@ -10,7 +10,14 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from services.gateway.api_models.admin import ADMIN_MODELS, KeyCreate, PricesUpdate, TenantCreate, TenantUpdate
+from services.gateway.api_models.admin import (
+    ADMIN_MODELS,
+    KeyCreate,
+    PricesUpdate,
+    RolloutCreate,
+    TenantCreate,
+    TenantUpdate,
+)
 from services.gateway.api_models.anthropic import MessagesRequest
 from services.gateway.api_models.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.api_models.responses import RESPONSE_ID, ResponsesRequest
@@ -185,6 +192,7 @@ def _admin_paths() -> dict[str, Any]:
     tenant_id = [{"name": "tenant_id", "in": "path", "required": True, "schema": STRING}]
     key_id = [{"name": "key_id", "in": "path", "required": True, "schema": STRING}]
     tenant_query = [{"name": "tenant", "in": "query", "required": False, "schema": STRING}]
+    rollout_id = [{"name": "rollout_id", "in": "path", "required": True, "schema": STRING}]
     return {
         "/admin/v1/tenants": {
             **_admin("post", "create a tenant", TenantCreate, "201"),
@@ -205,6 +213,18 @@ def _admin_paths() -> dict[str, Any]:
             **_admin("put", "set prices per plan and model (dollars per million tokens)", PricesUpdate),
         },
         "/admin/v1/usage": _usage_path(),
+        "/admin/v1/rollouts": {
+            **_admin("post", "start a canary rollout of a model (409 while it has one running)", RolloutCreate, "201"),
+            **_admin("get", "every rollout, oldest first"),
+        },
+        "/admin/v1/rollouts/{rollout_id}": {"parameters": rollout_id, **_admin("get", "a rollout and its decisions")},
+        "/admin/v1/rollouts/{rollout_id}/abort": {
+            "parameters": rollout_id,
+            "post": {
+                **_admin("post", "abort a running rollout: weight 0, the canary drained")["post"],
+                "responses": _admin("post", "the aborted rollout", RolloutCreate)["post"]["responses"],
+            },
+        },
     }
 
 
