@@ -1,11 +1,12 @@
 """`kvmesh eval` without a mesh: workloads (exact prompts, arrivals, malformed lines naming file and line), the
 t-intervals against the tables, the gate's decisions on results built here, and bad input (exit 2): an
-unreachable endpoint fails fast, a baseline from another workload is refused."""
+unreachable endpoint fails fast, a baseline from another workload is refused; the HTML report."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,10 @@ import pytest
 from kvmesh.cli import main
 from kvmesh.eval import compare as gate
 from kvmesh.eval.client import EventParser, RequestOutcome
-from kvmesh.eval.metrics import ModelPrice, percentile, repeat_metrics, tpot_s
+from kvmesh.eval.metrics import ModelPrice, percentile, repeat_metrics, summarize, tpot_s
 from kvmesh.eval.prompts import BLOCK_TOKENS, trace_prompt
 from kvmesh.eval.quality import judge
+from kvmesh.eval.report import write_report
 from kvmesh.eval.stats import difference_interval, mean_interval, t_quantile
 from kvmesh.eval.workloads import WorkloadError, WorkloadOptions, load
 from kvmesh.nats_server import free_port
@@ -268,3 +270,27 @@ def test_an_unreachable_endpoint_fails_fast(tmp_path: Path, capsys: pytest.Captu
     assert code == 2 and time.monotonic() - start < 5
     assert f"kvmesh: error: cannot reach {url}" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_report_is_one_html_file_with_every_plot(tmp_path: Path) -> None:
+    records = [
+        record(sent_s=0.1 * i, ttft_s=0.05, e2e_s=0.2, gaps_s=[0.05, 0.1], prompt_tokens=20, cached_tokens=16,
+               completion_tokens=3)
+        for i in range(4)
+    ]  # fmt: skip
+    prices = {"m": ModelPrice(1.0, 0.5, 4.0)}
+    metrics = repeat_metrics(records, 1.0, {}, prices)
+    result = {
+        "created": "2026-12-01T00:00:00+00:00",
+        "workload": {"identity": "ab" * 32, "sources": ["w.jsonl"], "num_requests": 4, "skipped": []},
+        "mesh": {"models": [{"id": "m"}]},
+        "run": {"repeats": 1, "concurrency": 4, "prices": {"m": {"input_per_mtok": 1.0, "cached_input_per_mtok": 0.5,
+                                                                 "output_per_mtok": 4.0}}},
+        "summary": summarize([metrics]),
+        "repeats": [{"metrics": metrics, "requests": [asdict(r) for r in records]}],
+    }  # fmt: skip
+    path = write_report(result, tmp_path / "report", gate="ttft_p95  REGRESSED")
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["index.html"]
+    page = path.read_text()
+    assert page.count("data:image/png;base64,") == 5  # distributions, over time, throughput, cache hits, cost
+    assert "ttft_p95  REGRESSED" in page and "cached_ratio (fraction)</td><td>0.8</td>" in page
