@@ -28,7 +28,7 @@ IDLE_S = 2.0  # an allowance unused this long goes back to the store
 
 
 @dataclass(frozen=True)
-class Grant:
+class Draw:
     """What one draw took from the store."""
 
     requests: int
@@ -46,7 +46,7 @@ def draw(
     most: int,
     held: Allowance | None = None,
     slot_prefix: str = "",
-) -> Grant | None:
+) -> Draw | None:
     """Top the allowance `held` (None: none yet) up to room for `most` requests like `demand`, taking each
     dimension from `state` (rolled to now) and counting it there as used: at most 1/SHARE of what is left of it.
     None when nothing is due: the allowance would not reach LEAST such requests in every limited dimension, or
@@ -77,7 +77,7 @@ def draw(
     )
     if not enough or requests + tokens + micros + slots == 0:
         return None
-    grant = Grant(requests, tokens, micros, tuple(f"{slot_prefix}{i}" for i in range(slots)))
+    grant = Draw(requests, tokens, micros, tuple(f"{slot_prefix}{i}" for i in range(slots)))
     state.requests_minute += grant.requests
     state.tokens_minute += grant.tokens
     state.tokens_day += grant.tokens
@@ -120,7 +120,7 @@ class Allowance:
     slot_ids: set[str] = field(default_factory=set)  # every slot it holds in the store, free or lent to a request
     used_at: float = 0.0
 
-    def add(self, grant: Grant, now: float) -> None:
+    def add(self, grant: Draw, now: float) -> None:
         self.requests += grant.requests
         self.tokens += grant.tokens
         self.micros += grant.micros

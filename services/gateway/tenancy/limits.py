@@ -445,7 +445,7 @@ class Limiter:
         self._draws += 1
         prefix = f"{self._slot_prefix}{self._draws}."
 
-        def apply(state: Counters, now: float) -> tuple[allowances.Grant | None, WindowIds, float]:
+        def apply(state: Counters, now: float) -> tuple[allowances.Draw | None, WindowIds, float]:
             held = self._allowances.get(entry)
             if held is not None and (held.limits != limits or held.windows != WindowIds.at(now)):
                 held = None
