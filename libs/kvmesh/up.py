@@ -183,12 +183,13 @@ class Mesh:
         env["KVMESH_GRPC_PORT"] = str(self.plan.grpc_port) if role == "gateway" else "0"
         return env
 
-    def spawn(self, role: str, index: int) -> Child:
+    def spawn(self, role: str, index: int, env: dict[str, str] | None = None) -> Child:
+        """Start one child; `env`: settings of its own over the plan's (a canary's KVMESH_VERSION, say)."""
         name = f"{role}-{index}"
         http_port = self.plan.http_port if role == "gateway" else free_port()
         process = subprocess.Popen(
             [sys.executable, "-m", "kvmesh", "serve", role],
-            env=self.child_env(role, index, http_port),
+            env=self.child_env(role, index, http_port) | (env or {}),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -7,7 +7,7 @@ import pytest
 
 from mesh.kv_index import GlobalKVIndex
 from mesh.routing import Router, RouteRequest, Split, WorkerState
-from mesh.routing.canary import bucket, is_canary_request, side_of
+from mesh.routing.canary import STICKY_BLOCKS, bucket, is_canary_request, side_of
 
 
 def key(i: int) -> bytes:
@@ -15,8 +15,9 @@ def key(i: int) -> bytes:
 
 
 def conversation(i: int, turn: int = 0, tenant: str = "acme") -> RouteRequest:
-    """Turn `turn` of conversation `i`: the same first block, more blocks after it each turn."""
-    blocks = tuple(key(i * 1000 + b) for b in range(1 + turn))
+    """Turn `turn` of conversation `i`: one system prompt's block, then the conversation's own, STICKY_BLOCKS of them
+    at least, more each turn."""
+    blocks = (key(999_999), *(key(i * 1000 + b) for b in range(STICKY_BLOCKS + turn)))
     return RouteRequest("m", blocks, 16 * len(blocks), request_id=f"r{i}-{turn}", tenant=tenant)
 
 
@@ -29,14 +30,16 @@ DECODE = [worker("d-a", "1.0"), worker("d-b", "2.0")]
 
 
 def test_a_conversation_keeps_its_bucket_over_turns_and_tenants_get_their_own():
+    shared_prefix = [RouteRequest("m", (key(999_999),) * 3 + (key(n),), 64, tenant="acme") for n in range(50)]
+    assert len({bucket(r) for r in shared_prefix}) > 30  # one system prompt does not put everyone on one side
     assert [bucket(conversation(i)) for i in range(5)] == [bucket(conversation(i, turn=3)) for i in range(5)]
-    assert [bucket(conversation(i)) for i in range(5)] == [94, 71, 88, 97, 56]
-    assert [bucket(conversation(i, tenant="globex")) for i in range(5)] == [56, 30, 89, 5, 24]
+    assert [bucket(conversation(i)) for i in range(5)] == [27, 77, 98, 35, 70]
+    assert [bucket(conversation(i, tenant="globex")) for i in range(5)] == [93, 47, 52, 52, 58]
     short = RouteRequest("m", (), 5, request_id="short-1", tenant="acme")  # no full block: its request id
     assert bucket(short) == bucket(RouteRequest("m", (), 9, request_id="short-1", tenant="acme")) == 91
 
 
-@pytest.mark.parametrize(("weight", "num_canary"), [(0, 0), (5, 53), (25, 251), (50, 517), (100, 1000)])
+@pytest.mark.parametrize(("weight", "num_canary"), [(0, 0), (5, 48), (25, 258), (50, 508), (100, 1000)])
 def test_the_weight_is_the_share_of_conversations_on_the_canary(weight: int, num_canary: int):
     split = Split("m", "2.0", weight)
     assert sum(is_canary_request(split, conversation(i)) for i in range(1000)) == num_canary

@@ -1,9 +1,12 @@
 """A rollout's traffic split: which requests a model's canary version serves.
 
-A conversation keeps its side for the whole rollout step: its bucket (0..99) is a hash of the tenant and the
-prompt's first block key, which every turn of a conversation shares (and which already carries the tenant's cache
-salt), so its prefix cache stays on one side. Buckets below the weight go to the canary. A prompt shorter than one
-block has no cache to keep and hashes its request id instead.
+A conversation keeps its side: its bucket (0..99) is a hash of the tenant and the key of the prompt's block at
+`STICKY_BLOCKS` deep (or its last full block, when shorter). Every turn of a conversation past that depth shares
+that key (a key chains all the blocks before it, and the tenant's cache salt), so its prefix cache stays on one
+side; the first block alone would not do, since every conversation behind one system prompt shares it. Buckets
+below the weight go to the canary. A prompt shorter than one block has no cache to keep and hashes its request id.
+The price: conversations that share their first `STICKY_BLOCKS` blocks share a side, and a short conversation's
+turns may change sides until they reach that depth.
 
 Neither side ever leaves a request without a worker: a canary side with nobody (not started yet, drained, all
 excluded after failures) sends its requests to the stable workers, and a stable side with nobody (after a
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from mesh.routing.state import RouteRequest, WorkerState
 
 NUM_BUCKETS = 100
+STICKY_BLOCKS = 16  # 256 tokens in blocks of 16: past most chat templates' and system prompts' shared prefix
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,9 @@ class Split:
 
 
 def bucket(request: RouteRequest) -> int:
-    """0..99, the same for every turn of a conversation (the tenant and the prompt's first block key)."""
-    key = request.block_hashes[0] if request.block_hashes else request.request_id.encode()
+    """0..99, the same for every turn of a conversation past STICKY_BLOCKS blocks."""
+    blocks = request.block_hashes
+    key = blocks[min(len(blocks), STICKY_BLOCKS) - 1] if blocks else request.request_id.encode()
     digest = hashlib.blake2b(request.tenant.encode() + b"\0" + key, digest_size=8).digest()
     return int.from_bytes(digest, "big") % NUM_BUCKETS
 
