@@ -202,20 +202,18 @@ class Rollout(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., check_interval_s: _Optional[float] = ..., gates: _Optional[_Union[RolloutGates, _Mapping]] = ..., state: _Optional[str] = ..., step_index: _Optional[int] = ..., weight: _Optional[int] = ..., created_ms: _Optional[int] = ..., step_started_ms: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RolloutDecision, _Mapping]]] = ..., checked_ms: _Optional[int] = ...) -> None: ...
 
 class RolloutGates(_message.Message):
-    __slots__ = ("max_ttft_p95_ratio", "max_itl_p95_ratio", "max_error_rate_increase", "max_cost_per_token_ratio", "min_samples", "num_golden_prompts")
+    __slots__ = ("max_ttft_p95_ratio", "max_itl_p95_ratio", "max_error_rate_increase", "max_cost_per_token_ratio", "min_samples")
     MAX_TTFT_P95_RATIO_FIELD_NUMBER: _ClassVar[int]
     MAX_ITL_P95_RATIO_FIELD_NUMBER: _ClassVar[int]
     MAX_ERROR_RATE_INCREASE_FIELD_NUMBER: _ClassVar[int]
     MAX_COST_PER_TOKEN_RATIO_FIELD_NUMBER: _ClassVar[int]
     MIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
-    NUM_GOLDEN_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     max_ttft_p95_ratio: float
     max_itl_p95_ratio: float
     max_error_rate_increase: float
     max_cost_per_token_ratio: float
     min_samples: int
-    num_golden_prompts: int
-    def __init__(self, max_ttft_p95_ratio: _Optional[float] = ..., max_itl_p95_ratio: _Optional[float] = ..., max_error_rate_increase: _Optional[float] = ..., max_cost_per_token_ratio: _Optional[float] = ..., min_samples: _Optional[int] = ..., num_golden_prompts: _Optional[int] = ...) -> None: ...
+    def __init__(self, max_ttft_p95_ratio: _Optional[float] = ..., max_itl_p95_ratio: _Optional[float] = ..., max_error_rate_increase: _Optional[float] = ..., max_cost_per_token_ratio: _Optional[float] = ..., min_samples: _Optional[int] = ...) -> None: ...
 
 class RolloutDecision(_message.Message):
     __slots__ = ("at_ms", "action", "weight", "reason")
