@@ -20,7 +20,7 @@ HOLD, STEP, PROMOTE, ROLLBACK = "hold", "step", "promote", "rollback"
 
 
 @dataclass(frozen=True)
-class Sample:
+class ServedSample:
     """One request's outcome, from its usage record (events.proto UsageRecord)."""
 
     at_s: float  # when it ended
@@ -31,7 +31,7 @@ class Sample:
     num_output_tokens: int
 
     @classmethod
-    def from_usage(cls, record: events_pb2.UsageRecord) -> Sample:
+    def from_usage(cls, record: events_pb2.UsageRecord) -> ServedSample:
         ttft_s = record.ttft_ms / 1000 if record.HasField("ttft_ms") else None
         itl_s = None
         if ttft_s is not None and record.completion_tokens >= 2:
@@ -47,7 +47,7 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class GateVerdict:
     action: str  # hold | step | promote | rollback
     reason: str
 
@@ -58,18 +58,20 @@ def p95(values: Sequence[float]) -> float:
     return ordered[max(math.ceil(0.95 * len(ordered)) - 1, 0)]
 
 
-def judge(gates: events_pb2.RolloutGates, is_last_step: bool, stable: list[Sample], canary: list[Sample]) -> Verdict:
+def judge(
+    gates: events_pb2.RolloutGates, is_last_step: bool, stable: list[ServedSample], canary: list[ServedSample]
+) -> GateVerdict:
     min_samples = max(gates.min_samples, 1)
     if len(canary) < min_samples or len(stable) < min_samples:
-        return Verdict(HOLD, f"samples: canary {len(canary)}, stable {len(stable)} of {min_samples}")
+        return GateVerdict(HOLD, f"samples: canary {len(canary)}, stable {len(stable)} of {min_samples}")
     failed = _failed_gate(gates, stable, canary)
     if failed:
-        return Verdict(ROLLBACK, failed)
+        return GateVerdict(ROLLBACK, failed)
     summary = f"gates passed on {len(canary)} canary and {len(stable)} stable requests"
-    return Verdict(PROMOTE if is_last_step else STEP, summary)
+    return GateVerdict(PROMOTE if is_last_step else STEP, summary)
 
 
-def _failed_gate(gates: events_pb2.RolloutGates, stable: list[Sample], canary: list[Sample]) -> str:
+def _failed_gate(gates: events_pb2.RolloutGates, stable: list[ServedSample], canary: list[ServedSample]) -> str:
     """What failed, in words; empty if nothing did."""
     for name, limit, of in (
         ("p95 TTFT", gates.max_ttft_p95_ratio, lambda s: s.ttft_s),
@@ -90,9 +92,9 @@ def _failed_gate(gates: events_pb2.RolloutGates, stable: list[Sample], canary: l
     return ""
 
 
-def _error_rate(samples: list[Sample]) -> float:
+def _error_rate(samples: list[ServedSample]) -> float:
     return sum(s.is_error for s in samples) / len(samples)
 
 
-def _cost_per_token(samples: list[Sample]) -> float:
+def _cost_per_token(samples: list[ServedSample]) -> float:
     return sum(s.num_computed_tokens for s in samples) / max(sum(s.num_output_tokens for s in samples), 1)

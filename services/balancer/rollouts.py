@@ -19,7 +19,7 @@ from mesh import metrics
 from mesh.discovery import WorkerRegistry
 from mesh.logging import get_logger
 from mesh.pb import events_pb2
-from mesh.rollout_gates import HOLD, PROMOTE, ROLLBACK, STEP, Sample, Verdict, judge
+from mesh.rollout_gates import HOLD, PROMOTE, ROLLBACK, STEP, GateVerdict, ServedSample, judge
 from mesh.rollouts import PROMOTED, ROLLED_BACK, RUNNING, RolloutConflict, RolloutStore
 
 MAX_SAMPLES = 20_000  # per model: the newest
@@ -35,7 +35,7 @@ class RolloutController:
         self.store = store
         self.registry = registry  # read only here
         self.rollouts: dict[str, events_pb2.Rollout] = {}
-        self._samples: dict[str, collections.deque[tuple[str, Sample]]] = {}  # model -> (version, sample)
+        self._samples: dict[str, collections.deque[tuple[str, ServedSample]]] = {}  # model -> (version, sample)
 
     def on_rollout(self, rollout: events_pb2.Rollout) -> None:
         self.rollouts[rollout.rollout_id] = rollout
@@ -54,9 +54,9 @@ class RolloutController:
         if worker is None:  # never routed, or the worker left: no version to blame
             return
         samples = self._samples.setdefault(record.model, collections.deque(maxlen=MAX_SAMPLES))
-        samples.append((worker.info.version, Sample.from_usage(record)))
+        samples.append((worker.info.version, ServedSample.from_usage(record)))
 
-    def samples(self, rollout: events_pb2.Rollout) -> tuple[list[Sample], list[Sample]]:
+    def samples(self, rollout: events_pb2.Rollout) -> tuple[list[ServedSample], list[ServedSample]]:
         """(stable's since the rollout started, canary's since its step started)."""
         found = self._samples.get(rollout.model, ())
         stable = [s for v, s in found if v == rollout.stable_version and s.at_s * 1000 >= rollout.created_ms]
@@ -109,7 +109,7 @@ def _is_due(rollout: events_pb2.Rollout, now_s: float) -> bool:
     )
 
 
-def decided(rollout: events_pb2.Rollout, verdict: Verdict, now_s: float) -> events_pb2.Rollout:
+def decided(rollout: events_pb2.Rollout, verdict: GateVerdict, now_s: float) -> events_pb2.Rollout:
     """The rollout after `verdict`, its decision appended."""
     after = events_pb2.Rollout()
     after.CopyFrom(rollout)

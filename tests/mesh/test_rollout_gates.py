@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mesh.pb import events_pb2
-from mesh.rollout_gates import Sample, Verdict, judge, p95
+from mesh.rollout_gates import GateVerdict, ServedSample, judge, p95
 
 GATES = events_pb2.RolloutGates(
     max_ttft_p95_ratio=1.5,
@@ -17,8 +17,8 @@ GATES = events_pb2.RolloutGates(
 )
 
 
-def sample(ttft_s: float = 0.1, itl_s: float = 0.02, is_error: bool = False, computed: int = 20) -> Sample:
-    return Sample(
+def sample(ttft_s: float = 0.1, itl_s: float = 0.02, is_error: bool = False, computed: int = 20) -> ServedSample:
+    return ServedSample(
         at_s=0.0, is_error=is_error, ttft_s=ttft_s, itl_s=itl_s, num_computed_tokens=computed, num_output_tokens=10
     )
 
@@ -36,9 +36,9 @@ def test_a_sample_reads_its_usage_record():
         completion_tokens=10,
         ended_at_ms=5000,
     )
-    assert Sample.from_usage(record) == Sample(5.0, False, 0.1, 0.1, 28, 10)
+    assert ServedSample.from_usage(record) == ServedSample(5.0, False, 0.1, 0.1, 28, 10)
     failed = events_pb2.UsageRecord(http_status=503, e2e_ms=10.0, ended_at_ms=6000)
-    assert Sample.from_usage(failed) == Sample(6.0, True, None, None, 0, 0)
+    assert ServedSample.from_usage(failed) == ServedSample(6.0, True, None, None, 0, 0)
 
 
 def test_p95_is_the_nearest_rank():
@@ -47,17 +47,19 @@ def test_p95_is_the_nearest_rank():
 
 
 def test_too_few_samples_hold_the_step_never_fail_it():
-    assert judge(GATES, False, STABLE, [sample(ttft_s=9.0)] * 9) == Verdict(
+    assert judge(GATES, False, STABLE, [sample(ttft_s=9.0)] * 9) == GateVerdict(
         "hold", "samples: canary 9, stable 20 of 10"
     )
-    assert judge(GATES, False, [], []) == Verdict("hold", "samples: canary 0, stable 0 of 10")
+    assert judge(GATES, False, [], []) == GateVerdict("hold", "samples: canary 0, stable 0 of 10")
     no_minimum = events_pb2.RolloutGates(max_ttft_p95_ratio=1.5)
-    assert judge(no_minimum, False, STABLE, []) == Verdict("hold", "samples: canary 0, stable 20 of 1")
+    assert judge(no_minimum, False, STABLE, []) == GateVerdict("hold", "samples: canary 0, stable 20 of 1")
 
 
 def test_passing_gates_step_and_the_last_step_promotes():
     canary = [sample(ttft_s=0.12) for _ in range(10)]
-    assert judge(GATES, False, STABLE, canary) == Verdict("step", "gates passed on 10 canary and 20 stable requests")
+    assert judge(GATES, False, STABLE, canary) == GateVerdict(
+        "step", "gates passed on 10 canary and 20 stable requests"
+    )
     assert judge(GATES, True, STABLE, canary).action == "promote"
 
 
@@ -70,8 +72,8 @@ def test_passing_gates_step_and_the_last_step_promotes():
         ([sample(computed=30)] * 10, "cost per output token 1.50x stable's, over 1.2x"),
     ],
 )
-def test_each_failed_gate_rolls_back_naming_itself(canary: list[Sample], reason: str):
-    assert judge(GATES, False, STABLE, canary) == Verdict("rollback", reason)
+def test_each_failed_gate_rolls_back_naming_itself(canary: list[ServedSample], reason: str):
+    assert judge(GATES, False, STABLE, canary) == GateVerdict("rollback", reason)
 
 
 def test_a_gate_at_0_is_off():
