@@ -90,13 +90,15 @@ async def probe(options: RunOptions) -> dict[str, Any]:
 
 
 def _workers_summary(listing: dict[str, Any]) -> dict[str, Any]:
-    """Per pool: how many workers, serving what, with what KV blocks (the shape of the deployment)."""
+    """Per pool: how many workers, serving what at which versions, with what KV blocks (the shape of the
+    deployment: a comparison of unlike shapes warns)."""
     summary = {}
     for pool, listed in sorted(listing.get("pools", {}).items()):
         workers = listed.get("workers", [])
         summary[pool] = {
             "num_workers": len(workers),
             "models": sorted({m for w in workers for m in w.get("models", [])}),
+            "versions": sorted({w.get("version") for w in workers} - {None, ""}),  # KVMESH_VERSION each announces
             "block_sizes": sorted({w.get("kv", {}).get("block_size") for w in workers} - {None}),
             "num_kv_blocks": sum(w.get("kv", {}).get("num_blocks", 0) for w in workers),
         }
