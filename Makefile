@@ -31,7 +31,7 @@ typecheck: install
 # Prometheus's rule checker for tests/deploy, from Debian's prometheus package (unpacked, never installed as a
 # service); where apt-get is missing or fails, that one test skips and says why.
 $(BIN)/promtool: | $(BIN)/.installed
-	-@command -v apt-get >/dev/null && tmp=$$(mktemp -d) && (cd $$tmp && apt-get download -qq prometheus \
+	-@command -v apt-get >/dev/null && tmp=$$(mktemp -d) && (cd $$tmp && apt-get download -qq -o APT::Sandbox::User=root prometheus \
 	  && dpkg-deb -x prometheus_*.deb root) && cp $$tmp/root/usr/bin/promtool $@; rm -rf "$$tmp"
 
 test: install typecheck $(BIN)/promtool  ## the whole suite (type check, generated-code check, lint, format, unit, parity, kernels, mesh)
