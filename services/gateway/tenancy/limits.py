@@ -428,7 +428,7 @@ class Limiter:
         if self._allowance_requests < allowances.LEAST or entry in self._drawing:
             return
         current = self._allowances.get(entry)
-        is_current = current is not None and current.limits == limits and current.windows == WindowIds.at(now)
+        is_current = current is not None and current.limits == limits and current.windows.minute == int(now // 60)
         if current is not None and is_current and not current.is_low(demand, micros, self._most(entry)):
             return
         cached = self._cache.get(entry)
