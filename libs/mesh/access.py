@@ -37,6 +37,9 @@ ALLOWED_CALLERS: dict[str, frozenset[str]] = {
     "/kvmesh.v1.KVCache/Pin": frozenset({PREFILL}),
     # plans are published on NATS by expert_lb; over gRPC they are only read, by the roles that apply them
     "/kvmesh.v1.ExpertBalancer/GetPlan": frozenset({PREFILL, DECODE, BALANCER, EXPERT_LB}),
+    # liveness without NATS (mesh.health): any mesh identity may ask whether a worker is up; Watch is not served
+    "/grpc.health.v1.Health/Check": frozenset(ROLES),
+    "/grpc.health.v1.Health/Watch": frozenset(),
 }
 
 

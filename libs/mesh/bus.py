@@ -73,6 +73,18 @@ def load_user(role: str, env: dict[str, str] | None = None) -> NatsUser | None:
 class Bus:
     def __init__(self, client: Client) -> None:
         self.client = client
+        self.connected = asyncio.Event()  # set while NATS is reachable; the client's callbacks keep it (`went`)
+        if client.is_connected:
+            self.connected.set()
+        self.num_disconnects = 0
+
+    def went(self, is_connected: bool) -> None:
+        """The connection went down (the client reconnects on its own) or came back."""
+        if is_connected:
+            self.connected.set()
+        else:
+            self.num_disconnects += 1
+            self.connected.clear()
 
     @classmethod
     async def connect(
@@ -96,11 +108,17 @@ class Bus:
                 refused.append(str(exc))
             log.warning("nats error", url=shown, error=f"{type(exc).__name__}: {exc}")
 
+        buses: list[Bus] = []  # the one made below, once the client exists
+
         async def on_disconnected() -> None:
             log.warning("nats disconnected; reconnecting", url=shown)
+            for bus in buses:
+                bus.went(False)
 
         async def on_reconnected() -> None:
             log.info("nats reconnected", url=shown)
+            for bus in buses:
+                bus.went(True)
 
         login = {"user": user.user, "password": user.password} if user and not has_userinfo(url) else {}
         try:
@@ -128,7 +146,8 @@ class Bus:
                     "it its role's nats.creds (KVMESH_NATS_CREDS, or KVMESH_TLS_DIR from `kvmesh certs init`)"
                 ) from None
             raise BusError(f"cannot reach NATS at {shown}: {exc or type(exc).__name__}") from None
-        return cls(client)
+        buses.append(cls(client))
+        return buses[0]
 
     @classmethod
     async def connect_as(cls, role: str, url: str, name: str, credentials: MeshCredentials | None) -> Bus:

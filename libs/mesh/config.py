@@ -169,7 +169,19 @@ class ServiceSettings:
     grpc_port: int = setting(0, "the gRPC port (0: any free port; it is announced, so nobody needs it in advance)")
     http_port: int = setting(0, "the port of /healthz, /readyz and /metrics (0: any free port)")
     worker_id: str = setting("", "the name in pools, headers and metrics (empty: `<role>-<host>-<pid>`)")
-    heartbeat_interval_s: float = setting(1.0, "seconds between heartbeats; a worker silent for 3 leaves its pool")
+    heartbeat_interval_s: float = setting(
+        1.0, "seconds between heartbeats; a worker silent for 3 while NATS is up, and failing health checks, leaves"
+    )
+    health_check_interval_s: float = setting(
+        0.5, "seconds between gRPC health checks of each known worker by gateways and balancers (0: none)"
+    )
+    health_check_timeout_s: float = setting(0.25, "the deadline of one gRPC health check (seconds)")
+    eject_after_failures: int = setting(
+        3, "consecutive failed calls or health checks that eject a worker from its pools (until it answers again)"
+    )
+    outbox_size: int = setting(
+        10_000, "events kept while NATS is away (KV events, ...), sent in order when it returns; beyond: resync"
+    )
     log_level: str = setting("info", "debug, info, warning or error (structlog)")
     log_format: str = setting("auto", "auto (JSON unless a terminal), json or console")
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long in-flight requests may finish (seconds)")
@@ -183,6 +195,17 @@ class ServiceSettings:
             require(0 <= value < 65536, name, value, "must be a port number (0 for any free port)")
         require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s, "must be positive")
         require(self.drain_timeout_s >= 0, "drain_timeout_s", self.drain_timeout_s, "must not be negative")
+        require(
+            self.health_check_interval_s >= 0,
+            "health_check_interval_s",
+            self.health_check_interval_s,
+            "must not be negative",
+        )
+        require(
+            self.health_check_timeout_s > 0, "health_check_timeout_s", self.health_check_timeout_s, "must be positive"
+        )
+        require(self.eject_after_failures >= 1, "eject_after_failures", self.eject_after_failures, "must be at least 1")
+        require(self.outbox_size >= 1, "outbox_size", self.outbox_size, "must be at least 1")
         require(self.version.strip() != "", "version", self.version, "must not be empty")
         require(
             self.log_format in ("auto", "json", "console"),

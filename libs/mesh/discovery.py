@@ -12,7 +12,15 @@ join the balancers nor make another worker leave.
 Silence is counted only while the registry could listen. When its event loop stalls (a long synchronous step,
 a paused process, a test session's loop idle between tests), heartbeats wait unread in the socket; a prune
 that wakes first would drop every worker at once and answer the next request with "no workers". The prune
-task measures how late it woke and does not count that time against anyone.
+task measures how late it woke and does not count that time against anyone. Likewise while NATS is away
+(the bus's connection is down): no heartbeat can arrive, so every worker stays at its last known state, marked
+`is_stale`, and the outage's time is excused.
+
+NATS is not on the request path: where a `mesh.health.HealthProber` checks the registry's workers over gRPC
+(gateways and balancers), silence alone never removes a worker. Liveness is then the health checks' and the
+callers' (`record_failure`): `eject_after_failures` consecutive failures eject a worker from `workers()`
+(mesh.outliers), a health check that passes re-admits it (a heartbeat, where nothing checks health), and a
+worker both ejected and silent for MISSED_HEARTBEATS intervals while NATS is up has left for good.
 """
 
 from __future__ import annotations
@@ -25,9 +33,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from mesh import subjects
+from mesh import rpc, subjects
 from mesh.bus import Bus
+from mesh.health import HealthProber
 from mesh.logging import get_logger
+from mesh.outliers import OutlierDetector
 from mesh.pb import common_pb2, events_pb2
 
 MISSED_HEARTBEATS = 3
@@ -142,6 +152,8 @@ class KnownWorker:
     load: common_pb2.WorkerLoad
     last_seen_ms: int  # wall clock, for reports
     heard_s: float = 0.0  # the registry's monotonic clock, less time it could not listen: for liveness
+    beat_s: float = 0.0  # the registry's monotonic clock at its last heartbeat, nothing excused
+    is_stale: bool = False  # no heartbeat for MISSED_HEARTBEATS intervals: its load is the last one heard
 
     @property
     def worker_id(self) -> str:
@@ -149,28 +161,45 @@ class KnownWorker:
 
 
 class WorkerRegistry:
-    """Live workers of the followed roles. The registry's own tasks are the only writers of `_workers`."""
+    """Live workers of the followed roles. The registry's own tasks (and callers' `record_*`, on the same loop)
+    are the only writers of `_workers` and `outliers`."""
 
     def __init__(
-        self, bus: Bus, roles: Iterable[int], interval_s: float, on_leave: Callable[[KnownWorker], None] | None = None
+        self,
+        bus: Bus,
+        roles: Iterable[int],
+        interval_s: float,
+        on_leave: Callable[[KnownWorker], None] | None = None,
+        eject_after_failures: int = 3,
     ) -> None:
         self.bus = bus
         self.roles = tuple(roles)
         self.interval_s = interval_s
         self.on_leave = on_leave
         self._workers: dict[str, KnownWorker] = {}
+        self.outliers = OutlierDetector(eject_after_failures)
+        self.is_probed = False  # a HealthProber checks these workers: silence alone removes nobody
+        self._prober: HealthProber | None = None
         self.num_forged = 0  # heartbeats dropped because they named another worker than their subject
         self._forged_subjects: set[str] = set()  # logged once each
         self._subscriptions: list = []
         self._task: asyncio.Task[None] | None = None
+
+    def check_health(self, channels: rpc.Channels, interval_s: float, timeout_s: float) -> None:
+        """Before `start`: check every known worker over gRPC every `interval_s` (0: never; mesh.health)."""
+        self._prober = HealthProber(self, channels, interval_s, timeout_s) if interval_s > 0 else None
 
     async def start(self) -> None:
         for role in self.roles:
             subject = subjects.heartbeat(ROLE_NAMES[role])
             self._subscriptions.append(await self.bus.subscribe(subject, events_pb2.WorkerHeartbeat, self._on_beat))
         self._task = asyncio.create_task(self._prune_forever())
+        if self._prober is not None:
+            self._prober.start()
 
     async def stop(self) -> None:
+        if self._prober is not None:
+            await self._prober.stop()
         if self._task is not None:
             self._task.cancel()
         for subscription in self._subscriptions:
@@ -178,13 +207,20 @@ class WorkerRegistry:
         self._subscriptions.clear()
 
     def workers(self, role: int | None = None, model: str | None = None) -> list[KnownWorker]:
-        """Live workers, optionally of one role and serving one model, in worker-id order."""
+        """Live workers (stale ones included, ejected ones not), optionally of one role and serving one model, in
+        worker-id order."""
         found = [
             w
             for w in self._workers.values()
-            if (role is None or w.info.role == role) and (model is None or model in w.info.models)
+            if (role is None or w.info.role == role)
+            and (model is None or model in w.info.models)
+            and not self.outliers.is_ejected(w.worker_id)
         ]
         return sorted(found, key=lambda w: w.worker_id)
+
+    def addresses(self) -> dict[str, str]:
+        """Every known worker's gRPC address, ejected ones included (health checks may re-admit them)."""
+        return {w.worker_id: w.info.address for w in self._workers.values()}
 
     def get(self, worker_id: str) -> KnownWorker | None:
         return self._workers.get(worker_id)
@@ -205,7 +241,10 @@ class WorkerRegistry:
                 address=beat.worker.address,
                 models=list(beat.worker.models),
             )
-        self._workers[worker_id] = KnownWorker(beat.worker, beat.load, now_ms(), time.monotonic())
+        now = time.monotonic()
+        self._workers[worker_id] = KnownWorker(beat.worker, beat.load, now_ms(), now, now)
+        if not self.is_probed:  # else health checks re-admit: a beat on NATS says nothing of its gRPC
+            self.record_success(worker_id)
 
     def _drop_forged(self, beat: events_pb2.WorkerHeartbeat, subject: str) -> None:
         self.num_forged += 1
@@ -218,21 +257,35 @@ class WorkerRegistry:
                 worker_id=beat.worker.worker_id,
             )
 
-    def mark_failed(self, worker_id: str) -> None:
-        """A call to the worker failed: take it out of the pools until it is heard from again."""
-        self._remove(worker_id, "unreachable")
+    def record_failure(self, worker_id: str) -> None:
+        """A call to the worker, or a health check, failed: counted towards its ejection (mesh.outliers)."""
+        if worker_id in self._workers and self.outliers.failure(worker_id):
+            log.warning("worker ejected", worker_id=worker_id, num_failures=self.outliers.eject_after)
+
+    def record_success(self, worker_id: str) -> None:
+        """The worker answered (a health check, a heartbeat): an ejected one is back in its pools."""
+        if self.outliers.success(worker_id):
+            log.info("worker re-admitted", worker_id=worker_id)
+
+    def is_ejected(self, worker_id: str) -> bool:
+        return self.outliers.is_ejected(worker_id)
 
     def _remove(self, worker_id: str, reason: str) -> None:
         worker = self._workers.pop(worker_id, None)
+        self.outliers.forget(worker_id)
         if worker is not None:
             log.info("worker left", worker_id=worker_id, reason=reason)
             if self.on_leave is not None:
                 self.on_leave(worker)
 
     def prune(self) -> None:
-        deadline = time.monotonic() - MISSED_HEARTBEATS * self.interval_s
-        for worker in [w for w in self._workers.values() if w.heard_s < deadline]:
-            self._remove(worker.worker_id, "missed heartbeats")
+        """Mark the silent stale; remove those silent (time excused aside) who are ejected, or not health-checked."""
+        now = time.monotonic()
+        deadline = now - MISSED_HEARTBEATS * self.interval_s
+        for worker in list(self._workers.values()):
+            worker.is_stale = worker.beat_s < deadline
+            if worker.heard_s < deadline and (not self.is_probed or self.outliers.is_ejected(worker.worker_id)):
+                self._remove(worker.worker_id, "missed heartbeats")
 
     def excuse(self, deaf_s: float) -> None:
         """The registry could not listen for `deaf_s` seconds: that silence is nobody's."""
@@ -244,7 +297,9 @@ class WorkerRegistry:
         while True:
             slept_from = time.monotonic()
             await asyncio.sleep(period)
-            late_s = time.monotonic() - slept_from - period
-            if late_s > period:  # the loop stalled: beats sent meanwhile may still sit unread
-                self.excuse(late_s)
+            slept_s = time.monotonic() - slept_from
+            if not self.bus.is_connected:  # NATS is away: no heartbeat could arrive
+                self.excuse(slept_s)
+            elif slept_s - period > period:  # the loop stalled: beats sent meanwhile may still sit unread
+                self.excuse(slept_s - period)
             self.prune()

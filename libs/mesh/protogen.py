@@ -1,4 +1,5 @@
-"""Generates the Python code for proto/kvmesh/v1/*.proto into libs/mesh/pb (the one place it lives).
+"""Generates the Python code for proto/kvmesh/v1/*.proto (and the standard proto/grpc/health/v1/health.proto)
+into libs/mesh/pb (the one place it lives).
 
     python -m mesh.protogen           # regenerate
     python -m mesh.protogen --check   # exit 1 if the committed code is stale (make test runs this)
@@ -20,14 +21,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto"
 OUT_DIR = Path(__file__).resolve().parent / "pb"
-_IMPORT = re.compile(r"^from kvmesh\.v1 import ", re.MULTILINE)
+_IMPORT = re.compile(r"^from (kvmesh|grpc\.health)\.v1 import ", re.MULTILINE)
+PACKAGES = (Path("kvmesh") / "v1", Path("grpc") / "health" / "v1")
 _HEADER = '"""Generated from proto/kvmesh/v1 by `python -m mesh.protogen`. Do not edit."""\n'
 
 
 def generate(out_dir: Path) -> None:
     from grpc_tools import protoc
 
-    protos = sorted(str(p.relative_to(PROTO_DIR)) for p in (PROTO_DIR / "kvmesh" / "v1").glob("*.proto"))
+    protos = sorted(
+        str(p.relative_to(PROTO_DIR)) for package in PACKAGES for p in (PROTO_DIR / package).glob("*.proto")
+    )
     with tempfile.TemporaryDirectory() as tmp:
         include = Path(protoc.__file__).parent / "_proto"
         args = [
@@ -44,7 +48,7 @@ def generate(out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         for old in out_dir.glob("*_pb2*"):
             old.unlink()
-        for src in sorted((Path(tmp) / "kvmesh" / "v1").iterdir()):
+        for src in sorted(src for package in PACKAGES for src in (Path(tmp) / package).iterdir()):
             (out_dir / src.name).write_text(_IMPORT.sub("from mesh.pb import ", src.read_text()))
         (out_dir / "__init__.py").write_text(_HEADER)
 

@@ -24,8 +24,9 @@ from mesh import rpc, tls
 from mesh.bus import Bus
 from mesh.config import ServiceSettings
 from mesh.discovery import ROLE_NAMES, Announcer, advertise_host, default_worker_id, now_ms
+from mesh.health import HealthServicer
 from mesh.logging import configure_logging, get_logger
-from mesh.pb import common_pb2
+from mesh.pb import common_pb2, health_pb2_grpc
 from mesh.tracing import configure_tracing, shutdown_tracing
 
 log = get_logger(__name__)
@@ -144,6 +145,9 @@ class ServiceRuntime:
         credentials = None if public_grpc else self.credentials
         self.server = rpc.create_public_server() if public_grpc else rpc.create_server(credentials)
         register(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(
+            HealthServicer(self.worker_id, lambda: not self._stop.is_set()), self.server
+        )
         self.grpc_port = rpc.bind(self.server, self.settings.host, self.settings.grpc_port, credentials)
         await self.server.start()
         if serve_status:

@@ -347,8 +347,13 @@ async def serve(settings: BalancerSettings) -> None:
         encoders.forget(worker.worker_id)
 
     registry = WorkerRegistry(
-        bus, [*POOL_ROLES.values(), common_pb2.ROLE_ENCODER], settings.heartbeat_interval_s, on_leave=on_leave
+        bus,
+        [*POOL_ROLES.values(), common_pb2.ROLE_ENCODER],
+        settings.heartbeat_interval_s,
+        on_leave=on_leave,
+        eject_after_failures=settings.eject_after_failures,
     )
+    registry.check_health(runtime.channels, settings.health_check_interval_s, settings.health_check_timeout_s)
     pools = Pools(registry, CapacityPlanner(settings.balancer_target_utilization))
 
     async def on_finished(message: events_pb2.RequestFinished, subject: str) -> None:

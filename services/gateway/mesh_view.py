@@ -1,5 +1,6 @@
-"""What the gateway knows of the mesh, from heartbeats: live balancers, and which models have both a live
-prefill and a live decode worker. A read-only view over the registry (the registry's tasks write it)."""
+"""What the gateway knows of the mesh, from heartbeats and health checks: live balancers, and which models have
+both a live prefill and a live decode worker. A view over the registry (the registry's tasks write it; failed
+calls are reported to it)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ FOLLOWED_ROLES = (common_pb2.ROLE_BALANCER, common_pb2.ROLE_PREFILL, common_pb2.
 class Registry(Protocol):
     def workers(self, role: int | None = None, model: str | None = None) -> list[KnownWorker]: ...
 
+    def record_failure(self, worker_id: str) -> None: ...
+
 
 class MeshView:
     def __init__(self, registry: Registry) -> None:
@@ -29,6 +32,10 @@ class MeshView:
         start = self._next_balancer % len(live)
         self._next_balancer += 1
         return live[start:] + live[:start]
+
+    def report_failure(self, worker_id: str) -> None:
+        """A call to the worker failed (unreachable): counted towards its ejection (mesh.outliers)."""
+        self._registry.record_failure(worker_id)
 
     def is_served(self, model: str) -> bool:
         return bool(

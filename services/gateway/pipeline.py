@@ -162,6 +162,8 @@ class Pipeline:
                     details=error.details(),
                     attempt=attempt,
                 )
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.mesh.report_failure(failed)
                 if error.code() not in RETRYABLE or attempt == self.max_retries:
                     raise from_rpc_error(error, "prefill") from None
                 excluded.append(failed)
@@ -327,6 +329,8 @@ class GenerationStream:
                     code=error.code().name,
                     details=error.details(),
                 )
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._pipeline.mesh.report_failure(failed)
                 if error.code() not in RETRYABLE:
                     raise from_rpc_error(error, "decode") from None
                 why = f"the {'decode' if failed == attempt.placement.decode_worker else 'prefill'} worker failed"

@@ -85,7 +85,12 @@ class GatewayServer:
             bus, self.database, self._live_gateways, warmup_s=3 * settings.heartbeat_interval_s + 1
         )
         await self.abandoned.start()
-        self.registry = WorkerRegistry(bus, FOLLOWED_ROLES, settings.heartbeat_interval_s)
+        self.registry = WorkerRegistry(
+            bus, FOLLOWED_ROLES, settings.heartbeat_interval_s, eject_after_failures=settings.eject_after_failures
+        )
+        self.registry.check_health(
+            self.runtime.channels, settings.health_check_interval_s, settings.health_check_timeout_s
+        )
         await self.registry.start()
         self.prices = PriceBook(self.database)  # spend budgets' prices at admission
         await self.prices.start()

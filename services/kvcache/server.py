@@ -2,27 +2,28 @@
 
 The store's changes are published as KVEventBatch, one batch per tier ("host", "ssd"), on kvmesh.kv.<worker_id>
 (kept by the JetStream stream KVMESH_KV), numbered by `seq`. A handler changes the store and asks for the publish
-without yielding in between, and publishes are serialized in that order, so batches leave in the order the changes
-happened. At start the node says `all_cleared`, then announces what its SSD directory still holds.
+without yielding in between, and the outbox sends them in that order, so batches leave in the order the changes
+happened (NATS away: when it returns; the outbox overflowed: the node's whole state instead). At start the node
+says `all_cleared`, then announces what its SSD directory still holds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import NoReturn
 
 import grpc.aio
 
 from mesh import metrics, rpc, subjects, tracing
 from mesh.bus import Bus
-from mesh.discovery import WorkerRegistry
+from mesh.discovery import WorkerRegistry, now_ms
 from mesh.kv_index import GlobalKVIndex
-from mesh.kv_stream import KVEventFollower, ensure_kv_stream, publish_acked
+from mesh.kv_stream import KVEventFollower, ensure_kv_stream
 from mesh.lane import server_tls
 from mesh.logging import get_logger
+from mesh.outbox import Envelope, Outbox
 from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.service import Lifecycle, ServiceRuntime
 from services.kvcache.blocks import BlocksRemoved, BlocksStored, StoreEvent, layer_major_slices
@@ -61,37 +62,53 @@ def event_to_pb(event: StoreEvent) -> events_pb2.KVEvent:
 
 
 class EventPublisher:
-    """This node's KV event stream. Only `publish` writes `seq` (under the lock, so numbers follow call order)."""
+    """This node's KV event stream, through an outbox (mesh.outbox): a Put never waits on NATS, and what happens
+    while NATS is away is sent, in order and acknowledged, when it returns. When the outbox overflows, the node
+    sends its whole state instead (`all_cleared`, then every block it holds: `holdings`). Only `_batch` writes
+    `seq`, so numbers follow call order; ids `<worker>.<start ms>.<seq>` let the stream drop a resent copy."""
 
-    def __init__(self, bus: Bus, worker_id: str, jetstream: bool = True) -> None:
-        self.bus = bus
+    def __init__(
+        self,
+        bus: Bus,
+        worker_id: str,
+        jetstream: bool = True,
+        capacity: int = 10_000,
+        holdings: Callable[[], list[StoreEvent]] | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.jetstream = jetstream  # False: NATS has no JetStream, plain publishes only
         self.seq = 0
-        self._lock = asyncio.Lock()  # FIFO: callers are served in the order they called
+        self.holdings = holdings
+        self._epoch = now_ms()
+        resync = self._resync if holdings is not None else None
+        self.outbox = Outbox(bus, capacity, jetstream=jetstream, resync=resync)
 
-    async def publish(self, events: Sequence[StoreEvent]) -> None:
+    def start(self) -> None:
+        self.outbox.start()
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        await self.outbox.stop(timeout_s)
+
+    def publish(self, events: Sequence[StoreEvent]) -> None:
         """Consecutive events of one tier go out as one batch."""
-        async with self._lock:
-            for tier, run in _runs_by_tier(events):
-                await self._send(tier, [event_to_pb(e) for e in run])
+        for tier, run in _runs_by_tier(events):
+            self.outbox.put(self._batch(tier, [event_to_pb(e) for e in run]))
 
-    async def clear_all(self) -> None:
-        async with self._lock:
-            await self._send("", [events_pb2.KVEvent(all_cleared=True)])
+    def clear_all(self) -> None:
+        self.outbox.put(self._batch("", [events_pb2.KVEvent(all_cleared=True)]))
 
-    async def _send(self, tier: str, events: list[events_pb2.KVEvent]) -> None:
+    def _resync(self) -> list[Envelope]:
+        assert self.holdings is not None
+        envelopes = [self._batch("", [events_pb2.KVEvent(all_cleared=True)])]
+        for tier, run in _runs_by_tier(self.holdings()):
+            envelopes.append(self._batch(tier, [event_to_pb(e) for e in run]))
+        return envelopes
+
+    def _batch(self, tier: str, events: list[events_pb2.KVEvent]) -> Envelope:
         self.seq += 1
         batch = events_pb2.KVEventBatch(worker_id=self.worker_id, seq=self.seq, tier=tier, events=events)
-        try:
-            if not self.jetstream:
-                await self.bus.publish(subjects.kv_events(self.worker_id), batch)
-                return
-            await publish_acked(self.bus, batch)
-        except Exception:  # JetStream away: try plain NATS; a lost batch shows as a seq gap (at worst a miss)
-            log.warning("KV event batch not acked by JetStream", seq=self.seq, exc_info=True)
-            with contextlib.suppress(Exception):
-                await self.bus.publish(subjects.kv_events(self.worker_id), batch)
+        subject = subjects.kv_events(self.worker_id)
+        return Envelope(subject, batch.SerializeToString(), f"{self.worker_id}.{self._epoch}.{self.seq}")
 
 
 def _runs_by_tier(events: Sequence[StoreEvent]) -> list[tuple[str, list[StoreEvent]]]:
@@ -152,7 +169,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     async def changed(self, events: Sequence[StoreEvent]) -> None:
         export_metrics(self.store, events)
         if events:
-            await self.publisher.publish(events)
+            self.publisher.publish(events)
 
     async def Put(
         self, request_iterator: AsyncIterator[kvcache_pb2.Block], context: grpc.aio.ServicerContext
@@ -251,9 +268,16 @@ async def serve(settings: KVCacheSettings) -> None:
     runtime = ServiceRuntime(settings, common_pb2.ROLE_KVCACHE)
     store = BlockStore(settings.store_config(runtime.worker_id))
     bus = await runtime.connect_bus()
-    publisher = EventPublisher(bus, runtime.worker_id, jetstream=await ensure_kv_stream(bus))
+    publisher = EventPublisher(
+        bus,
+        runtime.worker_id,
+        jetstream=await ensure_kv_stream(bus),
+        capacity=settings.outbox_size,
+        holdings=store.holdings,
+    )
+    publisher.start()
     servicer = KVCacheServicer(store, runtime.lifecycle, publisher)
-    await publisher.clear_all()  # whatever an earlier process under this id announced is gone, except ...
+    publisher.clear_all()  # whatever an earlier process under this id announced is gone, except ...
     await servicer.changed(store.recover())  # ... what its SSD directory still holds
     registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], settings.heartbeat_interval_s)
     index = GlobalKVIndex()
@@ -281,5 +305,5 @@ async def serve(settings: KVCacheSettings) -> None:
             task.cancel()
         await follower.stop()
         await registry.stop()
-        await runtime.shutdown()
+        await runtime.shutdown(after_drain=publisher.stop)  # in-flight Puts' events go out before the bus closes
         await lane.stop()

@@ -139,6 +139,17 @@ class BlockStore:
         events += self.expire()
         return events
 
+    def holdings(self) -> list[StoreEvent]:
+        """Everything held, as the `BlocksStored` events that announce it (a resync of the global index)."""
+        events: list[StoreEvent] = []
+        for tier in self.tiers:
+            keys = tier.keys()  # a tier's own iterator (not a dict's)
+            for key in keys:
+                meta = tier.meta(key)
+                assert meta is not None
+                append_stored(events, meta, tier.name)
+        return events
+
     # -- writes -------------------------------------------------------------------------------------------------
     def put(self, blocks: Sequence[Block]) -> PutResult:
         """Store `blocks` in order, evicting by policy to make room; bad blocks are skipped with a reason."""

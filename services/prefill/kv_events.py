@@ -3,13 +3,15 @@ follows them), and the bytes of newly stored blocks to the KV store.
 
 `hook(model)` is that model's AsyncEngine hook. It runs on the engine thread right after a step, reads the new
 blocks' bytes at once (a later step could evict them) and hands everything to the event loop, where batches
-are numbered (`seq`, one sequence per worker) and published in order by one task.
+are numbered (`seq`, one sequence per worker) and published in order through an outbox (mesh.outbox: plain NATS
+publishes, kept while NATS is away and sent when it returns; each with a `Nats-Msg-Id`, so the KVMESH_KV stream
+keeps one copy of a batch sent twice). When the outbox overflows, its oldest batch is dropped: a follower sees the
+gap in `seq`, and a device cache is only a routing hint.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 
 from engine_core import LLMEngine
@@ -17,7 +19,9 @@ from engine_core.async_engine import KVEventHook
 from engine_core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from mesh import subjects
 from mesh.bus import Bus
+from mesh.discovery import now_ms
 from mesh.logging import get_logger
+from mesh.outbox import Envelope, Outbox
 from mesh.pb import events_pb2
 from services.prefill.prefiller import StoreBlock
 from services.prefill.store_client import StoreWriter
@@ -70,25 +74,24 @@ class _EngineSide:
 
 
 class KVEventRelay:
-    def __init__(self, worker_id: str, bus: Bus, writer: StoreWriter | None) -> None:
+    def __init__(
+        self, worker_id: str, bus: Bus, writer: StoreWriter | None, capacity: int = MAX_UNPUBLISHED_BATCHES
+    ) -> None:
         self.worker_id = worker_id
         self.bus = bus
         self.writer = writer
         self.seq = 0  # written only by _on_loop
         self._sides: dict[str, _EngineSide] = {}  # one entry per model, made before its engine starts
-        self._outbox: asyncio.Queue[events_pb2.KVEventBatch] = asyncio.Queue(MAX_UNPUBLISHED_BATCHES)
+        self.outbox = Outbox(bus, capacity, jetstream=False)
+        self._epoch = now_ms()  # with seq, each batch's Nats-Msg-Id
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._publish_forever())
+        self.outbox.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self.outbox.stop(timeout_s=1.0)
 
     def hook(self, model: str) -> KVEventHook:
         side = self._sides.setdefault(model, _EngineSide())
@@ -118,18 +121,7 @@ class KVEventRelay:
         batch = events_pb2.KVEventBatch(
             worker_id=self.worker_id, seq=self.seq, tier=TIER, events=[event_to_proto(e, model) for e in events]
         )
-        try:
-            self._outbox.put_nowait(batch)
-        except asyncio.QueueFull:
-            log.warning("KV event batch dropped: NATS is not keeping up", seq=self.seq)
+        msg_id = f"{self.worker_id}.{self._epoch}.{self.seq}"
+        self.outbox.put(Envelope(subjects.kv_events(self.worker_id), batch.SerializeToString(), msg_id))
         if blocks and self.writer is not None:
             self.writer.offer(blocks)
-
-    async def _publish_forever(self) -> None:
-        subject = subjects.kv_events(self.worker_id)
-        while True:
-            batch = await self._outbox.get()
-            try:
-                await self.bus.publish(subject, batch)
-            except Exception:  # NATS away: the gap in seq tells followers
-                log.warning("KV event batch not published", seq=batch.seq, exc_info=True)

@@ -197,7 +197,7 @@ class PrefillService:
             await store.start(bus)
             writer = StoreWriter(store, settings.store_write_queue_bytes)
             writer.start()
-        relay = KVEventRelay(runtime.worker_id, bus, writer)
+        relay = KVEventRelay(runtime.worker_id, bus, writer, settings.outbox_size)
         relay.start()
         service = cls(settings, runtime, registry, writer, relay)
         service.store = store

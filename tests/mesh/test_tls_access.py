@@ -23,6 +23,7 @@ from mesh.pb import (
     decode_pb2_grpc,
     encoder_pb2,
     expert_lb_pb2,
+    health_pb2,
     gateway_pb2,
     kvcache_pb2,
     prefill_pb2,
@@ -179,7 +180,7 @@ async def test_a_client_refuses_a_server_of_another_ca(tmp_path: Path) -> None:
 def test_the_table_lists_every_internal_method_and_only_known_roles() -> None:
     internal = {
         f"/{service.full_name}/{method.name}"
-        for module in (balancer_pb2, decode_pb2, encoder_pb2, expert_lb_pb2, kvcache_pb2, prefill_pb2)
+        for module in (balancer_pb2, decode_pb2, encoder_pb2, expert_lb_pb2, health_pb2, kvcache_pb2, prefill_pb2)
         for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     }

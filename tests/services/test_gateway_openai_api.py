@@ -401,6 +401,9 @@ class NoWorkers:
     def workers(self, role: int | None = None, model: str | None = None) -> list[KnownWorker]:
         return []
 
+    def record_failure(self, worker_id: str) -> None:
+        raise AssertionError(f"no worker is known, so none can fail: {worker_id}")
+
 
 def bare_core(key: str) -> GatewayCore:
     """A gateway that knows no model and no worker: enough for what the app answers before any handler runs."""

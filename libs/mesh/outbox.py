@@ -1,0 +1,151 @@
+"""Events for the bus, kept while it is away: a bounded queue that one task sends in order.
+
+A publisher `put`s and goes on at once (a Put of KV never waits on NATS). The sending task waits while the bus is
+disconnected and sends the head of the queue until it goes through, so what was published during an outage
+arrives, in order, when NATS returns. On a subject a JetStream stream captures, a send is a JetStream publish,
+acknowledged, with the message's `Nats-Msg-Id`: a send that was stored but whose ack was lost is retried, and the
+stream keeps one copy (its duplicate window, two minutes by default). On a plain subject (`jetstream=False`) a send
+is a core publish, which the client buffers while it reconnects; the id still travels in the header, so a stream
+that captures the subject drops a second copy all the same.
+
+The queue holds at most `capacity` messages. One more, and the queue is dropped whole and `resync` (the
+publisher's full state, for example a store node's `all_cleared` and then every block it holds) is sent first when
+the bus returns; what was `put` meanwhile is dropped too, since the resync covers it. Without a `resync`, the
+oldest message makes room and is lost (counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mesh.bus import Bus
+from mesh.logging import get_logger
+
+log = get_logger(__name__)
+MSG_ID = "Nats-Msg-Id"
+
+
+@dataclass(frozen=True)
+class Envelope:
+    subject: str
+    payload: bytes
+    msg_id: str  # unique per message of this process: the stream's dedupe key
+
+
+class Outbox:
+    """One writer of `_queue`'s head: the sending task; `put` (same loop) appends."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        capacity: int,
+        *,
+        jetstream: bool = True,
+        resync: Callable[[], list[Envelope]] | None = None,
+        ack_timeout_s: float = 2.0,
+        retry_s: float = 0.25,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity}: must be at least 1")
+        self.bus = bus
+        self.capacity = capacity
+        self.jetstream = jetstream
+        self.resync = resync
+        self.ack_timeout_s = ack_timeout_s
+        self.retry_s = retry_s
+        self.needs_resync = False  # the queue overflowed: `resync` goes out first when the bus is back
+        self.num_sent = 0
+        self.num_retries = 0  # sends that failed and were tried again
+        self.num_dropped = 0  # messages dropped on overflow (covered by a resync where there is one)
+        self.num_resyncs = 0
+        self._queue: deque[Envelope] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, envelope: Envelope) -> bool:
+        """Queue one message; False when it was dropped (the queue overflowed)."""
+        if self.needs_resync:
+            self.num_dropped += 1
+            return False
+        if len(self._queue) >= self.capacity:
+            if self.resync is None:
+                self._queue.popleft()
+                self.num_dropped += 1
+                if self.num_dropped % 1000 == 1:
+                    log.warning("outbox full: its oldest messages are dropped", num_dropped=self.num_dropped)
+            else:
+                self.num_dropped += len(self._queue) + 1
+                self._queue.clear()
+                self.needs_resync = True
+                self._wake.set()
+                log.warning("outbox overflowed: the publisher's state will be sent again", capacity=self.capacity)
+                return False
+        self._queue.append(envelope)
+        self._wake.set()
+        return True
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until everything queued has been sent; False after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue or self.needs_resync:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (up to `timeout_s`), then stop."""
+        if not await self.flush(timeout_s):
+            log.warning("outbox not empty at stop: messages lost", num_pending=len(self._queue))
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue and not self.needs_resync:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self.bus.connected.wait()
+            if self.needs_resync and self.resync is not None:
+                self.needs_resync = False
+                self._queue.extend(self.resync())  # no await in between: exactly the state as of now
+                self.num_resyncs += 1
+                log.info("outbox resync queued", num_messages=len(self._queue))
+            if not self._queue:
+                continue
+            envelope = self._queue[0]
+            try:
+                await self._send(envelope)
+            except Exception as exc:  # NATS away or not acking: the same message again, later
+                self.num_retries += 1
+                if self.num_retries % 20 == 1:
+                    log.warning("outbox send failed; retrying", subject=envelope.subject, error=repr(exc))
+                await asyncio.sleep(self.retry_s)
+                continue
+            if self._queue and self._queue[0] is envelope:  # not dropped by an overflow meanwhile
+                self._queue.popleft()
+            self.num_sent += 1
+
+    async def _send(self, envelope: Envelope) -> None:
+        headers = {MSG_ID: envelope.msg_id}
+        if self.jetstream:
+            await self.bus.client.jetstream().publish(
+                envelope.subject, envelope.payload, timeout=self.ack_timeout_s, headers=headers
+            )
+        else:
+            await self.bus.client.publish(envelope.subject, envelope.payload, headers=headers)
