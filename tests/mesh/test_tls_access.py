@@ -23,8 +23,8 @@ from mesh.pb import (
     decode_pb2_grpc,
     encoder_pb2,
     expert_lb_pb2,
-    health_pb2,
     gateway_pb2,
+    health_pb2,
     kvcache_pb2,
     prefill_pb2,
 )
