@@ -37,9 +37,8 @@ ALLOWED_CALLERS: dict[str, frozenset[str]] = {
     "/kvmesh.v1.KVCache/Pin": frozenset({PREFILL}),
     # plans are published on NATS by expert_lb; over gRPC they are only read, by the roles that apply them
     "/kvmesh.v1.ExpertBalancer/GetPlan": frozenset({PREFILL, DECODE, BALANCER, EXPERT_LB}),
-    # liveness without NATS (mesh.health): any mesh identity may ask whether a worker is up; Watch is not served
-    "/grpc.health.v1.Health/Check": frozenset(ROLES),
-    "/grpc.health.v1.Health/Watch": frozenset(),
+    # liveness without NATS (mesh.health): the roles that keep pools check every worker they know
+    "/grpc.health.v1.Health/Check": frozenset({GATEWAY, BALANCER}),
 }
 
 

@@ -3,7 +3,8 @@
 Every role's gRPC server answers the standard `grpc.health.v1.Health/Check` (proto/grpc/health/v1): SERVING for
 "" and for its own worker id while it takes work, NOT_SERVING once it stops, NOT_FOUND for any other name. A
 caller asks by worker id, so a process that took over the address (a restart under another id) does not pass
-for the one that died there.
+for the one that died there. A server that answers UNIMPLEMENTED or PERMISSION_DENIED (a worker of a version
+before health checks) is up.
 
 `HealthProber` checks every worker a WorkerRegistry knows, all at once every `interval_s`, each with a deadline of
 `timeout_s`, and reports each answer to the registry: a failure counts towards the worker's ejection (mesh.outliers),
@@ -45,18 +46,20 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"this is {self.worker_id}, not {request.service}")
         return health_pb2.HealthCheckResponse(status=SERVING if self.is_serving() else NOT_SERVING)
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ask with Check")
+
+# what a worker of a version before health checks answers: it is up, it just does not serve the method (or its
+# access table does not list it), so a rollout from such a version does not eject the old workers
+ANSWERED_WITHOUT_HEALTH = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED})
 
 
 async def is_serving(channel: grpc.aio.Channel, worker_id: str, timeout_s: float) -> bool:
-    """Whether `worker_id` answers SERVING on `channel` within `timeout_s`."""
+    """Whether `worker_id` answers SERVING on `channel` within `timeout_s` (or answers at all, without health)."""
     try:
         response = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=worker_id), timeout=timeout_s
         )
-    except grpc.aio.AioRpcError:
-        return False
+    except grpc.aio.AioRpcError as error:
+        return error.code() in ANSWERED_WITHOUT_HEALTH
     return bool(response.status == SERVING)
 
 

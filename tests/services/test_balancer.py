@@ -86,6 +86,7 @@ def settings(nats_url: str, worker_id: str, policy: str = "kvmesh", interval_s: 
         http_port=free_port(),
         worker_id=worker_id,
         heartbeat_interval_s=interval_s,
+        health_check_interval_s=0,  # the workers here are heartbeats alone, with no gRPC server to check
         balancer_policy=policy,
     )
 

@@ -98,6 +98,7 @@ async def test_the_balancer_routes_by_the_latest_rollout_weight(nats_url: str) -
         http_port=free_port(),
         worker_id="balancer-r",
         heartbeat_interval_s=INTERVAL_S,
+        health_check_interval_s=0,  # the workers here are heartbeats alone, with no gRPC server to check
     )
     conversations = [
         balancer_pb2.RouteRequest(request_id=f"r{i}", model="m", block_hashes=[bytes([i]) * 32], num_prompt_tokens=32)
@@ -183,6 +184,7 @@ async def test_the_controller_steps_promotes_and_rolls_back_by_the_gates(nats_ur
         http_port=free_port(),
         worker_id="balancer-c",
         heartbeat_interval_s=INTERVAL_S,
+        health_check_interval_s=0,  # the workers here are heartbeats alone, with no gRPC server to check
     )
     num_sent = 0
 

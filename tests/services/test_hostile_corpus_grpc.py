@@ -23,7 +23,7 @@ import pytest_asyncio
 from engine_core import model_store
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import rpc, tls
-from mesh.access import ALLOWED_CALLERS, DECODE, ENCODER, GATEWAY, PREFILL, ROLES
+from mesh.access import ALLOWED_CALLERS, BALANCER, DECODE, ENCODER, GATEWAY, PREFILL, ROLES
 from mesh.config import load_settings
 from mesh.pb import (
     balancer_pb2,
@@ -34,6 +34,8 @@ from mesh.pb import (
     encoder_pb2_grpc,
     expert_lb_pb2,
     expert_lb_pb2_grpc,
+    health_pb2,
+    health_pb2_grpc,
     kvcache_pb2,
     kvcache_pb2_grpc,
     prefill_pb2,
@@ -60,7 +62,7 @@ CORPUS = Path(__file__).parents[1] / "hostile" / "grpc.jsonl"
 MODEL = "deepseek-tiny"
 DEADLINE_S = 2.0
 REFUSED_CALLER = ENCODER  # the access table lets the encoder call nothing
-PB_MODULES = (balancer_pb2, decode_pb2, encoder_pb2, expert_lb_pb2, kvcache_pb2, prefill_pb2)
+PB_MODULES = (balancer_pb2, decode_pb2, encoder_pb2, expert_lb_pb2, health_pb2, kvcache_pb2, prefill_pb2)
 
 
 def load_corpus() -> list[dict[str, Any]]:
@@ -75,7 +77,7 @@ class Method:
 
     @property
     def service(self) -> str:
-        return self.path.split("/")[1].removeprefix("kvmesh.v1.")
+        return self.path.split("/")[1].removeprefix("kvmesh.v1.").removeprefix("grpc.health.v1.")
 
     @property
     def allowed_caller(self) -> str:
@@ -83,7 +85,8 @@ class Method:
 
 
 def internal_methods() -> list[Method]:
-    """Every method of proto/kvmesh/v1 but the gateway's public API, from the compiled descriptors."""
+    """Every method of proto/kvmesh/v1 but the gateway's public API, and the health check every server answers,
+    from the compiled descriptors."""
     methods = []
     for module in PB_MODULES:
         for service in module.DESCRIPTOR.services_by_name.values():
@@ -163,6 +166,7 @@ async def servers() -> AsyncIterator[Servers]:
             stack.push_async_callback(prefill.stop)
             addresses["Decode"] = decode.runtime.address
             addresses["Prefill"] = prefill.runtime.address
+            addresses["Health"] = decode.runtime.address  # every server answers it: decode's stands for them
             channels = {role: rpc.Channels(tls.load_credentials(role)) for role in ROLES}
             for role_channels in channels.values():
                 stack.push_async_callback(role_channels.close)
@@ -181,6 +185,11 @@ async def well_formed_call(servers: Servers, service: str) -> str:
             kvcache_pb2.LookupRequest(model=MODEL, block_hashes=[b"\x01" * 16])
         )
         return f"Lookup: {lookup.num_hits} hits"
+    if service == "Health":
+        checked = await health_pb2_grpc.HealthStub(servers.channel(service, BALANCER)).Check(
+            health_pb2.HealthCheckRequest(service="decode-h")
+        )
+        return f"Check: {health_pb2.HealthCheckResponse.ServingStatus.Name(checked.status)}"
     if service == "Decode":
         aborted = await decode_pb2_grpc.DecodeStub(servers.channel(service, GATEWAY)).Abort(
             decode_pb2.AbortRequest(request_id="no-such-request")
@@ -218,6 +227,7 @@ WELL_FORMED = {
     "ExpertBalancer": "NOT_FOUND: True",
     "Encoder": "NOT_FOUND: True",
     "Prefill": "NOT_FOUND: True",
+    "Health": "Check: SERVING",
 }
 
 
@@ -236,7 +246,7 @@ def reset_peak() -> None:
 
 async def test_every_internal_method_is_in_the_access_table_and_has_a_server() -> None:
     paths = [method.path for method in internal_methods()]
-    assert len(paths) == 14
+    assert len(paths) == 15
     assert set(paths) == set(ALLOWED_CALLERS)
     assert {method.service for method in internal_methods()} == set(WELL_FORMED)
     assert all(REFUSED_CALLER not in roles for roles in ALLOWED_CALLERS.values())
