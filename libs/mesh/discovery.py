@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from mesh import rpc, subjects
+from mesh import metrics, rpc, subjects
 from mesh.bus import Bus
 from mesh.health import HealthProber
 from mesh.logging import get_logger
@@ -217,6 +217,19 @@ class WorkerRegistry:
             and not self.outliers.is_ejected(w.worker_id)
         ]
         return sorted(found, key=lambda w: w.worker_id)
+
+    @property
+    def num_stale(self) -> int:
+        return sum(w.is_stale for w in self._workers.values())
+
+    @property
+    def num_ejected(self) -> int:
+        return sum(self.outliers.is_ejected(worker_id) for worker_id in self._workers)
+
+    def export_metrics(self) -> None:
+        """The pools' stale and ejected workers, read at each scrape (one registry per process exports them)."""
+        metrics.POOL_STALE_WORKERS.set_function(lambda: self.num_stale)
+        metrics.POOL_EJECTED_WORKERS.set_function(lambda: self.num_ejected)
 
     def addresses(self) -> dict[str, str]:
         """Every known worker's gRPC address, ejected ones included (health checks may re-admit them)."""

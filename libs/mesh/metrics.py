@@ -277,6 +277,21 @@ KV_INDEX_BLOCKS = _gauge(
     roles="prefill, kvcache, balancer",
 )
 
+# liveness and the bus going away (mesh.discovery, mesh.health, mesh.outbox)
+POOL_STALE_WORKERS = _gauge(
+    "kvmesh_pool_stale_workers",
+    "Workers kept in the pools at their last known state: no heartbeat for 3 intervals (NATS away, or theirs)",
+    roles="gateway, balancer",
+)
+POOL_EJECTED_WORKERS = _gauge(
+    "kvmesh_pool_ejected_workers",
+    "Workers out of the pools for consecutive failed health checks or calls, until one passes",
+    roles="gateway, balancer",
+)
+OUTBOX_MESSAGES = _gauge(
+    "kvmesh_outbox_messages", "KV event batches waiting in this process's outbox for NATS", roles="prefill, kvcache"
+)
+
 # balancer
 BALANCER_ROUTES = _counter(
     "kvmesh_balancer_routes_total", "Requests routed, by pool and worker", ["pool", "worker"], roles="balancer"

@@ -354,6 +354,7 @@ async def serve(settings: BalancerSettings) -> None:
         eject_after_failures=settings.eject_after_failures,
     )
     registry.check_health(runtime.channels, settings.health_check_interval_s, settings.health_check_timeout_s)
+    registry.export_metrics()
     pools = Pools(registry, CapacityPlanner(settings.balancer_target_utilization))
 
     async def on_finished(message: events_pb2.RequestFinished, subject: str) -> None:

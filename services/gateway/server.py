@@ -91,6 +91,7 @@ class GatewayServer:
         self.registry.check_health(
             self.runtime.channels, settings.health_check_interval_s, settings.health_check_timeout_s
         )
+        self.registry.export_metrics()
         await self.registry.start()
         self.prices = PriceBook(self.database)  # spend budgets' prices at admission
         await self.prices.start()

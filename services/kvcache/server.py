@@ -276,6 +276,7 @@ async def serve(settings: KVCacheSettings) -> None:
         holdings=store.holdings,
     )
     publisher.start()
+    metrics.OUTBOX_MESSAGES.set_function(lambda: len(publisher.outbox))
     servicer = KVCacheServicer(store, runtime.lifecycle, publisher)
     publisher.clear_all()  # whatever an earlier process under this id announced is gone, except ...
     await servicer.changed(store.recover())  # ... what its SSD directory still holds

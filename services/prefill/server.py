@@ -199,6 +199,7 @@ class PrefillService:
             writer.start()
         relay = KVEventRelay(runtime.worker_id, bus, writer, settings.outbox_size)
         relay.start()
+        metrics.OUTBOX_MESSAGES.set_function(lambda: len(relay.outbox))
         service = cls(settings, runtime, registry, writer, relay)
         service.store = store
         try:

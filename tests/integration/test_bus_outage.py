@@ -110,9 +110,9 @@ def test_nats_killed_under_load_fails_no_request_and_loses_no_kv_event(mesh: Mes
         nats.process.kill()  # SIGKILL: no goodbye to anyone
         nats.process.wait()
         killed_at = time.monotonic()
+        num_ok_at_kill = load.num_ok
         time.sleep(2.0)
         assert pool_size(mesh, "decode") == 2  # nobody was pruned for the heartbeats NATS did not carry
-        num_ok_at_kill = load.num_ok
 
         mesh.kill("decode-1", signal.SIGKILL)  # a worker that really dies while NATS is away
         decode_killed_at = time.monotonic()
