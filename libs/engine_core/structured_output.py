@@ -42,6 +42,7 @@ MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar's text (tool grammars embed each too
 CACHE_BYTES = 256 * 2**20  # compiled grammars kept per engine, by their size (xgrammar's memory_size_bytes)
 COMPILE_THREADS = 2  # compiles running at once per engine
 MAX_PENDING_COMPILES = 16  # queued or running per engine; more is refused at once
+PREPARE_TIMEOUT_S = 120.0  # for the first grammar's one-off preparation of the vocabulary
 MAX_PENDING_COMPILES_PER_TENANT = 4  # of those, for one tenant (when the caller names the tenant)
 
 # A per-request token mask hook (SamplingParams.token_mask): given the tokens generated so far, the vocabulary
@@ -139,7 +140,8 @@ class GrammarCompiler:
         )
         self.num_cached_bytes = 0
         self._pending: dict[str, int] = {}  # tenant ("" unnamed) -> compiles queued or running, until they end
-        self._lock = threading.Lock()  # guards _compiler, _cache, num_cached_bytes and _pending
+        self._lock = threading.Lock()  # guards _cache, num_cached_bytes and _pending
+        self._compiler_lock = threading.Lock()  # guards _compiler while it is built (seconds: never on the loop)
         self._threads = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
 
     @property
@@ -151,7 +153,7 @@ class GrammarCompiler:
     def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
         import xgrammar as xgr
 
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 if self._tokenizer is None:
                     raise GrammarError("this model has no tokenizer, so it cannot follow a grammar")
@@ -193,6 +195,12 @@ class GrammarCompiler:
         its thread and its count, and is cached if it ends)."""
         if self.is_cached(structured):
             return
+        if self._compiler is None:  # xgrammar's import and the vocabulary's preparation: the worker's one-off
+            # cost (seconds on a loaded machine), paid outside this grammar's deadline, once, on its own thread
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._xgr_compiler), PREPARE_TIMEOUT_S)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise GrammarBusyError("this worker is still preparing grammars for its model; retry shortly") from None
         with self._lock:
             if sum(self._pending.values()) >= self.max_pending:
                 raise GrammarBusyError(f"{self.max_pending} grammar compiles are already pending; retry shortly")

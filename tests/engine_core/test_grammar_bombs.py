@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import pytest
 
@@ -87,6 +88,41 @@ async def test_a_50000_entry_enum_is_refused_by_its_size() -> None:
         schema({"enum": list(range(50_000))})
 
 
+class SlowToPrepare(Tokenizer):
+    """A tokenizer whose vocabulary takes a second to hand over, as a large one does on a loaded machine."""
+
+    @property  # type: ignore[override]
+    def backend(self) -> Any:
+        time.sleep(1.0)
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: Any) -> None:
+        self._backend = value
+
+
+async def test_the_first_grammar_does_not_pay_for_the_vocabulary_within_its_deadline(tokenizer: Tokenizer) -> None:
+    """The model's one-off preparation (xgrammar's tables over the vocabulary) runs before the deadline starts:
+    a loaded worker's first grammar must not fail for it, nor may the event loop wait on it."""
+    slow = SlowToPrepare(tokenizer.backend, eos_token=tokenizer.eos_token)
+    grammars = GrammarCompiler(slow, VOCAB_SIZE, [1])
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.05)
+            ticks += 1
+
+    ticker = asyncio.ensure_future(tick())
+    start = time.monotonic()
+    await grammars.compile_async(schema({"type": "integer"}), timeout_s=0.5)
+    elapsed = time.monotonic() - start
+    ticker.cancel()
+    assert elapsed > 1.0 and grammars.is_cached(schema({"type": "integer"}))
+    assert ticks >= 10  # the loop ran on while the vocabulary was prepared on another thread
+
+
 async def test_a_compile_past_its_deadline_is_refused_and_keeps_its_slot(tokenizer: Tokenizer) -> None:
     grammars = compiler(tokenizer, num_threads=1)
     start = time.monotonic()
@@ -103,16 +139,17 @@ async def test_a_compile_past_its_deadline_is_refused_and_keeps_its_slot(tokeniz
 
 async def test_the_pool_refuses_at_once_past_its_caps(tokenizer: Tokenizer) -> None:
     grammars = compiler(tokenizer, num_threads=1, max_pending=3, max_pending_per_tenant=2)
-    running = [asyncio.ensure_future(grammars.compile_async(slow_bomb(i), 30.0, tenant="a")) for i in range(2)]
+    bombs = [slow_bomb(i) for i in range(5)]  # built first: 20,000 entries each take a moment to write
+    running = [asyncio.ensure_future(grammars.compile_async(bombs[i], 30.0, tenant="a")) for i in range(2)]
     await asyncio.sleep(0)
     assert grammars.num_pending == 2
     start = time.monotonic()
     with pytest.raises(GrammarBusyError, match="2 grammar compiles of this tenant are already pending"):
-        await grammars.compile_async(slow_bomb(9), 30.0, tenant="a")
-    other = asyncio.ensure_future(grammars.compile_async(slow_bomb(3), 30.0, tenant="b"))  # another tenant fits
+        await grammars.compile_async(bombs[2], 30.0, tenant="a")
+    other = asyncio.ensure_future(grammars.compile_async(bombs[3], 30.0, tenant="b"))  # another tenant fits
     await asyncio.sleep(0)
     with pytest.raises(GrammarBusyError, match="3 grammar compiles are already pending"):
-        await grammars.compile_async(slow_bomb(4), 30.0)
+        await grammars.compile_async(bombs[4], 30.0)
     assert time.monotonic() - start < 0.1  # refused without waiting
     other.cancel()  # a queued compile whose caller leaves never starts: its slot comes back
     await asyncio.gather(*running, return_exceptions=True)
@@ -120,7 +157,7 @@ async def test_the_pool_refuses_at_once_past_its_caps(tokenizer: Tokenizer) -> N
     while grammars.num_pending and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert grammars.num_pending == 0
-    assert not grammars.is_cached(slow_bomb(3))
+    assert not grammars.is_cached(bombs[3])
 
 
 async def test_10000_distinct_schemas_keep_the_cache_under_its_byte_bound(tokenizer: Tokenizer) -> None:
