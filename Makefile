@@ -34,11 +34,15 @@ $(BIN)/promtool: | $(BIN)/.installed
 	-@command -v apt-get >/dev/null && tmp=$$(mktemp -d) && (cd $$tmp && apt-get download -qq -o APT::Sandbox::User=root prometheus \
 	  && dpkg-deb -x prometheus_*.deb root) && cp $$tmp/root/usr/bin/promtool $@; rm -rf "$$tmp"
 
-test: install typecheck $(BIN)/promtool  ## the whole suite (type check, generated-code check, lint, format, unit, parity, kernels, mesh)
+# The type check runs beside the tests (a core of its own for a minute), its report printed after theirs.
+test: install $(BIN)/promtool  ## the whole suite (type check, generated-code check, lint, format, unit, parity, kernels, mesh)
 	$(BIN)/python -m mesh.protogen --check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & typecheck=$$!; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup; tests=$$?; \
+	wait $$typecheck; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
+	test $$tests -eq 0 -a $$typed -eq 0
 
 bench-engine: install models
 	$(BIN)/kvmesh bench engine --model smollm2-135m --json

@@ -10,6 +10,7 @@ Files go under $KVMESH_MODEL_DIR (default ~/.cache/kvmesh/models), one directory
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -86,10 +87,16 @@ def ensure(name: str, progress: bool = False) -> Path:
     if name not in KNOWN_MODELS:
         raise ConfigError(f"unknown model {name!r}: known are {', '.join(KNOWN_MODELS)}")
     if not is_present(name):
-        if name == "smollm2-135m":
-            pull_smollm2(model_dir() / name, progress)
-        else:
-            write_deepseek_tiny(model_dir() / name)
+        model_dir().mkdir(parents=True, exist_ok=True)
+        # One writer at a time across processes (workers or test runners starting together on a fresh machine):
+        # the others wait, then find the model present.
+        with open(model_dir() / f".{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not is_present(name):
+                if name == "smollm2-135m":
+                    pull_smollm2(model_dir() / name, progress)
+                else:
+                    write_deepseek_tiny(model_dir() / name)
     return model_path(name)
 
 
