@@ -5,7 +5,7 @@ kvmesh models pull [NAME ...]       fetch real weights (smollm2-135m) and write 
                                     (default: the known models in $KVMESH_MODELS, else all)
 kvmesh models make-tiny             write deepseek-tiny (random weights, fixed seed)
 kvmesh generate MODEL PROMPT        one completion, offline
-kvmesh up [--prefill N] [--decode N] [--kvcache N] [--encoder N]   the whole mesh on this machine
+kvmesh up [--prefill N] [--decode N] [--balancer N] [--gateway N] ...   the whole mesh here, supervised
 kvmesh certs init DIR               a CA and one certificate per role (mutual TLS between roles: KVMESH_TLS_DIR)
     [--worker ROLE/NAME ...]        and per named worker, with a NATS user that speaks only as NAME
 kvmesh serve ROLE                   one role (gateway, encoder, prefill, decode, kvcache, balancer, expert_lb),
@@ -95,6 +95,7 @@ def _up(args: argparse.Namespace) -> int:
         decode=args.decode,
         kvcache=args.kvcache,
         balancer=args.balancer,
+        gateway=args.gateway,
         encoder=args.encoder,
         models=tuple(args.models),
         http_port=args.port,
@@ -233,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument("--kvcache", type=int, default=1, help="KV store nodes")
-    up.add_argument("--balancer", type=int, default=1, help="balancer replicas")
+    up.add_argument("--balancer", type=int, default=2, help="balancer replicas (they share their decisions)")
+    up.add_argument("--gateway", type=int, default=1, help="gateway processes sharing --port (SO_REUSEPORT)")
     up.add_argument("--encoder", type=int, default=1, help="vision encoder workers (0: images are refused)")
     up.add_argument("--models", nargs="+", default=["smollm2-135m", "deepseek-tiny"])
     up.add_argument("--port", type=int, default=8080, help="the gateway's HTTP port")

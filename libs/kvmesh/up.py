@@ -3,8 +3,8 @@
     mesh = Mesh(MeshPlan(prefill=2, decode=2))
     mesh.start()            # NATS (unless a URL is given), then kvcache, balancer, encoder, prefill, decode, gateway
     mesh.wait_ready()       # the gateway's /readyz says a balancer and workers are live
-    mesh.run_forever()      # report children that die; Ctrl-C stops everything cleanly
-    mesh.stop()
+    mesh.run_forever()      # restart children that die (kvmesh.supervisor); Ctrl-C stops everything cleanly
+    mesh.stop()             # SIGTERM, then waits out each child's drain (KVMESH_DRAIN_TIMEOUT_S) before SIGKILL
 
 Each child is `python -m kvmesh serve ROLE` configured through KVMESH_* variables; its output is prefixed
 with its name. Nothing here knows a worker's address: workers announce themselves on NATS. Each child gets its
@@ -17,6 +17,7 @@ tests connect as its administrator with `mesh.nats_url` and `mesh.nats_tls`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -36,10 +37,12 @@ from typing import IO
 from kvmesh.certs import NATS_DIR, ProcessCertificates
 from kvmesh.nats_config import ServerTLS
 from kvmesh.nats_server import EmbeddedNats, free_port
-from mesh.config import TLSSettings, load_settings
+from kvmesh.supervisor import Child, RestartPolicy, Supervisor
+from mesh.config import ServiceSettings, SettingError, TLSSettings, load_settings
 from mesh.tls import CA_FILE, client_ssl_context, load_credentials
 
 DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny")
+STOP_MARGIN_S = 10.0  # past the drain timeout, for a drained child to close its servers and exit
 START_ORDER = ("kvcache", "balancer", "expert_lb", "encoder", "prefill", "decode", "gateway")
 
 
@@ -48,7 +51,8 @@ class MeshPlan:
     prefill: int = 1
     decode: int = 1
     kvcache: int = 1
-    balancer: int = 1
+    balancer: int = 2  # replicas sharing their decisions: one can die without a pause in routing
+    gateway: int = 1  # processes sharing http_port and grpc_port (SO_REUSEPORT: the kernel spreads connections)
     encoder: int = 1  # vision encoder workers (0: the gateway refuses images)
     models: tuple[str, ...] = DEFAULT_MODELS
     http_port: int = 8080
@@ -61,17 +65,8 @@ class MeshPlan:
         for role in ("prefill", "decode", "kvcache", "balancer", "encoder"):
             if getattr(self, role) < 0:
                 raise ValueError(f"--{role} must not be negative")
-        if self.prefill < 1 or self.decode < 1 or self.balancer < 1:
-            raise ValueError("a mesh needs at least one prefill, one decode and one balancer")
-
-
-@dataclass
-class Child:
-    name: str  # e.g. prefill-1
-    role: str
-    process: subprocess.Popen
-    http_port: int  # its /healthz, /readyz and /metrics
-    reported: bool = False  # its exit has been reported
+        if self.prefill < 1 or self.decode < 1 or self.balancer < 1 or self.gateway < 1:
+            raise ValueError("a mesh needs at least one prefill, one decode, one balancer and one gateway")
 
 
 class Mesh:
@@ -94,6 +89,8 @@ class Mesh:
         self.children: list[Child] = []
         self._lock = threading.Lock()
         self.certificates: ProcessCertificates | None = None  # this run's throwaway CA, made by start()
+        self.supervisor: Supervisor | None = None  # restarts children that die (supervise(); kvmesh up always)
+        self.is_stopping = False  # stop() began: an exit is expected, not a crash
 
     @property
     def base_url(self) -> str:
@@ -122,7 +119,7 @@ class Mesh:
         self.nats_url = self.nats.url  # the administrator's, for tools and tests; each child gets its own user
         users = "no users (KVMESH_INSECURE=1)" if settings.insecure else "a user per worker"
         security = "TLS with client certificates" if tls is not None else "no TLS"
-        self._say(f"nats: embedded server at {self.nats.address} (JetStream on, {users}, {security})")
+        self.say(f"nats: embedded server at {self.nats.address} (JetStream on, {users}, {security})")
 
     def nats_certificate_dir(self, settings: TLSSettings) -> Path | None:
         """Where the embedded NATS's certificate is (ca.pem, nats.pem, nats-key.pem), or None: no TLS."""
@@ -133,7 +130,7 @@ class Mesh:
         own = Path(settings.tls_dir).expanduser() / NATS_DIR if settings.tls_dir else None
         if own is not None and (own / f"{NATS_DIR}.pem").is_file():
             return own
-        self._say("nats: no certificate for NATS among your own (KVMESH_TLS_DIR/nats/ from kvmesh certs init): no TLS")
+        self.say("nats: no certificate for NATS among your own (KVMESH_TLS_DIR/nats/ from kvmesh certs init): no TLS")
         return None
 
     def throwaway_certificates(self) -> ProcessCertificates | None:
@@ -142,9 +139,7 @@ class Mesh:
         if settings.tls_dir or settings.tls_cert:
             return None
         directory = Path(tempfile.mkdtemp(prefix="kvmesh-up-certs-"))
-        self._say(
-            f"certs: {'none (KVMESH_INSECURE=1)' if settings.insecure else 'a throwaway CA in ' + str(directory)}"
-        )
+        self.say(f"certs: {'none (KVMESH_INSECURE=1)' if settings.insecure else 'a throwaway CA in ' + str(directory)}")
         return ProcessCertificates(directory, {**os.environ, **self.plan.env})
 
     def planned_workers(self) -> list[tuple[str, str]]:
@@ -155,9 +150,9 @@ class Mesh:
         if role == "expert_lb":  # only when the workers report expert loads (KVMESH_EXPERT_REPORT_STEPS > 0)
             steps = self.plan.env.get("KVMESH_EXPERT_REPORT_STEPS", os.environ.get("KVMESH_EXPERT_REPORT_STEPS", "0"))
             return 1 if steps.strip().isdigit() and int(steps) > 0 else 0
-        return 1 if role == "gateway" else int(getattr(self.plan, role))
+        return int(getattr(self.plan, role))
 
-    def child_env(self, role: str, index: int, http_port: int) -> dict[str, str]:
+    def child_env(self, role: str, index: int, http_port: int, grpc_port: int = 0) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
         env.update({k: v for k, v in os.environ.items() if k.startswith("KVMESH_")})  # the user's settings pass through
         env.update(self.plan.env)
@@ -179,34 +174,60 @@ class Mesh:
             env["KVMESH_NATS_CREDS"] = str(creds or "")
         if role == "gateway":
             env["KVMESH_ADMIN_KEY"] = self.admin_key
-        # workers take any free gRPC port and announce it; only the gateway's ports are fixed
-        env["KVMESH_GRPC_PORT"] = str(self.plan.grpc_port) if role == "gateway" else "0"
+        # a worker's gRPC port is announced, so any would do; one kept across its restarts lets peers' channels
+        # reconnect to the new process
+        env["KVMESH_GRPC_PORT"] = str(grpc_port)
+        if role == "gateway" and self.plan.gateway > 1:  # the replicas share the gateway's ports
+            env["KVMESH_REUSE_PORT"] = "1"
         return env
 
     def spawn(self, role: str, index: int, env: dict[str, str] | None = None) -> Child:
         """Start one child; `env`: settings of its own over the plan's (a canary's KVMESH_VERSION, say)."""
-        name = f"{role}-{index}"
-        http_port = self.plan.http_port if role == "gateway" else free_port()
-        process = subprocess.Popen(
+        is_gateway = role == "gateway"
+        http_port = self.plan.http_port if is_gateway else free_port()
+        grpc_port = self.plan.grpc_port if is_gateway else free_port()
+        child = Child(
+            f"{role}-{index}",
+            role,
+            index,
+            self._popen(role, index, http_port, grpc_port, env or {}),
+            http_port,
+            grpc_port,
+            dict(env or {}),
+        )
+        threading.Thread(target=self._pump, args=(child, child.process), daemon=True).start()
+        with self._lock:
+            self.children = [c for c in self.children if c.name != child.name] + [child]
+        return child
+
+    def restart(self, child: Child) -> Child:
+        """Start a dead child again: the same name, worker id, ports and settings (the supervisor calls it)."""
+        assert child.process.poll() is not None, f"{child.name} is still running"
+        process = self._popen(child.role, child.index, child.http_port, child.grpc_port, child.env)
+        with self._lock:
+            child.process = process
+            child.num_restarts += 1
+            child.started_at = time.monotonic()
+            child.reported = False
+        threading.Thread(target=self._pump, args=(child, process), daemon=True).start()
+        return child
+
+    def _popen(self, role: str, index: int, http_port: int, grpc_port: int, env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(
             [sys.executable, "-m", "kvmesh", "serve", role],
-            env=self.child_env(role, index, http_port) | (env or {}),
+            env=self.child_env(role, index, http_port, grpc_port) | env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
-        child = Child(name, role, process, http_port)
-        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
-        with self._lock:
-            self.children = [c for c in self.children if c.name != name] + [child]
-        return child
 
-    def _pump(self, child: Child) -> None:
-        assert child.process.stdout is not None
-        for line in child.process.stdout:
-            self._say(f"{child.name:>11} | {line.rstrip()}")
+    def _pump(self, child: Child, process: subprocess.Popen) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.say(f"{child.name:>11} | {line.rstrip()}")
 
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
@@ -230,20 +251,25 @@ class Mesh:
         with self._lock:
             return [c for c in self.children if c.process.poll() is not None]
 
-    def report_dead(self) -> list[Child]:
-        """Say (once) which children exited; returns them."""
-        newly = [c for c in self.dead_children() if not c.reported]
-        for child in newly:
-            child.reported = True
-            self._say(f"kvmesh: {child.name} exited with code {child.process.returncode}")
-        return newly
+    def supervise(self, policy: RestartPolicy | None = None) -> Supervisor:
+        """Restart children that die from now on (until stop()); `kvmesh up` does it for its whole run."""
+        assert self.supervisor is None, "already supervised"
+        self.supervisor = Supervisor(self, policy).start()
+        return self.supervisor
 
-    def run_forever(self) -> None:
+    def restart_counts(self) -> dict[str, int]:
+        """Restarts so far of each child restarted at least once."""
+        with self._lock:
+            return {c.name: c.num_restarts for c in self.children if c.num_restarts}
+
+    def run_forever(self, policy: RestartPolicy | None = None) -> None:
+        """Supervise the children until SIGINT or SIGTERM."""
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(1.0):
-            self.report_dead()
+        self.supervise(policy)
+        while not stop.wait(1.0):  # a timed wait: the signal handlers run between waits
+            pass
 
     def child(self, name: str) -> Child:
         with self._lock:
@@ -254,10 +280,26 @@ class Mesh:
         child = self.child(name)
         child.process.send_signal(sig)
         child.process.wait(timeout=60)
-        child.reported = True
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """Gateway first (no new requests), then workers, then the rest; SIGKILL what outlives the grace."""
+    def drain_timeout_s(self) -> float:
+        """The longest KVMESH_DRAIN_TIMEOUT_S among the children (each may have its own)."""
+        base = {**os.environ, **self.plan.env}
+        with self._lock:
+            envs = [base | child.env for child in self.children] or [base]
+        timeouts: list[float] = []
+        for env in envs:
+            with contextlib.suppress(SettingError):  # a child that refused its settings at start drains nothing
+                timeouts.append(load_settings(ServiceSettings, env).drain_timeout_s)
+        return max(timeouts, default=ServiceSettings.drain_timeout_s)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Gateway first (no new requests), then workers, then the rest; SIGKILL what outlives the grace: by
+        default each child's drain timeout and STOP_MARGIN_S to close, never less (a long stream finishes)."""
+        self.is_stopping = True
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        if grace_s is None:
+            grace_s = self.drain_timeout_s() + STOP_MARGIN_S
         for role in reversed(START_ORDER):
             for child in self.children:
                 if child.role == role and child.process.poll() is None:
@@ -267,9 +309,12 @@ class Mesh:
             try:
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._say(f"kvmesh: {child.name} did not stop in {grace_s:.0f}s; killing it")
+                self.say(f"kvmesh: {child.name} did not stop in {grace_s:.0f} s; killing it")
                 child.process.kill()
                 child.process.wait()
+        counts = self.restart_counts()
+        if counts:
+            self.say("kvmesh: restarts during this run: " + ", ".join(f"{n} {k}" for n, k in counts.items()))
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
