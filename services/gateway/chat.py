@@ -53,6 +53,7 @@ class ChatTurn:
     messages: list[dict[str, Any]]  # role, content (text), and tool_calls / tool_call_id where they apply
     sampling: common_pb2.SamplingParams  # everything but the grammar and logprobs, which start_chat sets
     max_tokens_param: str  # the client's name for max_tokens, for errors
+    api_max_tokens: int | None = None  # the API's own default where the client set none (completions: 16)
     stop: tuple[str, ...] = ()
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = AUTO_TOOLS
@@ -379,6 +380,7 @@ async def start_chat(
             turn.prompt_param,
             turn.max_tokens_param,
             images,
+            turn.api_max_tokens,
         )
         for i in range(turn.n)
     ]

@@ -34,12 +34,14 @@ COMPLETIONS_API = "completions"
 def parse_completion_request(body: Any) -> tuple[ChatTurn, bool, bool, bool, int | None]:
     """(turn, stream, include_usage, echo, logprobs), from the body checked as api_models.openai.CompletionRequest."""
     request = validated(CompletionRequest, body)
+    asked = request.max_tokens if "max_tokens" in request.model_fields_set else None
     stream, include_usage = stream_flags(request.stream, request.stream_options)
     turn = ChatTurn(
         model=request.model,
         messages=[],
-        sampling=to_wire(request, request.max_tokens, "max_tokens"),
+        sampling=to_wire(request, asked, "max_tokens"),
         max_tokens_param="max_tokens",
+        api_max_tokens=None if asked is not None else request.max_tokens,  # OpenAI's 16, where the client set none
         stop=stop_strings(request.stop),
         n=request.n,
         logprobs=request.logprobs is not None,

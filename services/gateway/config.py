@@ -9,12 +9,18 @@ from mesh.config import ServiceSettings, require, setting
 from services.gateway.egress import EgressGuard
 from services.gateway.images import ImageSettings
 from services.gateway.listener import ListenerLimits
+from services.gateway.output_limits import OutputLimits, parse_per_model
 
 
 @dataclass(frozen=True)
 class GatewaySettings(ServiceSettings):
     http_port: int = setting(8080, "the REST API, with /healthz, /readyz and /metrics (the admin key's) beside it")
     grpc_port: int = setting(50050, "the Gateway gRPC service")
+    reuse_port: bool = setting(
+        False,
+        "bind http_port and grpc_port with SO_REUSEPORT, so several gateway processes share them and the kernel "
+        "spreads connections (`kvmesh up --gateway N` sets it)",
+    )
     # Never printed: kept out of repr, and auth.KeyRing holds only digests.
     api_keys: tuple[str, ...] = setting(
         (), "accepted API keys, comma-separated (`kvmesh up` generates one when unset)", secret=True
@@ -28,6 +34,17 @@ class GatewaySettings(ServiceSettings):
         2, "re-routes (and migrations) after a worker fails with UNAVAILABLE or RESOURCE_EXHAUSTED"
     )
     request_timeout_s: float = setting(600.0, "arrival to last token, in seconds; past it the request fails with 504")
+    # output length (services/gateway/output_limits.py), for every API: N, model=N, or both (N for the others)
+    default_max_tokens: tuple[str, ...] = setting(
+        ("4096",),
+        "output tokens of a request that sets no max_tokens (max_completion_tokens, max_output_tokens), cut to "
+        "what the context leaves; per model as `N,model=M`; 0: the rest of the context",
+    )
+    max_output_tokens: tuple[str, ...] = setting(
+        ("0",),
+        "the most output tokens a request may ask for (more is a 400 naming its field); per model as "
+        "`N,model=M`; 0: the context is the only bound",
+    )
     # images in chat messages (services/gateway/images.py): checked here, encoded by the encoder pool
     max_images_per_request: int = setting(4, "images in one request; more is a 400 (0: no images)")
     max_image_bytes: int = setting(
@@ -110,6 +127,11 @@ class GatewaySettings(ServiceSettings):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
         require(self.metrics_port >= -1, "metrics_port", self.metrics_port, "must be -1 (none), 0 (any) or a port")
         require(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be positive")
+        for name in ("default_max_tokens", "max_output_tokens"):
+            try:
+                parse_per_model(getattr(self, name), name)
+            except ValueError as exc:
+                require(False, name, ",".join(getattr(self, name)), str(exc).removeprefix(f"{name}: "))
         require(self.limits_lease_s >= 1, "limits_lease_s", self.limits_lease_s, "must be at least 1 second")
         require(
             self.limits_allowance_requests >= 0,
@@ -127,6 +149,13 @@ class GatewaySettings(ServiceSettings):
             "max_images_per_request",
             self.max_images_per_request,
             "must not be negative (0: no images)",
+        )
+
+    @property
+    def output_limits(self) -> OutputLimits:
+        return OutputLimits(
+            parse_per_model(self.default_max_tokens, "default_max_tokens"),
+            parse_per_model(self.max_output_tokens, "max_output_tokens"),
         )
 
     @property

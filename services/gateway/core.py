@@ -18,6 +18,7 @@ from services.gateway.catalog import ModelCatalog, ServedModel
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.image_encoding import ImageEncoding
 from services.gateway.mesh_view import MeshView
+from services.gateway.output_limits import OutputLimits
 from services.gateway.pipeline import Deadline, Generation, Pipeline
 from services.gateway.tenancy.cache_salt import request_cache_salt
 from services.gateway.tenancy.ledger import UsagePublisher
@@ -26,6 +27,7 @@ from services.gateway.tenancy.limits import Limiter, Reservation
 from services.gateway.tenancy.principal import Principal
 from services.gateway.tenancy.store import KeyStore
 
+NO_OUTPUT_LIMITS = OutputLimits()
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -67,6 +69,8 @@ class GatewayCore:
     limiter: Limiter | None = None  # None: no limits are enforced (embedding, unit tests)
     ledger: UsagePublisher | None = None  # None: no usage records (embedding, unit tests)
     cache_secret: bytes = b""  # the server secret, keying tenants' KV roots (tenancy/cache_salt.py)
+    worker_id: str = ""  # this gateway's, for the x-kvmesh-gateway-worker header (replicas share a port)
+    output_limits: OutputLimits = NO_OUTPUT_LIMITS  # default and maximum output lengths (none: the context's)
 
     async def authenticate(self, key: str | None) -> Principal | None:
         """Who presents `key`; None for a missing, unknown, expired or revoked key (one answer for all: the
@@ -117,8 +121,12 @@ class GatewayCore:
         prompt_param: str,
         max_tokens_param: str,
         images: tuple[encoder_pb2.PromptImage, ...] = (),
+        api_max_tokens: int | None = None,
     ) -> Generation:
-        """The last checks before the mesh: the prompt and max_tokens fit the context, and workers exist."""
+        """The last checks before the mesh: the output length within the server's bounds (a default where the client
+        set none), the prompt and max_tokens fit the context, and workers exist."""
+        room = model.context_len - len(prompt_token_ids)
+        self.output_limits.apply(model.name, room, sampling, max_tokens_param, api_max_tokens)
         max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else None
         model.check_lengths(len(prompt_token_ids), max_tokens, prompt_param, max_tokens_param)
         if not self.mesh.is_served(model.name):

@@ -138,9 +138,12 @@ class Listener:
             del self._per_client[client]
 
     @classmethod
-    async def start(cls, app: web.Application, host: str, port: int, limits: ListenerLimits) -> Listener:
+    async def start(
+        cls, app: web.Application, host: str, port: int, limits: ListenerLimits, reuse_port: bool = False
+    ) -> Listener:
         """Serve `app` on host:port (0: any free port). A client that disconnects cancels its handler, which
-        is what cancels the gRPC calls made for it."""
+        is what cancels the gRPC calls made for it. `reuse_port`: SO_REUSEPORT, for replicas sharing the port
+        (the kernel spreads new connections among them; one that dies takes only its own connections along)."""
         runner = web.AppRunner(  # bodies are not inflated: rest.json_body refuses a Content-Encoding unread
             app,
             access_log=None,
@@ -154,7 +157,7 @@ class Listener:
         assert server is not None
         loop = asyncio.get_running_loop()
         listener._server = await loop.create_server(
-            lambda: _Guarded(listener, server()), host, port, reuse_address=True
+            lambda: _Guarded(listener, server()), host, port, reuse_address=True, reuse_port=reuse_port or None
         )
         listener.port = int(listener._server.sockets[0].getsockname()[1])
         return listener

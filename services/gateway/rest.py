@@ -3,7 +3,8 @@ one mapping of errors to the body shape of the API the client called, and a gene
 admission, starting the chat turn, the served headers and the SSE writer. The app's keys live here too, so the
 API modules import this and http_app imports them: no cycle.
 
-Every response carries x-request-id; a served one also x-kvmesh-prefill-worker and x-kvmesh-decode-worker,
+Every response carries x-request-id; a served one also x-kvmesh-gateway-worker, x-kvmesh-prefill-worker and
+x-kvmesh-decode-worker,
 known before the first byte since routing and prefill come first.
 """
 
@@ -79,6 +80,7 @@ def served_headers(request: web.Request, run: ChatRun) -> dict[str, str]:
         "x-request-id": request[ECHOED_ID],
         "x-kvmesh-prefill-worker": run.placement.prefill_worker,
         "x-kvmesh-decode-worker": run.placement.decode_worker,
+        "x-kvmesh-gateway-worker": request.app[CORE_KEY].worker_id,  # which replica: they share one port
         # the engine's prefill time, so a client can tell the mesh's overhead from compute
         "server-timing": f"prefill;dur={run.prefill_seconds * 1000:.3f}",
         **limit_headers,

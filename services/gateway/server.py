@@ -116,13 +116,15 @@ class GatewayServer:
             limiter=self.limiter,
             ledger=self.ledger,
             cache_secret=secret,
+            output_limits=settings.output_limits,
+            worker_id=self.runtime.worker_id,
         )
         admin = Admin(settings.admin_key, self.database, secret, key_store, bus.client)
         app = create_app(self.core, ResponseStore(bus.client), admin, public_metrics=settings.public_metrics)
         if settings.public_metrics:
             log.warning("public_metrics: /metrics answers anyone on the public port (tenant names and traffic)")
         limits = settings.listener_limits
-        self._http = await Listener.start(app, settings.host, settings.http_port, limits)
+        self._http = await Listener.start(app, settings.host, settings.http_port, limits, settings.reuse_port)
         self.http_port = self._http.port
         if settings.metrics_port >= 0:  # scrapers on a private network: no key
             self._metrics = await Listener.start(

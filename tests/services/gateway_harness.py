@@ -5,6 +5,7 @@ starts its own) and the `script` each test sets. The real mesh is tested in test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import tempfile
 import time
@@ -236,8 +237,9 @@ async def wait_for_ready(base_url: str, timeout_s: float = 10.0) -> None:
             await asyncio.sleep(0.05)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def mesh() -> AsyncIterator[Mesh]:
+@contextlib.asynccontextmanager
+async def running_mesh(**overrides: Any) -> AsyncIterator[Mesh]:
+    """The fake workers and a gateway (`overrides`: its settings) on a NATS of their own, until the block ends."""
     model = load_model(str(model_store.ensure(MODEL)))
     model = ServedModel(MODEL, model.tokenizer, model.context_len)
     catalog = ModelCatalog([model, ServedModel(IDLE_MODEL, model.tokenizer, 4096)])
@@ -249,9 +251,12 @@ async def mesh() -> AsyncIterator[Mesh]:
         settings = gateway_settings(
             nats.url,
             state_dir,
-            api_keys=(KEY, "sk-other"),
-            models=(MODEL, IDLE_MODEL),
-            metrics_port=0,  # /metrics with no key, on its own port (the public one wants the admin key)
+            **{
+                "api_keys": (KEY, "sk-other"),
+                "models": (MODEL, IDLE_MODEL),
+                "metrics_port": 0,  # /metrics with no key, on its own port (the public one wants the admin key)
+                **overrides,
+            },
         )
         gateway = GatewayServer(settings, catalog=catalog)
         await gateway.start()
@@ -267,6 +272,12 @@ async def mesh() -> AsyncIterator[Mesh]:
             await gateway.stop()
             await bus.close()
             await server.stop(grace=None)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mesh() -> AsyncIterator[Mesh]:
+    async with running_mesh() as running:
+        yield running
 
 
 @pytest.fixture
