@@ -53,14 +53,14 @@ class Stack:
             self.compose.start()
         except subprocess.CalledProcessError as exc:
             raise StackError(f"`{' '.join(exc.cmd)}` failed:\n{exc.stderr.decode(errors='replace')[-4000:]}") from exc
-        self.wait_healthy({"nats": 1, "gateway": 1, "prefill": 1, "decode": 1, "kvcache": 1, "balancer": 1}, timeout_s)
+        self.wait_healthy({"nats": 1, "gateway": 1, "prefill": 1, "decode": 1, "kvcache": 1, "balancer": 2}, timeout_s)
         host, port = self.compose.get_service_host_and_port("gateway", 8080)
         self.base_url = f"http://{host}:{port}"
 
     def scale(self, timeout_s: float, **counts: int) -> None:
         flags = [arg for service, n in counts.items() for arg in ("--scale", f"{service}={n}")]
         self.run("up", "--detach", "--no-build", "--no-recreate", *flags)
-        expected = {"nats": 1, "gateway": 1, "prefill": 1, "decode": 1, "kvcache": 1, "balancer": 1, **counts}
+        expected = {"nats": 1, "gateway": 1, "prefill": 1, "decode": 1, "kvcache": 1, "balancer": 2, **counts}
         self.wait_healthy(expected, timeout_s)
 
     def down(self) -> None:

@@ -139,3 +139,14 @@ def test_settings_reach_every_role_and_the_host_api_keys_are_required(compose):
         assert "KVMESH_MODELS" in env and env["KVMESH_MODELS"] is None  # passed through from the host when set
         assert "KVMESH_WORKER_ID" not in env  # the default names each container apart (its hostname)
     assert services["gateway"]["environment"]["KVMESH_API_KEYS"].startswith("${KVMESH_API_KEYS:?")
+
+
+def test_every_long_running_service_restarts_and_two_balancers_share_the_routing(compose):
+    services = compose["services"]
+    assert {name: s.get("restart") for name, s in services.items() if s.get("restart") != "unless-stopped"} == {
+        "models": "no",  # one-shot: fetch the models, exit
+        "certs": "no",  # one-shot: make the certificates, exit
+    }
+    assert services["balancer"]["deploy"] == {"replicas": 2}
+    assert [name for name, s in services.items() if "deploy" in s] == ["balancer"]
+    assert services["gateway"]["stop_grace_period"] == "40s"  # past KVMESH_DRAIN_TIMEOUT_S's 30 s

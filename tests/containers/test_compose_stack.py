@@ -213,7 +213,7 @@ def test_a_killed_decode_container_leaves_its_pool_and_new_requests_still_succee
 def test_the_killed_decode_container_rejoins_when_started_again(stack, client, killed_decode):
     assert killed_decode, "runs after the kill test"
     stack.container(killed_decode["container"]).start()
-    stack.wait_healthy({"nats": 1, "gateway": 1, "prefill": 2, "decode": 2, "kvcache": 1, "balancer": 1}, timeout_s=300)
+    stack.wait_healthy({"nats": 1, "gateway": 1, "prefill": 2, "decode": 2, "kvcache": 1, "balancer": 2}, timeout_s=300)
     seen: set[str] = set()
     deadline = time.monotonic() + 120
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
