@@ -1,12 +1,15 @@
-"""The server's output bounds (KVMESH_DEFAULT_MAX_TOKENS, KVMESH_MAX_OUTPUT_TOKENS) on every API: the default
-reaches the prefill worker where the client set none, and a value over the maximum is a 400 (gRPC:
-INVALID_ARGUMENT) naming the client's own field.
+"""The server's bounds on a request's work: output length (KVMESH_DEFAULT_MAX_TOKENS, KVMESH_MAX_OUTPUT_TOKENS) on
+every API, where the default reaches the prefill worker if the client set none and a value over the maximum is
+a 400 (gRPC: INVALID_ARGUMENT) naming the client's own field; and the request deadline (KVMESH_REQUEST_TIMEOUT_S),
+past which the client gets a 504 and the decode worker's stream is cancelled (which frees its KV: decode aborts a
+request whose stream is cancelled, tests/integration/test_mesh.py).
 
 Harness: `running_mesh` of tests/services/gateway_harness.py (scripted workers), with the bounds set.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,13 +23,14 @@ from mesh.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.output_limits import OutputLimits, parse_per_model
 
 from . import gateway_harness
-from .gateway_harness import IDLE_MODEL, KEY, MODEL, Mesh, Script, running_mesh
+from .gateway_harness import IDLE_MODEL, KEY, MODEL, Mesh, Script, running_mesh, wait_for
 
 IN_MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 
 script = gateway_harness.script  # a fresh script per test, over this file's `mesh`
 
 DEFAULT, MAXIMUM = 7, 9
+TIMEOUT_S = 5.0
 
 
 def test_the_settings_read_one_value_or_one_per_model() -> None:
@@ -53,7 +57,11 @@ def test_the_default_is_cut_to_the_context_and_never_below_min_tokens() -> None:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh() -> AsyncIterator[Mesh]:
-    bounds = {"default_max_tokens": (str(DEFAULT),), "max_output_tokens": ("1000", f"{MODEL}={MAXIMUM}")}
+    bounds = {
+        "default_max_tokens": (str(DEFAULT),),
+        "max_output_tokens": ("1000", f"{MODEL}={MAXIMUM}"),
+        "request_timeout_s": TIMEOUT_S,
+    }
     async with running_mesh(**bounds) as running:
         yield running
 
@@ -110,3 +118,16 @@ async def test_asking_past_the_models_maximum_is_a_400_naming_the_field(mesh: Me
             [r async for r in stub.Generate(request, metadata=(("authorization", f"Bearer {KEY}"),))]
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.max_tokens is too large: 10" in (error.value.details() or "")
+
+
+@IN_MODULE_LOOP
+async def test_a_request_past_its_deadline_is_a_504_and_its_decode_stream_is_cancelled(
+    mesh: Mesh, script: Script
+) -> None:
+    script.token_ids, script.batch_size, script.batch_delay_s = list(range(100, 160)), 1, 0.2  # a 12 s stream
+    started = asyncio.get_running_loop().time()
+    status, answer = await post(mesh, "/v1/chat/completions", CHAT)
+    assert (status, answer["error"]["code"]) == (504, "timeout")
+    assert TIMEOUT_S <= asyncio.get_running_loop().time() - started < TIMEOUT_S + 3
+    await wait_for(lambda: script.stream_ends == ["cancelled"])
+    assert script.stream_ends == ["cancelled"]
