@@ -50,6 +50,7 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
 
 
 def start_mesh(log_path: Path, env_extra: dict[str, str] | None = None, **plan_args) -> Mesh:
+    plan_args.setdefault("balancer", 1)  # kvmesh up runs two; one is enough where balancers are not under test
     plan = MeshPlan(
         http_port=free_port(),
         grpc_port=free_port(),
@@ -76,8 +77,8 @@ def start_mesh(log_path: Path, env_extra: dict[str, str] | None = None, **plan_a
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """Two prefill and two decode workers, one KV store, serving SmolLM2 (real weights)."""
+    """Two prefill and two decode workers, two balancers, one KV store, serving SmolLM2 (real weights)."""
     log_path = tmp_path_factory.mktemp("mesh") / "mesh.log"
-    mesh = start_mesh(log_path, prefill=2, decode=2, kvcache=1, models=("smollm2-135m",))
+    mesh = start_mesh(log_path, prefill=2, decode=2, kvcache=1, balancer=2, models=("smollm2-135m",))
     yield mesh
     mesh.stop()

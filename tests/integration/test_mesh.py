@@ -153,6 +153,20 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv(mesh, client):
     wait_until(idle, 30, "decode workers to drop the abandoned request")
 
 
+def test_a_killed_balancer_is_failed_over_within_each_request(mesh, client):
+    """The gateway still lists balancer-0 for three heartbeats after its SIGKILL; a request that asks it first
+    asks balancer-1 next, within the same request: none fails."""
+    mesh.kill("balancer-0", signal.SIGKILL)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda n: chat(client, f"Count to {n}.", max_tokens=2), range(8)))
+    assert all(r.choices[0].message.content for r, _ in results)
+    with open(mesh.out.name) as log:  # type: ignore[attr-defined]  # the mesh's log file
+        failed = [line for line in log if "gateway-0 |" in line and '"route failed"' in line]
+    assert failed and all('"balancer": "balancer-0"' in line and '"UNAVAILABLE"' in line for line in failed)
+    child = mesh.restart(mesh.child("balancer-0"))  # back to two balancers, as the supervisor would
+    wait_until(lambda: ready(child.http_port), 120, "balancer-0 to be ready again")
+
+
 def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_the_other_through_the_store(mesh, client):
     document = " ".join(f"Fact {i}: the {i}th planet of a far away system is made of cheese." for i in range(12))
     first, headers = chat(client, document + " Which planet is made of cheese?", max_tokens=2)
