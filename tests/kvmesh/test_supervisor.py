@@ -27,6 +27,12 @@ def test_the_delay_doubles_from_one_second_up_to_its_cap() -> None:
         RestartPolicy(max_crashes=0)
 
 
+def test_stop_waits_out_the_longest_drain_timeout_among_the_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVMESH_DRAIN_TIMEOUT_S", raising=False)
+    assert Mesh(MeshPlan()).drain_timeout_s() == 30.0  # the setting's default; stop() adds 10 s to close
+    assert Mesh(MeshPlan(env={"KVMESH_DRAIN_TIMEOUT_S": "45"})).drain_timeout_s() == 45.0
+
+
 def is_ready(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as response:
