@@ -1,7 +1,8 @@
 """One request's life in the mesh, after the front end has tokenized it:
 
 1. block keys of the prompt (root: model + cache salt), for cache-aware routing;
-2. Balancer.Route on a live balancer (the next one if it cannot answer) -> a (prefill, decode) pair;
+2. Balancer.Route on a live balancer (the next one, within the same request, if it errs or cannot be reached:
+   nothing has reached the client yet) -> a (prefill, decode) pair;
 3. Prefill.PrefillStream: prefill answers with the first token as soon as it is sampled, then again once its push
    of the KV to the decode worker is done. On UNAVAILABLE or RESOURCE_EXHAUSTED before the first answer the
    failed worker (prefill's `kvmesh-failed-worker` trailer names a failed decode worker; without it, the prefill
@@ -204,6 +205,8 @@ class Pipeline:
                 log.warning(
                     "route failed", balancer=balancer.worker_id, code=error.code().name, details=error.details()
                 )
+                # not reported towards its ejection: a balancer also answers UNAVAILABLE when it has no worker
+                # to offer; the health checks eject a dead one (mesh.health)
                 if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # any balancer would say the same
                     raise from_rpc_error(error, "balancer") from None
         raise GatewayError(
