@@ -277,9 +277,9 @@ class Mesh:
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to one child and wait for it to exit (fault tests)."""
-        child = self.child(name)
-        child.process.send_signal(sig)
-        child.process.wait(timeout=60)
+        process = self.child(name).process  # read once: a supervisor may restart the child right after it exits
+        process.send_signal(sig)
+        process.wait(timeout=60)
 
     def drain_timeout_s(self) -> float:
         """The longest KVMESH_DRAIN_TIMEOUT_S among the children (each may have its own)."""
