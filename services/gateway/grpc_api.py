@@ -19,7 +19,7 @@ from engine_core.structured_output import StructuredOutput
 from mesh.compute.convert import sampling_from_proto
 from mesh.logging import REQUEST_ID_KEY, bind_request_id, get_logger
 from mesh.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.gateway.api_models.base import validated_part
+from services.gateway.api_models.base import MAX_MESSAGES, validated_part
 from services.gateway.api_models.openai import CHAT_MESSAGE, MAX_STOP_STRINGS
 from services.gateway.auth import bearer_key
 from services.gateway.chat import (
@@ -54,6 +54,8 @@ def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
 
 
 def _messages(request: gateway_pb2.GenerateRequest, images: list[ImagePart]) -> list[dict[str, Any]]:
+    if len(request.messages) > MAX_MESSAGES:
+        raise invalid("messages", f"'messages' takes at most {MAX_MESSAGES} items, got {len(request.messages)}")
     messages = []
     for index, message in enumerate(request.messages):
         param = f"messages[{index}]"

@@ -13,7 +13,7 @@ from engine_core.sampling_params import SamplingParams
 from mesh.compute.convert import sampling_from_proto, sampling_to_proto
 from mesh.pb import common_pb2
 from services.gateway.api_models.anthropic import MessagesRequest
-from services.gateway.api_models.base import param_of, validated
+from services.gateway.api_models.base import MAX_MESSAGES, param_of, validated
 from services.gateway.api_models.document import openapi_document
 from services.gateway.api_models.openai import TOOL_CHOICE_SHAPE, ChatCompletionRequest, CompletionRequest
 from services.gateway.api_models.responses import ResponsesRequest
@@ -167,3 +167,17 @@ def test_the_document_says_what_the_server_checks() -> None:
         {"type": "string", "minLength": 1},
     )
     assert not [name for name in doc["components"]["schemas"] if name.startswith("Unknown")]
+
+
+def test_too_many_messages_are_refused_by_their_count() -> None:
+    """Counted before any message is read: 20,000 used to hold the event loop for 1-2 s while each validated."""
+    turn = {"role": "user", "content": "hi"}
+    over = [turn] * (MAX_MESSAGES + 1)
+    refused = f"'messages' takes at most {MAX_MESSAGES} items, got {MAX_MESSAGES + 1}"
+    assert error_of(ChatCompletionRequest, {"model": "m", "messages": over}) == ("messages", refused)
+    assert error_of(MessagesRequest, {"model": "m", "max_tokens": 8, "messages": over}) == ("messages", refused)
+    assert error_of(ResponsesRequest, {"model": "m", "input": over}) == (
+        "input",
+        f"'input' takes at most {MAX_MESSAGES} items, got {MAX_MESSAGES + 1}",
+    )
+    assert len(validated(ChatCompletionRequest, {"model": "m", "messages": [turn] * MAX_MESSAGES}).messages) == 2048

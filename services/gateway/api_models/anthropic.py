@@ -8,6 +8,7 @@ from pydantic import Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
 from services.gateway.api_models.base import (
+    MAX_MESSAGES,
     Bool,
     JsonObject,
     NonEmptyStr,
@@ -172,7 +173,7 @@ AnthropicToolChoice = Annotated[
 class MessagesRequest(CoreSampling):
     model: NonEmptyStr
     max_tokens: MaxTokens
-    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: TextBlocks | None = None
     stop_sequences: Stop | None = None
     stream: Bool = False

@@ -26,6 +26,10 @@ from services.gateway.errors import GatewayError, invalid
 
 INT32_MAX = 2**31 - 1  # the wire's widths (common.proto): a value past them cannot travel
 INT64_MAX = 2**63 - 1
+# Messages (or Responses input items) in one request. Every message costs at least one token of context, and
+# validating each costs the event loop ~50 us: 20,000 of them held it for 1-2 s. The count is checked before any
+# message is read.
+MAX_MESSAGES = 2048
 
 # JSON's types as the gateway reads them: a number is an int or float but never a bool, an integer never 1.0
 Int = Annotated[int, Field(strict=True)]

@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, Tag, TypeAdapter
 from pydantic.json_schema import SkipJsonSchema
 
 from services.gateway.api_models.base import (
+    MAX_MESSAGES,
     Bool,
     Int,
     JsonObject,
@@ -308,7 +309,7 @@ class OpenAIRequest(SamplingFields):
 class ChatCompletionRequest(OpenAIRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_RULE, TOP_LOGPROBS_RULE]})
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     functions: Refused = None
     function_call: Refused = None
     audio: Refused = None

@@ -9,6 +9,7 @@ from pydantic import Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
 from services.gateway.api_models.base import (
+    MAX_MESSAGES,
     Bool,
     JsonObject,
     NonEmptyStr,
@@ -94,7 +95,8 @@ InputItem = Annotated[
     by_shape(_item_tag, "must be a message, function_call or function_call_output item"),
 ]
 Input = Annotated[
-    Annotated[Str, Tag("Text")] | Annotated[list[InputItem], Field(min_length=1), Tag("Items")],
+    Annotated[Str, Tag("Text")]
+    | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES), Tag("Items")],
     by_shape(
         lambda v: "Text" if isinstance(v, str) else "Items" if isinstance(v, list) else None,
         "must be a string or a non-empty array of input items",
