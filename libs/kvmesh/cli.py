@@ -15,6 +15,7 @@ kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store
 kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
 kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
 kvmesh bench admission --json       tenant limits: admission + settlement cost and decisions/s, 1 and 3 replicas
+kvmesh bench scale --gpus N --json  size an N-GPU deployment from the seed's figures and measured costs
 kvmesh eval run --workload F --output R.json   replay a workload against a mesh: latency, cost, quality
 kvmesh eval compare BASELINE RESULT   the regression gate: exit 0 ok, 1 regressed, 2 bad input
 kvmesh expert-plan --input FILE     an expert placement planned offline from a load matrix (JSON)
@@ -167,6 +168,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.admission import run as run_admission
 
         return run_admission(args)
+    if args.bench_command == "scale":
+        from kvmesh.bench.scale import run as run_scale
+
+        return run_scale(args)
     if args.bench_command == "expert":
         from kvmesh.bench.expert import run_expert_bench
 
@@ -268,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.bench.admission import add_parser as add_admission_bench_parser
 
     add_admission_bench_parser(bench_commands)
+    from kvmesh.bench.scale import add_parser as add_scale_bench_parser
+
+    add_scale_bench_parser(bench_commands)
     serve_bench = bench_commands.add_parser("serve", help="the mesh under load through its REST API")
     serve_bench.add_argument("--concurrency", type=int, default=4)
     serve_bench.add_argument("--requests", type=int, default=32)
