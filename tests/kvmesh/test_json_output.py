@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "serve": (("bench", "serve", *TINY, "--requests", "2", "--concurrency", "1", "--max-tokens", "2"), "ttft_p50_ms"),
     "admission": (("bench", "admission", "--smoke"), "results"),
     "spans": (("bench", "spans", "--spans", "200", "--repeats", "1"), "on_cpu_us_per_span"),
+    "scale": (("bench", "scale", "--index-keys", "300", "--repeats", "1"), "figures"),
     "expert-plan": (("expert-plan", "--input", str(DATA / "eplb" / "eplb_readme_example.json")), "phy2log"),
 }
 
