@@ -108,10 +108,10 @@ def index_costs(num_keys: int, keys_per_batch: int, repeats: int) -> dict[str, f
 def event_batch_bytes(keys_per_batch: int) -> int:
     keys = [os.urandom(32) for _ in range(keys_per_batch)]
     batch = _stored_batches(keys, 1, keys_per_batch)[0]
-    return replace_worker(batch).ByteSize()
+    return as_in_service(batch).ByteSize()
 
 
-def replace_worker(batch: events_pb2.KVEventBatch) -> events_pb2.KVEventBatch:
+def as_in_service(batch: events_pb2.KVEventBatch) -> events_pb2.KVEventBatch:
     """The batch as a store node names itself in service (a uuid-length worker id, a seq in the millions)."""
     renamed = events_pb2.KVEventBatch()
     renamed.CopyFrom(batch)

@@ -121,7 +121,7 @@ def size(gpus: int, v: Mapping[str, float]) -> dict[str, Any]:
     index = _index(gpus, v, store)
     events = _events(v, traffic, index)
     lanes = _lanes(v, traffic, store)
-    balancer = _balancer(v, traffic, events, index)
+    balancer = _balancer(gpus, v, traffic, events, index)
     gateway = _gateway(v, traffic)
     events["cell_streams"] = balancer["cells"]  # device events: one stream per cell, followed by its balancers
     limits = _limits(v, index, events, lanes, balancer, gateway)
@@ -271,20 +271,19 @@ def _lanes(v: Mapping[str, float], traffic: Mapping[str, Any], store: Mapping[st
 
 
 def _balancer(
-    v: Mapping[str, float], traffic: Mapping[str, Any], events: Mapping[str, Any], index: Mapping[str, Any]
+    gpus: int, v: Mapping[str, float], traffic: Mapping[str, Any], events: Mapping[str, Any], index: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Every replica routes rate/R and applies the other replicas' assignments and every KV event it follows, on
     one core (a Python process). One balancer set for the whole deployment cannot keep up past a size, so the
     proposal is cells: a cell is a prefill + decode pool with its own balancer replicas, following only its own
     workers' device-tier events (the store's tiers are asked of their rendezvous nodes). A cell holds as many
     GPUs as one replica's core (`core_target`) and memory allow; per cell, the smallest R >= 2 under the target."""
-    gpus = traffic["input_tokens_per_s"] / v["input_tokens_per_s_per_gpu"]
     rate_per_gpu = traffic["requests_per_s"] / gpus
     route_s, apply_s, event_s = v["route_us"] / 1e6, v["apply_assignment_us"] / 1e6, v["index_apply_us_per_key"] / 1e6
     shared_per_gpu = events["device_keys_per_s"] / gpus * event_s + rate_per_gpu * apply_s  # every replica's part
     bytes_per_gpu = (index["device_blocks"] / gpus) * (v["index_bytes_per_key"] + v["index_bytes_per_holding"])
     by_core = v["core_target"] / (shared_per_gpu + rate_per_gpu * route_s / 2)
-    cell_gpus = max(1, min(int(by_core), int(v["balancer_memory_gib"] * GIB / bytes_per_gpu), int(gpus)))
+    cell_gpus = max(1, min(int(by_core), int(v["balancer_memory_gib"] * GIB / bytes_per_gpu), gpus))
     num_cells = _ceil(gpus / cell_gpus)
     cell_rate = rate_per_gpu * gpus / num_cells
 
