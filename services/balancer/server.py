@@ -38,7 +38,9 @@ from mesh.service import Lifecycle, ServiceRuntime
 from services.balancer.config import BalancerSettings
 from services.balancer.rollouts import ROLLOUT_TICK_S, RolloutController
 
-POOL_ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+# the pools the capacity planner sizes (routing reads prefill and decode; the encoder pool is sized for its
+# autoscaler: deploy/kubernetes/autoscaling/)
+POOL_ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE, "encoder": common_pb2.ROLE_ENCODER}
 MAX_SHARED_BLOCKS = 4096  # block keys an Assignment carries (the uncached suffix's first ones)
 log = get_logger(__name__)
 
@@ -348,7 +350,7 @@ async def serve(settings: BalancerSettings) -> None:
 
     registry = WorkerRegistry(
         bus,
-        [*POOL_ROLES.values(), common_pb2.ROLE_ENCODER],
+        list(POOL_ROLES.values()),
         settings.heartbeat_interval_s,
         on_leave=on_leave,
         eject_after_failures=settings.eject_after_failures,

@@ -1,11 +1,12 @@
 """Capacity planning: how many workers each pool should have for the load it shows, published by the balancer
 (`kvmesh.balancer.replicas`, and ListWorkers' `pools`) for an autoscaler to act on.
 
-Utilization comes from heartbeats only, so it needs no calibration: a prefill worker is busy when it reports
-work (running, waiting or queued prompt tokens), and the pool's utilization is the smoothed share of busy
-reports; a decode worker's is the larger of its KV in use and its batch slots in use. The recommendation is the
-pool size that would run at `target_utilization`: ceil(workers x utilization / target), at least 1. A saturated
-prefill pool (utilization 1) therefore asks for workers / target: more than it has, until queues drain.
+Utilization comes from heartbeats only, so it needs no calibration: a prefill or encoder worker is busy when it
+reports work (running, waiting or queued prompt tokens; an encoder's images in flight), and the pool's
+utilization is the smoothed share of busy reports; a decode worker's is the larger of its KV in use and its batch
+slots in use. The recommendation is the pool size that would run at `target_utilization`: ceil(workers x
+utilization / target), at least 1. A saturated prefill pool (utilization 1) therefore asks for workers / target:
+more than it has, until queues drain.
 """
 
 from __future__ import annotations
