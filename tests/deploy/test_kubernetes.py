@@ -225,8 +225,11 @@ def test_settings_match_compose(cpu: list[dict[str, Any]], compose: dict[str, An
             continue
         env = effective_env(cpu, container)
         own = compose["services"][role]["environment"]
-        names = set(shared) | set(own) | {"KVMESH_DATA_PORT"}  # the lane's port, fixed for NetworkPolicies
+        # beyond compose: the lane's port, fixed for NetworkPolicies; a store node's stable name
+        names = set(shared) | set(own) | {"KVMESH_DATA_PORT", "KVMESH_WORKER_ID"}
         assert set(env) <= names, name
+        stable_name = {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env.get("KVMESH_WORKER_ID") == (stable_name if role == "kvcache" else None), name
         for key, value in own.items():  # the role's own settings in compose (ports, data dir, API keys)
             if key not in shared or value != shared[key]:
                 expected = {"secretKeyRef": {"name": "kvmesh-api-keys", "key": "api-keys"}}
