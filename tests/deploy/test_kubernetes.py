@@ -202,6 +202,9 @@ def test_every_role_runs_as_compose_runs_it(cpu: list[dict[str, Any]], compose: 
     assert kinds == {role: "StatefulSet" if role == "kvcache" else "Deployment" for role in ROLES}
     replicas = {name: w["spec"].get("replicas") for name, w in workloads(cpu).items()}
     assert (replicas["balancer"], replicas["nats"], replicas["kvcache"]) == (2, 3, 3)
+    assert replicas["balancer"] == compose["services"]["balancer"]["deploy"]["replicas"]
+    grace = {pod_spec(workloads(cpu)[name])["terminationGracePeriodSeconds"] for name, _ in by_role.values()}
+    assert grace == {int(compose["services"]["gateway"]["stop_grace_period"].removesuffix("s"))}
     (pull,) = [c for name, _, c in containers(cpu) if name == "models-pull"]
     assert pull["args"] == compose["services"]["models"]["command"]
 
