@@ -8,12 +8,14 @@ A role's subjects follow `mesh.subjects`; `{worker}` stands for the worker's own
 (`>`) there, so one decode worker may then speak for another decode worker, never for another role.
 
 JetStream is for the roles that use it, each only on its own streams and only for what it does there
-(`jetstream_api`): read a stream's info and messages, create it if missing (creating never changes a stream
-that exists), and make, read, delete and pull its consumers, ack and answer flow control on them; a bucket's own
-subjects (`$KV.<bucket>.>`, `$O.<bucket>.>`) only for the role that writes it. Only the balancer may purge, and
-only the KV index's stream and its snapshots' object store (compaction; an object store purges the chunks of an
-object it replaces or deletes). No role may delete or update a stream, delete a message, or snapshot or restore
-one: prefill can read KVMESH_KV but not purge it, and nobody can delete the gateway's usage (billing) stream.
+(`jetstream_api`): read a stream's info and messages, create it if missing when the role owns it (creating never
+changes a stream that exists; prefill, a reader, cannot create the KV index's streams, nor store nodes its
+snapshots' stores, or they could make them first with a configuration of their own), and make, read, delete and
+pull its consumers, ack and answer flow control on them; a bucket's own subjects (`$KV.<bucket>.>`,
+`$O.<bucket>.>`) only for the role that writes it. Only the balancer may purge, and only the KV index's stream and
+its snapshots' object store (compaction; an object store purges the chunks of an object it replaces or deletes). No
+role may delete or update a stream, delete a message, or snapshot or restore one: prefill can read KVMESH_KV but
+not purge it, and nobody can delete the gateway's usage (billing) stream.
 """
 
 from __future__ import annotations
@@ -31,16 +33,19 @@ GATEWAY_STREAMS = ("KVMESH_USAGE", "KVMESH_FINISHED", "KV_KVMESH_LIMITS", "KV_kv
 ROLLOUT_STREAM = "KV_KVMESH_ROLLOUTS"  # canary rollouts (mesh.rollouts): the admin API and the balancers write it
 
 
-def jetstream_api(*streams: str, purge: tuple[str, ...] = ()) -> tuple[str, ...]:
+def jetstream_api(*streams: str, purge: tuple[str, ...] = (), create: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The JetStream API a role uses on `streams` (a KV bucket's stream is KV_<bucket>, an object store's
-    OBJ_<bucket>): stream info and create, message gets and direct gets; consumers made, read, deleted and pulled;
-    acks and flow-control replies; and the names of streams (read-only: an object store's reader finds its stream
-    by subject). `purge`: streams (of `streams`) it may also purge."""
-    assert set(purge) <= set(streams)
+    OBJ_<bucket>): stream info, message gets and direct gets; consumers made, read, deleted and pulled; acks and
+    flow-control replies; and the names of streams (read-only: an object store's reader finds its stream by
+    subject). `create`: the streams (of `streams`; None: all) it may create, those it owns: a role that could
+    create a stream it only reads could create it first with a configuration of its own. `purge`: streams (of
+    `streams`) it may also purge."""
+    creates = streams if create is None else create
+    assert set(purge) <= set(streams) and set(creates) <= set(streams)
     per_stream = [
         (
             f"$JS.API.STREAM.INFO.{stream}",
-            f"$JS.API.STREAM.CREATE.{stream}",
+            *((f"$JS.API.STREAM.CREATE.{stream}",) if stream in creates else ()),
             f"$JS.API.STREAM.MSG.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}.>",
@@ -106,7 +111,7 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
             _heartbeat(PREFILL),
             subjects.kv_events(WORKER),
             subjects.ALL_EXPERT_LOADS,
-            *jetstream_api(*KV_STREAMS),
+            *jetstream_api(*KV_STREAMS, create=()),  # reads the KV index's stream and snapshots, never makes them
         ),
         subscribe=(subjects.heartbeat(KVCACHE), f"{subjects.EXPERT_PLAN_PREFIX}.>", INBOXES),
     ),
@@ -122,7 +127,7 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
     ),
     # its tiers' events (acknowledged JetStream publishes); follows its peers and the KV stream (repair)
     KVCACHE: SubjectPermissions(
-        publish=(_heartbeat(KVCACHE), subjects.kv_events(WORKER), *jetstream_api(*KV_STREAMS)),
+        publish=(_heartbeat(KVCACHE), subjects.kv_events(WORKER), *jetstream_api(*KV_STREAMS, create=("KVMESH_KV",))),
         subscribe=(subjects.heartbeat(KVCACHE), INBOXES),
     ),
     # the only publisher of assignments and pool sizes; keeps the KV index (stream, snapshots)

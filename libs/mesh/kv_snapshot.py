@@ -40,20 +40,25 @@ LATEST = "latest"
 log = get_logger(__name__)
 
 
-async def _pointer(js: JetStreamContext) -> KeyValue:
+async def _pointer(js: JetStreamContext, create: bool) -> KeyValue | None:
+    """The pointer's bucket; made if missing when `create` (the balancer, which writes snapshots), else None."""
     try:
         return await js.key_value(POINTER_BUCKET)
     except Exception:  # BucketNotFoundError, or a JetStream API error
+        if not create:
+            return None
         try:
             return await js.create_key_value(KeyValueConfig(bucket=POINTER_BUCKET, history=1))
         except Exception:  # another process created it in between
             return await js.key_value(POINTER_BUCKET)
 
 
-async def _objects(js: JetStreamContext) -> ObjectStore:
+async def _objects(js: JetStreamContext, create: bool) -> ObjectStore | None:
     try:
         return await js.object_store(OBJECTS)
     except Exception:
+        if not create:
+            return None
         try:
             return await js.create_object_store(OBJECTS, ObjectStoreConfig(bucket=OBJECTS))
         except Exception:
@@ -69,8 +74,11 @@ class Pointer:
     revision: int | None = None  # the pointer's revision, for a compare-and-set (None: no pointer yet)
 
 
-async def latest(bus: Bus) -> Pointer:
-    kv = await _pointer(bus.client.jetstream())
+async def latest(bus: Bus, create: bool = True) -> Pointer:
+    """The pointer as it is now (Pointer(0): no snapshot yet, or, for a reader, no snapshot store yet)."""
+    kv = await _pointer(bus.client.jetstream(), create)
+    if kv is None:
+        return Pointer(0)
     try:
         entry = await kv.get(LATEST)
     except KeyNotFoundError:
@@ -84,12 +92,15 @@ async def latest_seq(bus: Bus) -> int:
     return (await latest(bus)).stream_seq
 
 
-async def load_latest(bus: Bus, attempts: int = 3) -> events_pb2.KVIndexSnapshot | None:
+async def load_latest(bus: Bus, attempts: int = 3, create: bool = True) -> events_pb2.KVIndexSnapshot | None:
     """The latest snapshot, or None when nothing was compacted yet. A newer snapshot can replace the one the
-    pointer named while it is read (its object is deleted): then the pointer is read again."""
-    objects = await _objects(bus.client.jetstream())
+    pointer named while it is read (its object is deleted): then the pointer is read again. `create=False`: a
+    reader, which never makes the snapshot stores (None while they do not exist)."""
+    objects = await _objects(bus.client.jetstream(), create)
+    if objects is None:
+        return None
     for _ in range(attempts):
-        pointer = await latest(bus)
+        pointer = await latest(bus, create)
         if not pointer.stream_seq:
             return None
         try:
@@ -109,7 +120,8 @@ async def publish(bus: Bus, snapshot: events_pb2.KVIndexSnapshot, previous: Poin
     seq = snapshot.stream_seq
     if previous.stream_seq >= seq:
         return None
-    objects, kv = await _objects(js), await _pointer(js)
+    objects, kv = await _objects(js, True), await _pointer(js, True)
+    assert objects is not None and kv is not None  # made when missing
     name = f"index-{seq}-{uuid.uuid4().hex[:12]}"
     await objects.put(name, snapshot.SerializeToString())
     value = f"{seq} {name}".encode()

@@ -1,9 +1,13 @@
 """KV events on NATS JetStream: the stream KVMESH_KV keeps every KVEventBatch published on kvmesh.kv.>, numbered by
 the stream's own sequence, so a global index is rebuilt after a restart by replaying it.
 
-    await ensure_kv_stream(bus)                 # idempotent; every role that publishes or follows calls it
+    await ensure_kv_stream(bus)                 # idempotent; its owners (store nodes, balancers) create it
     follower = KVEventFollower(bus, index)      # replays the stream into `index`, then follows live batches
     await follower.start(); await follower.wait_caught_up(timeout_s=30)
+
+Only the stream's owners may create it and its snapshot stores (`mesh.bus_auth`): a reader (prefill) that could
+create them could also create them first with a configuration of its own (a short max_age, another subject).
+A reader's follower (`create=False`) waits for the stream to exist (`start_eventually`).
 
 Publishers may use plain NATS publishes (prefill's device events: many small batches, no need to wait for an
 ack) or acknowledged JetStream publishes (store nodes); the stream captures both, as it listens on the subjects.
@@ -36,16 +40,20 @@ MAX_BYTES = 4 * 2**30
 log = get_logger(__name__)
 
 
-async def ensure_kv_stream(bus: Bus, max_age_s: float = MAX_AGE_S, max_bytes: int = MAX_BYTES) -> bool:
+async def ensure_kv_stream(
+    bus: Bus, max_age_s: float = MAX_AGE_S, max_bytes: int = MAX_BYTES, create: bool = True
+) -> bool:
     """Create the stream if it does not exist (a stream with this name already there is left as it is). False when
-    NATS has no JetStream: then events are plain NATS messages, and nothing can be replayed (indexes start empty)."""
+    NATS has no JetStream: then events are plain NATS messages, and nothing can be replayed (indexes start empty);
+    with `create=False` (a reader) also while nobody has created it yet."""
     js = bus.client.jetstream()
     try:
         try:
             await js.stream_info(STREAM)
             return True
         except NotFoundError:
-            pass
+            if not create:
+                return False
         config = StreamConfig(name=STREAM, subjects=[subjects.ALL_KV_EVENTS], max_age=max_age_s, max_bytes=max_bytes)
         try:
             await js.add_stream(config)
@@ -75,9 +83,12 @@ class KVEventFollower:
     staleness. A gap in the stream's numbering means a compactor purged messages this follower had not read yet:
     it restores the newer snapshot and goes on from there."""
 
-    def __init__(self, bus: Bus, index: GlobalKVIndex, tiers: frozenset[str] | None = None) -> None:
+    def __init__(
+        self, bus: Bus, index: GlobalKVIndex, tiers: frozenset[str] | None = None, create: bool = True
+    ) -> None:
         self.bus = bus
         self.index = index
+        self.create = create  # False: a reader, which may not create the stream or its snapshot stores
         self.tiers = tiers  # None: every tier; e.g. {"host", "ssd"}: store nodes only (a worker's batches share
         # one seq across its tiers, so a filter must take all the tiers a worker publishes, or see false gaps)
         self.last_stream_seq = 0  # the last stream message applied (or covered by the restored snapshot)
@@ -94,9 +105,10 @@ class KVEventFollower:
         self._resync: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Raises RuntimeError when NATS has no JetStream (the caller goes on without an index)."""
-        if not await ensure_kv_stream(self.bus):
-            raise RuntimeError("NATS has no JetStream: no KV event stream to follow")
+        """Raises RuntimeError when NATS has no JetStream, or (a reader) nobody has created the stream yet; the
+        caller goes on without an index."""
+        if not await ensure_kv_stream(self.bus, create=self.create):
+            raise RuntimeError("no KV event stream to follow (NATS has no JetStream, or no owner created it yet)")
         info = await self.bus.client.jetstream().stream_info(STREAM)
         self._target_seq = int(info.state.last_seq)
         self._started = time.monotonic()
@@ -106,9 +118,19 @@ class KVEventFollower:
         """Restore the latest snapshot (if any), then follow the stream from the message after it."""
         await self._follow_from(await self._latest_snapshot())
 
+    async def start_eventually(self, retry_s: float = 1.0) -> None:
+        """`start`, retried every `retry_s` until it succeeds (a reader waiting for the stream's owners)."""
+        while True:
+            try:
+                await self.start()
+                return
+            except Exception as exc:
+                log.debug("KV event stream not followable yet", error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(retry_s)
+
     async def _latest_snapshot(self) -> events_pb2.KVIndexSnapshot | None:
         try:
-            return await kv_snapshot.load_latest(self.bus)
+            return await kv_snapshot.load_latest(self.bus, create=self.create)
         except Exception as exc:  # no snapshot store (or NATS briefly away): replay whatever the stream still has
             log.warning("KV index snapshot unreadable", error=f"{type(exc).__name__}: {exc}")
             return None

@@ -282,7 +282,7 @@ async def serve(settings: KVCacheSettings) -> None:
     await servicer.changed(store.recover())  # ... what its SSD directory still holds
     registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], settings.heartbeat_interval_s)
     index = GlobalKVIndex()
-    follower = KVEventFollower(bus, index, tiers=frozenset({"host", "ssd"}))
+    follower = KVEventFollower(bus, index, tiers=frozenset({"host", "ssd"}), create=False)  # reads the snapshots
     repairer = Repairer(runtime.worker_id, store, index, registry, runtime.channels, settings.repair_delay_s)
     await registry.start()
     try:

@@ -107,6 +107,7 @@ class StoreClient:
         self.protection = protection
         self.index = GlobalKVIndex()  # written only by the follower
         self.follower: KVEventFollower | None = None
+        self._starting: asyncio.Task[None] | None = None  # the follower's start while the stream does not exist
         self.use_index = use_index
         self.stream_layers = stream_layers  # read layer-major into the engine while it computes (store_stream.py)
         self.use_lanes = use_lanes  # ... over the nodes' bulk lanes where they have one (mesh.lane), else gRPC
@@ -115,17 +116,27 @@ class StoreClient:
         self._classes: OrderedDict[bytes, str] = OrderedDict()  # block key -> traffic class of its request
 
     async def start(self, bus: Bus) -> None:
-        """Follow the KV event stream (store tiers only) into the index: replay, then live."""
+        """Follow the KV event stream (store tiers only) into the index: replay, then live. Prefill only reads the
+        stream: until its owners (store nodes, balancers) have made it, reads probe the nodes (Lookup) and the
+        follower starts in the background once it exists."""
         if self.use_index:
-            follower = KVEventFollower(bus, self.index, tiers=frozenset({"host", "ssd"}))
+            follower = KVEventFollower(bus, self.index, tiers=frozenset({"host", "ssd"}), create=False)
             try:
                 await follower.start()
-            except Exception:  # no JetStream: reads probe the nodes (Lookup) instead
-                log.warning("KV store reads go without the global index", exc_info=True)
+            except Exception as exc:
+                log.warning("KV store reads go without the global index until its stream exists", error=str(exc))
+                self._starting = asyncio.create_task(self._start_later(follower))
                 return
             self.follower = follower
 
+    async def _start_later(self, follower: KVEventFollower) -> None:
+        await follower.start_eventually()
+        self.follower = follower
+        log.info("KV store reads follow the global index")
+
     async def stop(self) -> None:
+        if self._starting is not None:
+            self._starting.cancel()
         if self.follower is not None:
             await self.follower.stop()
         self.lanes.close()

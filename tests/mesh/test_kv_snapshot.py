@@ -190,8 +190,8 @@ async def test_a_follower_behind_a_purge_restores_the_newer_snapshot(bus: Bus, m
     # A follower that read the pointer just before the second compaction: it restores seq 10 and asks for 11 on.
     handed_out: list[int] = []
 
-    async def racing(bus: Bus) -> events_pb2.KVIndexSnapshot | None:
-        snapshot = older if not handed_out else await load_latest(bus)
+    async def racing(bus: Bus, create: bool = True) -> events_pb2.KVIndexSnapshot | None:
+        snapshot = older if not handed_out else await load_latest(bus, create=create)
         handed_out.append(snapshot.stream_seq if snapshot else 0)
         return snapshot
 

@@ -191,9 +191,11 @@ async def test_a_role_reaches_only_its_own_streams(server: EmbeddedNats) -> None
 
     gateway = await nats.connect(server.url_as("gateway"))
     await ensure_usage_stream(gateway.jetstream(timeout=2))
+    kvcache = await nats.connect(server.url_as("kvcache"))
+    assert await ensure_kv_stream(Bus(kvcache))  # made by its owner, a store node
     heard = Heard()
     prefill = await connect(server.url_as("prefill", "prefill-0"), heard)
-    assert await ensure_kv_stream(Bus(prefill))  # the KV index's stream: its own to read
+    assert await ensure_kv_stream(Bus(prefill), create=False)  # the KV index's stream: its own to read
     with pytest.raises(nats.errors.Error):  # the gateway's usage (billing) stream: not even its info
         await prefill.jetstream(timeout=0.5).stream_info("KVMESH_USAGE")
     with pytest.raises(nats.errors.Error):
@@ -203,7 +205,7 @@ async def test_a_role_reaches_only_its_own_streams(server: EmbeddedNats) -> None
         violation("$JS.API.STREAM.DELETE.KVMESH_USAGE"),
     ]
     assert (await gateway.jetstream(timeout=2).stream_info("KVMESH_USAGE")).config.name == "KVMESH_USAGE"
-    await asyncio.gather(gateway.close(), prefill.close())
+    await asyncio.gather(gateway.close(), prefill.close(), kvcache.close())
 
 
 async def test_within_its_streams_a_role_may_do_only_what_it_does(server: EmbeddedNats) -> None:
@@ -251,6 +253,37 @@ async def test_within_its_streams_a_role_may_do_only_what_it_does(server: Embedd
     assert await balancer.jetstream(timeout=2).purge_stream("KVMESH_KV")  # compaction: the balancer's to do
     assert (await balancer.jetstream(timeout=2).stream_info("KVMESH_KV")).state.messages == 0
     await asyncio.gather(*(c.close() for c in (gateway, kvcache, prefill, balancer)))
+
+
+async def test_only_the_owners_create_the_kv_index_streams(server: EmbeddedNats) -> None:
+    """Prefill reads KVMESH_KV and its snapshots but may not create them (it could make them first with a short
+    max_age or other subjects): its follower waits until a store node has made the stream, then follows it. A
+    store node makes the stream but not the balancer's snapshot stores."""
+    heard = Heard()
+    prefill = await connect(server.url_as("prefill", "prefill-0"), heard)
+    assert not await ensure_kv_stream(Bus(prefill), create=True)  # refused: the server never answers
+    assert not await ensure_kv_stream(Bus(prefill), create=False)
+    follower = KVEventFollower(Bus(prefill), GlobalKVIndex(), frozenset({"host", "ssd"}), create=False)
+    starting = asyncio.create_task(follower.start_eventually(retry_s=0.1))
+    await asyncio.sleep(0.5)
+    assert not starting.done()
+    kvcache_heard = Heard()
+    kvcache = await connect(server.url_as("kvcache"), kvcache_heard)
+    assert await ensure_kv_stream(Bus(kvcache))  # the store node owns it
+    block = events_pb2.KVEvent(stored=events_pb2.KVBlocksStored(block_hashes=[b"\x07" * 32]))
+    await publish_acked(
+        Bus(kvcache), events_pb2.KVEventBatch(worker_id="kvcache-0", seq=1, tier="host", events=[block])
+    )
+    await asyncio.wait_for(starting, 10)
+    assert await follower.wait_caught_up(5) and follower.index.num_blocks("kvcache-0") == 1
+    with pytest.raises(nats.errors.Error):
+        await kvcache.jetstream(timeout=0.5).create_key_value(bucket="KVMESH_KV_SNAPSHOT")
+    await asyncio.sleep(SETTLE_S)
+    assert heard.errors[0] == violation("$JS.API.STREAM.CREATE.KVMESH_KV")
+    assert set(heard.errors) == {violation("$JS.API.STREAM.CREATE.KVMESH_KV")}
+    assert kvcache_heard.errors == [violation("$JS.API.STREAM.CREATE.KV_KVMESH_KV_SNAPSHOT")]
+    await follower.stop()
+    await asyncio.gather(prefill.close(), kvcache.close())
 
 
 def heartbeat(worker_id: str, role: Any, leaving: bool = False) -> events_pb2.WorkerHeartbeat:
