@@ -193,11 +193,19 @@ def _bench(args: argparse.Namespace) -> int:
             max_output_tokens=args.max_output_tokens,
             repeats=args.repeats,
         )
+    elif args.bench_command == "serve" and args.trace_rounds:
+        from kvmesh.bench.trace_ab import run_trace_ab
+
+        result = run_trace_ab(
+            args.concurrency, args.requests, args.model, args.prompt_words, args.max_tokens, args.trace_rounds
+        )
     else:
         from kvmesh.bench.serve import run_serve_bench
 
+        if len(args.concurrency) != 1:
+            raise SystemExit("kvmesh bench serve: one --concurrency, unless --trace-rounds")
         result = run_serve_bench(
-            args.concurrency,
+            args.concurrency[0],
             args.requests,
             args.model,
             args.prompt_words,
@@ -277,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_scale_bench_parser(bench_commands)
     serve_bench = bench_commands.add_parser("serve", help="the mesh under load through its REST API")
-    serve_bench.add_argument("--concurrency", type=int, default=4)
+    serve_bench.add_argument(
+        "--concurrency", type=int, nargs="+", default=[4], help="requests in flight (several: with --trace-rounds)"
+    )
     serve_bench.add_argument("--requests", type=int, default=32)
     serve_bench.add_argument("--model", default="smollm2-135m")
     serve_bench.add_argument("--prompt-words", type=int, default=64, help="words per prompt (plus a short preamble)")
@@ -291,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument("--seed", type=int, default=0)
     serve_bench.add_argument(
         "--trace", action="store_true", help="tracing on in the mesh started here, exported to a receiver in the bench"
+    )
+    serve_bench.add_argument(
+        "--trace-rounds",
+        type=int,
+        default=0,
+        help="price tracing: two meshes, tracing off and on, this many interleaved rounds of --requests each "
+        "(medians and paired differences; bench/trace_ab.py)",
     )
     serve_bench.add_argument("--no-baseline", action="store_true", help="skip the in-process engine run")
     serve_bench.add_argument("--json", action="store_true", help="one line of JSON")

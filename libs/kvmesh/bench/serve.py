@@ -69,21 +69,21 @@ class Sample:
     num_tokens: int = 0
 
 
-def _prompts(count: int, words: int, seed: int) -> list[str]:
+def make_prompts(count: int, words: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [
         f"Request {i}. Continue this list: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(count)
     ]
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def _one(
+async def one_request(
     session: aiohttp.ClientSession, url: str, api_key: str, model: str, prompt: str, max_tokens: int
 ) -> Sample:
     body = {
@@ -137,7 +137,7 @@ async def _load(
 
         async def bounded(prompt: str) -> Sample:
             async with semaphore:
-                return await _one(session, url, api_key, model, prompt, max_tokens)
+                return await one_request(session, url, api_key, model, prompt, max_tokens)
 
         await asyncio.gather(*(bounded(p) for p in prompts[:2]))  # warm-up: first calls load lazy paths
         start = time.perf_counter()
@@ -173,6 +173,31 @@ def _in_process(model: str, prompts: list[str], concurrency: int, max_tokens: in
     return generated / (time.perf_counter() - start)
 
 
+def start_mesh(stack: contextlib.ExitStack, model: str, max_num_seqs: int, api_key: str, env: dict[str, str]) -> str:
+    """A mesh of one prefill, one decode and one KV store (`kvmesh up`'s launcher), stopped when `stack` closes;
+    its gateway's URL."""
+    from kvmesh.nats_server import free_port
+    from kvmesh.up import Mesh, MeshPlan
+
+    plan = MeshPlan(
+        prefill=1,
+        decode=1,
+        kvcache=1,
+        encoder=0,
+        models=(model,),
+        http_port=free_port(),
+        grpc_port=free_port(),
+        api_keys=(api_key,),
+        env={"KVMESH_LOG_LEVEL": "warning", "KVMESH_MAX_NUM_SEQS": str(max_num_seqs), **env},
+    )
+    devnull = stack.enter_context(open(os.devnull, "w"))  # noqa: SIM115 - the caller's stack closes it
+    mesh = Mesh(plan, out=devnull)
+    stack.callback(mesh.stop)
+    mesh.start()
+    mesh.wait_ready()
+    return mesh.base_url
+
+
 def run_serve_bench(
     concurrency: int,
     num_requests: int,
@@ -190,31 +215,13 @@ def run_serve_bench(
     if trace and url is not None:
         raise ValueError("--trace applies to the mesh the bench starts: leave out --url")
     api_key = api_key or API_KEY
-    prompts = _prompts(num_requests + 2, prompt_words, seed)
+    prompts = make_prompts(num_requests + 2, prompt_words, seed)
     sink = None
     with contextlib.ExitStack() as stack:
         if url is None:
-            from kvmesh.nats_server import free_port
-            from kvmesh.up import Mesh, MeshPlan
-
-            plan = MeshPlan(
-                prefill=1,
-                decode=1,
-                kvcache=1,
-                models=(model,),
-                http_port=free_port(),
-                grpc_port=free_port(),
-                api_keys=(api_key,),
-                env={"KVMESH_LOG_LEVEL": "warning", "KVMESH_MAX_NUM_SEQS": str(concurrency)},
-            )
             if trace:
                 sink = stack.enter_context(OTLPSink())
-                plan.env.update(sink.exporter_env())
-            mesh = Mesh(plan, out=stack.enter_context(open(os.devnull, "w")))
-            stack.callback(mesh.stop)
-            mesh.start()
-            mesh.wait_ready()
-            url = mesh.base_url
+            url = start_mesh(stack, model, concurrency, api_key, sink.exporter_env() if sink is not None else {})
         samples, seconds = asyncio.run(_load(url, api_key, model, prompts, concurrency, max_tokens))
         if sink is not None:
             time.sleep(1.0)  # the batch processors' last exports (OTEL_BSP_SCHEDULE_DELAY is theirs to set)
@@ -231,17 +238,17 @@ def run_serve_bench(
         "prompt_words": prompt_words,
         "max_tokens": max_tokens,
         "throughput_tok_s": round(throughput, 2),
-        "ttft_p50_ms": round(_percentile(ttft, 50) * 1000, 1),
-        "ttft_p99_ms": round(_percentile(ttft, 99) * 1000, 1),
-        "itl_p50_ms": round(_percentile(gaps, 50) * 1000, 2),
-        "itl_p99_ms": round(_percentile(gaps, 99) * 1000, 2),
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 1),
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 1),
+        "itl_p50_ms": round(percentile(gaps, 50) * 1000, 2),
+        "itl_p99_ms": round(percentile(gaps, 99) * 1000, 2),
         "e2e_p50_s": round(statistics.median(s.e2e_s for s in samples), 3),
-        "prefill_engine_p50_ms": round(_percentile([s.prefill_s for s in samples], 50) * 1000, 1),
-        "mesh_overhead_p50_ms": round(_percentile(overhead, 50) * 1000, 2),
-        "mesh_overhead_p99_ms": round(_percentile(overhead, 99) * 1000, 2),
+        "prefill_engine_p50_ms": round(percentile([s.prefill_s for s in samples], 50) * 1000, 1),
+        "mesh_overhead_p50_ms": round(percentile(overhead, 50) * 1000, 2),
+        "mesh_overhead_p99_ms": round(percentile(overhead, 99) * 1000, 2),
         "in_process_throughput_tok_s": round(in_process, 2),
         "throughput_vs_in_process": round(throughput / in_process, 3) if baseline else None,
-        "goal_overhead_p50_under_10ms": _percentile(overhead, 50) < 0.010,
+        "goal_overhead_p50_under_10ms": percentile(overhead, 50) < 0.010,
         "tracing": trace,
         **({"spans_per_request": round(num_spans / len(prompts), 1)} if sink is not None else {}),
     }
