@@ -76,6 +76,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1: not scheduled yet)
+    first_scheduled_at: float | None = None  # time.monotonic() at its first scheduling: its queue time ends
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 

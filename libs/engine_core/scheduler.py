@@ -14,6 +14,7 @@ The scheduler is the only writer of the queues and of each request's status, tok
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,6 +55,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    first_scheduled_at: float | None = None  # time.monotonic() when the request was first scheduled (None: never)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
+            if request.first_scheduled_at is None:
+                request.first_scheduled_at = time.monotonic()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
                 self.num_prefix_hit_tokens += num_hit_tokens
@@ -222,4 +226,5 @@ def _output(request: Request, new_token_ids: list[int], new_logprobs: list[Token
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         new_logprobs=new_logprobs,
+        first_scheduled_at=request.first_scheduled_at,
     )

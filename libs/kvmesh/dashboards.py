@@ -3,7 +3,7 @@ line to read, not a screen of JSON: `python -m kvmesh.dashboards` rewrites the f
 current (the suite runs the check, and scrapes a live mesh for every metric a panel names).
 
 Rows follow a request: the gateway (Dynamo's panels: TTFT, inter-token latency, ISL and OSL, requests queued and
-running), prefill and decode (prefill p99, KV in use, transfer bandwidth), the KV cache (hit rate per tier,
+running), prefill and decode (prefill p99, queue time, KV in use, transfer bandwidth), the KV cache (hit rate per tier,
 bytes moved, protection), the balancer and the experts (decisions, pools against what they would need,
 balancedness), then tenancy and security.
 """
@@ -105,6 +105,12 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 _quantiles("kvmesh_prefill_seconds", levels=(0.5, 0.99)),
                 "s",
                 ("p50 {{model}}", "p99 {{model}}"),
+            ),
+            Panel(
+                "Queue time (waiting for the prefill engine)",
+                _quantiles("kvmesh:request_queue_time_seconds", by="model_name", levels=(0.5, 0.99)),
+                "s",
+                ("p50 {{model_name}}", "p99 {{model_name}}"),
             ),
             Panel(
                 "Decode: requests running",

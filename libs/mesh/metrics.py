@@ -136,6 +136,16 @@ REQUEST_GENERATION_TOKENS = _histogram(
     roles="gateway",
     note=_VLLM_NOTE.format("request_generation_tokens"),
 )
+REQUEST_QUEUE_TIME = _histogram(
+    "kvmesh:request_queue_time_seconds",
+    "Time a request waited for the prefill engine: from its hand-over to the engine (after any KV store fetch) to "
+    "the engine's first step that computes it (waiting behind a running step, a full batch or the token budget)",
+    ["model_name"],
+    buckets=OTEL_TTFT_BUCKETS,
+    roles="prefill",
+    note="vLLM's vllm:request_queue_time_seconds. The mesh's one queue: the gateway admits or refuses (429) at once, "
+    "and decode takes pushed KV straight into its batch (or refuses it: the gateway re-routes)",
+)
 GATEWAY_IN_FLIGHT = _gauge("kvmesh_gateway_requests_in_flight", "Requests being served", ["model"], roles="gateway")
 USAGE_PUBLISHED = _counter(
     "kvmesh_gateway_usage_records_published_total",

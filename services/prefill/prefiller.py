@@ -60,6 +60,7 @@ class PrefillResult:
     num_store_tokens: int  # of those, fetched from the KV store
     prefill_seconds: float  # admission to the first token
     kv_bytes_sent: int
+    queue_seconds: float = 0.0  # of prefill_seconds, the wait before the engine first scheduled it
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ class Prefiller:
                 num_store_tokens=_num_store_tokens(first.num_cached_tokens, hit, num_injected, block_size),
                 prefill_seconds=seconds,
                 kv_bytes_sent=0,
+                queue_seconds=max((first.first_scheduled_at or started) - started, 0.0),
             )
             on_first(result)
             if finish_reason is None:

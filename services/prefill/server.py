@@ -90,6 +90,7 @@ def export_metrics(model: str, result: PrefillResult) -> None:
     )
     metrics.PREFILL_CACHED_TOKENS.labels(model=model, tier="store").inc(result.num_store_tokens)
     metrics.PREFILL_SECONDS.labels(model=model).observe(result.prefill_seconds)
+    metrics.REQUEST_QUEUE_TIME.labels(model_name=model).observe(result.queue_seconds)
     metrics.KV_TRANSFER_BYTES.labels(direction="prefill_to_decode").inc(result.kv_bytes_sent)
     span = tracing.current_span()
     if span.is_recording():

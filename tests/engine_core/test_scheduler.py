@@ -129,3 +129,19 @@ def test_abort_frees_blocks_and_reports_the_finish_once():
     _, results = step(scheduler)
     assert [(r.request_id, r.finish_reason) for r in results] == [("a", "abort")]
     assert not scheduler.has_unfinished()
+
+
+def test_a_request_s_queue_time_ends_at_its_first_scheduling_and_comes_with_its_outputs():
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+    scheduler.add_request(make_request("b", [4, 5, 6], SamplingParams(max_tokens=2)))
+    _, first = step(scheduler)
+    a_at = scheduler.requests["a"].first_scheduled_at
+    assert a_at is not None and scheduler.requests["b"].first_scheduled_at is None  # b waits: the batch is full
+    assert [(r.request_id, r.first_scheduled_at) for r in first] == [("a", a_at)]
+    _, second = step(scheduler)  # a finishes
+    assert [(r.request_id, r.finished, r.first_scheduled_at) for r in second] == [("a", True, a_at)]
+    _, third = step(scheduler)
+    b_at = scheduler.requests["b"].first_scheduled_at
+    assert b_at is not None and b_at > a_at
+    assert [(r.request_id, r.first_scheduled_at) for r in third] == [("b", b_at)]

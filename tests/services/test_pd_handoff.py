@@ -44,9 +44,15 @@ async def test_a_handoff_streams_exactly_the_tokens_of_one_engine(mesh: Mesh, wh
     def moved() -> float:
         return metric("kvmesh_kv_transfer_bytes_total", direction="prefill_to_decode")
 
-    moved_before = moved()
+    def queued() -> tuple[float, float]:  # the prefill engine's queue time (vLLM's request_queue_time_seconds)
+        name = "kvmesh:request_queue_time_seconds"
+        return metric(f"{name}_count", model_name=model), metric(f"{name}_sum", model_name=model)
+
+    moved_before, queued_before = moved(), queued()
     response = await mesh.prefill_stub.Prefill(mesh.request(f"handoff-{which}", model, prompt, params))
     assert response.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+    num_queued, queue_s = (after - before for after, before in zip(queued(), queued_before, strict=True))
+    assert num_queued == 1 and 0 <= queue_s <= response.prefill_seconds  # the wait is part of prefill's time
     assert moved() == moved_before + 2 * response.kv_bytes_sent  # both ends count, into this process's registry
     assert (response.worker_id, response.num_prompt_tokens, response.num_cached_tokens) == ("prefill-t", 37, 0)
     layout = mesh.decode.engines.layout(model)
