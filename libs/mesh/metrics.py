@@ -325,6 +325,15 @@ ROLLOUT_DECISIONS = _counter(
     roles="balancer",
     note="action: start, hold, step, promote, rollback, abort (start and abort come from the admin API)",
 )
+ROLLOUT_QUALITY_PROBES = _counter(
+    "kvmesh_rollout_quality_probes_total",
+    "Runs of a rollout's quality probe (golden prompts, greedy, canary against stable) whose outcome this gateway "
+    "recorded in the rollout",
+    ["model", "result"],
+    roles="gateway",
+    note="result: match, mismatch (the balancers roll the canary back), not_run (no worker of a version, a worker "
+    "failed, or an inconclusive rerun: the step holds, the probe runs again)",
+)
 ROLLOUT_WEIGHT = _gauge(
     "kvmesh_rollout_canary_weight",
     "The canary's share of the model's conversations (percent) by its latest rollout",

@@ -6,13 +6,18 @@ the stable version's times the gate's ratio, if its error rate exceeds the stabl
 allows, or if its cost per output token (tokens computed, prompt's uncached part and output, per output token: what
 a worker pays for a useful token, whatever the price list) exceeds the stable one's times the ratio. A gate left at
 0 is off.
+
+The quality gate needs no samples: the golden prompts' greedy answers (the balancer's quality probe) are compared
+token for token (`compare_answers`), and any difference rolls the canary back at once, whatever the step's traffic
+(`with_quality`). Until the probe has matched in a step, the step does not advance; a probe that could not run
+(no canary worker yet, a worker unreachable) holds it, as too few samples do.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mesh.pb import events_pb2
 
@@ -98,3 +103,54 @@ def _error_rate(samples: list[ServedSample]) -> float:
 
 def _cost_per_token(samples: list[ServedSample]) -> float:
     return sum(s.num_computed_tokens for s in samples) / max(sum(s.num_output_tokens for s in samples), 1)
+
+
+# -- the quality gate -----------------------------------------------------------------------------------------------
+MATCH, MISMATCH, NOT_RUN = "match", "mismatch", "not_run"
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """What one run of the quality probe found."""
+
+    result: str  # match | mismatch | not_run
+    reason: str  # in words, for the decision log
+
+
+def first_difference(stable: Sequence[int], canary: Sequence[int]) -> int | None:
+    """The first position where two answers differ (where the shorter one ends, if it is a prefix); None if equal."""
+    for position, (a, b) in enumerate(zip(stable, canary, strict=False)):
+        if a != b:
+            return position
+    return None if len(stable) == len(canary) else min(len(stable), len(canary))
+
+
+def compare_answers(
+    prompts: Sequence[str], stable: Sequence[Sequence[int]], canary: Sequence[Sequence[int]]
+) -> ProbeOutcome:
+    """Each golden prompt's stable and canary answers, token for token; the first difference fails the gate."""
+    assert len(prompts) == len(stable) == len(canary), "one answer per prompt and version"
+    for index, (text, ours, theirs) in enumerate(zip(prompts, stable, canary, strict=True)):
+        position = first_difference(ours, theirs)
+        if position is not None:
+            tokens = f"canary {_token_at(theirs, position)}, stable {_token_at(ours, position)}"
+            return ProbeOutcome(
+                MISMATCH, f"quality probe: prompt {index} ({text[:40]!r}) differs at token {position}: {tokens}"
+            )
+    return ProbeOutcome(MATCH, f"quality probe: {len(prompts)} answers identical")
+
+
+def _token_at(answer: Sequence[int], position: int) -> str:
+    return str(answer[position]) if position < len(answer) else "end"
+
+
+def with_quality(verdict: GateVerdict, probe: ProbeOutcome) -> GateVerdict:
+    """The step's verdict once the quality probe ran in it (a step whose probe already matched keeps its own)."""
+    if verdict.action == ROLLBACK:
+        return verdict
+    if probe.result == MISMATCH:
+        return GateVerdict(ROLLBACK, probe.reason)
+    if probe.result == NOT_RUN:
+        return GateVerdict(HOLD, f"{verdict.reason}; {probe.reason}" if verdict.action == HOLD else probe.reason)
+    assert probe.result == MATCH, probe.result
+    return replace(verdict, reason=f"{verdict.reason}; {probe.reason}")

@@ -4,6 +4,11 @@ compare-and-set lands acts (the others lose it and leave the interval to it). A 
 weight, the last one promotes; a failed gate rolls back at once (weight 0: the canary's workers finish what they
 have and get nothing new; nobody kills them); too few samples hold the step.
 
+A rollout with golden prompts is also judged by its quality probe, which the gateways run and record in the
+rollout (`Rollout.quality`, services/gateway/quality_probe.py): at the first check after a mismatch was recorded
+the canary rolls back, even before the step has its samples; until a match is recorded no step advances
+(mesh.rollout_gates.with_quality).
+
 Samples are attributed by the version of the worker that served them (the decode worker, else prefill's), as the
 registry knows it; the canary's since its step started, the stable version's since the rollout started (at the
 last step the stable version gets no traffic, and its earlier requests are still its baseline).
@@ -19,7 +24,18 @@ from mesh import metrics
 from mesh.discovery import WorkerRegistry
 from mesh.logging import get_logger
 from mesh.pb import events_pb2
-from mesh.rollout_gates import HOLD, PROMOTE, ROLLBACK, STEP, GateVerdict, ServedSample, judge
+from mesh.rollout_gates import (
+    HOLD,
+    NOT_RUN,
+    PROMOTE,
+    ROLLBACK,
+    STEP,
+    GateVerdict,
+    ProbeOutcome,
+    ServedSample,
+    judge,
+    with_quality,
+)
 from mesh.rollouts import PROMOTED, ROLLED_BACK, RUNNING, RolloutConflict, RolloutStore
 
 MAX_SAMPLES = 20_000  # per model: the newest
@@ -83,6 +99,9 @@ class RolloutController:
             return
         stable, canary = self.samples(rollout)
         verdict = judge(rollout.gates, rollout.step_index == len(rollout.steps) - 1, stable, canary)
+        probe = quality_of(rollout)
+        if probe is not None:
+            verdict = with_quality(verdict, probe)
         await self.store.update(decided(rollout, verdict, now_s), revision)
         metrics.ROLLOUT_DECISIONS.labels(model=rollout.model, action=verdict.action).inc()
         log.info(
@@ -99,6 +118,15 @@ class RolloutController:
         while True:
             await asyncio.sleep(tick_s)
             await self.check(time.time())
+
+
+def quality_of(rollout: events_pb2.Rollout) -> ProbeOutcome | None:
+    """The quality probe's outcome as the gateways recorded it (None: the rollout has no golden prompts)."""
+    if not rollout.gates.quality_prompts:
+        return None
+    if not rollout.quality.result:
+        return ProbeOutcome(NOT_RUN, "quality probe pending")
+    return ProbeOutcome(rollout.quality.result, rollout.quality.reason)
 
 
 def _is_due(rollout: events_pb2.Rollout, now_s: float) -> bool:

@@ -26,4 +26,6 @@ decode stream, detokenizing as tokens arrive.
     http_app.py          builds the REST app: the route table
     listener.py          serves it, bounded: connections in all and per client, the first head's time
     grpc_api.py          the Gateway servicer; server.py wires them up
+    rollout_api.py       /admin/v1/rollouts: canary rollouts (the golden prompts rendered here)
+    quality_probe.py     each running rollout's quality probe: golden prompts, greedy, canary against stable
 """

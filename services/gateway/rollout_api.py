@@ -23,8 +23,9 @@ from mesh.pb import events_pb2
 from mesh.rollouts import ABORTED, RUNNING, RolloutConflict, RolloutStore
 from services.gateway.api_models.admin import RolloutCreate
 from services.gateway.api_models.base import validated
-from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.rest import dumps, json_body
+from services.gateway.catalog import off_loop
+from services.gateway.errors import ErrorKind, GatewayError, invalid
+from services.gateway.rest import CORE_KEY, dumps, json_body
 from services.gateway.tenancy.admin_api import ADMIN_PREFIX, require_admin
 
 MAX_ABORT_TRIES = 5  # compare-and-sets lost to the balancers' decisions before giving up (each re-reads)
@@ -50,7 +51,12 @@ def rollout_json(rollout: events_pb2.Rollout) -> dict[str, Any]:
             "max_error_rate_increase": gates.max_error_rate_increase,
             "max_cost_per_token_ratio": gates.max_cost_per_token_ratio,
             "min_samples": gates.min_samples,
+            "quality_prompts": [p.text for p in gates.quality_prompts],
+            "quality_max_tokens": gates.quality_max_tokens,
         },
+        "quality": {"result": rollout.quality.result, "reason": rollout.quality.reason, "at_ms": rollout.quality.at_ms}
+        if rollout.HasField("quality")
+        else None,
         "created_ms": rollout.created_ms,
         "decisions": [
             {"at_ms": d.at_ms, "action": d.action, "weight": d.weight, "reason": d.reason} for d in rollout.decisions
@@ -58,7 +64,8 @@ def rollout_json(rollout: events_pb2.Rollout) -> dict[str, Any]:
     }
 
 
-def new_rollout(body: RolloutCreate, now_ms: int) -> events_pb2.Rollout:
+def new_rollout(body: RolloutCreate, now_ms: int, prompts: list[events_pb2.QualityPrompt]) -> events_pb2.Rollout:
+    gates = body.gates.model_dump(exclude={"quality_prompts"})
     return events_pb2.Rollout(
         rollout_id=f"ro_{secrets.token_hex(6)}",
         model=body.model,
@@ -66,7 +73,7 @@ def new_rollout(body: RolloutCreate, now_ms: int) -> events_pb2.Rollout:
         canary_version=body.canary_version,
         steps=body.steps,
         check_interval_s=body.check_interval_s,
-        gates=events_pb2.RolloutGates(**body.gates.model_dump()),
+        gates=events_pb2.RolloutGates(**gates, quality_prompts=prompts),
         state=RUNNING,
         step_index=0,
         weight=body.steps[0],
@@ -74,6 +81,25 @@ def new_rollout(body: RolloutCreate, now_ms: int) -> events_pb2.Rollout:
         step_started_ms=now_ms,
         decisions=[events_pb2.RolloutDecision(at_ms=now_ms, action="start", weight=body.steps[0], reason="started")],
     )
+
+
+async def quality_prompts(request: web.Request, body: RolloutCreate) -> list[events_pb2.QualityPrompt]:
+    """The golden prompts as the model sees them: each a user message in its chat template (the balancers that run
+    the probe have no tokenizer). A 400 naming `model` if this gateway does not serve it."""
+    if not body.gates.quality_prompts:
+        return []
+    model = request.app[CORE_KEY].catalog.get(body.model)
+    if model is None:
+        raise invalid(
+            "model",
+            f"this gateway does not serve {body.model!r}, so it cannot render the quality probe's prompts; "
+            "start the rollout where the model is served, or set gates.quality_prompts to [] for no probe",
+        )
+    rendered = [await off_loop(model.render_chat, [{"role": "user", "content": t}]) for t in body.gates.quality_prompts]
+    return [
+        events_pb2.QualityPrompt(text=t, token_ids=ids)
+        for t, ids in zip(body.gates.quality_prompts, rendered, strict=True)
+    ]
 
 
 def _store(request: web.Request) -> RolloutStore:
@@ -102,13 +128,14 @@ def _json(data: Any, status: int = 200) -> web.Response:
 async def create_rollout(request: web.Request) -> web.Response:
     store = _store(request)
     body = validated(RolloutCreate, await json_body(request))
+    prompts = await quality_prompts(request, body)
     async with _reachable():
         running = [r for r in await store.list() if r.model == body.model and r.state == RUNNING]
         if running:
             raise GatewayError(
                 ErrorKind.CONFLICT, f"model {body.model!r} has a running rollout: {running[0].rollout_id}"
             )
-        rollout = new_rollout(body, int(time.time() * 1000))
+        rollout = new_rollout(body, int(time.time() * 1000), prompts)
         await store.create(rollout)
     log.info(
         "rollout started",

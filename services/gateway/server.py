@@ -9,6 +9,7 @@ import asyncio
 from mesh.discovery import WorkerRegistry
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, gateway_pb2_grpc
+from mesh.rollouts import RolloutStore
 from mesh.service import ServiceRuntime, status_app
 from services.gateway.auth import KeyRing
 from services.gateway.catalog import ModelCatalog
@@ -20,6 +21,7 @@ from services.gateway.image_encoding import ImageEncoding
 from services.gateway.listener import Listener
 from services.gateway.mesh_view import FOLLOWED_ROLES, MeshView
 from services.gateway.pipeline import Pipeline
+from services.gateway.quality_probe import QualityProbe, RolloutProbes
 from services.gateway.response_store import ResponseStore
 from services.gateway.telemetry import TENANT_LABELS
 from services.gateway.tenancy.abandoned import AbandonedRequests
@@ -55,6 +57,7 @@ class GatewayServer:
         self.ledger_consumer: LedgerConsumer | None = None  # one of the replicas' shared `ledger` consumer
         self.gateways: WorkerRegistry | None = None  # every gateway process, for AbandonedRequests
         self.abandoned: AbandonedRequests | None = None
+        self.probes: RolloutProbes | None = None  # canary rollouts' quality probes
 
     @property
     def grpc_port(self) -> int:
@@ -103,6 +106,8 @@ class GatewayServer:
             allowance_requests=settings.limits_allowance_requests,
         )
         self.limiter.start()
+        self.probes = RolloutProbes(RolloutStore(bus.client), QualityProbe(self.registry, self.runtime.channels))
+        await self.probes.start()
         mesh = MeshView(self.registry)
         self.core = GatewayCore(
             keys=KeyRing(settings.api_keys),
@@ -153,6 +158,8 @@ class GatewayServer:
 
     async def stop(self) -> None:
         async def stop_following() -> None:
+            if self.probes is not None:
+                await self.probes.stop()
             if self.registry is not None:
                 await self.registry.stop()
             if self.abandoned is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -64,7 +65,7 @@ def start_canary(mesh: Mesh, index: int, version: str, **env: str) -> None:
     time.sleep(1.5)  # three heartbeats: in the balancer's pool
 
 
-def run_rollout(mesh: Mesh, canary_version: str) -> tuple[dict, list[tuple[int, str]]]:
+def run_rollout(mesh: Mesh, canary_version: str, **gates: Any) -> tuple[dict, list[tuple[int, str]]]:
     """Start a rollout, send conversations 4 at a time until it ends; the rollout and every (status, worker)."""
     body = {
         "model": MODEL,
@@ -72,7 +73,7 @@ def run_rollout(mesh: Mesh, canary_version: str) -> tuple[dict, list[tuple[int, 
         "canary_version": canary_version,
         "steps": [50, 100],
         "check_interval_s": CHECK_INTERVAL_S,
-        "gates": {"max_ttft_p95_ratio": 0, "max_itl_p95_ratio": 2.5, "min_samples": 4},
+        "gates": {"max_ttft_p95_ratio": 0, "max_itl_p95_ratio": 2.5, "min_samples": 4, **gates},
     }
     status, (rollout, _) = call(mesh, "POST", "/admin/v1/rollouts", body)
     assert status == 201, rollout
@@ -101,7 +102,7 @@ def test_a_canary_with_injected_latency_is_rolled_back_and_no_request_fails(mesh
     start_canary(
         mesh, 2, "3.0", KVMESH_ALLOW_FAULT_INJECTION="1", KVMESH_FAULT_TOKEN_DELAY_S="1.0"
     )  # several times a decode step on a busy CPU
-    rollout, outcomes = run_rollout(mesh, "3.0")
+    rollout, outcomes = run_rollout(mesh, "3.0", quality_prompts=[])  # the probe's load would blur stable's ITL
     decisions = rollout["decisions"]
     assert (rollout["state"], rollout["weight"]) == ("rolled_back", 0), json.dumps(decisions[-4:])
     assert decisions[-1]["reason"].startswith("p95 inter-token latency")
@@ -123,3 +124,48 @@ def test_a_canary_with_injected_latency_is_rolled_back_and_no_request_fails(mesh
             }
         )
     )
+
+
+def test_a_canary_with_other_weights_is_rolled_back_by_the_quality_probe(mesh: Mesh) -> None:
+    """The same model under the same name with perturbed weights: as fast as the stable one (the latency gates pass),
+    but its greedy answers to the golden prompts differ, and the rollout's quality probe rolls it back."""
+    for earlier in ("decode-1", "decode-2"):  # the earlier canaries (the last one slow): not stable workers here
+        if any(c.name == earlier and c.process.poll() is None for c in mesh.children):
+            mesh.kill(earlier)
+    start_canary(mesh, 3, "4.0", KVMESH_ALLOW_FAULT_INJECTION="1", KVMESH_FAULT_WEIGHT_NOISE="0.3")
+    rollout, outcomes = run_rollout(mesh, "4.0", quality_max_tokens=4)  # other weights differ at once
+    decisions = rollout["decisions"]
+    assert (rollout["state"], rollout["weight"]) == ("rolled_back", 0), json.dumps(decisions[-4:])
+    assert rollout["gates"]["quality_prompts"] == [
+        "What is the capital of France?",
+        "Count from one to ten.",
+        "Name the three primary colors.",
+        "Write one sentence about the sea.",
+    ]
+    assert re.fullmatch(
+        r"quality probe: prompt \d \(.*\) differs at token \d+: canary \d+, stable \d+", decisions[-1]["reason"]
+    )
+    assert [d["action"] for d in decisions if d["action"] != "hold"] == ["start", "rollback"]
+    assert {status for status, _ in outcomes} == {200}  # no client request failed
+    assert [chat(mesh, 20_000 + n) for n in range(4)] == [(200, "decode-0")] * 4  # drained, alive, unused
+    assert mesh.child("decode-3").process.poll() is None
+    assert (rollout["quality"]["result"], rollout["quality"]["reason"]) == ("mismatch", decisions[-1]["reason"])
+    assert gateway_metric(mesh, 'kvmesh_rollout_quality_probes_total{model="smollm2-135m",result="mismatch"}') == 1
+    print(
+        json.dumps(
+            {
+                "quality_rollback_decision_s": round((decisions[-1]["at_ms"] - decisions[0]["at_ms"]) / 1000, 2),
+                "probe_recorded_s": round((rollout["quality"]["at_ms"] - decisions[0]["at_ms"]) / 1000, 2),
+                "check_interval_s": CHECK_INTERVAL_S,
+                "num_requests": len(outcomes),
+                "num_failed": sum(status != 200 for status, _ in outcomes),
+            }
+        )
+    )
+
+
+def gateway_metric(mesh: Mesh, series: str) -> float:
+    request = urllib.request.Request(mesh.base_url + "/metrics", headers={"Authorization": f"Bearer {mesh.admin_key}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(series + " "))

@@ -6,14 +6,16 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
-from mesh.compute.faults import Faults, InjectedFault
+from mesh.compute.faults import Faults, InjectedFault, perturb_weights
 from mesh.compute.settings import WorkerSettings
 from mesh.config import PACKAGE_VERSION, SettingError, load_settings
 
 
 @pytest.mark.parametrize(
-    ("variable", "value"), [("KVMESH_FAULT_TOKEN_DELAY_S", "0.05"), ("KVMESH_FAULT_ERROR_RATE", "0.5")]
+    ("variable", "value"),
+    [("KVMESH_FAULT_TOKEN_DELAY_S", "0.05"), ("KVMESH_FAULT_ERROR_RATE", "0.5"), ("KVMESH_FAULT_WEIGHT_NOISE", "0.3")],
 )
 def test_a_fault_setting_without_the_allowance_refuses_to_start_naming_it(variable: str, value: str):
     with pytest.raises(SettingError) as error:
@@ -65,3 +67,17 @@ async def test_a_token_delay_waits_per_token():
     await Faults(token_delay_s=0.02).delay(5)
     await Faults().delay(1000)
     assert 0.1 <= time.monotonic() - started < 0.5
+
+
+def test_weight_noise_changes_every_floating_weight_by_its_own_scale_and_the_same_way_each_time():
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 50))
+
+    original, first, second = model(), model(), model()
+    assert perturb_weights(first, 0.3) == perturb_weights(second, 0.3) == 5  # embedding, norm's 2, linear's 2
+    for before, after, again in zip(original.parameters(), first.parameters(), second.parameters(), strict=True):
+        assert torch.equal(after, again)  # a fixed seed: every worker given the fault has the same other weights
+        with torch.no_grad():
+            change = float((after - before).std() / before.std()) if before.std() > 0 else 0.0
+        assert 0.2 < change < 0.4 or torch.equal(after, before)  # LayerNorm's starts constant: std 0, unchanged

@@ -6,7 +6,19 @@ from __future__ import annotations
 import pytest
 
 from mesh.pb import events_pb2
-from mesh.rollout_gates import GateVerdict, ServedSample, judge, p95
+from mesh.rollout_gates import (
+    MATCH,
+    MISMATCH,
+    NOT_RUN,
+    GateVerdict,
+    ProbeOutcome,
+    ServedSample,
+    compare_answers,
+    first_difference,
+    judge,
+    p95,
+    with_quality,
+)
 
 GATES = events_pb2.RolloutGates(
     max_ttft_p95_ratio=1.5,
@@ -79,3 +91,35 @@ def test_each_failed_gate_rolls_back_naming_itself(canary: list[ServedSample], r
 def test_a_gate_at_0_is_off():
     gates = events_pb2.RolloutGates(min_samples=1)
     assert judge(gates, False, STABLE, [sample(ttft_s=50.0, is_error=True, computed=500)]).action == "step"
+
+
+def test_answers_are_compared_token_for_token():
+    prompts = ["a", "Name the three primary colors."]
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2  # the canary stopped early: it differs where it ended
+    assert compare_answers(prompts, [[1], [1, 2, 3]], [[1], [1, 2, 3]]) == ProbeOutcome(
+        MATCH, "quality probe: 2 answers identical"
+    )
+    assert compare_answers(prompts, [[1], [1, 2, 3]], [[1], [1, 2]]) == ProbeOutcome(
+        MISMATCH, "quality probe: prompt 1 ('Name the three primary colors.') differs at token 2: canary end, stable 3"
+    )
+    assert compare_answers(prompts, [[7], [1, 2]], [[9], [1, 5]]).reason == (
+        "quality probe: prompt 0 ('a') differs at token 0: canary 9, stable 7"
+    )
+
+
+def test_the_quality_gate_rolls_back_at_once_and_holds_a_step_until_its_probe_matched():
+    held = GateVerdict("hold", "samples: canary 0, stable 0 of 10")
+    passed = GateVerdict("step", "gates passed on 10 canary and 10 stable requests")
+    matched = ProbeOutcome(MATCH, "quality probe: 4 answers identical")
+    differs = ProbeOutcome(MISMATCH, "quality probe: prompt 0 ('a') differs at token 3: canary 9, stable 7")
+    not_run = ProbeOutcome(NOT_RUN, "quality probe not run: the canary version has no worker for the model")
+    assert with_quality(held, differs) == GateVerdict("rollback", differs.reason)  # no samples needed
+    assert with_quality(passed, differs) == GateVerdict("rollback", differs.reason)
+    assert with_quality(passed, matched) == GateVerdict("step", f"{passed.reason}; {matched.reason}")
+    assert with_quality(held, matched) == GateVerdict("hold", f"{held.reason}; {matched.reason}")
+    assert with_quality(passed, not_run) == GateVerdict("hold", not_run.reason)
+    assert with_quality(held, not_run) == GateVerdict("hold", f"{held.reason}; {not_run.reason}")
+    latency = GateVerdict("rollback", "p95 TTFT 4.00x stable's, over 1.5x")
+    assert with_quality(latency, matched) == latency

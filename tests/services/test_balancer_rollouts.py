@@ -255,3 +255,72 @@ async def test_the_controller_steps_promotes_and_rolls_back_by_the_gates(nats_ur
             await announcer.stop()
         for bus in buses.values():
             await bus.close()
+
+
+async def test_the_controller_judges_by_the_quality_probe_the_gateways_recorded(nats_url: str) -> None:
+    """Pending: no step, however many samples; a recorded mismatch: rolled back at the next check, without any."""
+    buses = {name: await Bus.connect(nats_url, name=name) for name in ("p-1", "d-1", "d-2", "gateway")}
+    workers = [
+        await start_worker(buses["p-1"], "p-1", common_pb2.ROLE_PREFILL, "1.0"),
+        await start_worker(buses["d-1"], "d-1", common_pb2.ROLE_DECODE, "1.0"),
+        await start_worker(buses["d-2"], "d-2", common_pb2.ROLE_DECODE, "2.0"),
+    ]
+    store = RolloutStore(buses["gateway"].client)
+    settings = BalancerSettings(
+        nats_url=nats_url,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        worker_id="balancer-q",
+        heartbeat_interval_s=INTERVAL_S,
+    )
+    prompt = events_pb2.QualityPrompt(text="What is the capital of France?", token_ids=[1, 2, 3])
+    try:
+        async with serving(serve, settings) as channel:
+            stub = balancer_pb2_grpc.BalancerStub(channel)
+
+            async def all_listed() -> bool:
+                return len((await stub.ListWorkers(balancer_pb2.ListWorkersRequest())).workers) == 3
+
+            await wait_until(all_listed)
+            now_ms = int(time.time() * 1000)
+            probed = gated_rollout("probed", now_ms)
+            probed.model = "q"
+            probed.gates.quality_prompts.append(prompt)
+            probed.gates.min_samples = 1
+            revision = await store.create(probed)
+            for n, worker in enumerate(("d-1", "d-2")):
+                record = usage(f"q{n}", worker, 100.0, now_ms)
+                record.model = "q"
+                await buses["gateway"].publish("kvmesh.usage.t", record)
+
+            async def decisions() -> list[tuple[str, str]]:
+                found = await store.get("probed")
+                assert found is not None
+                return [(d.action, d.reason) for d in found[0].decisions]
+
+            async def checked() -> bool:
+                return len(await decisions()) > 0
+
+            await wait_until(checked)
+            assert (await decisions())[0] == ("hold", "quality probe pending")  # the samples are there: 1 of 1
+            found = await store.get("probed")
+            assert found is not None
+            rollout, revision = found
+            reason = "quality probe: prompt 0 ('What is the capital of France?') differs at token 1: canary 9, stable 7"
+            rollout.quality.CopyFrom(events_pb2.QualityOutcome(result="mismatch", reason=reason, at_ms=now_ms))
+            await store.update(rollout, revision)
+            recorded_s = time.time()
+
+            async def rolled_back() -> bool:
+                return (await decisions())[-1][0] == "rollback"
+
+            await wait_until(rolled_back, timeout_s=3)
+            found = await store.get("probed")
+            assert found is not None and (found[0].state, found[0].weight) == ("rolled_back", 0)
+            assert (await decisions())[-1] == ("rollback", reason)
+            assert found[0].decisions[-1].at_ms / 1000 - recorded_s <= 0.5 + 0.3  # within one check interval
+    finally:
+        for announcer in workers:
+            await announcer.stop()
+        for bus in buses.values():
+            await bus.close()

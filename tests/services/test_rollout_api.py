@@ -13,7 +13,14 @@ import pytest
 
 from .test_tenancy_admin import ADMIN, ENV_KEY, gateway
 
-START = {"model": "m1", "stable_version": "1.0", "canary_version": "2.0", "check_interval_s": 30}
+# this gateway serves no model, so it can render no golden prompt: the rollouts here have no quality probe
+START = {
+    "model": "m1",
+    "stable_version": "1.0",
+    "canary_version": "2.0",
+    "check_interval_s": 30,
+    "gates": {"quality_prompts": []},
+}
 
 
 async def test_start_read_and_abort_a_rollout(tmp_path: Path) -> None:
@@ -32,6 +39,8 @@ async def test_start_read_and_abort_a_rollout(tmp_path: Path) -> None:
             "max_error_rate_increase": 0.01,
             "max_cost_per_token_ratio": 1.2,
             "min_samples": 50,
+            "quality_prompts": [],
+            "quality_max_tokens": 16,
         }
         assert [(d["action"], d["weight"]) for d in rollout["decisions"]] == [("start", 5)]
         status, error = await api.call("POST", "/admin/v1/rollouts", body=START)
@@ -57,6 +66,9 @@ async def test_start_read_and_abort_a_rollout(tmp_path: Path) -> None:
         ({"canary_version": "1.0"}, "canary_version"),
         ({"check_interval_s": 0}, "check_interval_s"),
         ({"gates": {"min_samples": -1}}, "gates.min_samples"),
+        ({"gates": {"quality_prompts": [""]}}, "gates.quality_prompts[0]"),
+        ({"gates": {"quality_max_tokens": 0}}, "gates.quality_max_tokens"),
+        ({"gates": {}}, "model"),  # the default golden prompts, for a model this gateway cannot render them for
         ({"gates": {"max_ttft_p95_rato": 2}}, "gates.max_ttft_p95_rato"),
         ({"model": ""}, "model"),
     ],
@@ -109,7 +121,7 @@ async def test_the_admin_cli_starts_shows_and_aborts_a_rollout(
             "--check-interval-s",
             "5",
             "--gates",
-            '{"min_samples": 3}',
+            '{"min_samples": 3, "quality_prompts": []}',
         )
         assert (code, started["steps"], started["weight"], started["gates"]["min_samples"]) == (0, [10, 100], 10, 3)
         code, listing = await admin("status")

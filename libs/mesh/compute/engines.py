@@ -15,6 +15,7 @@ from engine_core import EngineStats, LLMEngine
 from engine_core.async_engine import AsyncEngine, KVEventHook
 from mesh.bus import Bus
 from mesh.compute.experts import ExpertSync
+from mesh.compute.faults import perturb_weights
 from mesh.compute.settings import WorkerSettings
 from mesh.kv_blocks import KVLayout
 from mesh.logging import get_logger
@@ -40,6 +41,13 @@ class ModelEngines:
             for model in settings.models:
                 # loading reads weights from disk: off the event loop, which may already serve NATS
                 engine = await loop.run_in_executor(None, LLMEngine, settings.engine_config(model))
+                if settings.fault_weight_noise > 0:  # testing only (KVMESH_ALLOW_FAULT_INJECTION)
+                    num_changed = await loop.run_in_executor(
+                        None, perturb_weights, engine.runner.model, settings.fault_weight_noise
+                    )
+                    log.warning(
+                        "weights perturbed", model=model, noise=settings.fault_weight_noise, tensors=num_changed
+                    )
                 engines[model] = AsyncEngine(engine, kv_event_hook(model), name=f"engine-{model}")
                 await engines[model].start()
         except BaseException:

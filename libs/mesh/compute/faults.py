@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import torch
+
 
 class InjectedFault(RuntimeError):
     """A request failed on purpose (KVMESH_FAULT_ERROR_RATE): the caller sees UNAVAILABLE and may retry elsewhere."""
@@ -33,3 +35,18 @@ class Faults:
     async def delay(self, num_tokens: int) -> None:
         if self.token_delay_s > 0 and num_tokens > 0:
             await asyncio.sleep(self.token_delay_s * num_tokens)
+
+
+def perturb_weights(model: torch.nn.Module, noise: float, seed: int = 0) -> int:
+    """Add Gaussian noise of `noise` times each floating-point weight's own standard deviation, from a fixed seed
+    (KVMESH_FAULT_WEIGHT_NOISE): the same architecture and KV layout, other weights, as a bad conversion or another
+    checkpoint under the same name would be. Returns the number of tensors changed."""
+    generator = torch.Generator().manual_seed(seed)
+    num_changed = 0
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point() and tensor.numel() > 1:
+                scale = noise * float(tensor.float().std())
+                tensor.add_((torch.randn(tensor.shape, generator=generator) * scale).to(tensor.dtype))
+                num_changed += 1
+    return num_changed

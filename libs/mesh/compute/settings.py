@@ -44,6 +44,11 @@ class WorkerSettings(ServiceSettings):
     fault_error_rate: float = setting(
         0.0, "testing: share of requests this worker fails (UNAVAILABLE) before their first token, 0 to 1"
     )
+    fault_weight_noise: float = setting(
+        0.0,
+        "testing: Gaussian noise added to every weight at load, times that weight tensor's standard deviation "
+        "(other weights under the same name: a quality probe must catch it)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,7 +73,8 @@ class WorkerSettings(ServiceSettings):
     def _check_faults(self) -> None:
         require(self.fault_token_delay_s >= 0, "fault_token_delay_s", self.fault_token_delay_s, "must not be negative")
         require(0 <= self.fault_error_rate <= 1, "fault_error_rate", self.fault_error_rate, "must be from 0 to 1")
-        for name in ("fault_token_delay_s", "fault_error_rate"):
+        require(self.fault_weight_noise >= 0, "fault_weight_noise", self.fault_weight_noise, "must not be negative")
+        for name in ("fault_token_delay_s", "fault_error_rate", "fault_weight_noise"):
             value = getattr(self, name)
             require(
                 self.allow_fault_injection or not value,

@@ -170,7 +170,7 @@ class UsageRecord(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., key_id: _Optional[str] = ..., model: _Optional[str] = ..., api: _Optional[str] = ..., status: _Optional[str] = ..., http_status: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., cost: _Optional[str] = ..., price_plan: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., ended_at_ms: _Optional[int] = ..., gateway_id: _Optional[str] = ..., gateway_started_at_ms: _Optional[int] = ..., settle_after_ms: _Optional[int] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("rollout_id", "model", "stable_version", "canary_version", "steps", "check_interval_s", "gates", "state", "step_index", "weight", "created_ms", "step_started_ms", "decisions", "checked_ms")
+    __slots__ = ("rollout_id", "model", "stable_version", "canary_version", "steps", "check_interval_s", "gates", "state", "step_index", "weight", "created_ms", "step_started_ms", "decisions", "checked_ms", "quality")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class Rollout(_message.Message):
     STEP_STARTED_MS_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     CHECKED_MS_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     model: str
     stable_version: str
@@ -199,21 +200,44 @@ class Rollout(_message.Message):
     step_started_ms: int
     decisions: _containers.RepeatedCompositeFieldContainer[RolloutDecision]
     checked_ms: int
-    def __init__(self, rollout_id: _Optional[str] = ..., model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., check_interval_s: _Optional[float] = ..., gates: _Optional[_Union[RolloutGates, _Mapping]] = ..., state: _Optional[str] = ..., step_index: _Optional[int] = ..., weight: _Optional[int] = ..., created_ms: _Optional[int] = ..., step_started_ms: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RolloutDecision, _Mapping]]] = ..., checked_ms: _Optional[int] = ...) -> None: ...
+    quality: QualityOutcome
+    def __init__(self, rollout_id: _Optional[str] = ..., model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., check_interval_s: _Optional[float] = ..., gates: _Optional[_Union[RolloutGates, _Mapping]] = ..., state: _Optional[str] = ..., step_index: _Optional[int] = ..., weight: _Optional[int] = ..., created_ms: _Optional[int] = ..., step_started_ms: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[RolloutDecision, _Mapping]]] = ..., checked_ms: _Optional[int] = ..., quality: _Optional[_Union[QualityOutcome, _Mapping]] = ...) -> None: ...
+
+class QualityOutcome(_message.Message):
+    __slots__ = ("result", "reason", "at_ms")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_MS_FIELD_NUMBER: _ClassVar[int]
+    result: str
+    reason: str
+    at_ms: int
+    def __init__(self, result: _Optional[str] = ..., reason: _Optional[str] = ..., at_ms: _Optional[int] = ...) -> None: ...
 
 class RolloutGates(_message.Message):
-    __slots__ = ("max_ttft_p95_ratio", "max_itl_p95_ratio", "max_error_rate_increase", "max_cost_per_token_ratio", "min_samples")
+    __slots__ = ("max_ttft_p95_ratio", "max_itl_p95_ratio", "max_error_rate_increase", "max_cost_per_token_ratio", "min_samples", "quality_prompts", "quality_max_tokens")
     MAX_TTFT_P95_RATIO_FIELD_NUMBER: _ClassVar[int]
     MAX_ITL_P95_RATIO_FIELD_NUMBER: _ClassVar[int]
     MAX_ERROR_RATE_INCREASE_FIELD_NUMBER: _ClassVar[int]
     MAX_COST_PER_TOKEN_RATIO_FIELD_NUMBER: _ClassVar[int]
     MIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_ttft_p95_ratio: float
     max_itl_p95_ratio: float
     max_error_rate_increase: float
     max_cost_per_token_ratio: float
     min_samples: int
-    def __init__(self, max_ttft_p95_ratio: _Optional[float] = ..., max_itl_p95_ratio: _Optional[float] = ..., max_error_rate_increase: _Optional[float] = ..., max_cost_per_token_ratio: _Optional[float] = ..., min_samples: _Optional[int] = ...) -> None: ...
+    quality_prompts: _containers.RepeatedCompositeFieldContainer[QualityPrompt]
+    quality_max_tokens: int
+    def __init__(self, max_ttft_p95_ratio: _Optional[float] = ..., max_itl_p95_ratio: _Optional[float] = ..., max_error_rate_increase: _Optional[float] = ..., max_cost_per_token_ratio: _Optional[float] = ..., min_samples: _Optional[int] = ..., quality_prompts: _Optional[_Iterable[_Union[QualityPrompt, _Mapping]]] = ..., quality_max_tokens: _Optional[int] = ...) -> None: ...
+
+class QualityPrompt(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RolloutDecision(_message.Message):
     __slots__ = ("at_ms", "action", "weight", "reason")

@@ -77,6 +77,13 @@ class PricesUpdate(AdminBody):
 
 
 Ratio = Annotated[float, Field(ge=0, le=1000)]
+# short, everyday, with one natural answer each: a canary with other weights soon answers one of them differently
+DEFAULT_QUALITY_PROMPTS = (
+    "What is the capital of France?",
+    "Count from one to ten.",
+    "Name the three primary colors.",
+    "Write one sentence about the sea.",
+)
 Weight = Annotated[int, Field(strict=True, ge=1, le=100)]
 
 
@@ -91,6 +98,14 @@ class RolloutGatesBody(AdminBody):
     )
     min_samples: int = Field(
         default=50, strict=True, ge=0, le=1_000_000, description="requests each version serves first"
+    )
+    quality_prompts: list[Annotated[str, Field(strict=True, min_length=1, max_length=2000)]] = Field(
+        default_factory=lambda: list(DEFAULT_QUALITY_PROMPTS),
+        max_length=20,
+        description="golden prompts both versions answer greedily, compared token for token; [] : no quality probe",
+    )
+    quality_max_tokens: int = Field(
+        default=16, strict=True, ge=1, le=256, description="tokens each golden answer runs to"
     )
 
 
