@@ -16,6 +16,8 @@ kvmesh bench expert --json          expert placement on skewed, drifting loads, 
 kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
 kvmesh bench admission --json       tenant limits: admission + settlement cost and decisions/s, 1 and 3 replicas
 kvmesh bench scale --gpus N --json  size an N-GPU deployment from the seed's figures and measured costs
+kvmesh bench soak --minutes 5 --json   mixed traffic for minutes: errors, latency over time, memory slopes
+kvmesh bench faults --json          kill, stop and slow each role under load: failed requests, recovery time
 kvmesh eval run --workload F --output R.json   replay a workload against a mesh: latency, cost, quality
 kvmesh eval compare BASELINE RESULT   the regression gate: exit 0 ok, 1 regressed, 2 bad input
 kvmesh expert-plan --input FILE     an expert placement planned offline from a load matrix (JSON)
@@ -172,6 +174,14 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.scale import run as run_scale
 
         return run_scale(args)
+    if args.bench_command == "soak":
+        from kvmesh.bench.soak import run as run_soak
+
+        return run_soak(args)
+    if args.bench_command == "faults":
+        from kvmesh.bench.fault_run import run as run_faults
+
+        return run_faults(args)
     if args.bench_command == "expert":
         from kvmesh.bench.expert import run_expert_bench
 
@@ -284,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.bench.scale import add_parser as add_scale_bench_parser
 
     add_scale_bench_parser(bench_commands)
+    from kvmesh.bench.fault_run import add_parser as add_faults_bench_parser
+    from kvmesh.bench.soak import add_parser as add_soak_bench_parser
+
+    add_soak_bench_parser(bench_commands)
+    add_faults_bench_parser(bench_commands)
     serve_bench = bench_commands.add_parser("serve", help="the mesh under load through its REST API")
     serve_bench.add_argument(
         "--concurrency", type=int, nargs="+", default=[4], help="requests in flight (several: with --trace-rounds)"

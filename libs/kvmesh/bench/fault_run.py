@@ -1,0 +1,303 @@
+"""The faults themselves, on a mesh started by `kvmesh up`'s launcher, and `kvmesh bench faults`, which runs them
+all in turn and prints the figures (tests/faults/ runs the same ones, shorter, and asserts the goals).
+
+    suite = FaultSuite(mesh, load, api_key)
+    suite.sigkill("decode")              # the decode worker serving the most streams, under load
+    suite.sigterm_during_stream("prefill")
+    suite.client_disconnect()            # seconds until every decode worker holds no KV
+    suite.slow_decode(0.75)              # a decode worker stopped 75% of the time (SIGSTOP, SIGCONT)
+    suite.nats_outage(10.0)
+
+Every worker the suite kills, or stops under load, is started again at once (without waiting: the next fault on
+the same role waits for it), so those faults find two replicas of each role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.bench.faults import (
+    FaultResult,
+    ProbeStream,
+    is_ready,
+    measure,
+    metric_total,
+    percentile,
+    replace,
+    wait_for,
+    wait_until_serving,
+)
+from kvmesh.bench.load import Load
+
+if TYPE_CHECKING:
+    from kvmesh.up import Mesh
+
+API_KEY = "sk-kvmesh-bench"  # the key of the mesh the bench starts itself
+MODEL = "deepseek-tiny"  # takes images, so the encoder pool is on the request path
+# prefill first: a prefill worker killed while it pushes KV to decode gets its decode worker blamed too (the
+# gateway excludes both), which fails the request when the other decode worker is down (a decode victim's
+# replacement still starting)
+ROLES = ("prefill", "decode", "kvcache", "encoder", "balancer", "expert_lb")
+
+
+def mesh_plan_args() -> dict[str, Any]:
+    """The mesh every fault runs on: two of each role a request passes through, one KV store, the rebalancer."""
+    return dict(
+        prefill=2,
+        decode=2,
+        kvcache=1,
+        balancer=2,
+        encoder=2,
+        models=(MODEL,),
+        env={
+            "KVMESH_HEARTBEAT_INTERVAL_S": "0.5",
+            "KVMESH_EXPERT_REPORT_STEPS": "16",  # the workers report expert loads: expert_lb runs
+            "KVMESH_KV_CACHE_MEMORY_BYTES": str(64 * 2**20),
+        },
+    )
+
+
+class FaultSuite:
+    def __init__(self, mesh: Mesh, load: Load, api_key: str, observe_s: float = 3.0, probe_tokens: int = 16) -> None:
+        self.mesh = mesh
+        self.load = load
+        self.api_key = api_key
+        self.observe_s = observe_s
+        self.probe_tokens = probe_tokens
+        self.quiet_since_s = 0.0  # when the last fault's window ended (measure's baseline starts there)
+
+    def measure(self, name: str, inject: Callable[[], None], observe_s: float) -> FaultResult:
+        result = measure(self.load, name, inject, observe_s, self.quiet_since_s)
+        self.quiet_since_s = time.monotonic()
+        return result
+
+    def replicas(self, role: str) -> list[str]:
+        return sorted(c.name for c in self.mesh.children if c.role == role and c.process.poll() is None)
+
+    def wait_role_serving(self, role: str) -> None:
+        for name in self.replicas(role):
+            child = self.mesh.child(name)
+            if not is_ready(child.http_port):
+                wait_until_serving(child)
+
+    def victim(self, role: str) -> tuple[str, int]:
+        """The replica to hit, and how many of the load's requests in flight it serves: for decode the one
+        serving the most streams (waiting up to 5 s for one that has begun), for prefill the one the latest
+        request went to, otherwise replica 0."""
+        header = {"decode": "decode_worker", "prefill": "prefill_worker"}.get(role)
+        if header is None:
+            return f"{role}-0", 0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            serving = Counter(getattr(o, header) for o in self.load.in_flight() if o.token_times_s)
+            if serving:
+                return serving.most_common(1)[0]
+            time.sleep(0.02)
+        return self.replicas(role)[0], 0
+
+    def sigkill(self, role: str) -> FaultResult:
+        """SIGKILL one replica of `role` under load; it is started again once the fault is measured."""
+        self.wait_role_serving(role)
+        name, num_streams = self.victim(role)
+        result = self.measure(f"SIGKILL {role}", lambda: self.mesh.kill(name), self.observe_s)
+        result.notes = {"victim": name, "streams_on_victim": num_streams}
+        replace(self.mesh, name, wait=False)
+        return result
+
+    def sigterm_during_stream(self, role: str, under_load: bool = True) -> tuple[FaultResult, ProbeStream]:
+        """SIGTERM the replica of `role` serving a probe stream (decode, prefill: the one it went to; else
+        replica 0); the probe must end whole. `under_load`: with the load running, and the replica started again
+        once it has drained; otherwise with the load paused, so that it may be the role's last replica (the
+        stream's drain is all that is asked), and it is not started again."""
+        needed = sorted({"decode", "prefill", "balancer", role})  # the probe passes through these
+        wait_for(lambda: all(self.num_serving(r) > 0 for r in needed), 180, "a worker of each role", 0.25)
+        if under_load:
+            self.wait_role_serving(role)
+        else:
+            self.load.pause()
+        probe = ProbeStream(self.mesh.base_url, self.api_key, MODEL, self.probe_tokens)
+        stopped: list[str] = []
+
+        def inject() -> None:
+            probe.start()
+            header = probe.headers.get(f"x-kvmesh-{role}-worker")
+            name = header if role in ("decode", "prefill") and header else self.replicas(role)[0]
+            self.mesh.child(name).process.send_signal(signal.SIGTERM)
+            stopped.append(name)
+
+        if under_load:
+            result = self.measure(f"SIGTERM {role} mid-stream", inject, self.observe_s)
+        else:
+            inject()
+            probe.wait()
+            result = FaultResult(f"SIGTERM {role} mid-stream (load paused)", 1, int(not probe.is_whole), 0.0)
+            self.load.resume()
+        probe.wait()
+        result.notes = {"victim": stopped[0], "probe_whole": probe.is_whole, "probe_error": probe.error}
+        if under_load:
+            self.mesh.child(stopped[0]).process.wait(timeout=60)
+            replace(self.mesh, stopped[0], wait=False)
+        return result, probe
+
+    def num_serving(self, role: str) -> int:
+        return sum(is_ready(self.mesh.child(name).http_port) for name in self.replicas(role))
+
+    def sigterm_gateway_during_stream(self) -> ProbeStream:
+        """SIGTERM the (only) gateway with a stream open and the load paused: the stream ends whole; the
+        gateway is started again and waited for."""
+        self.load.pause()
+        probe = ProbeStream(self.mesh.base_url, self.api_key, MODEL, self.probe_tokens).start()
+        self.mesh.child("gateway-0").process.send_signal(signal.SIGTERM)
+        probe.wait()
+        self.mesh.child("gateway-0").process.wait(timeout=60)
+        child = self.mesh.spawn("gateway", 0)
+        wait_for(lambda: is_ready(child.http_port), 180, "the gateway ready", interval_s=0.25)
+        self.load.resume()
+        return probe
+
+    def client_disconnect(self) -> tuple[float, float]:
+        """(KV tokens the stream held on its decode worker, seconds from the client hanging up until no decode
+        worker holds any KV) with the load paused, so that the KV is the stream's alone."""
+        self.load.pause()
+        try:
+            probe = ProbeStream(self.mesh.base_url, self.api_key, MODEL, 2000).start(min_chunks=4)
+            port = self.mesh.child(probe.headers["x-kvmesh-decode-worker"]).http_port
+            held = wait_for_value(lambda: metric_total(port, "kvmesh_decode_kv_tokens"), 5)
+            probe.close()
+            freed_s = wait_for(lambda: self.decode_kv_tokens() == 0, 30, "every decode worker to free its KV")
+        finally:
+            self.load.resume()
+        return held, freed_s
+
+    def decode_kv_tokens(self) -> float:
+        ports = [self.mesh.child(name).http_port for name in self.replicas("decode")]
+        return sum(metric_total(port, "kvmesh_decode_kv_tokens") for port in ports)
+
+    def slow_decode(self, duty: float = 0.75, name: str = "decode-0") -> FaultResult:
+        """A throttled decode worker: stopped (SIGSTOP) for `duty` of every 200 ms, as a starved or throttled
+        process is, for the window. Notes: its share of the window's requests, and the TPOT p50 of those it
+        served against the other worker's."""
+        self.wait_role_serving("decode")
+        pid = self.mesh.child(name).process.pid
+        stop = threading.Event()
+
+        def throttle() -> None:
+            while not stop.is_set():
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.2 * duty)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.2 * (1 - duty))
+
+        thread = threading.Thread(target=throttle, daemon=True)
+        start = time.monotonic()
+        try:
+            result = self.measure(f"slow decode ({duty:.0%} stopped)", thread.start, self.observe_s * 3)
+        finally:
+            stop.set()
+            thread.join()
+        window = [o for o in self.load.outcomes() if o.started_s >= start and o.is_ok]
+        on_slow = [t for o in window if o.decode_worker == name and (t := o.tpot_s) is not None]
+        others = [t for o in window if o.decode_worker != name and (t := o.tpot_s) is not None]
+        result.notes = {
+            "victim": name,
+            "share_on_slow_worker": round(len(on_slow) / max(1, len(on_slow) + len(others)), 3),
+            "tpot_p50_ms_slow": _ms(percentile(on_slow, 0.5)),
+            "tpot_p50_ms_others": _ms(percentile(others, 0.5)),
+        }
+        return result
+
+    def nats_outage(self, seconds: float) -> FaultResult:
+        """SIGKILL the embedded NATS under load and start it again on its port and store after `seconds`."""
+        nats = self.mesh.nats
+        assert nats is not None and nats.process is not None, "the mesh's own NATS"
+        restarted = threading.Event()
+
+        def restart() -> None:
+            nats.start()
+            restarted.set()
+
+        def inject() -> None:
+            assert nats.process is not None
+            nats.process.kill()
+            nats.process.wait()
+            threading.Timer(seconds, restart).start()
+
+        result = self.measure(f"NATS down {seconds:.0f} s", inject, seconds + self.observe_s)
+        restarted.wait(timeout=30)
+        return result
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def wait_for_value(read: Callable[[], float], timeout_s: float) -> float:
+    """The first non-zero value `read()` returns within `timeout_s` (the gauges are exported every heartbeat)."""
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"still 0 after {timeout_s:.0f}s")
+        time.sleep(0.05)
+    return value
+
+
+# `kvmesh bench faults`
+
+
+def add_parser(bench_commands: Any) -> None:
+    faults = bench_commands.add_parser("faults", help="kill, stop and slow each role under load: failed, recovery")
+    faults.add_argument("--concurrency", type=int, default=4, help="streams in flight")
+    faults.add_argument("--observe-s", type=float, default=6.0, help="seconds of load after each fault")
+    faults.add_argument("--nats-outage-s", type=float, default=10.0, help="0: leave NATS alone")
+    faults.add_argument("--slow-duty", type=float, default=0.75, help="share of the time the slow worker is stopped")
+    faults.add_argument("--json", action="store_true", help="one line of JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_fault_bench(args.concurrency, args.observe_s, args.nats_outage_s, args.slow_duty)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def run_fault_bench(concurrency: int, observe_s: float, nats_outage_s: float, slow_duty: float) -> dict[str, Any]:
+    from kvmesh.nats_server import free_port
+    from kvmesh.up import Mesh, MeshPlan
+
+    with contextlib.ExitStack() as stack:
+        plan = MeshPlan(http_port=free_port(), grpc_port=free_port(), api_keys=(API_KEY,), **mesh_plan_args())
+        mesh = Mesh(plan, out=stack.enter_context(open(os.devnull, "w")))
+        stack.callback(mesh.stop)
+        mesh.start()
+        mesh.wait_ready()
+        wait_for(lambda: all(is_ready(c.http_port) for c in mesh.children), 180, "every child ready", 0.25)
+        time.sleep(1.5)
+        load = Load(mesh.base_url, API_KEY, MODEL, concurrency, kinds=("chat", "image"), max_tokens=16).start()
+        stack.callback(load.stop)
+        time.sleep(observe_s)  # a baseline before the first fault
+        suite = FaultSuite(mesh, load, API_KEY, observe_s=observe_s)
+        results = [suite.slow_decode(slow_duty)]
+        held, freed_s = suite.client_disconnect()
+        results += [suite.sigkill(role) for role in ROLES]
+        results += [suite.sigterm_during_stream(role)[0] for role in ROLES]
+        if nats_outage_s > 0:
+            results.append(suite.nats_outage(nats_outage_s))
+        gateway_probe = suite.sigterm_gateway_during_stream()
+    return {
+        "model": MODEL,
+        "concurrency": concurrency,
+        "observe_s": observe_s,
+        "faults": [r.figures() for r in results],
+        "client_disconnect": {"kv_tokens_held": held, "kv_freed_s": round(freed_s, 2)},
+        "sigterm_gateway_stream_whole": gateway_probe.is_whole,
+        "num_failed": sum(r.num_failed for r in results),
+        "num_requests": sum(r.num_requests for r in results),
+    }

@@ -1,0 +1,53 @@
+"""Each fault under a steady load on one mesh (conftest.py): the requests it could touch (in flight at the fault
+or started in the seconds after it) and how many failed. The goals of issue 18: no request fails when one of two
+replicas of any role is SIGKILLed; a stream outlives SIGTERM of every role it passes through; a client that hangs
+up has its KV freed on every decode worker within a second. Each test prints its figures (`kvmesh bench faults`
+prints the same, measured longer, for docs/reliability.md).
+
+In order: a throttled decode worker and a client hanging up (every replica up); SIGKILL of one replica of each
+role (each started again at once); SIGTERM of each role mid-stream with the load paused (the last replica may be
+the one stopped: only the stream's drain is asked, and nothing is started again); SIGTERM of the gateway."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvmesh.bench.fault_run import ROLES, FaultSuite
+
+
+def test_a_throttled_decode_worker_fails_no_request(suite: FaultSuite) -> None:
+    result = suite.slow_decode(0.75)
+    print(json.dumps(result.figures()))
+    assert result.num_failed == 0, result.details
+    assert result.num_requests >= 3
+
+
+def test_a_client_that_hangs_up_has_its_kv_freed_on_every_worker_within_a_second(suite: FaultSuite) -> None:
+    held, freed_s = suite.client_disconnect()
+    print(json.dumps({"kv_tokens_held": held, "kv_freed_s": round(freed_s, 2)}))
+    assert held > 0
+    assert freed_s < 1.0
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_sigkill_of_one_of_two_replicas_fails_no_request(suite: FaultSuite, role: str) -> None:
+    result = suite.sigkill(role)
+    print(json.dumps(result.figures()))
+    assert result.num_failed == 0, result.details
+    assert result.num_requests >= 2
+    if role == "decode":  # it was serving streams, which moved to the other worker
+        assert result.notes["streams_on_victim"] >= 1
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_stream_completes_through_sigterm_of_each_role(suite: FaultSuite, role: str) -> None:
+    result, probe = suite.sigterm_during_stream(role, under_load=False)
+    print(json.dumps(result.figures()))
+    assert (probe.error, probe.is_done, probe.num_completion_tokens) == (None, True, probe.max_tokens)
+
+
+def test_a_stream_completes_through_sigterm_of_the_gateway(suite: FaultSuite) -> None:
+    probe = suite.sigterm_gateway_during_stream()
+    assert (probe.error, probe.is_done, probe.num_completion_tokens) == (None, True, probe.max_tokens)
