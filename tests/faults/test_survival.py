@@ -4,9 +4,10 @@ replicas of any role is SIGKILLed; a stream outlives SIGTERM of every role it pa
 up has its KV freed on every decode worker within a second. Each test prints its figures (`kvmesh bench faults`
 prints the same, measured longer, for docs/reliability.md).
 
-In order: a throttled decode worker and a client hanging up (every replica up); SIGKILL of one replica of each
-role (each started again at once); SIGTERM of each role mid-stream with the load paused (the last replica may be
-the one stopped: only the stream's drain is asked, and nothing is started again); SIGTERM of the gateway."""
+In order: NATS killed for 10 s, a throttled decode worker and a client hanging up (every replica up); SIGKILL of
+one replica of each role (each started again at once); SIGTERM of each role mid-stream with the load paused (the
+last replica may be the one stopped: only the stream's drain is asked, and nothing is started again); SIGTERM of
+the gateway."""
 
 from __future__ import annotations
 
@@ -15,6 +16,19 @@ import json
 import pytest
 
 from kvmesh.bench.fault_run import ROLES, FaultSuite
+from kvmesh.bench.faults import wait_for
+from kvmesh.up import Mesh
+from tests.integration.test_bus_outage import index_agrees
+
+
+def test_nats_down_10_s_under_load_fails_no_request_and_loses_no_kv_event(suite: FaultSuite, fault_mesh: Mesh) -> None:
+    """Started again on its port and store; after it the global KV index holds exactly what the store node holds
+    (the outage's events went out from the outboxes, mesh.outbox)."""
+    result = suite.nats_outage(10.0)
+    print(json.dumps(result.figures()))
+    assert result.num_failed == 0, result.details
+    assert result.num_requests >= 4
+    wait_for(lambda: index_agrees(fault_mesh), 30, "the KV index to agree with the store node", interval_s=1.0)
 
 
 def test_a_throttled_decode_worker_fails_no_request(suite: FaultSuite) -> None:

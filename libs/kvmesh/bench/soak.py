@@ -117,12 +117,17 @@ def run_soak(
     outcomes = load.outcomes()
     warmup = [o for o in outcomes if o.started_s < start]
     result = summarize([o for o in outcomes if o.started_s >= start], start, bucket_s, sampler, seconds)
-    warmup_errors = Counter(str(o.error) for o in warmup if not o.is_ok)
+    warmup_failed = [o for o in warmup if not o.is_ok]
     return {
         "model": model,
         "seconds": seconds,
         "concurrency": concurrency,
-        "warmup": {"seconds": warmup_s, "num_requests": len(warmup), "errors_by_kind": dict(warmup_errors)},
+        "warmup": {
+            "seconds": warmup_s,
+            "num_requests": len(warmup),
+            "errors_by_kind": dict(Counter(str(o.error) for o in warmup_failed)),
+            "error_details": sorted({f"{o.kind} {o.error}: {o.detail}" for o in warmup_failed})[:5],
+        },
         **result,
     }
 
