@@ -152,7 +152,7 @@ def smollm2_llm(smollm2_gguf_path: Path):
 SHARED_SESSION_GROUPS = {
     name: "api_mesh_session"
     for name in ("test_gateway_chat_api.py", "test_gateway_responses_messages_api.py", "test_tenancy_isolation.py")
-}
+} | {name: "fault_mesh" for name in ("test_soak.py", "test_survival.py")}  # tests/faults/: the soak runs first
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
