@@ -196,6 +196,8 @@ class ProbeStream:
 
     def close(self) -> None:
         """Hang up mid-stream, as a client that goes away does."""
+        if not self._thread.is_alive():  # nothing to hang up: say how it ended
+            raise RuntimeError(f"the stream ended before the hang-up (done: {self.is_done}, error: {self.error})")
         self._closed.set()
         self._response.fp.raw._sock.shutdown(2)  # the socket itself: the gateway sees the peer gone at once
         self._response.close()
