@@ -90,7 +90,9 @@ def run_rollout(mesh: Mesh, canary_version: str, **gates: Any) -> tuple[dict, li
 
 def test_a_canary_within_the_gates_is_promoted(mesh: Mesh) -> None:
     start_canary(mesh, 1, "2.0")
-    rollout, outcomes = run_rollout(mesh, "2.0")
+    rollout, outcomes = run_rollout(
+        mesh, "2.0", quality_prompts=["Name the three primary colors."], quality_max_tokens=4
+    )
     assert (rollout["state"], rollout["weight"]) == ("promoted", 100), rollout["decisions"]
     assert [d["action"] for d in rollout["decisions"] if d["action"] != "hold"] == ["start", "step", "promote"]
     assert {status for status, _ in outcomes} == {200}
@@ -102,7 +104,9 @@ def test_a_canary_with_injected_latency_is_rolled_back_and_no_request_fails(mesh
     start_canary(
         mesh, 2, "3.0", KVMESH_ALLOW_FAULT_INJECTION="1", KVMESH_FAULT_TOKEN_DELAY_S="1.0"
     )  # several times a decode step on a busy CPU
-    rollout, outcomes = run_rollout(mesh, "3.0", quality_prompts=[])  # the probe's load would blur stable's ITL
+    # +1.0 s on each of the canary's tokens: its p95 ITL is at least 1.5x stable's unless stable's passes 2 s, so a
+    # loaded machine (stable's ITL 0.4 s and more seen) cannot hide the fault; the probe's load would blur it
+    rollout, outcomes = run_rollout(mesh, "3.0", quality_prompts=[], max_itl_p95_ratio=1.5)
     decisions = rollout["decisions"]
     assert (rollout["state"], rollout["weight"]) == ("rolled_back", 0), json.dumps(decisions[-4:])
     assert decisions[-1]["reason"].startswith("p95 inter-token latency")
