@@ -29,6 +29,12 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
     return crc32c.crc32c(data)
 
 
+def checksum_more(data: bytes | bytearray | memoryview, value: int) -> int:
+    """The checksum of bytes whose start summed to `value`, once `data` follows them (a block summed piece by
+    piece as it arrives). Releases the GIL for large pieces."""
+    return crc32c.crc32c(data, value)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """How to read KV bytes: the engine's block format, as the wire's KVLayout carries it. A block holds every

@@ -9,7 +9,7 @@ holds and the reader receives straight into the buffers the engine loads from (m
 
 A frame is an 8-byte header (uint32 little-endian: the LaneFrame's length, the payload's length), the LaneFrame,
 then the payload (sealed: each followed by its 16-byte tag). Sockets are non-blocking and driven by the event
-loop, so one lane costs no thread.
+loop, so an idle or waiting lane costs no thread; a large payload is moved by a worker thread (mesh.lane_io).
 `LaneListener` serves each accepted connection with one task, one exchange at a time, and answers errors alike on
 every lane. With an `ssl.SSLContext` a connection opens with a mutual TLS handshake and then carries frames sealed
 with keys that handshake carried (mesh.lane_io): a peer without a certificate of the mesh's CA, or of a role the

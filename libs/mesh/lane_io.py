@@ -1,5 +1,5 @@
 """The bulk lane's socket I/O (mesh.lane): plain TCP, or sealed frames after a mutual TLS handshake, driven by the
-event loop without a thread.
+event loop (and, for large payloads, worker threads).
 
 Plain sockets move bytes with gather writes and scatter reads (`sendmsg` of the slices, `recvmsg_into` the views).
 A lane with TLS uses TLS for what it does well, who the peer is: the connection opens with a mutual TLS handshake
@@ -13,10 +13,15 @@ and payloads per direction, so a frame replayed, reordered, cut or altered fails
 place as it lands in the caller's views; its tag is checked when its last byte is in, before the read that completes
 it returns (LaneError otherwise), and a frame is checked before it is parsed.
 
-A payload is sealed and opened 2 MiB at a time in a worker thread (`SEALING`: OpenSSL's AES-GCM runs without the
-GIL): the sender seals slice n + 1 while the event loop writes slice n, the receiver opens batch n while batch n + 1
-comes in, so the cipher and the socket's copies run on both cores instead of taking turns on one. The sender
-encrypts into a scratch buffer (its bytes are the store's blocks, never changed); the receiver opens in place.
+A payload of THREAD_BYTES or more is moved by a worker thread (`WORKERS`) with blocking socket calls, where the
+event loop would wake once per socket buffer and run Python each time: the receiving worker asks the kernel for a
+whole 2 MiB batch at once (MSG_WAITALL) and hands it to a cipher thread (`CIPHER`) that opens it and passes it to
+the caller's `landed` hook (the reader's checksum, while the bytes are still in cache) as the next batch comes in;
+the sending worker writes slice n while a cipher thread seals slice n + 1. The cipher, CRC-32C and the socket calls
+run without the GIL. A worker waits at most IO_PATIENCE_S for the socket: past that the event loop waits (under
+the stall limit) and a worker resumes, so a peer that stalls holds no thread. A smaller payload takes the same
+steps on the event loop, unpipelined. The sender encrypts into scratch buffers (its bytes are the store's blocks,
+never changed); the receiver opens in place.
 
 Memory follows the bytes: `recv_bytes` grows its buffers as bytes arrive (each new piece at most the size of what
 already came), so a peer that declares a size and sends nothing holds 64 KiB, not the size it declared. A wait for
@@ -35,9 +40,10 @@ import contextvars
 import os
 import socket
 import ssl
-from collections.abc import Iterator, Sequence
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import (
@@ -53,25 +59,31 @@ from mesh.tls import PeerIdentity
 IOV_MAX = 512  # pieces per sendmsg / recvmsg_into (the kernel allows 1024)
 FIRST_PIECE_BYTES = 64 * 2**10  # recv_bytes: the first buffer; each next one at most doubles what arrived
 MAX_PIECE_BYTES = 8 * 2**20
-SEAL_SLICE_BYTES = 2 * 2**20  # a sealed payload is sealed and written (received and opened) this much at a time
+SEAL_SLICE_BYTES = 2 * 2**20  # a payload is sealed and written (received and opened) this much at a time
+THREAD_BYTES = 2**20  # a payload this large is moved by a worker thread; a smaller one by the event loop
+IO_PATIENCE_S = 0.05  # a worker's longest wait for the socket before it hands the wait back to the event loop
+MAX_WORKERS = 16  # payloads moved at once by one process; more wait their turn
 MAX_IDLE_SCRATCH = 4  # sealing buffers kept between frames, for the process
 KEY_BYTES = 16  # AES-128
 TAG_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
-T = TypeVar("T")
-SEALING = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="lane-seal")
-_idle_scratch: list[bytearray] = []  # written by event loops only
+Landed = Callable[[int, memoryview], None]  # (index of a view, bytes of it now in place and opened), in order
+WORKERS = ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="lane-io")
+CIPHER = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="lane-seal")  # never waits on I/O
+_PATIENCE = struct.pack("@ll", 0, int(IO_PATIENCE_S * 1e6))  # a struct timeval, for SO_RCVTIMEO and SO_SNDTIMEO
+_idle_scratch: list[bytearray] = []  # written by event loops and workers (list.pop and list.append are atomic)
 _stall_limit_s: contextvars.ContextVar[float | None] = contextvars.ContextVar("lane_stall_limit_s", default=None)
 
 
-def _fresh_sealing_threads() -> None:
+def _fresh_workers() -> None:
     """In a forked child: the parent's worker threads are not there, and a pool that counts them would never run."""
-    global SEALING
-    SEALING = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="lane-seal")
+    global WORKERS, CIPHER
+    WORKERS = ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="lane-io")
+    CIPHER = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="lane-seal")
 
 
-os.register_at_fork(after_in_child=_fresh_sealing_threads)
+os.register_at_fork(after_in_child=_fresh_workers)
 
 
 class LaneError(ConnectionError):
@@ -183,39 +195,209 @@ async def send_raw(sock: socket.socket, pieces: Sequence[Buffer]) -> None:
         _consume(pending, sent)
 
 
-async def recv_exactly_into(sock: socket.socket, *views: memoryview) -> None:
+async def recv_exactly_into(sock: socket.socket, *views: memoryview, landed: Landed | None = None) -> None:
     """Fill the views in order with the current frame's payload (on a sealed lane: opened in place, and its tag
-    checked before the read that completes the payload returns)."""
-    if not isinstance(sock, SealedSocket):
-        return await recv_raw_into(sock, *views)
+    checked before the read that completes the payload returns). `landed` is called (on the thread that moved them)
+    with each view's bytes as soon as they are in place and opened, in order."""
     num_bytes = sum(len(v) for v in views)
-    if sock.payload is None or num_bytes > sock.num_payload_left:
-        raise LaneError(f"a read of {num_bytes} bytes past the frame's payload")
-    payload, batches = sock.payload, list(_batches(views, SEAL_SLICE_BYTES))
-    opening: Future[None] | None = None
+    opener: AEADDecryptionContext | None = None
+    tag: bytearray | None = None
+    if isinstance(sock, SealedSocket):
+        if sock.payload is None or num_bytes > sock.num_payload_left:
+            raise LaneError(f"a read of {num_bytes} bytes past the frame's payload")
+        opener = sock.payload
+        sock.num_payload_left -= num_bytes
+        if not sock.num_payload_left:
+            sock.payload, tag = None, bytearray(TAG_BYTES)
+    in_worker = num_bytes >= THREAD_BYTES
+    batches = list(_batches(views, SEAL_SLICE_BYTES))
+    incoming = _Incoming(batches, opener, getattr(sock, "encrypt", True), tag, landed, in_worker)
     try:
-        for n, batch in enumerate(batches):  # batch n is opened in a worker thread while batch n + 1 comes in
-            await recv_raw_into(sock, *batch)
-            if opening is not None:
-                await _result(opening)
-            if n + 1 < len(batches):
-                opening = SEALING.submit(_open, payload, sock.encrypt, batch)
-            else:
-                _open(payload, sock.encrypt, batch)
+        await _drive(sock, incoming.step, False, in_worker)
     finally:
-        await _settle(opening)
-    sock.num_payload_left -= num_bytes
-    if not sock.num_payload_left:
-        opener, sock.payload = sock.payload, None
-        await _check_tag(sock, opener)
+        await _settle(incoming.finishing)  # no cipher thread is left writing into the caller's views
 
 
-def _open(opener: AEADDecryptionContext, encrypt: bool, views: list[memoryview]) -> None:
-    for view in views:
-        if encrypt:
-            opener.update_into(view, view)
-        else:
-            opener.authenticate_additional_data(view)
+def _fill(sock: socket.socket, pending: list[memoryview]) -> bool:
+    """Receive into the pending views, dropping what is filled; False when the socket has nothing (for now)."""
+    while pending:
+        try:
+            received = sock.recvmsg_into(pending[:IOV_MAX], 0, socket.MSG_WAITALL)[0]
+        except (BlockingIOError, InterruptedError):
+            return False
+        if not received:
+            raise LaneError("the connection closed mid-frame")
+        _consume(pending, received)
+    return True
+
+
+def _drain(sock: socket.socket, pending: list[memoryview]) -> bool:
+    """Send the pending views, dropping what is sent; False when the socket takes nothing (for now)."""
+    while pending:
+        try:
+            sent = sock.sendmsg(pending[:IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            return False
+        _consume(pending, sent)
+    return True
+
+
+class _Incoming:
+    """A payload being received, batch by batch: each batch opened (a sealed lane) and handed to `landed` once its
+    bytes are in, the tag (when this read completes the payload) received with the last batch and checked after
+    it. `step` runs on one thread at a time (a worker or the event loop) and resumes where it stopped; with
+    `pipelined`, batch n is opened by a cipher thread while batch n + 1 comes in."""
+
+    def __init__(
+        self,
+        batches: list[list[tuple[int, memoryview]]],
+        opener: AEADDecryptionContext | None,
+        encrypt: bool,
+        tag: bytearray | None,
+        landed: Landed | None,
+        pipelined: bool,
+    ) -> None:
+        self.batches = batches
+        self.opener = opener
+        self.encrypt = encrypt
+        self.tag = tag
+        self.landed = landed
+        self.pipelined = pipelined and len(batches) > 1 and (opener is not None or landed is not None)
+        self.num_in = 0  # batches whose bytes are in
+        self.finishing: Future[None] | None = None  # the last batch handed to a cipher thread
+        self.pending = self._views(0)
+
+    def _views(self, n: int) -> list[memoryview]:
+        views = [part for _, part in self.batches[n]] if n < len(self.batches) else []
+        return [*views, memoryview(self.tag)] if self.tag is not None and n >= len(self.batches) - 1 else views
+
+    def step(self, sock: socket.socket) -> bool:
+        """Receive what the socket holds; True once the whole read is in place, opened and checked."""
+        while True:
+            if not _fill(sock, self.pending):
+                return False
+            if self.num_in < len(self.batches):
+                self._hand_over(self.batches[self.num_in])
+                self.num_in += 1
+            if self.num_in >= len(self.batches):
+                break
+            self.pending = self._views(self.num_in)
+        if self.finishing is not None:
+            self.finishing.result()
+        if self.opener is not None and self.tag is not None:
+            _finalize(self.opener, self.tag)
+        return True
+
+    def _hand_over(self, batch: list[tuple[int, memoryview]]) -> None:
+        if not self.pipelined:
+            return self._finish(batch)
+        if self.finishing is not None:
+            self.finishing.result()  # the batch before first: a payload is opened in order
+        self.finishing = CIPHER.submit(self._finish, batch)
+
+    def _finish(self, batch: list[tuple[int, memoryview]]) -> None:
+        for n, part in batch:
+            if self.opener is not None and self.encrypt:
+                self.opener.update_into(part, part)
+            elif self.opener is not None:
+                self.opener.authenticate_additional_data(part)
+            if self.landed is not None:
+                self.landed(n, part)
+
+
+class _Outgoing:
+    """A frame being sent: `first` (its header and frame), then the payload slice by slice, each sealed (or, not
+    `encrypt`, only authenticated) before it is written, the tag after the last. `step` runs on one thread at a
+    time (a worker or the event loop) and resumes where it stopped; with `pipelined`, slice n + 1 is sealed by a
+    cipher thread while slice n is written."""
+
+    def __init__(
+        self,
+        first: list[memoryview],
+        slices: list[list[tuple[int, memoryview]]],
+        sealer: AEADEncryptionContext | None,
+        encrypt: bool,
+        pipelined: bool,
+    ) -> None:
+        self.slices = slices
+        self.sealer = sealer
+        self.pipelined = pipelined and sealer is not None and len(slices) > 1
+        num_scratch = 0 if sealer is None or not encrypt or not slices else 2 if self.pipelined else 1
+        self.scratch = [_take_scratch() for _ in range(num_scratch)]
+        self.num_done = 0  # slices prepared for the socket
+        self.preparing: Future[list[memoryview]] | None = None  # the next slice, sealed by a cipher thread
+        self.pending = [view for view in first if len(view)]
+
+    def step(self, sock: socket.socket) -> bool:
+        """Write what the socket takes; True once every byte (and the tag) is written."""
+        while _drain(sock, self.pending):
+            if self.num_done == len(self.slices):
+                return True
+            n = self.num_done
+            self.pending = self.preparing.result() if self.preparing is not None else self._prepare(n)
+            self.num_done += 1
+            if self.pipelined and n + 1 < len(self.slices):
+                self.preparing = CIPHER.submit(self._prepare, n + 1)
+            else:
+                self.preparing = None
+        return False
+
+    def _prepare(self, n: int) -> list[memoryview]:
+        parts = [part for _, part in self.slices[n]]
+        if self.sealer is None:
+            return parts
+        prepared = _seal(self.sealer, parts, self.scratch[n % len(self.scratch)] if self.scratch else None)
+        if n + 1 < len(self.slices):
+            return prepared
+        self.sealer.finalize()
+        return [*prepared, memoryview(self.sealer.tag)]
+
+    async def release(self) -> None:
+        """Once no cipher thread holds its scratch buffers: give them back."""
+        await _settle(self.preparing)
+        for view in self.scratch:
+            _give_scratch(view)
+        self.scratch = []
+
+
+async def _drive(sock: socket.socket, step: Callable[[socket.socket], bool], writable: bool, in_worker: bool) -> None:
+    """Run `step` until it returns True: in a worker (`in_worker`, the socket blocking for the step, each call
+    waiting at most IO_PATIENCE_S) or on the event loop (the socket non-blocking); whenever it stops short, the
+    event loop waits for the socket, under the task's stall limit."""
+    while not (await _in_worker(sock, step) if in_worker else step(sock)):
+        await wait_ready(sock, writable)
+
+
+async def _in_worker(sock: socket.socket, step: Callable[[socket.socket], bool]) -> bool:
+    job = WORKERS.submit(_blocking_step, sock, step)
+    try:
+        return await asyncio.wrap_future(job)
+    except asyncio.CancelledError:
+        with contextlib.suppress(OSError):  # a cancelled exchange's connection is never reused: end the worker's wait
+            sock.shutdown(socket.SHUT_RDWR)
+        await _settle(job)
+        raise
+
+
+def _blocking_step(sock: socket.socket, step: Callable[[socket.socket], bool]) -> bool:
+    """`step` with the socket blocking, each call bounded by IO_PATIENCE_S without progress (in a worker)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _PATIENCE)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _PATIENCE)
+    sock.setblocking(True)
+    try:
+        return step(sock)
+    finally:
+        sock.setblocking(False)
+
+
+async def _settle(job: Future[Any] | None) -> None:
+    """Until a worker has left the socket and the buffers its job was given (a job not started yet never starts)."""
+    if job is None or job.cancel() or job.done():
+        return
+    waiter = asyncio.wrap_future(job)
+    await asyncio.wait([waiter])
+    if not waiter.cancelled():
+        waiter.exception()  # retrieved: the exchange's own error is the one that propagates
 
 
 def _seal(sealer: AEADEncryptionContext, parts: list[memoryview], out: memoryview | None) -> list[memoryview]:
@@ -231,38 +413,36 @@ def _seal(sealer: AEADEncryptionContext, parts: list[memoryview], out: memoryvie
     return [out[:filled]]
 
 
-async def _result(job: Future[T]) -> T:
-    """A job's result; the event loop waits (and a thread wakes it) only when the job is not done yet."""
-    return job.result() if job.done() else await asyncio.wrap_future(job)
-
-
-async def _settle(job: Future[Any] | None) -> None:
-    """Until a worker thread has left the buffers its job was given (a job not started yet never starts)."""
-    if job is not None and not job.cancel() and not job.done():
-        await asyncio.wait([asyncio.wrap_future(job)])
+def _finalize(opener: AEADDecryptionContext, tag: bytearray) -> None:
+    try:
+        opener.finalize_with_tag(bytes(tag))
+    except InvalidTag:
+        raise LaneError("a sealed frame failed its tag: altered, replayed or cut") from None
 
 
 def _take_scratch() -> memoryview:
-    return memoryview(_idle_scratch.pop() if _idle_scratch else bytearray(SEAL_SLICE_BYTES))
+    try:
+        return memoryview(_idle_scratch.pop())
+    except IndexError:
+        return memoryview(bytearray(SEAL_SLICE_BYTES))
 
 
-def _give_scratch(views: list[memoryview]) -> None:
-    for view in views:
-        if len(_idle_scratch) < MAX_IDLE_SCRATCH:
-            _idle_scratch.append(view.obj)  # type: ignore[arg-type]
+def _give_scratch(view: memoryview) -> None:
+    if len(_idle_scratch) < MAX_IDLE_SCRATCH:
+        _idle_scratch.append(view.obj)  # type: ignore[arg-type]
 
 
-def _batches(views: Sequence[memoryview], max_bytes: int) -> Iterator[list[memoryview]]:
-    """The views in order, cut and grouped into batches of at most `max_bytes`."""
-    batch: list[memoryview] = []
+def _batches(views: Sequence[memoryview], max_bytes: int) -> Iterator[list[tuple[int, memoryview]]]:
+    """The views in order, cut and grouped into batches of at most `max_bytes`: (index of the view, part of it)."""
+    batch: list[tuple[int, memoryview]] = []
     num_bytes = 0
-    for view in views:
+    for n, view in enumerate(views):
         for start in range(0, len(view), max_bytes):
             part = view[start : start + max_bytes]
             if num_bytes + len(part) > max_bytes:
                 yield batch
                 batch, num_bytes = [], 0
-            batch.append(part)
+            batch.append((n, part))
             num_bytes += len(part)
     if batch:
         yield batch
@@ -271,10 +451,7 @@ def _batches(views: Sequence[memoryview], max_bytes: int) -> Iterator[list[memor
 async def _check_tag(sock: SealedSocket, opener: AEADDecryptionContext) -> None:
     tag = bytearray(TAG_BYTES)
     await recv_raw_into(sock, memoryview(tag))
-    try:
-        opener.finalize_with_tag(bytes(tag))
-    except InvalidTag:
-        raise LaneError("a sealed frame failed its tag: altered, replayed or cut") from None
+    _finalize(opener, tag)
 
 
 async def _recv_pieces(sock: socket.socket, num_bytes: int, read: Any = recv_raw_into) -> bytes:
@@ -314,37 +491,23 @@ async def recv_frame_bytes(sock: socket.socket, header: bytes, frame_bytes: int,
 
 async def send_frame_bytes(sock: socket.socket, header: bytes, encoded: bytes, payload: Sequence[Buffer]) -> None:
     """The header, the encoded frame and the payload's pieces (on a sealed lane: each sealed on its way out)."""
-    if not isinstance(sock, SealedSocket):
-        return await send_raw(sock, [header, encoded, *payload])
-    sealer = sock.sealer(header)
-    sealed = bytearray(encoded)
-    sealer.update_into(encoded, sealed)
-    sealer.finalize()
-    await send_raw(sock, [header, sealed, sealer.tag])
-    if not any(len(p) for p in payload):
-        return
-    await _send_sealed(sock, sock.sealer(header), sock.encrypt, payload)
-
-
-async def _send_sealed(
-    sock: socket.socket, sealer: AEADEncryptionContext, encrypt: bool, payload: Sequence[Buffer]
-) -> None:
-    """The payload slice by slice, encrypted (or, not `encrypt`, sent from where it lies), its tag after the last:
-    slice n + 1 is sealed in a worker thread while the event loop writes slice n."""
-    slices = list(_batches([memoryview(p).cast("B") for p in payload], SEAL_SLICE_BYTES))
-    scratch = [_take_scratch() for _ in slices[:2]] if encrypt else []  # per frame: an idle connection holds none
-    sealing: Future[list[memoryview]] | None = None
+    views = [memoryview(p).cast("B") for p in payload if len(p)]
+    num_bytes = sum(len(v) for v in views)
+    in_worker = num_bytes >= THREAD_BYTES
+    if not isinstance(sock, SealedSocket):  # one gather write of it all
+        outgoing = _Outgoing([memoryview(header), memoryview(encoded), *views], [], None, False, False)
+    else:
+        framer = sock.sealer(header)
+        sealed = bytearray(encoded)
+        framer.update_into(encoded, sealed)
+        framer.finalize()
+        first = [memoryview(header), memoryview(sealed), memoryview(framer.tag)]
+        sealer = sock.sealer(header) if views else None
+        outgoing = _Outgoing(first, list(_batches(views, SEAL_SLICE_BYTES)), sealer, sock.encrypt, in_worker)
     try:
-        sealed = _seal(sealer, slices[0], scratch[0] if encrypt else None)
-        for n in range(1, len(slices)):
-            sealing = SEALING.submit(_seal, sealer, slices[n], scratch[n % 2] if encrypt else None)
-            await send_raw(sock, sealed)
-            sealed = await _result(sealing)
-        sealer.finalize()
-        await send_raw(sock, [*sealed, sealer.tag])
+        await _drive(sock, outgoing.step, True, in_worker)
     finally:
-        await _settle(sealing)
-        _give_scratch(scratch)
+        await outgoing.release()
 
 
 async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc.aio
 
 from mesh import lane, metrics, rpc
-from mesh.kv_blocks import KVLayout, checksum, layout_to_proto
+from mesh.kv_blocks import KVLayout, checksum, checksum_more, layout_to_proto
 from mesh.logging import get_logger
 from mesh.pb import kvcache_pb2
 from services.prefill.store_reads import Fetched, FragmentReader, Source, assemble, store_failed
@@ -52,6 +52,9 @@ class _Buffers:
     block_bytes: int = field(init=False)
     _fragment_bytes: list[int] = field(init=False)
     block_checksums: dict[int, int] = field(default_factory=dict)
+    # block index -> (CRC-32C of its first bytes, how many): whole blocks (k = 1) summed as their bytes land, by
+    # the thread that received them (mesh.lane_io), so `is_checked` reads the sum instead of the block again
+    running: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.layer_bytes = self.layout.chunk_bytes(1)
@@ -97,9 +100,35 @@ class _Buffers:
         size = self.layer_bytes
         return [memoryview(data)[layer * size : (layer + 1) * size] for data in self.data]
 
+    def sum_landed(self, index: int, offset: int, data: memoryview) -> None:
+        """Add bytes of block `index` that just landed at `offset` to its running checksum: only a whole block (one
+        data fragment) whose bytes land in order is summed; any other is read again by `is_checked`."""
+        value, num_bytes = self.running.get(index, (0, 0))
+        if self.num_data[index] == 1 and num_bytes == offset:
+            self.running[index] = (checksum_more(data, value), num_bytes + len(data))
+
     def is_checked(self, index: int) -> bool:
         expected = self.block_checksums.get(index)
-        return expected is not None and checksum(memoryview(self.data[index])[: self.block_bytes]) == expected
+        if expected is None:
+            return False
+        value, num_bytes = self.running.get(index, (0, -1))
+        if num_bytes != self.block_bytes:
+            value = checksum(memoryview(self.data[index])[: self.block_bytes])
+        return value == expected
+
+
+class _Landed:
+    """A chunk's slices summed into their blocks' running checksums as they land (called by the thread that received
+    them, in order: mesh.lane_io's `landed`)."""
+
+    def __init__(self, buffers: _Buffers, indices: list[int], offset: int) -> None:
+        self.buffers = buffers
+        self.indices = indices  # the block of each slice
+        self.offsets = [offset] * len(indices)  # where each slice's next bytes lie in its block
+
+    def __call__(self, n: int, data: memoryview) -> None:
+        self.buffers.sum_landed(self.indices[n], self.offsets[n], data)
+        self.offsets[n] += len(data)
 
 
 class LayerStream:
@@ -256,7 +285,9 @@ class LayerStream:
                     if remaining:
                         raise lane.LaneError("a chunk holds more than its blocks' slices")
                     await lane.recv_exactly_into(
-                        sock, *(buffers.region(i, f, block.offset, end - block.offset) for i, f, end in regions)
+                        sock,
+                        *(buffers.region(i, f, block.offset, end - block.offset) for i, f, end in regions),
+                        landed=_Landed(buffers, [i for i, _, _ in regions], block.offset),
                     )
                     for index, fragment, end in regions:
                         buffers.mark(index, fragment, end)

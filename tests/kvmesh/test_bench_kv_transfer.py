@@ -34,7 +34,16 @@ def test_the_transfer_bench_moves_every_byte_on_every_path_and_reports_the_ratio
     ).stdout
     report = json.loads(output.strip().splitlines()[-1])
     assert report["megabytes"] == 8.0 and report["block_bytes"] == 256 * 1024 and report["repeats"] == 1
-    for name in ("store_gbps", "raw_tcp_gbps", "store_grpc_stream_gbps", "store_fetch_gbps", "store_put_gbps"):
+    for name in (
+        "store_gbps",
+        "raw_tcp_gbps",
+        "raw_tcp_same_memory_gbps",
+        "store_grpc_stream_gbps",
+        "store_fetch_gbps",
+        "store_put_gbps",
+    ):
         assert report[name] > 0, name
-    # the ratio of the unrounded figures: within the rounding of the two printed ones
+    # the ratios of the unrounded figures: within the rounding of the two printed ones
     assert report["ratio"] == pytest.approx(report["store_gbps"] / report["raw_tcp_gbps"], abs=2e-3)
+    same_memory = report["store_gbps"] / report["raw_tcp_same_memory_gbps"]
+    assert report["ratio_same_memory"] == pytest.approx(same_memory, abs=2e-3)

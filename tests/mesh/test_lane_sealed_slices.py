@@ -1,5 +1,5 @@
-"""Sealed payloads of many slices, as the store's reads and prefill's pushes send them: sealed and opened in the
-lane's worker threads, slice n + 1 while slice n is on the wire, over a real socket pair. Every byte arrives as
+"""Sealed payloads of many slices, as the store's reads and prefill's pushes send them: moved, sealed and opened by
+the lane's worker threads slice by slice, over a real socket pair. Every byte arrives as
 sent whatever the split into pieces and views, in both modes; a byte changed in any slice or in the tag, or a
 stream cut inside the payload, is the lane's error before the read returns; a peer that stalls mid-payload is
 dropped at the stall limit; and the connection's nonces stay in step for the next frame."""
@@ -15,6 +15,7 @@ import time
 import pytest
 
 from mesh import lane
+from mesh.kv_blocks import checksum, checksum_more
 from mesh.lane_io import SEAL_SLICE_BYTES, SealedSocket, send_raw, stall_limit
 from mesh.pb import kvcache_pb2
 
@@ -105,7 +106,7 @@ async def test_a_payload_of_many_slices_arrives_byte_for_byte_and_the_next_frame
     await sending
     await lane.send_frame(sender, frame(8), [b"after"])
     assert await receive_small(receiver) == (8, b"after")
-    assert any(thread.name.startswith("lane-seal") for thread in threading.enumerate())
+    assert any(thread.name.startswith("lane-io") for thread in threading.enumerate())
     sender.close()
     receiver.close()
 
@@ -142,3 +143,41 @@ async def test_a_peer_that_stalls_mid_payload_is_dropped_at_the_stall_limit() ->
     await half_sent
     sealed.close()
     far.close()
+
+
+@pytest.mark.parametrize("encrypt", [True, False, None])  # None: the plain lane
+async def test_landed_sees_each_views_bytes_once_in_order_as_they_arrive(encrypt: bool | None) -> None:
+    """The reader's hook (a block's running CRC-32C): across worker-received, cipher-opened batches, every view's
+    bytes come to it exactly once, opened, in order, and the sum it builds is the view's checksum."""
+    pieces = [os.urandom(size) for size in PIECE_SIZES]
+    sender: socket.socket
+    receiver: socket.socket
+    if encrypt is None:
+        sender, receiver = socket.socketpair()
+        sender.setblocking(False)
+        receiver.setblocking(False)
+    else:
+        sender, receiver = ends(encrypt)
+    sending = asyncio.create_task(lane.send_frame(sender, frame(3), pieces))
+    got, payload_bytes = await lane.recv_frame(receiver, kvcache_pb2.LaneFrame)
+    data = bytearray(payload_bytes)
+    views, start = [], 0
+    for size in VIEW_SIZES:
+        views.append(memoryview(data)[start : start + size])
+        start += size
+    seen: list[tuple[int, bytes]] = []
+    sums = [0] * len(views)
+
+    def landed(n: int, part: memoryview) -> None:
+        seen.append((n, bytes(part)))
+        sums[n] = checksum_more(part, sums[n])
+
+    await lane.recv_exactly_into(receiver, *views, landed=landed)
+    await sending
+    assert got.block.offset == 3 and bytes(data) == b"".join(pieces)
+    assert [n for n, _ in seen] == sorted(n for n, _ in seen)  # in order
+    for n, view in enumerate(views):
+        assert b"".join(part for m, part in seen if m == n) == bytes(view)
+        assert sums[n] == checksum(view)
+    sender.close()
+    receiver.close()

@@ -1,16 +1,20 @@
 """`kvmesh bench kv-transfer`: GB/s through the KV store over loopback against a raw TCP socket pushing the same bytes.
 
-The store side is the real thing: a kvcache node in its own process (embedded NATS with JetStream), and this
-process as a prefill worker (`StoreClient`: Put of whole blocks with their checksums; `fetch` through the global
-index, every block checked against its checksum on arrival). The raw side is one TCP connection on loopback to a
-process that reads into a buffer and acknowledges: the ceiling of a Python process pushing bytes on this machine.
-Measurements are interleaved (store, then TCP, per repeat) so a burst of load elsewhere hits both; the best of
-each is reported. `store_gbps` is the read path prefill uses (the layer-major stream through the global index that
-feeds an engine while it computes, over the node's bulk lane, mesh.lane; every block checked; the engine's own
-writes left out); `ratio` = store / raw. `store_grpc_stream_gbps` is the same stream over gRPC (KVCache.Get, what
-a node without a lane answers). `store_fetch_gbps` is the other read path (whole blocks, over the lane; used
-without the index or when parity must be decoded), `store_put_gbps` the write path (over the lane; every block checked
-by the node, written to host memory, events acked by JetStream).
+The store side is the real thing: a kvcache node in its own process (embedded NATS with JetStream), and this process
+as a prefill worker (`StoreClient`: Put of whole blocks with their checksums; `fetch` through the global index, every
+block checked against its checksum on arrival). The raw side is one TCP connection on loopback to a process that
+reads into a buffer and acknowledges: the ceiling of a Python process pushing bytes on this machine. Measurements are
+interleaved (store, then TCP, per repeat) so a burst of load elsewhere hits both; the best of each is reported.
+`raw_tcp_same_memory_gbps` is raw TCP moving the bytes between the same memory as the lane: one 2 MiB block sent over
+and over into one 8 MiB buffer stays in the CPU's caches, where the lane reads 256 MiB of distinct blocks and writes
+each byte at its own place in the reader's buffers, so this raw side sends distinct copies of the blocks and reads
+into a buffer the size of the transfer (reused across repeats, as the reader's buffer pool is); `ratio_same_memory`
+is the store over it. `store_gbps` is the read path prefill uses (the layer-major stream through the global index
+that feeds an engine while it computes, over the node's bulk lane, mesh.lane; every block checked; the engine's own
+writes left out); `ratio` = store / raw. `store_grpc_stream_gbps` is the same stream over gRPC (KVCache.Get, what a
+node without a lane answers). `store_fetch_gbps` is the other read path (whole blocks, over the lane; used without
+the index or when parity must be decoded), `store_put_gbps` the write path (over the lane; every block checked by the
+node, written to host memory, events acked by JetStream).
 
 Protection (`--protection`, the `protection` field): `tls` (the default, as deployed) runs the node and the client
 with a throwaway CA, so the lane is authenticated by mutual TLS and its frames sealed (AES-GCM), and `ratio` is the
@@ -59,9 +63,9 @@ def bench_layout(block_kib: int) -> KVLayout:
     return KVLayout(MODEL, "float16", 16, num_layers, (2, 1, 16, 8, 128), 1)
 
 
-def _tcp_sink(port: int, ready: Any, tls_dir: str | None = None) -> None:
-    """Read what comes, acknowledge each push; over TLS (as a kvcache node, a client certificate required) when
-    `tls_dir` holds a node's certificate."""
+def _tcp_sink(port: int, ready: Any, tls_dir: str | None = None, buffer_bytes: int = 8 << 20) -> None:
+    """Read what comes into a buffer of `buffer_bytes` (each push from its start), acknowledge each push; over TLS
+    (as a kvcache node, a client certificate required) when `tls_dir` holds a node's certificate."""
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind(("127.0.0.1", port))
@@ -72,7 +76,7 @@ def _tcp_sink(port: int, ready: Any, tls_dir: str | None = None) -> None:
         credentials = load_credentials("kvcache", TLSSettings(tls_dir=tls_dir))
         assert credentials is not None
         connection = server_ssl_context(credentials).wrap_socket(connection, server_side=True)
-    buffer = memoryview(bytearray(8 << 20))
+    buffer = memoryview(bytearray(buffer_bytes))
     while True:
         header = bytearray()
         while len(header) < 8:  # TLS sockets take no MSG_WAITALL
@@ -81,11 +85,13 @@ def _tcp_sink(port: int, ready: Any, tls_dir: str | None = None) -> None:
                 return
             header += part
         remaining = int.from_bytes(header, "little")
+        at = 0
         while remaining:
-            received = connection.recv_into(buffer[: min(len(buffer), remaining)])
+            received = connection.recv_into(buffer[at : at + min(len(buffer) - at, remaining)])
             if not received:
                 return
             remaining -= received
+            at = (at + received) % len(buffer)
         connection.sendall(b"k")
 
 
@@ -103,11 +109,11 @@ def _mac_gbps(data: bytes, repeats: int) -> tuple[float, float]:
     return len(data) / min(hmac_s) / 1e9, len(data) / min(blake_s) / 1e9
 
 
-def _tcp_push(connection: socket.socket, blocks: list[StoreBlock]) -> float:
+def _tcp_push(connection: socket.socket, datas: list[bytes] | list[bytearray]) -> float:
     started = time.perf_counter()
-    connection.sendall(sum(len(b.data) for b in blocks).to_bytes(8, "little"))
-    for block in blocks:
-        connection.sendall(block.data)
+    connection.sendall(sum(len(data) for data in datas).to_bytes(8, "little"))
+    for data in datas:
+        connection.sendall(data)
     connection.recv(1)
     return time.perf_counter() - started
 
@@ -177,10 +183,16 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
         }
         node = subprocess.Popen([sys.executable, "-m", "services.kvcache"], env=env)
         sinks, ports = [], []
-        for tls_dir in (None, str(certs.issue("kvcache", "kv-bench-sink"))):
+        for tls_dir, buffer_bytes in (
+            (None, 8 << 20),
+            (str(certs.issue("kvcache", "kv-bench-sink")), 8 << 20),
+            (None, total),
+        ):
             ready = multiprocessing.Event()
             ports.append(free_port())
-            sinks.append(multiprocessing.Process(target=_tcp_sink, args=(ports[-1], ready, tls_dir), daemon=True))
+            sinks.append(
+                multiprocessing.Process(target=_tcp_sink, args=(ports[-1], ready, tls_dir, buffer_bytes), daemon=True)
+            )
             sinks[-1].start()
             ready.wait(10)
         bus = await Bus.connect(nats.url, "bench-kv-transfer")
@@ -197,20 +209,26 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
                 await asyncio.sleep(0.05)
             raw = socket.create_connection(("127.0.0.1", ports[0]))
             raw_tls = _raw_tls_client(certs).wrap_socket(socket.create_connection(("127.0.0.1", ports[1])))
-            _tcp_push(raw, blocks[:2])  # warm up every path
-            _tcp_push(raw_tls, blocks[:2])
+            raw_same = socket.create_connection(("127.0.0.1", ports[2]))
+            same_memory = [bytearray(b.data) for b in blocks]  # distinct copies, as the node holds its blocks
+            datas = [b.data for b in blocks]
+            _tcp_push(raw, datas[:2])  # warm up every path
+            _tcp_push(raw_tls, datas[:2])
+            _tcp_push(raw_same, same_memory)
             await _store_round(client, blocks[:2], 0)
-            put_s, fetch_s, stream_s, grpc_stream_s, tcp_s, tls_s = [], [], [], [], [], []
+            put_s, fetch_s, stream_s, grpc_stream_s, tcp_s, tls_s, same_s = [], [], [], [], [], [], []
             for round_id in range(1, repeats + 1):
                 put, fetch, streamed, grpc_streamed = await _store_round(client, blocks, round_id)
                 put_s.append(put)
                 fetch_s.append(fetch)
                 stream_s.append(streamed)
                 grpc_stream_s.append(grpc_streamed)
-                tcp_s.append(_tcp_push(raw, blocks))
-                tls_s.append(_tcp_push(raw_tls, blocks))
+                tcp_s.append(_tcp_push(raw, datas))
+                tls_s.append(_tcp_push(raw_tls, datas))
+                same_s.append(_tcp_push(raw_same, same_memory))
             raw.close()
             raw_tls.close()
+            raw_same.close()
         finally:
             await client.stop()
             await registry.stop()
@@ -224,11 +242,14 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
     hmac_gbps, blake2b_gbps = _mac_gbps(payload * max(1, 64 * 2**20 // len(payload)), repeats)
     store_gbps = total / min(stream_s) / 1e9
     raw_gbps = total / min(tcp_s) / 1e9
+    same_gbps = total / min(same_s) / 1e9
     return {
         "protection": protection,
         "store_gbps": round(store_gbps, 3),
         "raw_tcp_gbps": round(raw_gbps, 3),
         "ratio": round(store_gbps / raw_gbps, 3),
+        "raw_tcp_same_memory_gbps": round(same_gbps, 3),
+        "ratio_same_memory": round(store_gbps / same_gbps, 3),
         "raw_tls_gbps": round(total / min(tls_s) / 1e9, 3),
         "hmac_sha256_gbps": round(hmac_gbps, 3),
         "blake2b_keyed_gbps": round(blake2b_gbps, 3),
