@@ -175,7 +175,9 @@ class ServiceSettings:
     health_check_interval_s: float = setting(
         0.5, "seconds between gRPC health checks of each known worker by gateways and balancers (0: none)"
     )
-    health_check_timeout_s: float = setting(0.25, "the deadline of one gRPC health check (seconds)")
+    health_check_timeout_s: float = setting(
+        0.5, "the deadline of one gRPC health check (seconds); lateness never ejects a role's last pooled worker"
+    )
     eject_after_failures: int = setting(
         3, "consecutive failed calls or health checks that eject a worker from its pools (until it answers again)"
     )

@@ -270,10 +270,26 @@ class WorkerRegistry:
                 worker_id=beat.worker.worker_id,
             )
 
-    def record_failure(self, worker_id: str) -> None:
-        """A call to the worker, or a health check, failed: counted towards its ejection (mesh.outliers)."""
-        if worker_id in self._workers and self.outliers.failure(worker_id):
-            log.warning("worker ejected", worker_id=worker_id, num_failures=self.outliers.eject_after)
+    def record_failure(self, worker_id: str, late: bool = False) -> None:
+        """A call to the worker, or a health check, failed: counted towards its ejection (mesh.outliers). A `late`
+        one (no answer within the deadline) never ejects the last worker of its role left in the pools: when the
+        machine is loaded every answer is late, and an empty pool fails every request while a slow one serves."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        would_eject = self.outliers.num_failures(worker_id) + 1 >= self.outliers.eject_after
+        if late and would_eject and not self.outliers.is_ejected(worker_id) and not self._others_in_pool(worker):
+            return
+        if self.outliers.failure(worker_id):
+            log.warning("worker ejected", worker_id=worker_id, num_failures=self.outliers.eject_after, late=late)
+
+    def _others_in_pool(self, worker: KnownWorker) -> bool:
+        return any(
+            w.info.role == worker.info.role
+            and w.worker_id != worker.worker_id
+            and not self.outliers.is_ejected(w.worker_id)
+            for w in self._workers.values()
+        )
 
     def record_success(self, worker_id: str) -> None:
         """The worker answered (a health check, a heartbeat): an ejected one is back in its pools."""

@@ -12,7 +12,10 @@ a success re-admits it. Gateways and balancers run one, bus or no bus; a dead wo
 out after `eject_after_failures` rounds, about 1-1.5 s with the defaults.
 
 A round that took far longer than its deadline means this process's own loop stalled (the answers may have sat
-unread): its failures are nobody's and are not counted, as the registry does with heartbeats.
+unread): its failures are nobody's and are not counted, as the registry does with heartbeats. A late answer is
+weaker evidence than a refusal (on a loaded machine every answer is late), so lateness alone never ejects the
+last worker of a role left in the pools (the registry's rule, after Envoy's `max_ejection_percent`); a refused
+check or call always counts.
 """
 
 from __future__ import annotations
@@ -52,15 +55,26 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 ANSWERED_WITHOUT_HEALTH = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED})
 
 
-async def is_serving(channel: grpc.aio.Channel, worker_id: str, timeout_s: float) -> bool:
-    """Whether `worker_id` answers SERVING on `channel` within `timeout_s` (or answers at all, without health)."""
+UP, DOWN, LATE = "up", "down", "late"  # a check's outcome: LATE is no answer within the deadline
+
+
+async def check(channel: grpc.aio.Channel, worker_id: str, timeout_s: float) -> str:
+    """UP when `worker_id` answers SERVING on `channel` within `timeout_s` (or answers at all, without health);
+    LATE when no answer came in time (a black-holed host, or a busy one: a loaded machine makes every answer late);
+    DOWN otherwise (refused, not serving, another worker at the address)."""
     try:
         response = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=worker_id), timeout=timeout_s
         )
     except grpc.aio.AioRpcError as error:
-        return error.code() in ANSWERED_WITHOUT_HEALTH
-    return bool(response.status == SERVING)
+        if error.code() in ANSWERED_WITHOUT_HEALTH:
+            return UP
+        return LATE if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else DOWN
+    return UP if response.status == SERVING else DOWN
+
+
+async def is_serving(channel: grpc.aio.Channel, worker_id: str, timeout_s: float) -> bool:
+    return await check(channel, worker_id, timeout_s) == UP
 
 
 class Probed(Protocol):
@@ -72,7 +86,7 @@ class Probed(Protocol):
 
     def record_success(self, worker_id: str) -> None: ...
 
-    def record_failure(self, worker_id: str) -> None: ...
+    def record_failure(self, worker_id: str, late: bool = False) -> None: ...
 
 
 class HealthProber:
@@ -103,19 +117,16 @@ class HealthProber:
         addresses = self.registry.addresses()
         started = time.monotonic()
         answers = await asyncio.gather(
-            *(
-                is_serving(self.channels.get(address), worker_id, self.timeout_s)
-                for worker_id, address in addresses.items()
-            )
+            *(check(self.channels.get(address), worker_id, self.timeout_s) for worker_id, address in addresses.items())
         )
         stalled = time.monotonic() - started > 2 * self.timeout_s + 0.1
         self.num_rounds += 1
         self.num_stalled_rounds += stalled
-        for worker_id, ok in zip(addresses, answers, strict=True):
-            if ok:
+        for worker_id, answer in zip(addresses, answers, strict=True):
+            if answer == UP:
                 self.registry.record_success(worker_id)
             elif not stalled:
-                self.registry.record_failure(worker_id)
+                self.registry.record_failure(worker_id, late=answer == LATE)
 
     async def _run(self) -> None:
         while True:

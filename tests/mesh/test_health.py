@@ -119,3 +119,50 @@ async def test_while_nats_is_down_a_silent_worker_stays_marked_stale(checked) ->
         assert left == []
     finally:
         await plain.stop()
+
+
+class LateHealth(HealthServicer):
+    """A worker too busy to answer within the checker's deadline (as on a loaded machine)."""
+
+    async def Check(self, request, context):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.5)
+        return await super().Check(request, context)
+
+
+async def test_lateness_alone_never_ejects_the_last_worker_of_a_role(tmp_path: Path) -> None:
+    """Two decode workers that answer late: one is ejected, the other stays in the pool (an empty pool fails every
+    request); a refused check still ejects the last one."""
+    servers, infos = [], []
+    for name in ("decode-a", "decode-b"):
+        port = free_port()
+        server = rpc.create_server(None)
+        health_pb2_grpc.add_HealthServicer_to_server(LateHealth(name, lambda: True), server)
+        rpc.bind(server, "127.0.0.1", port, None)
+        await server.start()
+        servers.append(server)
+        infos.append(common_pb2.WorkerInfo(worker_id=name, role=common_pb2.ROLE_DECODE, address=f"127.0.0.1:{port}"))
+    channels = rpc.Channels(None)
+    with EmbeddedNats(store_dir=tmp_path / "nats") as nats:
+        bus = await Bus.connect(nats.url, "test-health")
+        registry = WorkerRegistry(bus, [common_pb2.ROLE_DECODE], INTERVAL_S)
+        registry.check_health(channels, INTERVAL_S, timeout_s=0.1)
+        await registry.start()
+        announcers = [Announcer(bus, info, common_pb2.WorkerLoad, INTERVAL_S) for info in infos]
+        try:
+            for announcer in announcers:
+                await announcer.start()
+            await wait_for(lambda: len(registry.addresses()) == 2, 5)
+            await wait_for(lambda: registry.num_ejected == 1, 5)
+            await asyncio.sleep(10 * INTERVAL_S)  # many more late rounds
+            assert registry.num_ejected == 1 and len(registry.workers()) == 1
+            (kept,) = registry.workers()
+            await servers[[i.worker_id for i in infos].index(kept.worker_id)].stop(None)  # now refused
+            await wait_for(lambda: registry.workers() == [], 3)
+        finally:
+            for announcer in announcers:
+                await announcer.stop()
+            await registry.stop()
+            await bus.close()
+            for server in servers:
+                await server.stop(None)
+            await channels.close()
