@@ -83,3 +83,21 @@ def test_measured_path_runs_and_is_sane() -> None:
     f = report["figures"]
     assert f["balancer"]["cells"] >= 1 and f["balancer"]["replicas"] >= 2
     assert f["index"]["every_tier"]["gib"] > f["index"]["device_and_host"]["gib"] > 0
+
+
+def test_every_command_prints_its_help() -> None:
+    """argparse formats help text with %: an input's source quoting "56.3%" once broke `kvmesh bench scale --help`."""
+    import argparse
+
+    def walk(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+        found = [parser]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    found += walk(sub)
+        return found
+
+    parsers = walk(build_parser())
+    assert len(parsers) > 20
+    for parser in parsers:
+        assert parser.format_help().startswith("usage: ")

@@ -32,7 +32,13 @@ def add_parser(bench_commands: Any) -> None:
     scale.add_argument("--measure-lane", action="store_true", help="measure lane GB/s with kv-transfer (seconds)")
     for name, spec in DEFAULTS.items():
         default = "measured here" if spec.kind == "measured" else f"{spec.value:g} ({spec.kind})"
-        scale.add_argument(_flag(name), dest=name, type=float, default=None, help=f"{spec.source}; default {default}")
+        scale.add_argument(
+            _flag(name),
+            dest=name,
+            type=float,
+            default=None,
+            help=f"{spec.source}; default {default}".replace("%", "%%"),
+        )
     scale.add_argument("--json", action="store_true", help="one line of JSON")
 
 
