@@ -40,7 +40,7 @@ test: install $(BIN)/promtool  ## the whole suite (type check, generated-code ch
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & typecheck=$$!; \
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30; tests=$$?; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30; tests=$$?; \
 	wait $$typecheck; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
 	test $$tests -eq 0 -a $$typed -eq 0
 

@@ -146,19 +146,3 @@ def smollm2_llm(smollm2_gguf_path: Path):
     from engine_core import LLM
 
     return LLM(str(smollm2_gguf_path), device="cpu", num_kv_blocks=512, served_name="smollm2-135m")
-
-
-# Files that share a session-scoped fixture, which must then run on one xdist worker to start it once.
-SHARED_SESSION_GROUPS = {
-    name: "api_mesh_session"
-    for name in ("test_gateway_chat_api.py", "test_gateway_responses_messages_api.py", "test_tenancy_isolation.py")
-} | {name: "fault_mesh" for name in ("test_soak.py", "test_survival.py")}  # tests/faults/: the soak runs first
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): a file runs whole on one
-    worker, so a module's fixtures (often a mesh of processes) start once; files sharing a session fixture run
-    together. Serial runs ignore the marks."""
-    for item in items:
-        group = SHARED_SESSION_GROUPS.get(item.path.name, item.nodeid.split("::", 1)[0])
-        item.add_marker(pytest.mark.xdist_group(group))
