@@ -21,7 +21,6 @@ check or call always counts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -31,6 +30,7 @@ import grpc
 from mesh import rpc
 from mesh.logging import get_logger
 from mesh.pb import health_pb2, health_pb2_grpc
+from mesh.tasks import cancel_until_done
 
 log = get_logger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -106,11 +106,8 @@ class HealthProber:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_until_done(self._task)
+        self._task = None
 
     async def probe_once(self) -> None:
         """Check every known worker once, concurrently, and report the answers."""

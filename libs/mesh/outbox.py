@@ -17,7 +17,6 @@ oldest message makes room and is lost (counted).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 from mesh.bus import Bus
 from mesh.logging import get_logger
+from mesh.tasks import cancel_until_done
 
 log = get_logger(__name__)
 MSG_ID = "Nats-Msg-Id"
@@ -108,11 +108,8 @@ class Outbox:
         """Send what is queued (up to `timeout_s`), then stop."""
         if not await self.flush(timeout_s):
             log.warning("outbox not empty at stop: messages lost", num_pending=len(self._queue))
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_until_done(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -30,6 +30,7 @@ from mesh.lane import BufferPool, LanePool
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.placement import rank_nodes
+from mesh.tasks import cancel_until_done
 from services.prefill.prefiller import StoreBlock
 from services.prefill.store_reads import Fetched, Source, assemble, is_complete, plan_reads, store_failed
 from services.prefill.store_stream import LayerStream
@@ -135,8 +136,7 @@ class StoreClient:
         log.info("KV store reads follow the global index")
 
     async def stop(self) -> None:
-        if self._starting is not None:
-            self._starting.cancel()
+        await cancel_until_done(self._starting)
         if self.follower is not None:
             await self.follower.stop()
         self.lanes.close()
