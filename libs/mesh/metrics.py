@@ -195,6 +195,30 @@ PREFILL_STORE_READS = _counter(
     roles="prefill",
     note="stream, fetch, skipped",
 )
+PREFILL_KV_FETCH_DECISIONS = _counter(
+    "kvmesh_prefill_kv_fetch_decisions_total",
+    "Requests whose prefix the KV store held past the engine's own, by what prefill did: read it all (fetch), read "
+    "its head and computed the rest (partial), computed it (recompute), read it to measure the store (probe), or "
+    "what KVMESH_KV_FETCH forced",
+    ["choice"],
+    roles="prefill",
+    note="fetch, partial, recompute, probe, forced",
+)
+PREFILL_KV_FETCH_SAVED_SECONDS = _counter(
+    "kvmesh_prefill_kv_fetch_saved_seconds_total",
+    "Predicted time to first token saved by the fetch-or-recompute choices against computing every prefix",
+    roles="prefill",
+)
+PREFILL_STORE_READ_BYTES_PER_SECOND = _gauge(
+    "kvmesh_prefill_store_read_bytes_per_second",
+    "KV store read bandwidth, fitted from this worker's recent reads (with their latency apart)",
+    roles="prefill",
+)
+PREFILL_COMPUTE_TOKENS_PER_SECOND = _gauge(
+    "kvmesh_prefill_compute_tokens_per_second",
+    "Prompt tokens computed per second, fitted from this worker's recent requests (with a fixed cost apart)",
+    roles="prefill",
+)
 PREFILL_STORE_DROPPED_BLOCKS = _counter(
     "kvmesh_prefill_store_dropped_blocks_total",
     "Blocks not written to the KV store: the write queue was full",

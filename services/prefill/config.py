@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from mesh.compute.settings import WorkerSettings
 from mesh.config import require, setting
 from mesh.erasure import Protection
+from services.prefill.fetch_decision import FETCH_MODES
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,11 @@ class PrefillSettings(WorkerSettings):
     kv_store_lanes: bool = setting(
         True, "read and write the store over its nodes' bulk lanes (plain TCP) where they have one, else gRPC"
     )
+    kv_fetch: str = setting(
+        "auto",
+        "a cached prefix the KV store holds: auto (read it, or the part of it, when predicted quicker than "
+        "computing it, from measured read and compute rates), always (read it all), never (compute it)",
+    )
     kv_push_lanes: bool = setting(True, "push KV to decode over its bulk lane where it has one, else Decode.PushKV")
 
     def __post_init__(self) -> None:
@@ -33,6 +39,7 @@ class PrefillSettings(WorkerSettings):
             self.store_write_queue_bytes,
             "must be positive",
         )
+        require(self.kv_fetch in FETCH_MODES, "kv_fetch", self.kv_fetch, f"must be one of {', '.join(FETCH_MODES)}")
         try:
             Protection.parse(self.kv_protection)
         except ValueError as exc:

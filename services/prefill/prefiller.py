@@ -1,9 +1,9 @@
 """The prefill role's core: compute a prompt's KV, sample the first token, hand the KV to a decode worker.
 
 One request, in order:
-  1. its cached prefix: blocks this engine holds, then the blocks after them that the KV store holds;
-     store blocks enter the prefix cache right before the request is admitted (one engine call, so nothing
-     evicts them in between);
+  1. its cached prefix: blocks this engine holds, then the blocks after them that the KV store holds, as many
+     of those as are predicted to be quicker read than computed again (fetch_decision.py); store blocks enter
+     the prefix cache right before the request is admitted (one engine call, so nothing evicts them in between);
   2. the request runs with the user's sampling but one token, kept (keep_kv) so its KV survives finishing;
   3. unless that token already ends the request, the KV is exported and pushed to the decode worker;
   4. the kept request is always released (success, failure or cancellation).
@@ -30,7 +30,8 @@ from engine_core.request import EmbeddingSpan, TokenLogprobs
 from mesh.compute.engines import ModelEngines
 from mesh.kv_blocks import KVLayout
 from mesh.logging import get_logger
-from mesh.tracing import BYTES_MOVED, span
+from mesh.tracing import BYTES_MOVED, current_span, span
+from services.prefill.fetch_decision import FetchDecision, FetchPlanner, FetchQuestion
 
 log = get_logger(__name__)
 
@@ -61,6 +62,7 @@ class PrefillResult:
     prefill_seconds: float  # admission to the first token
     kv_bytes_sent: int
     queue_seconds: float = 0.0  # of prefill_seconds, the wait before the engine first scheduled it
+    fetch: FetchDecision | None = None  # fetch or recompute, when the store held blocks past the engine's prefix
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,10 @@ class StoreReader(Protocol):
 
     def note_skipped(self) -> None:
         """A read `stored` made needless: the store holds nothing after the engine's cached prefix."""
+        ...
+
+    def streams_layers(self) -> bool:
+        """Whether a read now would be layer-major (`plan_stream` may return a stream), overlapping the compute."""
         ...
 
     def plan_stream(self, model: str, block_hashes: Sequence[bytes]) -> StoreStream | None:
@@ -167,6 +173,7 @@ class Prefiller:
         on_injected: InjectedHook = lambda model, block_hashes: None,
         max_chunk_bytes: int | None = None,
         critical: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        planner: FetchPlanner | None = None,
     ) -> None:
         self.engines = engines
         self.critical = critical  # wraps each request's path to its first token (background work waits)
@@ -174,6 +181,7 @@ class Prefiller:
         self.store = store
         self.on_injected = on_injected
         self.max_chunk_bytes = max_chunk_bytes
+        self.planner = planner or FetchPlanner()  # fetch or recompute; learns from this worker's reads and computes
         self._active: set[str] = set()  # request ids in flight; written only here, on the event loop
 
     async def prefill(
@@ -206,13 +214,16 @@ class Prefiller:
         outputs = engine.open_stream(request_id)
         feeding: asyncio.Task[None] | None = None
         hit: _StoreHit | None = None
+        decision: FetchDecision | None = None
         num_injected, load = 0, None
         try:
             started = time.monotonic()
             num_local, is_admitted = await self._admit_unless_stored(engine, job, first_params, lookup)
             if not is_admitted:
                 assert lookup is not None, "only a lookup defers the admission"
-                hit = await self._fetch_from_store(engine, job, lookup, num_local)
+                decision = self._decide(engine, job, lookup, num_local)
+                if decision.num_fetch_blocks:
+                    hit = await self._fetch_from_store(engine, job, lookup, num_local, decision.num_fetch_blocks)
             elif self.store is not None and lookup is not None and num_local < len(lookup.block_hashes):
                 self.store.note_skipped()
             with span("kvmesh.prefill.compute") as computing:
@@ -236,7 +247,12 @@ class Prefiller:
                 prefill_seconds=seconds,
                 kv_bytes_sent=0,
                 queue_seconds=max((first.first_scheduled_at or started) - started, 0.0),
+                fetch=decision,
             )
+            if hit is None or hit.stream is None:  # no read ran alongside: the engine's own pace
+                self.planner.observe_compute(
+                    first.num_prompt_tokens - first.num_cached_tokens, seconds - result.queue_seconds
+                )
             on_first(result)
             if finish_reason is None:
                 with span("kvmesh.kv.push", attributes={"kvmesh.decode_worker_id": job.decode_worker_id}) as pushing:
@@ -317,10 +333,13 @@ class Prefiller:
             is_complete = False
             try:
                 with span("kvmesh.kv.read store", attributes=_read_attributes("stream", load.num_blocks)) as reading:
+                    began = time.monotonic()
                     is_complete = await stream.run(
                         layout, load.num_blocks, lambda layer, pieces: engine.write_layer(load, layer, pieces)
                     )
                     reading.set_attribute("kvmesh.kv.is_complete", is_complete)
+                if is_complete:
+                    self.planner.observe_read(load.num_blocks * layout.num_block_bytes, time.monotonic() - began)
             except Exception:
                 log.warning("KV store stream failed; its blocks are recomputed", exc_info=True)
             finally:
@@ -363,14 +382,36 @@ class Prefiller:
         hashes = hashes[: (len(job.prompt_token_ids) - 1) // block_size]
         return _Lookup(hashes, self.store.stored(hashes))
 
+    def _decide(self, engine: AsyncEngine, job: PrefillJob, lookup: _Lookup, num_local: int) -> FetchDecision:
+        """How many of the blocks the store holds after the engine's `num_local` to read (the rest is computed),
+        on the request's span and in its result."""
+        assert self.store is not None, "a lookup means a store"
+        layout = self.engines.layout(job.model)
+        after = lookup.block_hashes[num_local:]
+        num_stored = len(after) if lookup.stored is None else _num_leading(lookup.stored[num_local:])
+        decision = self.planner.decide(
+            FetchQuestion(
+                num_stored_blocks=num_stored,
+                block_tokens=layout.block_size,
+                block_bytes=layout.num_block_bytes,
+                num_layers=layout.num_layers,
+                num_new_tokens=len(job.prompt_token_ids) - num_local * layout.block_size,
+                num_queued_tokens=engine.stats.num_queued_prompt_tokens,
+                is_streamed=self.store.streams_layers(),
+            )
+        )
+        current_span().set_attributes(decision.attributes())
+        return decision
+
     async def _fetch_from_store(
-        self, engine: AsyncEngine, job: PrefillJob, lookup: _Lookup, num_local: int
+        self, engine: AsyncEngine, job: PrefillJob, lookup: _Lookup, num_local: int, num_blocks: int
     ) -> _StoreHit | None:
-        """The blocks right after the `num_local` the engine holds that the store holds; None when there are none."""
+        """Up to `num_blocks` blocks right after the `num_local` the engine holds that the store holds; None when
+        there are none."""
         assert self.store is not None, "a lookup means a store"
         block_size = self.engines.layout(job.model).block_size
         hashes = lookup.block_hashes
-        wanted = hashes[num_local:]
+        wanted = hashes[num_local : num_local + num_blocks]
         parent = hashes[num_local - 1] if num_local else root_hash(engine.served_name, job.cache_salt)
         stream = self.store.plan_stream(job.model, wanted)
         if stream is not None:
@@ -378,8 +419,12 @@ class Prefiller:
             tokens = job.prompt_token_ids[num_local * block_size : (num_local + count) * block_size]
             return _StoreHit(parent, list(stream.block_hashes), tokens, [], num_local, stream)
         with span("kvmesh.kv.read store", attributes=_read_attributes("fetch", len(wanted))) as reading:
+            began = time.monotonic()
             blocks = _usable_prefix(await self.store.fetch(job.model, wanted), wanted, self.engines.layout(job.model))
-            reading.set_attributes({"kvmesh.kv.num_blocks": len(blocks), BYTES_MOVED: sum(len(b.data) for b in blocks)})
+            num_bytes = sum(len(b.data) for b in blocks)
+            reading.set_attributes({"kvmesh.kv.num_blocks": len(blocks), BYTES_MOVED: num_bytes})
+        if blocks:
+            self.planner.observe_read(num_bytes, time.monotonic() - began)
         if not blocks:
             return None
         tokens = job.prompt_token_ids[num_local * block_size : (num_local + len(blocks)) * block_size]
@@ -404,6 +449,11 @@ def _num_store_tokens(num_cached_tokens: int, hit: _StoreHit | None, num_injecte
         return 0
     beyond_local = num_cached_tokens - hit.num_local_blocks * block_size
     return max(0, min(beyond_local, num_injected * block_size))
+
+
+def _num_leading(flags: Sequence[bool]) -> int:
+    """How many of the first flags are True."""
+    return next((n for n, flag in enumerate(flags) if not flag), len(flags))
 
 
 def _is_valid_prompt(engine: AsyncEngine, job: PrefillJob) -> bool:

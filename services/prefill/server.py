@@ -28,6 +28,7 @@ from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
 from services.prefill.config import PrefillSettings
 from services.prefill.decode_client import DecodePusher
+from services.prefill.fetch_decision import FetchPlanner
 from services.prefill.kv_events import KVEventRelay
 from services.prefill.prefiller import Prefiller, PrefillJob, PrefillResult, PushError
 from services.prefill.store_client import StoreClient, StoreWriter
@@ -92,6 +93,13 @@ def export_metrics(model: str, result: PrefillResult) -> None:
     metrics.PREFILL_SECONDS.labels(model=model).observe(result.prefill_seconds)
     metrics.REQUEST_QUEUE_TIME.labels(model_name=model).observe(result.queue_seconds)
     metrics.KV_TRANSFER_BYTES.labels(direction="prefill_to_decode").inc(result.kv_bytes_sent)
+    if result.fetch is not None:
+        metrics.PREFILL_KV_FETCH_DECISIONS.labels(choice=result.fetch.choice).inc()
+        metrics.PREFILL_KV_FETCH_SAVED_SECONDS.inc(
+            max(result.fetch.predicted_recompute_s - result.fetch.predicted_s, 0)
+        )
+        metrics.PREFILL_STORE_READ_BYTES_PER_SECOND.set(result.fetch.store_bytes_per_s)
+        metrics.PREFILL_COMPUTE_TOKENS_PER_SECOND.set(result.fetch.compute_tokens_per_s)
     span = tracing.current_span()
     if span.is_recording():
         span.set_attributes(
@@ -177,6 +185,7 @@ class PrefillService:
         self.store: StoreClient | None = None
         self.engines: ModelEngines | None = None
         self.pusher: DecodePusher | None = None
+        self.prefiller: Prefiller | None = None
 
     @classmethod
     async def start(cls, settings: PrefillSettings) -> PrefillService:
@@ -215,7 +224,9 @@ class PrefillService:
                 relay.note_injected,
                 max_chunk_bytes=rpc.KV_CHUNK_BYTES,
                 critical=writer.defer_while if writer is not None else contextlib.nullcontext,
+                planner=FetchPlanner(settings.kv_fetch),
             )
+            service.prefiller = prefiller
             servicer = PrefillServicer(prefiller, runtime.lifecycle, runtime.worker_id, settings.faults())
             await runtime.start(
                 register=lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server),

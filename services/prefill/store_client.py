@@ -196,6 +196,10 @@ class StoreClient:
     def note_skipped(self) -> None:
         metrics.PREFILL_STORE_READS.labels(mode="skipped").inc()
 
+    def streams_layers(self) -> bool:
+        """Whether `plan_stream` may return a stream now (it also needs every block readable from data fragments)."""
+        return self.stream_layers and self.follower is not None and self.follower.is_caught_up
+
     async def fetch(self, model: str, block_hashes: Sequence[bytes]) -> list[StoreBlock]:
         """The stored blocks for the first keys, in order, up to the first miss. Never raises."""
         nodes = self.nodes()

@@ -27,7 +27,12 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
         decode=1,
         kvcache=3,
         models=(MODEL,),
-        env_extra={"KVMESH_KV_PROTECTION": "2+1", "KVMESH_DATA_DIR": str(base / "ssd"), "KVMESH_REPAIR_DELAY_S": "1"},
+        env_extra={
+            "KVMESH_KV_PROTECTION": "2+1",
+            "KVMESH_DATA_DIR": str(base / "ssd"),
+            "KVMESH_REPAIR_DELAY_S": "1",
+            "KVMESH_KV_FETCH": "always",  # every stored block read, whatever the rates: the reads are the subject
+        },
     )
     yield mesh
     mesh.stop()

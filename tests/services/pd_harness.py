@@ -227,7 +227,10 @@ async def mesh(nats_url, llama_reference, deepseek_reference) -> AsyncIterator[M
     )
     # the store double publishes no KV events, so prefill probes it (Lookup) instead of reading the global index
     prefill = await PrefillService.start(
-        load_settings(PrefillSettings, env={}, worker_id="prefill-t", kv_index_enabled=False, **common)
+        # always: these tests are about the store path; test_pd_kv_store.py sets the planner where it is the subject
+        load_settings(
+            PrefillSettings, env={}, worker_id="prefill-t", kv_index_enabled=False, kv_fetch="always", **common
+        )
     )
     assert prefill.registry is not None
     await wait_until(lambda: len(prefill.registry.workers()) == 2, what="prefill to hear both store nodes")

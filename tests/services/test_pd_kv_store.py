@@ -7,6 +7,7 @@ Harness: the `mesh` fixture of tests/services/pd_harness.py (in-process workers)
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -19,6 +20,7 @@ from mesh.compute.convert import layout_to_proto
 from mesh.discovery import Announcer
 from mesh.pb import common_pb2, decode_pb2, events_pb2, kvcache_pb2
 from mesh.placement import rendezvous_owner
+from services.prefill.fetch_decision import FetchPlanner, RateFit
 from services.prefill.prefiller import StoreBlock
 from services.prefill.store_client import StoreWriter, stored_prefix_length
 
@@ -211,3 +213,31 @@ async def test_one_tenant_never_gets_another_tenants_kv_through_the_store(mesh: 
 
 def _block(key: bytes, parent: bytes, layout: common_pb2.KVLayout, data: bytes) -> kvcache_pb2.Block:
     return kvcache_pb2.Block(block_hash=key, parent_hash=parent, layout=layout, data=data)
+
+
+async def test_a_prefix_in_the_store_is_read_or_computed_as_the_measured_rates_say(mesh: Mesh, monkeypatch):
+    model, prompt = mesh.llama, prompt_of(50, seed=13)
+    engine = mesh.prefill.engines.get(model)
+    one_token = dataclasses.replace(GREEDY, max_tokens=1)
+    await mesh.prefill_stub.Prefill(mesh.request("rates-first", model, prompt, one_token))
+    keys = engine.prompt_block_hashes(prompt)
+    await wait_until(lambda: sum(k in s.blocks for s in mesh.stores.values() for k in keys) == 3, what="stored")
+    assert mesh.prefill.prefiller is not None
+    expected, _ = reference_outputs(model, prompt, one_token)
+
+    async def served(request_id: str, planner: FetchPlanner) -> tuple[int, int, int]:
+        monkeypatch.setattr(mesh.prefill.prefiller, "planner", planner)
+        assert await engine.call(lambda e: e.kv.pool.reset_prefix_cache())
+        response = await mesh.prefill_stub.Prefill(mesh.request(request_id, model, prompt, one_token))
+        return response.num_cached_tokens, response.num_store_tokens, response.first_token_id
+
+    before = metric("kvmesh_prefill_kv_fetch_decisions_total", choice="recompute")
+    slow_store = FetchPlanner("auto", store=RateFit(fixed_s=5.0, per_unit_s=1e-9), probe_interval_s=math.inf)
+    assert await served("rates-slow-store", slow_store) == (0, 0, expected[0])
+    assert metric("kvmesh_prefill_kv_fetch_decisions_total", choice="recompute") == before + 1
+
+    before = metric("kvmesh_prefill_kv_fetch_decisions_total", choice="fetch")
+    slow_engine = FetchPlanner("auto", compute=RateFit(fixed_s=0.01, per_unit_s=1.0), probe_interval_s=math.inf)
+    assert await served("rates-slow-engine", slow_engine) == (48, 48, expected[0])
+    assert metric("kvmesh_prefill_kv_fetch_decisions_total", choice="fetch") == before + 1
+    assert slow_engine.store.num_samples == 1  # the read it made was measured

@@ -1,5 +1,5 @@
-"""The KV benchmarks' command lines (`kvmesh bench kvcache | kv-transfer | kv-push | kv-ttft | kv-index`), kept
-out of cli.py.
+"""The KV benchmarks' command lines (`kvmesh bench kvcache | kv-transfer | kv-push | kv-ttft | kv-fetch | kv-index`),
+kept out of cli.py.
 Imports here stay light: each benchmark's module is imported only when it runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-COMMANDS = ("kvcache", "kv-transfer", "kv-push", "kv-ttft", "kv-index")
+COMMANDS = ("kvcache", "kv-transfer", "kv-push", "kv-ttft", "kv-fetch", "kv-index")
 
 
 def add_parsers(bench_commands: Any) -> None:
@@ -68,6 +68,14 @@ def add_parsers(bench_commands: Any) -> None:
     ttft.add_argument("--prompt-tokens", type=int, default=2000)
     ttft.add_argument("--json", action="store_true", help="one line of JSON")
 
+    fetch = bench_commands.add_parser(
+        "kv-fetch", help="TTFT of a stored prefix by length: prefill always reads it, never does, or decides (auto)"
+    )
+    fetch.add_argument("--model", default="smollm2-135m")
+    fetch.add_argument("--prefix-tokens", default="32,128,512,2048", help="prompt lengths, comma separated")
+    fetch.add_argument("--repeats", type=int, default=5, help="prompts per length and mode, median reported")
+    fetch.add_argument("--json", action="store_true", help="one line of JSON")
+
 
 def run(args: argparse.Namespace) -> int:
     result: Any
@@ -99,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.bench.kv_index import run_index_bench
 
         result = run_index_bench(args.batches, args.blocks_per_batch, live_batches=args.live_batches)
+    elif args.bench_command == "kv-fetch":
+        from kvmesh.bench.kv_fetch import run_fetch_bench
+
+        lengths = tuple(int(length) for length in args.prefix_tokens.split(","))
+        if args.repeats < 1 or min(lengths) < 1:
+            raise ValueError("--repeats and every --prefix-tokens must be at least 1")
+        result = run_fetch_bench(args.model, lengths, args.repeats)
     else:
         from kvmesh.bench.kv_ttft import run_ttft_bench
 

@@ -32,7 +32,7 @@ def long_prompt(num_tokens: int) -> str:
     return "Summarize this story in one sentence. " + " ".join(words[i % len(words)] for i in range(count))
 
 
-def _stream(url: str, model: str, prompt: str) -> dict[str, Any]:
+def stream_chat(url: str, model: str, prompt: str) -> dict[str, Any]:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -70,7 +70,7 @@ def _stream(url: str, model: str, prompt: str) -> dict[str, Any]:
     }
 
 
-def _scrape_total(port: int, metric: str) -> float:
+def scrape_total(port: int, metric: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(metric))
@@ -98,19 +98,19 @@ def run_ttft_bench(model: str = "smollm2-135m", prompt_tokens: int = 2000) -> di
         mesh.wait_ready(timeout_s=300)
         time.sleep(2.0)  # every worker in the balancer's pools
         prompt = long_prompt(prompt_tokens)
-        _stream(mesh.base_url, model, "Say hello.")  # warm up the path (first request of each process)
-        cold = _stream(mesh.base_url, model, prompt)
+        stream_chat(mesh.base_url, model, "Say hello.")  # warm up the path (first request of each process)
+        cold = stream_chat(mesh.base_url, model, prompt)
         store_port = mesh.child("kvcache-0").http_port
         expected_blocks = (cold["prompt_tokens"] - 1) // 16
         deadline = time.monotonic() + 60
-        while _scrape_total(store_port, 'kvmesh_kvcache_blocks{tier="host"}') < expected_blocks:
+        while scrape_total(store_port, 'kvmesh_kvcache_blocks{tier="host"}') < expected_blocks:
             if time.monotonic() > deadline:
                 raise TimeoutError("the prompt's blocks did not reach the store")
             time.sleep(0.1)
         mesh.kill(cold["prefill_worker"], signal.SIGTERM)
         time.sleep(1.0)
-        from_store = _stream(mesh.base_url, model, prompt)
-        from_device = _stream(mesh.base_url, model, prompt)
+        from_store = stream_chat(mesh.base_url, model, prompt)
+        from_device = stream_chat(mesh.base_url, model, prompt)
     finally:
         mesh.stop()
     return {
