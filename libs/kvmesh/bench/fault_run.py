@@ -30,6 +30,7 @@ from kvmesh.bench.faults import (
     ProbeStream,
     is_ready,
     measure,
+    metric_sample,
     metric_total,
     percentile,
     replace,
@@ -218,11 +219,16 @@ class FaultSuite:
         }
         return result
 
-    def nats_outage(self, seconds: float) -> FaultResult:
-        """SIGKILL the embedded NATS under load and start it again on its port and store after `seconds`."""
+    def nats_outage(self, seconds: float, kill_during: str | None = None) -> FaultResult:
+        """SIGKILL the embedded NATS under load and start it again on its port and store after `seconds`.
+        `kill_during`: a worker to SIGKILL 2 s into the outage, as a worker that really dies while NATS is away
+        (started again once NATS is back). Notes: each balancer's decode pool 2 s into the outage (nobody is
+        pruned for the heartbeats NATS did not carry) and, with a victim, seconds until every balancer ejected it
+        (gRPC health checks, mesh.health)."""
         nats = self.mesh.nats
         assert nats is not None and nats.process is not None, "the mesh's own NATS"
         restarted = threading.Event()
+        notes: dict[str, Any] = {}
 
         def restart() -> None:
             nats.start()
@@ -230,13 +236,29 @@ class FaultSuite:
 
         def inject() -> None:
             assert nats.process is not None
+            pools_before = self.decode_pool_sizes()
             nats.process.kill()
             nats.process.wait()
             threading.Timer(seconds, restart).start()
+            time.sleep(2.0)
+            notes["decode_pools_before"], notes["decode_pools_2s_in"] = pools_before, self.decode_pool_sizes()
+            if kill_during is not None:
+                self.mesh.kill(kill_during)
+                smaller = [n - 1 for n in pools_before]
+                ejected_after_s = wait_for(lambda: self.decode_pool_sizes() == smaller, 10, f"{kill_during} ejected")
+                notes.update(victim=kill_during, ejected_after_s=round(ejected_after_s, 2))
 
         result = self.measure(f"NATS down {seconds:.0f} s", inject, seconds + self.observe_s)
         restarted.wait(timeout=30)
+        if kill_during is not None:
+            replace(self.mesh, kill_during, wait=False)
+        result.notes = notes
         return result
+
+    def decode_pool_sizes(self) -> list[float]:
+        """The size of the decode pool at each live balancer, in name order."""
+        ports = [self.mesh.child(name).http_port for name in self.replicas("balancer")]
+        return [metric_sample(port, "kvmesh_balancer_workers", 'pool="decode"') for port in ports]
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -99,6 +99,14 @@ def metric_total(port: int, metric: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.split("{")[0].split(" ")[0] == metric)
 
 
+def metric_sample(port: int, metric: str, labels: str) -> float:
+    """One sample of a metric on a child's /metrics, by its label string (`pool="decode"`); 0 when absent."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    prefix = f"{metric}{{{labels}}} "
+    return next((float(line[len(prefix) :]) for line in lines if line.startswith(prefix)), 0.0)
+
+
 def is_ready(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
