@@ -189,8 +189,9 @@ class Bus:
 
         return await self.client.subscribe(subject, cb=on_message)
 
-    async def flush(self) -> None:
-        await self.client.flush()
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until the server has seen everything published so far (nats FlushTimeoutError past `timeout_s`)."""
+        await self.client.flush(timeout=timeout_s)
 
     async def close(self) -> None:
         """Drain (deliver what is queued) and close; if NATS is already gone, just close."""

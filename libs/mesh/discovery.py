@@ -43,6 +43,8 @@ from mesh.pb import common_pb2, events_pb2
 MISSED_HEARTBEATS = 3
 log = get_logger(__name__)
 
+LEAVING_FLUSH_TIMEOUT_S = 3.0  # how long a stopping worker waits for NATS to confirm its "leaving" beat
+
 ROLE_NAMES: dict[int, str] = {
     common_pb2.ROLE_GATEWAY: "gateway",
     common_pb2.ROLE_ENCODER: "encoder",
@@ -129,9 +131,13 @@ class Announcer:
         if self._task is not None:
             self._task.cancel()
             self._task = None
-        if self.bus.is_connected:
+        if not self.bus.is_connected:
+            return
+        try:  # best effort: peers that miss the "leaving" beat drop this worker when its heartbeats stop
             await self._beat(leaving=True)
-            await self.bus.flush()
+            await self.bus.flush(timeout_s=LEAVING_FLUSH_TIMEOUT_S)
+        except Exception as error:  # a loaded or leaving server must not turn a clean stop into a failure
+            log.warning("leaving heartbeat not confirmed", worker_id=self.info.worker_id, error=repr(error))
 
     async def _run(self) -> None:
         while True:
