@@ -16,6 +16,23 @@ from pathlib import Path
 import pytest
 import torch
 
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadfile`, longest file first, files sharing a mesh together (tests/scheduling.py)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from tests.scheduling import LongestFirstFileScheduling
+
+    return LongestFirstFileScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if path := os.environ.get("KVMESH_TEST_DURATIONS_OUT"):
+        from tests.scheduling import DurationRecorder
+
+        config.pluginmanager.register(DurationRecorder(path), "kvmesh-durations")
+
+
 # Triton picks interpreter or compiler when a kernel is decorated (at import): decide before anything imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
