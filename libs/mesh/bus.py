@@ -189,7 +189,7 @@ class Bus:
 
         return await self.client.subscribe(subject, cb=on_message)
 
-    async def flush(self, timeout_s: float = 10.0) -> None:
+    async def flush(self, timeout_s: int = 10) -> None:
         """Wait until the server has seen everything published so far (nats FlushTimeoutError past `timeout_s`)."""
         await self.client.flush(timeout=timeout_s)
 

@@ -43,7 +43,7 @@ from mesh.pb import common_pb2, events_pb2
 MISSED_HEARTBEATS = 3
 log = get_logger(__name__)
 
-LEAVING_FLUSH_TIMEOUT_S = 3.0  # how long a stopping worker waits for NATS to confirm its "leaving" beat
+LEAVING_FLUSH_TIMEOUT_S = 3  # how long a stopping worker waits for NATS to confirm its "leaving" beat
 
 ROLE_NAMES: dict[int, str] = {
     common_pb2.ROLE_GATEWAY: "gateway",
