@@ -104,6 +104,7 @@ def _up(args: argparse.Namespace) -> int:
         http_port=args.port,
         grpc_port=args.grpc_port,
         nats_url=args.nats,
+        nats_cluster=args.nats_cluster,
     )
     mesh = Mesh(plan)
     try:
@@ -264,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8080, help="the gateway's HTTP port")
     up.add_argument("--grpc-port", type=int, default=50050, help="the gateway's gRPC port")
     up.add_argument("--nats", default=None, metavar="URL", help="use this NATS instead of an embedded one")
+    up.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the embedded NATS as a cluster of N nodes (3 or more), JetStream replicas 3 (docs/reliability.md)",
+    )
 
     serve = commands.add_parser("serve", help="run one role in the foreground (configured by KVMESH_* variables)")
     serve.add_argument("role", choices=ROLES)

@@ -15,6 +15,10 @@ Limits (nats-server's own settings):
   reaches it, and then it cannot make the server hold more than this per connection.
 - `max_connections` 4096 and `max_subscriptions` 1024 per connection: a role holds one connection and a dozen
   subscriptions; the caps bound what one leaked credential can make the server keep.
+
+A node of a cluster (`ClusterRoutes`, kvmesh.nats_cluster) also gets a `server_name` (JetStream's Raft groups know
+their peers by it) and a `cluster` block: where it listens for routes, its peers' route addresses, and the route
+user every node shares (routes are refused to anyone else, so a client port scan cannot join the cluster).
 """
 
 from __future__ import annotations
@@ -49,6 +53,21 @@ class Grant:
 
     user: NatsUser
     permissions: SubjectPermissions | None
+
+
+@dataclass(frozen=True)
+class ClusterRoutes:
+    """One node's place in a NATS cluster."""
+
+    server_name: str  # unique in the cluster: JetStream's Raft groups name their peers by it
+    host: str  # where this node listens for routes from its peers
+    port: int
+    peers: tuple[tuple[str, int], ...]  # the other nodes' (host, route port)
+    user: NatsUser  # the route user every node of the cluster shares
+    cluster_name: str = "kvmesh"
+
+    def peer_urls(self) -> list[str]:
+        return [f"nats-route://{self.user.user}:{self.user.password}@{host}:{port}" for host, port in self.peers]
 
 
 @dataclass(frozen=True)
@@ -94,21 +113,47 @@ def _user_line(grant: Grant, rounds: int) -> str:
     return "    {" + fields + "}"
 
 
-def server_config(grants: Iterable[Grant], tls: ServerTLS | None = None, rounds: int = BCRYPT_ROUNDS) -> str:
-    """The text of a nats-server configuration file (listen address and JetStream come from its command line)."""
+def cluster_block(routes: ClusterRoutes, rounds: int = BCRYPT_ROUNDS) -> list[str]:
+    """The `server_name` and `cluster` lines of one node of a cluster."""
+    password = _quoted(hash_password(routes.user.password, rounds))
+    return [
+        f"server_name: {_quoted(routes.server_name)}",
+        "cluster {",
+        f"  name: {_quoted(routes.cluster_name)}",
+        f"  listen: {_quoted(f'{routes.host}:{routes.port}')}",
+        f"  authorization {{ user: {_quoted(routes.user.user)}, password: {password}, timeout: {AUTH_TIMEOUT_S} }}",
+        "  routes: [" + ", ".join(_quoted(url) for url in routes.peer_urls()) + "]",
+        "}",
+    ]
+
+
+def server_config(
+    grants: Iterable[Grant],
+    tls: ServerTLS | None = None,
+    rounds: int = BCRYPT_ROUNDS,
+    cluster: ClusterRoutes | None = None,
+) -> str:
+    """The text of a nats-server configuration file (listen address and JetStream come from its command line).
+    No grants: no authorization (KVMESH_INSECURE=1); `cluster`: a node of a cluster."""
+    grants = list(grants)
     lines = [
         "# Written by kvmesh (kvmesh.nats_config) from mesh/bus_auth.py: regenerate it, do not edit it.",
         f"max_payload: {MAX_PAYLOAD}",
         f"max_pending: {MAX_PENDING}",
         f"max_connections: {MAX_CONNECTIONS}",
         f"max_subscriptions: {MAX_SUBSCRIPTIONS}",
-        "authorization {",
-        f"  timeout: {AUTH_TIMEOUT_S}",
-        "  users: [",
-        *(_user_line(grant, rounds) for grant in grants),
-        "  ]",
-        "}",
     ]
+    if grants:
+        lines += [
+            "authorization {",
+            f"  timeout: {AUTH_TIMEOUT_S}",
+            "  users: [",
+            *(_user_line(grant, rounds) for grant in grants),
+            "  ]",
+            "}",
+        ]
+    if cluster is not None:
+        lines += cluster_block(cluster, rounds)
     if tls is not None:
         lines += [
             "tls {",

@@ -26,6 +26,7 @@ from pathlib import Path
 from kvmesh.nats_config import (
     ADMIN,
     EMBEDDED_BCRYPT_ROUNDS,
+    ClusterRoutes,
     Grant,
     ServerTLS,
     new_password,
@@ -110,8 +111,13 @@ class EmbeddedNats:
         insecure: bool | None = None,
         tls: ServerTLS | None = None,
         bcrypt_rounds: int = EMBEDDED_BCRYPT_ROUNDS,
+        cluster: ClusterRoutes | None = None,
+        users_file: Path | None = None,
+        monitor_port: int = 0,
     ) -> None:
-        """`workers`: (role, worker id) pairs that get a user of their own; `insecure`: None reads KVMESH_INSECURE."""
+        """`workers`: (role, worker id) pairs that get a user of their own; `insecure`: None reads KVMESH_INSECURE.
+        A node of a cluster (kvmesh.nats_cluster): `cluster` its routes, `users_file` the users all nodes share
+        (default: in `store_dir`), `monitor_port` its HTTP monitoring port (/healthz, /jsz; 0: none)."""
         self.host = host
         self.port = port or free_port(host)
         self._tmp = None if store_dir is not None else tempfile.TemporaryDirectory(prefix="kvmesh-nats-")
@@ -119,12 +125,14 @@ class EmbeddedNats:
         self.insecure = load_settings(TLSSettings).insecure if insecure is None else insecure
         self.tls = tls
         self.bcrypt_rounds = bcrypt_rounds
+        self.cluster = cluster
+        self.monitor_port = monitor_port
         self.process: subprocess.Popen | None = None
-        self.grants: dict[str, Grant] = {} if self.insecure else self._grants(list(workers))
+        saved = users_file or self.store_dir / "kvmesh-users.json"
+        self.grants: dict[str, Grant] = {} if self.insecure else self._grants(list(workers), saved)
 
-    def _grants(self, workers: list[tuple[str, str]]) -> dict[str, Grant]:
-        """The users, kept in the store directory (owner-only): the same ones again for a restart on that store."""
-        saved = self.store_dir / "kvmesh-users.json"
+    def _grants(self, workers: list[tuple[str, str]], saved: Path) -> dict[str, Grant]:
+        """The users, kept in `saved` (owner-only): the same ones again for a restart on that store."""
         passwords: dict[str, str] = json.loads(saved.read_text()) if saved.is_file() else {}
         names = [ADMIN, *map(role_user_name, ROLES), *(role_user_name(role, worker) for role, worker in workers)]
         for name in names:
@@ -164,11 +172,15 @@ class EmbeddedNats:
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedNats:
         command = [str(nats_server_binary()), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        if self.monitor_port:
+            command += ["-m", str(self.monitor_port)]
         if self.insecure:
             log.warning("KVMESH_INSECURE is set: the embedded NATS accepts anyone, with every permission")
-        else:
+        if not self.insecure or self.cluster is not None:
             config = self.store_dir / "nats-server.conf"
-            config.write_text(server_config(self.grants.values(), self.tls, rounds=self.bcrypt_rounds))
+            text = server_config(self.grants.values(), self.tls, rounds=self.bcrypt_rounds, cluster=self.cluster)
+            config.write_text(text)
+            config.chmod(0o600)  # the route password's hash, and the users'
             command += ["-c", str(config)]
         # its own session: a Ctrl-C on the terminal must not stop NATS before the roles have said goodbye on it
         self.process = subprocess.Popen(

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import IO
 
 from kvmesh.certs import NATS_DIR, ProcessCertificates
+from kvmesh.nats_cluster import MIN_SIZE as MIN_CLUSTER_SIZE
+from kvmesh.nats_cluster import NatsCluster
 from kvmesh.nats_config import ServerTLS
 from kvmesh.nats_server import EmbeddedNats, free_port
 from kvmesh.supervisor import Child, RestartPolicy, Supervisor
@@ -58,6 +60,7 @@ class MeshPlan:
     http_port: int = 8080
     grpc_port: int = 50050
     nats_url: str | None = None  # None: start an embedded server
+    nats_cluster: int = 1  # nodes of the embedded NATS: 1 server, or a cluster of 3 or more (JetStream replicas 3)
     api_keys: tuple[str, ...] = ()  # empty: generate a development key
     env: dict[str, str] = field(default_factory=dict)  # extra KVMESH_* settings for every child
 
@@ -67,6 +70,10 @@ class MeshPlan:
                 raise ValueError(f"--{role} must not be negative")
         if self.prefill < 1 or self.decode < 1 or self.balancer < 1 or self.gateway < 1:
             raise ValueError("a mesh needs at least one prefill, one decode, one balancer and one gateway")
+        if self.nats_cluster != 1 and self.nats_cluster < MIN_CLUSTER_SIZE:
+            raise ValueError(f"--nats-cluster must be 1 (one server) or at least {MIN_CLUSTER_SIZE}")
+        if self.nats_cluster > 1 and self.nats_url:
+            raise ValueError("--nats-cluster starts an embedded cluster: it cannot go with --nats URL")
 
 
 class Mesh:
@@ -83,8 +90,9 @@ class Mesh:
         # the key of /admin/v1/ (tenants, keys, prices): KVMESH_ADMIN_KEY, or one made for this run
         self.is_admin_key_generated = not os.environ.get("KVMESH_ADMIN_KEY")
         self.admin_key = os.environ.get("KVMESH_ADMIN_KEY") or "sk-kvmesh-admin-" + secrets.token_urlsafe(18)
-        self.nats: EmbeddedNats | None = None
+        self.nats: EmbeddedNats | NatsCluster | None = None
         self.nats_url = plan.nats_url or ""
+        self.nats_host = "127.0.0.1"  # where the embedded NATS listens (kvmesh.netns: the bridge's address)
         self.nats_tls: ssl.SSLContext | None = None  # with nats_url, for tools and tests: the embedded NATS's TLS
         self.children: list[Child] = []
         self._lock = threading.Lock()
@@ -93,8 +101,17 @@ class Mesh:
         self.is_stopping = False  # stop() began: an exit is expected, not a crash
 
     @property
+    def gateway_host(self) -> str:
+        """Where the gateway serves (kvmesh.netns: its host's address)."""
+        return "127.0.0.1"
+
+    @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.plan.http_port}"
+        return f"http://{self.gateway_host}:{self.plan.http_port}"
+
+    def child_command(self, role: str, index: int) -> list[str]:
+        """The command line of child `<role>-<index>` (kvmesh.netns runs it inside its host's namespace)."""
+        return [sys.executable, "-m", "kvmesh", "serve", role]
 
     def start(self) -> None:
         self.certificates = self.throwaway_certificates()
@@ -115,11 +132,17 @@ class Mesh:
             credentials = load_credentials(NATS_DIR, TLSSettings(tls_dir=str(nats_dir)))
             assert credentials is not None
             self.nats_tls = client_ssl_context(credentials)  # the server's own certificate: it may act as a client
-        self.nats = EmbeddedNats(workers=self.planned_workers(), insecure=settings.insecure, tls=tls).start()
+        workers, insecure = self.planned_workers(), settings.insecure
+        if self.plan.nats_cluster > 1:
+            size = self.plan.nats_cluster
+            self.nats = NatsCluster(size, self.nats_host, workers=workers, insecure=insecure, tls=tls).start()
+        else:
+            self.nats = EmbeddedNats(self.nats_host, workers=workers, insecure=insecure, tls=tls).start()
         self.nats_url = self.nats.url  # the administrator's, for tools and tests; each child gets its own user
         users = "no users (KVMESH_INSECURE=1)" if settings.insecure else "a user per worker"
         security = "TLS with client certificates" if tls is not None else "no TLS"
-        self.say(f"nats: embedded server at {self.nats.address} (JetStream on, {users}, {security})")
+        shape = f"cluster of {self.plan.nats_cluster}" if self.plan.nats_cluster > 1 else "server"
+        self.say(f"nats: embedded {shape} at {self.nats.address} (JetStream on, {users}, {security})")
 
     def nats_certificate_dir(self, settings: TLSSettings) -> Path | None:
         """Where the embedded NATS's certificate is (ca.pem, nats.pem, nats-key.pem), or None: no TLS."""
@@ -155,6 +178,8 @@ class Mesh:
     def child_env(self, role: str, index: int, http_port: int, grpc_port: int = 0) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
         env.update({k: v for k, v in os.environ.items() if k.startswith("KVMESH_")})  # the user's settings pass through
+        if isinstance(self.nats, NatsCluster):  # every stream and bucket on 3 nodes, unless the user says otherwise
+            env.setdefault("KVMESH_JETSTREAM_REPLICAS", str(self.nats.replicas))
         env.update(self.plan.env)
         env.update(
             {
@@ -214,7 +239,7 @@ class Mesh:
 
     def _popen(self, role: str, index: int, http_port: int, grpc_port: int, env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "kvmesh", "serve", role],
+            self.child_command(role, index),
             env=self.child_env(role, index, http_port, grpc_port) | env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import nats
+import nats.js.errors
 from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -34,6 +36,7 @@ from mesh.tracing import TRACEPARENT, context_from, span
 from mesh.tracing import headers as trace_headers
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 log = get_logger(__name__)
 
 
@@ -52,6 +55,12 @@ def redact(url: str) -> str:
     return ",".join(servers)
 
 
+def servers(url: str) -> list[str]:
+    """The servers of a URL list (`nats://a:4222,nats://b:4222`: a cluster's nodes), for the client's pool: it
+    connects to one and moves to another when that one goes."""
+    return [server.strip() for server in url.split(",") if server.strip()]
+
+
 def has_userinfo(url: str) -> bool:
     return any("@" in urlsplit(server.strip()).netloc for server in url.split(","))
 
@@ -68,6 +77,46 @@ def load_user(role: str, env: dict[str, str] | None = None) -> NatsUser | None:
             if path.is_file():
                 return read_user(path)
     return None
+
+
+def jetstream_replicas(env: dict[str, str] | None = None) -> int:
+    """Copies JetStream keeps of each stream and bucket the mesh creates (KVMESH_JETSTREAM_REPLICAS): 3 on a 3-node
+    cluster, so losing a node loses no acknowledged message and the others elect a new leader; 1 on one server.
+    Read where a stream is created, not cached: it is a property of the deployment, not of a connection."""
+    return load_settings(NatsSettings, env).jetstream_replicas
+
+
+# How long a JetStream call keeps trying while nobody answers it: a stream's leader was lost and its successor is
+# not elected yet, or this connection is moving to another node of the cluster. Elections after a node's SIGKILL
+# took 4.5-7.3 s here (tests/integration/test_nats_cluster.py; docs/reliability.md).
+ELECTION_BUDGET_S = 15.0
+# Errors that are no answer at all (an answer, like "key not found", is never retried)
+NO_ANSWER = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    asyncio.TimeoutError,
+)
+
+
+async def through_election(call: Callable[[], Awaitable[T]], budget_s: float = ELECTION_BUDGET_S) -> T:
+    """`call()`, tried again every so often while JetStream gives no answer (NO_ANSWER), until `budget_s` has
+    passed; then its last error. For a call on a request's path that must ride out a leader election: a stored
+    response written or read while the node that led its bucket is lost."""
+    deadline = time.monotonic() + budget_s
+    pause_s = 0.1
+    while True:
+        try:
+            return await call()
+        except NO_ANSWER:
+            if time.monotonic() + pause_s >= deadline:
+                raise
+        await asyncio.sleep(pause_s)
+        pause_s = min(pause_s * 2, 1.0)
 
 
 class Bus:
@@ -124,7 +173,7 @@ class Bus:
         try:
             client = await asyncio.wait_for(
                 nats.connect(
-                    url,
+                    servers(url),
                     name=name,
                     tls=tls,
                     tls_handshake_first=tls is not None and url.startswith("tls://"),

@@ -266,6 +266,19 @@ class NatsSettings:
         "a file with this process's NATS user and password (`kvmesh certs init` writes <role>/nats.creds); empty: "
         "nats.creds in KVMESH_TLS_DIR (or its <role>/), else user:password in KVMESH_NATS_URL; never logged",
     )
+    jetstream_replicas: int = setting(
+        1,
+        "copies JetStream keeps of the streams and buckets a role creates (KV events, usage, Responses store, "
+        "...): 1 on one NATS server, 3 on a 3-node cluster (`kvmesh up --nats-cluster 3` sets it); 1 to 5",
+    )
+
+    def __post_init__(self) -> None:
+        require(
+            1 <= self.jetstream_replicas <= 5,
+            "jetstream_replicas",
+            self.jetstream_replicas,
+            "must be 1 to 5 (JetStream's limit), and at most the NATS cluster's size",
+        )
 
 
 def process_variables(cls: type, roles: str) -> tuple[EnvVariable, ...]:

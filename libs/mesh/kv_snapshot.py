@@ -30,7 +30,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, ObjectNo
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from mesh.bus import Bus
+from mesh.bus import Bus, jetstream_replicas
 from mesh.logging import get_logger
 from mesh.pb import events_pb2
 
@@ -48,7 +48,9 @@ async def _pointer(js: JetStreamContext, create: bool) -> KeyValue | None:
         if not create:
             return None
         try:
-            return await js.create_key_value(KeyValueConfig(bucket=POINTER_BUCKET, history=1))
+            return await js.create_key_value(
+                KeyValueConfig(bucket=POINTER_BUCKET, history=1, replicas=jetstream_replicas())
+            )
         except Exception:  # another process created it in between
             return await js.key_value(POINTER_BUCKET)
 
@@ -60,7 +62,9 @@ async def _objects(js: JetStreamContext, create: bool) -> ObjectStore | None:
         if not create:
             return None
         try:
-            return await js.create_object_store(OBJECTS, ObjectStoreConfig(bucket=OBJECTS))
+            return await js.create_object_store(
+                OBJECTS, ObjectStoreConfig(bucket=OBJECTS, replicas=jetstream_replicas())
+            )
         except Exception:
             return await js.object_store(OBJECTS)
 

@@ -29,7 +29,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
 from mesh import kv_snapshot, metrics, subjects
-from mesh.bus import Bus
+from mesh.bus import Bus, jetstream_replicas
 from mesh.kv_index import GlobalKVIndex, tier_mask
 from mesh.logging import get_logger
 from mesh.pb import events_pb2
@@ -54,7 +54,13 @@ async def ensure_kv_stream(
         except NotFoundError:
             if not create:
                 return False
-        config = StreamConfig(name=STREAM, subjects=[subjects.ALL_KV_EVENTS], max_age=max_age_s, max_bytes=max_bytes)
+        config = StreamConfig(
+            name=STREAM,
+            subjects=[subjects.ALL_KV_EVENTS],
+            max_age=max_age_s,
+            max_bytes=max_bytes,
+            num_replicas=jetstream_replicas(),
+        )
         try:
             await js.add_stream(config)
         except Exception:  # another role created it in between (or a config race): fine if it now exists

@@ -14,6 +14,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from mesh.bus import jetstream_replicas
 from mesh.logging import get_logger
 from mesh.pb import events_pb2
 from mesh.routing.canary import Split
@@ -57,7 +58,9 @@ class RolloutStore:
                     self._kv = await js.key_value(BUCKET)
                 except BucketNotFoundError:
                     try:
-                        self._kv = await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1))
+                        self._kv = await js.create_key_value(
+                            KeyValueConfig(bucket=BUCKET, history=1, replicas=jetstream_replicas())
+                        )
                     except Exception:  # another replica created it in between
                         self._kv = await js.key_value(BUCKET)
         return self._kv

@@ -5,6 +5,9 @@ nothing. Without NATS (embedding, unit tests) a process-local dict stands in.
 A record is the response object plus the conversation that led to it, as chat messages (instructions
 excluded: they do not carry over to a follow-up), and the tenant it belongs to: another tenant's get or
 delete finds nothing, exactly as for an id that was never stored.
+
+On a NATS cluster a store or read that meets a leader election (the node leading the bucket lost) is retried until
+a new leader answers (`mesh.bus.through_election`): the request waits seconds instead of failing.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import json
 from typing import Any
 
+from mesh.bus import jetstream_replicas, through_election
 from mesh.logging import get_logger
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.tenancy.principal import DEFAULT_TENANT
@@ -48,7 +52,7 @@ class ResponseStore:
                     from nats.js.api import KeyValueConfig
 
                     self._kv = await js.create_key_value(
-                        KeyValueConfig(bucket=self._bucket, history=1, ttl=self._ttl_s)
+                        KeyValueConfig(bucket=self._bucket, history=1, ttl=self._ttl_s, replicas=jetstream_replicas())
                     )
         return self._kv
 
@@ -62,11 +66,17 @@ class ResponseStore:
             self._local[response_id] = data
             return True
         try:
-            await (await self._open()).put(response_id, data)
+            await through_election(lambda: self._put(response_id, data))
         except Exception as exc:  # the bus failing must not fail a response already generated
             log.warning("storing the response failed", response_id=response_id, error=str(exc)[:200])
             return False
         return True
+
+    async def _put(self, response_id: str, data: bytes) -> None:
+        await (await self._open()).put(response_id, data)
+
+    async def _entry(self, response_id: str) -> Any:
+        return await (await self._open()).get(response_id)
 
     async def get(self, response_id: str, tenant_id: str = DEFAULT_TENANT) -> dict[str, Any] | None:
         """The record, if it exists and belongs to `tenant_id` (None otherwise: the same answer for both)."""
@@ -82,7 +92,7 @@ class ResponseStore:
         from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
         try:
-            entry = await (await self._open()).get(response_id)
+            entry = await through_election(lambda: self._entry(response_id))
         except (KeyNotFoundError, KeyDeletedError):
             return None
         except Exception as exc:
@@ -98,5 +108,8 @@ class ResponseStore:
         if self._client is None:
             self._local.pop(response_id, None)
         else:
-            await (await self._open()).delete(response_id)
+            await through_election(lambda: self._delete(response_id))
         return True
+
+    async def _delete(self, response_id: str) -> None:
+        await (await self._open()).delete(response_id)

@@ -38,6 +38,7 @@ from kvmesh.bench.faults import (
     wait_until_serving,
 )
 from kvmesh.bench.load import Load
+from kvmesh.nats_server import EmbeddedNats
 
 if TYPE_CHECKING:
     from kvmesh.up import Mesh
@@ -226,7 +227,7 @@ class FaultSuite:
         pruned for the heartbeats NATS did not carry) and, with a victim, seconds until every balancer ejected it
         (gRPC health checks, mesh.health)."""
         nats = self.mesh.nats
-        assert nats is not None and nats.process is not None, "the mesh's own NATS"
+        assert isinstance(nats, EmbeddedNats) and nats.process is not None, "the mesh's own NATS, one server"
         restarted = threading.Event()
         notes: dict[str, Any] = {}
 

@@ -34,7 +34,7 @@ from nats.js.client import JetStreamContext
 from sqlalchemy import select
 
 from mesh import subjects
-from mesh.bus import Bus
+from mesh.bus import Bus, jetstream_replicas
 from mesh.logging import get_logger
 from mesh.pb import events_pb2
 from mesh.tasks import cancel_until_done
@@ -62,6 +62,7 @@ async def ensure_finished_stream(js: JetStreamContext) -> None:
         storage=StorageType.FILE,
         max_age=FINISHED_MAX_AGE_S,
         max_bytes=FINISHED_MAX_BYTES,
+        num_replicas=jetstream_replicas(),
     )
     await ensure_stream(js, config)
 

@@ -37,7 +37,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from mesh import subjects
-from mesh.bus import Bus
+from mesh.bus import Bus, jetstream_replicas
 from mesh.logging import get_logger
 from mesh.metrics import USAGE_DROPPED, USAGE_PUBLISHED, USAGE_QUEUED, USAGE_WRITTEN
 from mesh.pb import events_pb2
@@ -78,6 +78,7 @@ async def ensure_usage_stream(js: JetStreamContext) -> None:
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         duplicate_window=DUPLICATE_WINDOW_S,
+        num_replicas=jetstream_replicas(),
     )
     await ensure_stream(js, config)
 

@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from mesh.bus import jetstream_replicas
 from mesh.logging import get_logger
 from mesh.tasks import cancel_until_done
 from services.gateway.errors import ErrorKind, GatewayError
@@ -658,7 +659,7 @@ class Limiter:
             try:
                 kv = await self._io(js.key_value(self._bucket))
             except BucketNotFoundError:
-                config = KeyValueConfig(bucket=self._bucket, history=1, ttl=ENTRY_TTL_S)
+                config = KeyValueConfig(bucket=self._bucket, history=1, ttl=ENTRY_TTL_S, replicas=jetstream_replicas())
                 kv = await self._io(js.create_key_value(config))
             self._watcher = await self._io(kv.watchall())
             self._follower = asyncio.ensure_future(self._follow(self._watcher))
