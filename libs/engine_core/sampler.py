@@ -4,10 +4,21 @@ Order of operations (as vLLM and transformers apply them): token masks, penaltie
 greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Logprobs come from the model's raw
 distribution, before any of these.
 
-Random draws use the exponential race (argmax of p / q with q ~ Exp(1)), which samples from p exactly.
-A seeded request draws its q from a generator seeded by (seed, output position), so its tokens depend
-only on its own logits: the same seed gives the same tokens whatever else is in the batch, and the
-stream continues identically after a preemption or after its KV moved to another engine.
+Cost: sampling must stay a small share of a model step for any settings (`kvmesh bench sampler`), so nothing
+here sorts the vocabulary or draws noise over it:
+- a draw is one uniform number per row and an inverse-CDF pick (a cumulative sum and a binary search);
+- top-k takes the k largest logits (`topk`, a partial selection) and the rest works on those k candidates;
+- top-p and min-p without top-k keep only the tokens that can survive them (`sampling_candidates.py`) and sort
+  those few;
+- penalties touch only the tokens that occurred, for all rows in one gather and scatter.
+Rows that need the same work (greedy; the whole distribution; top-k of one k; top-p/min-p candidates) run as one
+batched op per group.
+
+Seeds: a seeded request's uniform is a hash of (seed, output position), so its tokens depend only on its own
+logits and parameters: the same seed gives the same tokens whatever else is in the batch, and the stream continues
+identically after a preemption or after its KV moved to another engine. That holds because every computation on
+a row is row-wise (the same result whatever rows share the tensor and whatever padding follows the row) and a
+row's group depends only on its own parameters.
 """
 
 from __future__ import annotations
@@ -18,8 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from engine_core.request import Request, TokenLogprobs
+from engine_core.sampling_candidates import Candidates, full_distribution, nucleus_candidates, top_k_candidates
+from engine_core.sampling_params import SamplingParams
 
-_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the generator's seed space
+_MASK64 = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -30,81 +43,154 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self._generator = torch.Generator().manual_seed(seed)  # draws of unseeded requests
+        # uniforms of unseeded requests; only this sampler draws from it, in batch order
+        self._generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """logits (B, V), one row per request (any float dtype, any device)."""
-        logits = logits.to(torch.float32, copy=True)  # our own copy: masks and penalties write it in place
+        """logits (B, V), one row per request (any float dtype, any device); the caller's tensor is not written."""
         raw_logprobs = _raw_logprobs(logits, requests)
+        logits = logits.to(torch.float32, copy=_writes_logits(requests))  # masks and penalties write in place
         logits = _apply_masks(logits, requests)
         logits = _apply_penalties(logits, requests)
         logits = _apply_min_tokens(logits, requests)
         token_ids = self._choose(logits, requests)
         logprobs = [
             _token_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
-            if raw_logprobs is not None and r.sampling_params.logprobs is not None
+            if i in raw_logprobs and r.sampling_params.logprobs is not None
             else None
             for i, r in enumerate(requests)
         ]
         return SamplerOutput(token_ids, logprobs)
 
     def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if not random_rows:
-            return greedy
-        subset = [requests[i] for i in random_rows]
-        probs = _filtered_probs(logits[random_rows], subset)  # (b, V)
-        noise = torch.stack([self._exponential(r, probs.shape[-1]) for r in subset]).to(probs.device)
-        drawn = (probs / noise).argmax(dim=-1).tolist()
-        for row, token in zip(random_rows, drawn, strict=True):
-            greedy[row] = token
-        return greedy
+            return logits.argmax(dim=-1).tolist()
+        token_ids = [0] * len(requests)
+        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
+        if greedy_rows:
+            chosen = logits[_index(greedy_rows, logits)].argmax(dim=-1).tolist()
+            for row, token in zip(greedy_rows, chosen, strict=True):
+                token_ids[row] = token
+        uniforms = dict(zip(random_rows, self._uniforms([requests[i] for i in random_rows]), strict=True))
+        for rows in _groups(random_rows, requests, logits.shape[-1]).values():
+            params = [requests[i].sampling_params for i in rows]
+            candidates = _candidates(logits[_index(rows, logits)], params)
+            chosen = _draw(candidates, params, [uniforms[i] for i in rows]).tolist()
+            for row, token in zip(rows, chosen, strict=True):
+                token_ids[row] = token
+        return token_ids
 
-    def _exponential(self, request: Request, vocab_size: int) -> torch.Tensor:
-        seed = request.sampling_params.seed
-        generator = self._generator
-        if seed is not None:
-            position = request.num_output_tokens
-            generator = torch.Generator().manual_seed((seed * _MIX + position) % 2**63)
-        return torch.empty(vocab_size).exponential_(generator=generator)
+    def _uniforms(self, requests: Sequence[Request]) -> list[float]:
+        """One uniform in [0, 1) per request: from its (seed, output position) when seeded, else fresh."""
+        num_unseeded = sum(r.sampling_params.seed is None for r in requests)
+        fresh = iter(torch.rand(num_unseeded, generator=self._generator, dtype=torch.float64).tolist())
+        return [
+            next(fresh)
+            if r.sampling_params.seed is None
+            else seeded_uniform(r.sampling_params.seed, r.num_output_tokens)
+            for r in requests
+        ]
 
 
-def _filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    params = [r.sampling_params for r in requests]
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    logits = logits / temperature[:, None]
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        logits = _top_k_top_p(logits, params)
-    probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if bool((min_p > 0).any()):
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-        probs = probs.masked_fill(probs < threshold, 0.0)
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) (53 random bits) that only (seed, position) decide: splitmix64 twice."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0**-53
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _groups(rows: list[int], requests: Sequence[Request], vocab_size: int) -> dict[tuple[str, int], list[int]]:
+    """Rows that need the same work, keyed by it: a row's key depends only on its own parameters."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i in rows:
+        params = requests[i].sampling_params
+        if 0 < params.top_k < vocab_size:
+            key = ("top_k", params.top_k)
+        elif params.top_p < 1.0 or params.min_p > 0.0:
+            key = ("nucleus", 0)
+        else:
+            key = ("full", 0)
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def _candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Candidates:
+    """The tokens a group's rows can draw, with their probabilities (see sampling_candidates)."""
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    top_k = params[0].top_k  # a group shares its top-k (or has none within the vocabulary)
+    if 0 < top_k < logits.shape[-1]:
+        return top_k_candidates(logits, temperature, top_k)
+    if any(p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+        return nucleus_candidates(logits, temperature, top_p, min_p)
+    return full_distribution(logits, temperature)
+
+
+def _draw(candidates: Candidates, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> torch.Tensor:
+    """One token id per row (b,): top-p and min-p on the candidates, then an inverse-CDF pick."""
+    probs = filtered_probs(candidates, params)
+    target = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)
+    picked = pick(probs, target)  # (b,)
+    return picked if candidates.token_ids is None else candidates.token_ids.gather(-1, picked[:, None])[:, 0]
+
+
+def filtered_probs(candidates: Candidates, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The candidates' probabilities (b, K) with top-p and min-p applied (not renormalized: the pick scales)."""
+    probs = candidates.probs
+    top_p = torch.tensor([p.top_p for p in params], device=probs.device)
+    if bool((top_p < 1.0).any()):
+        assert candidates.is_sorted, "top-p needs candidates in descending order"
+        before = probs.cumsum(dim=-1) - probs  # (b, K) mass of the more likely candidates
+        # keep the smallest prefix whose mass reaches top_p (the crossing token is kept); rows without top-p
+        # keep everything, whatever rounding did to their sums
+        drop = (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        drop[:, 0] = False
+        probs = probs.masked_fill(drop, 0.0)
+    min_p = torch.tensor([p.min_p for p in params], device=probs.device)
+    if bool((min_p > 0.0).any()):  # relative to the best token: a row with min_p 0 drops nothing
+        probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p[:, None], 0.0)
     return probs
 
 
-def _top_k_top_p(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (b, V)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    # keep the smallest prefix whose mass reaches top_p (the token crossing the line is kept)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p[:, None]
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+def pick(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: per row of probs (b, K) (any non-negative weights), the first index whose cumulative weight
+    exceeds uniform x total; uniforms (b,) float64 in [0, 1). A zero-weight index is never picked."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # (b, K); float64: no rounding drift over 49k terms
+    total = cdf[:, -1:]  # (b, 1)
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    # strictly below the total, the first index whose cdf exceeds the target is one where the cdf rose
+    picked = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)  # (b, 1)
+    picked = torch.where(total > 0, picked, probs.argmax(dim=-1, keepdim=True))  # a row with nothing left
+    return picked[:, 0]
 
 
-def _raw_logprobs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor | None:
-    if all(r.sampling_params.logprobs is None for r in requests):
-        return None
-    return logits.log_softmax(dim=-1)
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=like.device)
+
+
+def _writes_logits(requests: Sequence[Request]) -> bool:
+    return any(
+        r.sampling_params.token_mask is not None
+        or r.sampling_params.has_penalties
+        or r.num_output_tokens < r.sampling_params.min_tokens
+        for r in requests
+    )
+
+
+def _raw_logprobs(logits: torch.Tensor, requests: Sequence[Request]) -> dict[int, torch.Tensor]:
+    """The model's own log-probabilities of the rows that asked for logprobs, by row."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not rows:
+        return {}
+    values = logits[_index(rows, logits)].to(torch.float32).log_softmax(dim=-1)
+    return dict(zip(rows, values, strict=True))
 
 
 def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
@@ -129,22 +215,34 @@ def _apply_masks(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Ten
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
-    if not rows:
-        return logits
-    vocab = logits.shape[-1]
-    for i in rows:
-        request, params = requests[i], requests[i].sampling_params
-        row = logits[i]
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long, device=row.device)
-            values = row[seen]
-            row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-        if request.output_token_ids and (params.presence_penalty or params.frequency_penalty):
-            ids = torch.tensor(request.output_token_ids, dtype=torch.long, device=row.device)
-            counts = torch.bincount(ids, minlength=vocab).to(row.dtype)
-            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+    """Repetition penalty on every token of the prompt and output, then presence and frequency penalties on the
+    output's tokens: only those positions are read and written, all rows at once."""
+    params = [r.sampling_params for r in requests]
+    repeated = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    counted = [
+        i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and requests[i].output_token_ids
+    ]
+    flat, vocab = logits.view(-1), logits.shape[-1]  # (B * V,): position = row * V + token id
+    if repeated:
+        positions = _flat_positions([requests[i].all_token_ids for i in repeated], repeated, vocab, logits).unique()
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[positions // vocab]
+        values = flat[positions]
+        flat[positions] = torch.where(values > 0, values / penalty, values * penalty)
+    if counted:
+        ids = _flat_positions([requests[i].output_token_ids for i in counted], counted, vocab, logits)
+        positions, counts = ids.unique(return_counts=True)
+        row = positions // vocab
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device)[row]
+        presence = torch.tensor([p.presence_penalty for p in params], device=logits.device)[row]
+        flat[positions] -= frequency * counts.to(flat.dtype) + presence
     return logits
+
+
+def _flat_positions(token_lists: list[list[int]], rows: list[int], vocab: int, like: torch.Tensor) -> torch.Tensor:
+    """Each row's tokens as positions in the flattened (B * V,) logits, concatenated."""
+    return torch.cat(
+        [torch.tensor(tokens, dtype=torch.long) + row * vocab for tokens, row in zip(token_lists, rows, strict=True)]
+    ).to(like.device)
 
 
 def _apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -11,6 +11,7 @@ kvmesh certs init DIR               a CA and one certificate per role (mutual TL
 kvmesh serve ROLE                   one role (gateway, encoder, prefill, decode, kvcache, balancer, expert_lb),
                                     configured by KVMESH_*
 kvmesh bench engine --json          engine throughput against transformers
+kvmesh bench sampler --json         sampling's cost per decode step, per setting, on real logits
 kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store (also kv-transfer, kv-ttft)
 kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
 kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
@@ -187,6 +188,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.expert import run_expert_bench
 
         result = run_expert_bench(quick=args.quick, seed=args.seed)
+    elif args.bench_command == "sampler":
+        from kvmesh.bench.sampler import run as run_sampler
+
+        result = run_sampler(args)
     elif args.bench_command == "spans":
         from kvmesh.bench.spans import run_span_bench
 
@@ -346,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--json", action="store_true", help="one line of JSON")
 
+    from kvmesh.bench.sampler import add_parser as add_sampler_bench_parser
+
+    add_sampler_bench_parser(bench_commands)
     spans = bench_commands.add_parser("spans", help="CPU time of one span, tracing off and on, and its OTLP encoding")
     spans.add_argument("--spans", type=int, default=5000, help="spans per measurement")
     spans.add_argument("--repeats", type=int, default=5, help="measurements, median reported")

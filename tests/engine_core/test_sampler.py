@@ -145,3 +145,127 @@ def test_invalid_parameters_name_the_parameter(kwargs, param):
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(**kwargs)
     assert info.value.param == param and str(info.value).startswith(param)
+
+
+# -- the sampler's pieces, against a full sort of the vocabulary -------------------------------------------------
+
+WIDE_VOCAB = 1000  # above NUCLEUS_WIDTH: flat rows take the survivors' path
+
+
+def wide_rows() -> torch.Tensor:
+    """(4, WIDE_VOCAB): two peaked rows (a real model's shape) and two flat ones (nucleus far above 256)."""
+    generator = torch.Generator().manual_seed(11)
+    peaked = torch.randn(2, WIDE_VOCAB, generator=generator) * 4
+    flat = torch.randn(2, WIDE_VOCAB, generator=generator) * 0.3
+    return torch.cat([peaked, flat])
+
+
+def reference_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution the settings define, by sorting the whole vocabulary (the definition, not the fast way)."""
+    scaled = row / params.temperature
+    ordered, order = scaled.sort(descending=True, stable=True)
+    if params.top_k:
+        ordered[params.top_k :] = float("-inf")
+    probs = ordered.softmax(-1)
+    keep = (probs.cumsum(-1) - probs) < params.top_p if params.top_p < 1.0 else probs >= 0
+    keep[0] = True
+    probs = torch.where(keep, probs, 0.0)
+    probs = torch.where(probs >= probs.max() * params.min_p, probs, 0.0)
+    return torch.zeros_like(row).scatter(0, order, probs / probs.sum())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0.8, top_k=50),
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, min_p=0.1),
+        SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05),
+    ],
+    ids=["temperature", "top_k", "top_k_top_p", "top_p", "min_p", "top_p_min_p"],
+)
+def test_the_candidates_hold_exactly_the_distribution_a_full_sort_defines(params: SamplingParams) -> None:
+    from engine_core.sampler import _candidates, filtered_probs
+
+    rows = wide_rows()
+    batch = [params] * len(rows)
+    candidates = _candidates(rows, batch)
+    probs = filtered_probs(candidates, batch)
+    ids = candidates.token_ids if candidates.token_ids is not None else torch.arange(WIDE_VOCAB).expand_as(probs)
+    for i, row in enumerate(rows):
+        dense = torch.zeros(WIDE_VOCAB).index_add_(0, ids[i], probs[i])
+        expected = reference_probs(row, params)
+        assert torch.equal(dense > 0, expected > 0), "the kept tokens differ"
+        torch.testing.assert_close(dense / dense.sum(), expected, atol=1e-6, rtol=1e-5)
+    if params.top_p < 1.0 and not params.top_k:
+        assert probs.shape[-1] > 256  # the flat rows did not fit the first selection
+
+
+def test_the_pick_is_the_inverse_cdf_and_never_a_zero_weight_token() -> None:
+    from engine_core.sampler import pick
+
+    probs = torch.tensor([[0.5, 0.3, 0.0, 0.2]] * 6 + [[0.0, 0.0, 0.0, 0.0]])
+    uniforms = torch.tensor([0.0, 0.49, 0.5, 0.79, 0.81, 1 - 2**-53, 0.3], dtype=torch.float64)
+    assert pick(probs, uniforms).tolist() == [0, 0, 1, 1, 3, 3, 0]
+    weights = torch.tensor([[0.0, 2.0, 0.0, 0.0]])  # unnormalized; the last tokens have no weight
+    assert pick(weights, torch.tensor([1 - 2**-53], dtype=torch.float64)).tolist() == [1]
+
+
+def test_a_seeded_uniform_is_fixed_by_seed_and_position() -> None:
+    from engine_core.sampler import _splitmix64, seeded_uniform
+
+    assert _splitmix64(0) == 0xE220A8397B1DCDAF  # splitmix64's published first output from state 0
+    # pinned: a change here changes every seeded stream a client has seen
+    assert seeded_uniform(0, 0) == 0.6524484863740322
+    assert seeded_uniform(1234, 7) == 0.6981341974772763
+    assert seeded_uniform(-1, 0) == seeded_uniform(2**64 - 1, 0)  # a negative seed is its 64-bit pattern
+    values = [seeded_uniform(seed, position) for seed in range(20) for position in range(20)]
+    assert len(set(values)) == 400 and all(0.0 <= v < 1.0 for v in values)
+
+
+def test_a_seeded_row_is_the_same_whatever_groups_share_its_batch() -> None:
+    rows = wide_rows()
+    others = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.9),  # on a flat row: the survivors' path widens the group
+        SamplingParams(temperature=0.5, min_p=0.2),
+    ]
+    for seed in range(10):
+        for params in (
+            SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=seed, repetition_penalty=1.2),
+            SamplingParams(temperature=1.0, top_p=0.9, seed=seed),
+            SamplingParams(temperature=0.8, seed=seed),
+        ):
+            for row in (0, 3):
+                alone = sample([params], [rows[row]]).token_ids[0]
+                crowded = sample(
+                    [*others, params], [rows[2], rows[1], rows[3], rows[0], rows[row]], sampler=Sampler(seed)
+                )
+                assert crowded.token_ids[-1] == alone
+
+
+def test_penalties_of_several_rows_apply_to_their_own_rows_only() -> None:
+    from engine_core.sampler import _apply_penalties
+
+    rows = torch.full((2, VOCAB), 1.0)
+    first = make_request("a", [3, 3, 4], SamplingParams(repetition_penalty=2.0))
+    second = make_request("b", [4], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    for t in (3, 3, 5):
+        first.append_output_token(t)
+        second.append_output_token(t)
+    out = _apply_penalties(rows.clone(), [first, second])
+    assert out[0, [3, 4, 5, 6]].tolist() == [0.5, 0.5, 0.5, 1.0]
+    assert out[1, [3, 4, 5, 6]].tolist() == [1.0 - 0.5 - 0.5, 1.0, 1.0 - 0.5 - 0.25, 1.0]
+
+
+def test_the_callers_logits_are_not_written() -> None:
+    rows = torch.stack([logits_row(0), logits_row(1)])
+    before = rows.clone()
+    params = SamplingParams(temperature=0.7, repetition_penalty=1.5, min_tokens=3, stop_token_ids=[4])
+    sample([params, params], list(rows), outputs=[[1, 4], [2]])
+    requests = [make_request("r", [1, 2], params)]
+    Sampler()(rows, requests)
+    assert torch.equal(rows, before)
