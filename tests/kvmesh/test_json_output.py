@@ -15,13 +15,14 @@ import pytest
 DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data/README.md
 TRACE = str(DATA / "mooncake" / "conversation_trace_first300.jsonl")
 TINY = ("--model", "deepseek-tiny")
+QUICK_ENGINE = ("--max-output-tokens", "4", "--repeats", "1")
 # the command line, and a key its report must have
 COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "engine": (
-        ("bench", "engine", *TINY, "--quick", "--concurrency", "1", "--max-prompt-tokens", "16")
-        + ("--max-output-tokens", "4", "--repeats", "1"),
+        ("bench", "engine", *TINY, "--quick", "--concurrency", "1", "--max-prompt-tokens", "16", *QUICK_ENGINE),
         "results",
     ),
+    "sampler": (("bench", "sampler", *TINY, "--quick"), "results"),
     "expert": (("bench", "expert", "--quick"), "results"),
     "kvcache": (("bench", "kvcache", "--trace", TRACE), "hit_rate"),
     "kv-transfer": (("bench", "kv-transfer", "--megabytes", "4", "--block-kib", "256", "--repeats", "1"), "store_gbps"),
