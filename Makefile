@@ -19,6 +19,10 @@ models: install  ## fetch smollm2-135m and write deepseek-tiny (once)
 up: models  ## the whole mesh on this machine: http://127.0.0.1:8080 (prints an API key)
 	$(BIN)/kvmesh up $(UP_ARGS)
 
+.PHONY: netns-up
+netns-up: models  ## the mesh with every role a host of its own (network namespaces on a bridge; root, iproute2)
+	$(BIN)/kvmesh up --netns $(UP_ARGS)
+
 EVAL_DATA := libs/kvmesh/eval/data
 eval: install  ## the default workload against `make up`'s mesh ($$KVMESH_API_KEY): eval-result.json, eval-report/
 	$(BIN)/kvmesh eval run --workload $(EVAL_DATA)/conversation_trace_first32.jsonl \

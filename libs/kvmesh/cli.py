@@ -28,11 +28,16 @@ kvmesh config --markdown            docs/configuration.md from the settings (--m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from engine_core import model_store
+
+if TYPE_CHECKING:
+    from kvmesh.up import Mesh, MeshPlan
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -107,7 +112,27 @@ def _up(args: argparse.Namespace) -> int:
         nats_url=args.nats,
         nats_cluster=args.nats_cluster,
     )
-    mesh = Mesh(plan)
+    with contextlib.ExitStack() as stack:
+        mesh = _netns_mesh(plan, stack) if args.netns else Mesh(plan)
+        return _run_mesh(mesh, plan)
+
+
+def _netns_mesh(plan: MeshPlan, stack: contextlib.ExitStack) -> Mesh:
+    """`kvmesh up --netns`: every child a host of its own (kvmesh.netns), removed again when the mesh stops."""
+    from kvmesh.netns import Hosts, NetnsMesh, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        raise ValueError(f"--netns: {reason}")
+    hosts = stack.enter_context(Hosts())
+    mesh = NetnsMesh(hosts, plan)
+    for name, host in hosts.hosts.items():
+        print(f"netns: {name} on {host.address} (namespace {host.namespace})", file=sys.stderr)
+    print(f"netns: NATS and this shell on {hosts.address} (bridge {hosts.bridge})", file=sys.stderr)
+    return mesh
+
+
+def _run_mesh(mesh: Mesh, plan: MeshPlan) -> int:
     try:
         mesh.start()
         mesh.wait_ready()
@@ -176,6 +201,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.scale import run as run_scale
 
         return run_scale(args)
+    if args.bench_command == "netns":
+        from kvmesh.bench.netns_bench import run as run_netns
+
+        return run_netns(args)
     if args.bench_command == "soak":
         from kvmesh.bench.soak import run as run_soak
 
@@ -277,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run the embedded NATS as a cluster of N nodes (3 or more), JetStream replicas 3 (docs/reliability.md)",
     )
+    up.add_argument(
+        "--netns",
+        action="store_true",
+        help="every child in a network namespace of its own on a bridge, its own address (root; docs/scale.md)",
+    )
 
     serve = commands.add_parser("serve", help="run one role in the foreground (configured by KVMESH_* variables)")
     serve.add_argument("role", choices=ROLES)
@@ -312,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_soak_bench_parser(bench_commands)
     add_faults_bench_parser(bench_commands)
+    from kvmesh.bench.netns_bench import add_parser as add_netns_bench_parser
+
+    add_netns_bench_parser(bench_commands)
     serve_bench = bench_commands.add_parser("serve", help="the mesh under load through its REST API")
     serve_bench.add_argument(
         "--concurrency", type=int, nargs="+", default=[4], help="requests in flight (several: with --trace-rounds)"

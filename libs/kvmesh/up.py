@@ -109,6 +109,11 @@ class Mesh:
     def base_url(self) -> str:
         return f"http://{self.gateway_host}:{self.plan.http_port}"
 
+    def child_host(self, name: str) -> str:
+        """The address child `name` binds and announces, where its /metrics and /readyz are (kvmesh.netns: its
+        host's)."""
+        return "127.0.0.1"
+
     def child_command(self, role: str, index: int) -> list[str]:
         """The command line of child `<role>-<index>` (kvmesh.netns runs it inside its host's namespace)."""
         return [sys.executable, "-m", "kvmesh", "serve", role]

@@ -32,6 +32,7 @@ class ReceivedSpan:
     attributes: dict[str, Any]
     events: tuple[str, ...]
     is_error: bool
+    duration_s: float = 0.0  # end minus start, by the clock of the process that made it
 
 
 def value_of(value: common_pb2.AnyValue) -> Any:
@@ -48,22 +49,24 @@ def attributes_of(pairs: Any) -> dict[str, Any]:
 
 
 class OTLPSink:
-    """Listens on 127.0.0.1: gRPC on `grpc_port`, HTTP on `http_port`. Thread-safe `spans()`."""
+    """Listens on `host` (kvmesh.netns: the bridge's address): gRPC on `grpc_port`, HTTP on `http_port`.
+    Thread-safe `spans()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self._spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self._grpc = grpc.server(futures.ThreadPoolExecutor(4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Servicer(self.take), self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port("127.0.0.1:0")
-        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self.take))
+        self.grpc_port = self._grpc.add_insecure_port(f"{host}:0")
+        self._http = http.server.ThreadingHTTPServer((host, 0), _handler_for(self.take))
         self.http_port = self._http.server_address[1]
         self._http_thread = threading.Thread(target=self._http.serve_forever, daemon=True)
 
     def exporter_env(self) -> dict[str, str]:
         """The standard settings that point a process's OTLP/gRPC exporter here."""
         return {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.grpc_port}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{self.host}:{self.grpc_port}",
             "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
         }
 
@@ -111,6 +114,7 @@ def _flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> Iterator[R
                     attributes=attributes_of(span.attributes),
                     events=tuple(event.name for event in span.events),
                     is_error=span.status.code == trace_pb2.Status.STATUS_CODE_ERROR,
+                    duration_s=(span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
                 )
 
 
