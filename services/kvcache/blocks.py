@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from mesh.erasure import Protection
 from mesh.kv_blocks import DTYPE_BYTES, KVLayout, checksum
 
 
@@ -31,6 +32,10 @@ class Fragment:
     def num_bytes(self, num_block_bytes: int) -> int:
         return -(-num_block_bytes // self.num_data)
 
+    @property
+    def protection(self) -> Protection:
+        return Protection(self.num_data, self.num_total - self.num_data)
+
 
 WHOLE = Fragment()
 
@@ -54,6 +59,20 @@ class Block:
 
     def without_data(self) -> Block:
         return replace(self, data=b"")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHint:
+    """What the store tells a tier's eviction policy about a block as it enters: the features a predicting policy
+    (`reuse`) classes blocks by. Filled by `BlockStore.put` from the Put itself, with no state of its own."""
+
+    position: int = 0  # the block's place in the chain run of its Put (0: the run's first block)
+    run_blocks: int = 1  # how many blocks that run carries: a whole document's prompt, or one turn's new part
+    continues: bool = False  # the run's first block extends a chain this store holds (the prompt hit a prefix)
+    traffic_class: str = ""  # the block's class ("" is the store's default)
+
+
+NO_HINT = BlockHint()
 
 
 def rejection(block: Block, capacity_bytes: int) -> str | None:

@@ -24,12 +24,15 @@ import itertools
 from collections import OrderedDict
 from typing import Protocol
 
-POLICIES = ("lru", "s3fifo", "lfuda")
+from services.kvcache.blocks import NO_HINT, BlockHint
+from services.kvcache.reuse import ReusePolicy
+
+POLICIES = ("lru", "s3fifo", "lfuda", "reuse")
 DEFAULT_POLICY = "lfuda"
 
 
 class EvictionPolicy(Protocol):
-    def insert(self, key: bytes, size: int) -> None: ...
+    def insert(self, key: bytes, size: int, hint: BlockHint = NO_HINT) -> None: ...
 
     def touch(self, key: bytes) -> None: ...
 
@@ -46,7 +49,7 @@ class LRUPolicy:
     def __init__(self, capacity_bytes: int = 0) -> None:
         self._keys: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
 
-    def insert(self, key: bytes, size: int) -> None:
+    def insert(self, key: bytes, size: int, hint: BlockHint = NO_HINT) -> None:
         self._keys[key] = size
         self._keys.move_to_end(key)
 
@@ -81,7 +84,7 @@ class S3FIFOPolicy:
         self._freq: dict[bytes, int] = {}
         self._small_bytes = 0
 
-    def insert(self, key: bytes, size: int) -> None:
+    def insert(self, key: bytes, size: int, hint: BlockHint = NO_HINT) -> None:
         self.remove(key)
         self._freq[key] = 0
         if self._ghost.pop(key, 0) is None:  # seen recently: it earned main
@@ -151,7 +154,7 @@ class LFUDAPolicy:
         self._heap: list[tuple[int, int, bytes]] = []  # (priority, order, key); order breaks ties oldest first
         self._order = itertools.count()
 
-    def insert(self, key: bytes, size: int) -> None:
+    def insert(self, key: bytes, size: int, hint: BlockHint = NO_HINT) -> None:
         self._freq[key] = 1
         self._push(key)
 
@@ -192,4 +195,6 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
         return LRUPolicy(capacity_bytes)
     if name == "s3fifo":
         return S3FIFOPolicy(capacity_bytes)
+    if name == "reuse":
+        return ReusePolicy(capacity_bytes)
     raise ValueError(f"unknown eviction policy {name!r}: expected one of {', '.join(POLICIES)}")

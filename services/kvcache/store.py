@@ -23,9 +23,11 @@ from pathlib import Path
 from types import MappingProxyType
 
 from services.kvcache.blocks import (
+    NO_HINT,
     WHOLE,
     Block,
     BlockError,
+    BlockHint,
     BlocksRemoved,
     BlocksStored,
     Fragment,
@@ -156,7 +158,7 @@ class BlockStore:
         result = PutResult()
         now = self.clock()
         capacity = max(t.capacity_bytes for t in self.tiers)
-        for block in blocks:
+        for block, hint in zip(blocks, self._hints(blocks), strict=True):
             if block.block_hash in self._deadlines:
                 self._refresh(block.block_hash, block.traffic_class, now)
                 for tier in self._tiers_of(block.block_hash):
@@ -168,7 +170,7 @@ class BlockStore:
                 result.rejections.append(reason)
                 continue
             block = block.with_checksum()
-            stored = [self._add(tier, block, result.events) for tier in self.tiers]
+            stored = [self._add(tier, block, result.events, hint) for tier in self.tiers]
             if not any(stored):
                 result.rejections.append(f"block {block.block_hash.hex()[:16]}: no room (every block is pinned)")
                 continue
@@ -249,6 +251,20 @@ class BlockStore:
         return None
 
     # -- internals ----------------------------------------------------------------------------------------------
+    def _hints(self, blocks: Sequence[Block]) -> list[BlockHint]:
+        """Each block's place in its chain run (consecutive blocks of the Put, each the parent of the next)."""
+        runs: list[list[Block]] = []
+        for block in blocks:
+            if runs and runs[-1][-1].block_hash == block.parent_hash:
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        hints = []
+        for run in runs:
+            continues = run[0].parent_hash in self._deadlines
+            hints += [BlockHint(i, len(run), continues, b.traffic_class) for i, b in enumerate(run)]
+        return hints
+
     def _read(self, key: bytes, model: str, now: float, events: list[StoreEvent]) -> tuple[Block, str] | None:
         meta = self._meta(key)
         if meta is None or meta.layout.model != model:
@@ -267,7 +283,7 @@ class BlockStore:
         self._add(self.host, block, events)
         return block, self.ssd.name
 
-    def _add(self, tier: Tier, block: Block, events: list[StoreEvent]) -> bool:
+    def _add(self, tier: Tier, block: Block, events: list[StoreEvent], hint: BlockHint = NO_HINT) -> bool:
         """Enter `block` into `tier`, evicting to make room; False when everything left there is pinned."""
         size = len(block.data)
         if size > tier.capacity_bytes:
@@ -283,7 +299,7 @@ class BlockStore:
                 self._forget(victim)
         tier.add(block)
         if block.block_hash not in self._pins:
-            tier.policy.insert(block.block_hash, size)
+            tier.policy.insert(block.block_hash, size, hint)
         append_stored(events, block, tier.name)
         return True
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from kvmesh.bench.kvcache import belady_hit_rate, ideal_hit_rate, replay, reuse_oracle_lru_hit_rate
+import pytest
+
+from kvmesh.bench.kvcache import belady_hit_rate, ideal_hit_rate, load_trace, replay, reuse_oracle_lru_hit_rate
+from kvmesh.bench.kvcache_trace import generate_trace
 
 # Two chains used twice each, alternating; room for two blocks.
 TRACE = [(0.0, [1, 2]), (1.0, [3]), (2.0, [1, 2]), (3.0, [3])]
@@ -30,3 +33,13 @@ def test_an_lru_that_skips_blocks_never_used_again_keeps_the_chain() -> None:
     assert reuse_oracle_lru_hit_rate(one_off, capacity_blocks=2) == 2 / 5  # [9] was never stored
     # [1, 2] misses as under LRU, but 1 is not stored again (never used again), so [3] survives to hit
     assert reuse_oracle_lru_hit_rate(TRACE, capacity_blocks=2) == 1 / 6
+
+
+def test_the_generated_trace_is_the_same_every_run() -> None:
+    trace = load_trace("generated")
+    assert trace == generate_trace()
+    assert len(trace) == 6000 and trace[0][0] == 0.0 and trace[-1][0] == pytest.approx(599.9)
+    assert sum(len(ids) for _, ids in trace) == sum(len(ids) for _, ids in generate_trace())
+    small = generate_trace(num_requests=50, num_templates=3, seed=1)
+    heads = {ids[0] for _, ids in small}
+    assert len(heads) < 50  # templates repeat: their first blocks are shared

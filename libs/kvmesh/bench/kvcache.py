@@ -17,6 +17,7 @@ from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvmesh.bench import kvcache_trace
 from mesh.kv_blocks import KVLayout, checksum
 from services.kvcache.blocks import Block
 from services.kvcache.policy import POLICIES
@@ -26,11 +27,13 @@ LAYOUT = KVLayout(model="trace", dtype="float32", block_size=512, num_layers=1, 
 BLOCK_BYTES = LAYOUT.num_block_bytes
 DATA = bytes(BLOCK_BYTES)
 DATA_CHECKSUM = checksum(DATA)
-ROOT = b"\0" * 32
+ROOT = b"\xff" * 32  # no key_of(hash_id) is this: a chain's first block extends nothing the store holds
 
 
 def load_trace(path: str | Path) -> list[tuple[float, list[int]]]:
-    """(timestamp in seconds, hash_ids) per request, in trace order."""
+    """(timestamp in seconds, hash_ids) per request, in trace order; `generated` is `kvcache_trace`'s."""
+    if str(path) == kvcache_trace.NAME:
+        return kvcache_trace.generate_trace()
     requests = []
     with open(path) as file:
         for line in file:
@@ -157,7 +160,7 @@ def run_kvcache_bench(
     hit_rate = replay(requests, capacity_blocks, policy)
     ideal = ideal_hit_rate(requests)
     return {
-        "trace": Path(trace).name,
+        "trace": Path(trace).name,  # "generated" for kvcache_trace's
         "policy": policy,
         "capacity_blocks": capacity_blocks,
         "unique_blocks": unique,

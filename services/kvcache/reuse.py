@@ -1,0 +1,158 @@
+"""ReusePolicy (`reuse`): LFU with dynamic aging (as `lfuda`) behind an admission filter that predicts reuse.
+
+Admission. A block seen for the first time falls in a class made of features the store already sees
+(`BlockHint`): the length of the chain run its Put carried (a whole document's prompt vs one turn's new tail),
+whether that run extended a prefix the store held, and its traffic class. The policy learns online, per class,
+the share of first-seen blocks that were asked for again within a window of recent first sightings (about
+`GHOST_FACTOR` times what the tier holds). A block whose class is reused less than `ADMIT_RATIO` times the
+average enters at the aging floor: it is the next victim, so a one-off prompt displaces at most one block before
+it leaves, instead of flushing the cache. Whether a key was seen before, held or not, comes from a
+`FrequencySketch` (TinyLFU's count-min sketch): a prefix that comes back after its eviction is always admitted.
+
+Eviction. An admitted block's priority is the floor plus its hits while held plus one, capped at `MAX_FREQ`; the
+lowest goes first, the oldest among equals, and the floor becomes each victim's priority (GreedyDual aging), so
+recency still ages frequency out.
+
+Work per operation: a heap push (O(log n)), four sketch counters and a dict update; `victim` pops stale heap
+entries lazily. Memory per held block: a dict entry and a heap entry (about 200 bytes in CPython), 4 sketch
+bytes (the width rounds up to a power of two), and up to `GHOST_FACTOR` first-sighting records (key and class,
+about 100 bytes each); the class table is a few dozen entries whatever the size.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+
+from services.kvcache.blocks import NO_HINT, BlockHint
+from services.kvcache.sketch import FrequencySketch
+
+MAX_FREQ = 4
+GHOST_FACTOR = 2  # first sightings remembered, as a multiple of the blocks held
+ADMIT_RATIO = 0.9  # admit a first-seen block when its class is reused at least this times the average
+WINDOW_FRACTION = 0.01  # bytes for blocks not admitted (W-TinyLFU's window): a hit there admits them
+SKETCH_WIDTH = 16  # sketch counters per row per held block: few false "seen before" (4 rows: 64 bytes a block)
+PRIOR_BLOCKS = 8.0  # a class starts as if this many of its blocks had been reused at the average rate
+DECAY_EVERY = 100_000  # first sightings between halvings of the class counts, to follow a changing workload
+
+Class = tuple[int, bool, str]
+
+
+def run_bucket(num_blocks: int) -> int:
+    """0, 1, 2, 3... for runs of 1, 2-3, 4-7, 8-15... blocks (at most 8: 256 and more)."""
+    return min(max(num_blocks, 1).bit_length() - 1, 8)
+
+
+def class_of(hint: BlockHint) -> Class:
+    return (run_bucket(hint.run_blocks), hint.continues, hint.traffic_class)
+
+
+class ReusePolicy:
+    def __init__(self, capacity_bytes: int = 0) -> None:
+        self.window_target_bytes = int(capacity_bytes * WINDOW_FRACTION)
+        self._window: OrderedDict[bytes, int] = OrderedDict()  # not admitted: key -> size, oldest first
+        self._window_bytes = 0
+        self._floor = 0  # the priority of the last victim
+        self._entry: dict[bytes, tuple[int, int]] = {}  # key -> its live heap entry's (priority, order)
+        self._hits: dict[bytes, int] = {}  # key -> 1 + hits while held, capped at MAX_FREQ
+        self._heap: list[tuple[int, int, bytes]] = []  # (priority, order, key); order breaks ties oldest first
+        self._order = itertools.count()
+        self._sketch = FrequencySketch()
+        self._first_seen: OrderedDict[bytes, Class] = OrderedDict()  # recent first sightings, oldest first
+        self._num_seen: dict[Class, float] = {}  # class -> first sightings
+        self._num_reused: dict[Class, float] = {}  # class -> of those, asked for again while remembered
+        self._num_sightings = 0
+
+    # -- the EvictionPolicy contract ----------------------------------------------------------------------------
+    def insert(self, key: bytes, size: int, hint: BlockHint = NO_HINT) -> None:
+        self._sketch.ensure_capacity(SKETCH_WIDTH * (len(self) + 1))
+        is_known = self._sketch.frequency(key) > 0
+        self._seen(key)
+        self._hits[key] = 1
+        klass = class_of(hint)
+        is_admitted = is_known or self.admits(klass)
+        if not is_known:
+            self._first_sighting(key, klass)
+        if is_admitted:
+            self._push(key, self._floor + 1)
+        else:
+            self._window[key] = size
+            self._window_bytes += size
+
+    def touch(self, key: bytes) -> None:
+        size = self._window.pop(key, None)
+        if size is not None:  # a hit in the window: admitted after all
+            self._window_bytes -= size
+            self._seen(key)
+            self._hits[key] = 2
+            self._push(key, self._floor + 2)
+            return
+        if key in self._hits:
+            self._seen(key)
+            self._hits[key] = min(self._hits[key] + 1, MAX_FREQ)
+            self._push(key, self._floor + self._hits[key])
+
+    def remove(self, key: bytes) -> None:
+        self._hits.pop(key, None)
+        self._entry.pop(key, None)
+        size = self._window.pop(key, None)
+        if size is not None:
+            self._window_bytes -= size
+
+    def victim(self) -> bytes | None:
+        if self._window and (self._window_bytes > self.window_target_bytes or not self._entry):
+            key, size = self._window.popitem(last=False)
+            self._window_bytes -= size
+            self._hits.pop(key, None)
+            return key
+        while self._heap:
+            priority, order, key = heapq.heappop(self._heap)
+            if self._entry.get(key) == (priority, order):
+                self._floor = priority
+                self.remove(key)
+                return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entry) + len(self._window)
+
+    # -- prediction ---------------------------------------------------------------------------------------------
+    def reuse_rate(self, klass: Class) -> float:
+        """The learned share of first-seen blocks of `klass` that were asked for again soon."""
+        average = self._average_rate()
+        seen, reused = self._num_seen.get(klass, 0.0), self._num_reused.get(klass, 0.0)
+        return (reused + average * PRIOR_BLOCKS) / (seen + PRIOR_BLOCKS)
+
+    def admits(self, klass: Class) -> bool:
+        return self.reuse_rate(klass) >= ADMIT_RATIO * self._average_rate()
+
+    def _average_rate(self) -> float:
+        seen = sum(self._num_seen.values())
+        return (sum(self._num_reused.values()) + 0.5) / (seen + 1.0)
+
+    def _seen(self, key: bytes) -> None:
+        """Count a sighting; a key first seen recently credits its class with a reuse."""
+        self._sketch.increment(key)
+        klass = self._first_seen.pop(key, None)
+        if klass is not None:
+            self._num_reused[klass] = self._num_reused.get(klass, 0.0) + 1
+
+    def _first_sighting(self, key: bytes, klass: Class) -> None:
+        self._first_seen[key] = klass
+        self._num_seen[klass] = self._num_seen.get(klass, 0.0) + 1
+        while len(self._first_seen) > GHOST_FACTOR * max(len(self._entry), 1):
+            self._first_seen.popitem(last=False)
+        self._num_sightings += 1
+        if self._num_sightings % DECAY_EVERY == 0:
+            self._num_seen = {c: n / 2 for c, n in self._num_seen.items()}
+            self._num_reused = {c: n / 2 for c, n in self._num_reused.items()}
+
+    # -- the heap -----------------------------------------------------------------------------------------------
+    def _push(self, key: bytes, priority: int) -> None:
+        entry = (priority, next(self._order))
+        self._entry[key] = entry
+        heapq.heappush(self._heap, (*entry, key))
+        if len(self._heap) > 2 * len(self._entry) + 1024:  # drop stale entries now and then
+            self._heap = [(p, o, k) for p, o, k in self._heap if self._entry.get(k) == (p, o)]
+            heapq.heapify(self._heap)
