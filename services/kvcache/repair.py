@@ -12,6 +12,9 @@ checksum, re-encodes the missing fragments and puts each on a live node that hol
 rendezvous order. With no such node (3 nodes, 2+1, one gone) the block stays readable but under-protected until
 a node joins or returns; then the next round places the fragment there.
 
+Blocks are repaired most valuable first (`mesh.protection_price.repair_rank`): those their writer gave more
+parity, because it priced their loss higher; at most MAX_REPAIRS_PER_ROUND a round.
+
 A briefly stale index costs a wasted round or a duplicate fragment (an extra copy), never a wrong block:
 fragments are checked against their checksums before decoding, the block against its own after.
 """
@@ -33,6 +36,7 @@ from mesh.kv_stream import KVEventFollower
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.placement import rank_nodes
+from mesh.protection_price import repair_rank
 from services.kvcache.blocks import Block, Fragment
 from services.kvcache.codec import block_from_pb, block_to_pb
 from services.kvcache.store import BlockStore
@@ -88,11 +92,12 @@ class Repairer:
             if task is None:
                 continue
             under[key] = self._since.get(key, now)
-            if task.targets and now - under[key] >= self.delay_s and len(tasks) < MAX_REPAIRS_PER_ROUND:
+            if task.targets and now - under[key] >= self.delay_s:
                 tasks.append(task)
         self._since = under
         self.num_under_protected = len(under)
-        return tasks
+        tasks.sort(key=lambda task: repair_rank(task.meta.fragment.protection))
+        return tasks[:MAX_REPAIRS_PER_ROUND]
 
     def _plan_key(self, key: bytes, live: dict[str, str]) -> RepairTask | None:
         """None when the block is fully protected, whole (not coded), or another node leads it."""

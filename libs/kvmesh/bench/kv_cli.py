@@ -1,5 +1,5 @@
-"""The KV benchmarks' command lines (`kvmesh bench kvcache | kv-transfer | kv-push | kv-ttft | kv-fetch | kv-index`),
-kept out of cli.py.
+"""The KV benchmarks' command lines (`kvmesh bench kvcache | kv-transfer | kv-push | kv-ttft | kv-fetch | kv-index |
+kv-protection`), kept out of cli.py.
 Imports here stay light: each benchmark's module is imported only when it runs."""
 
 from __future__ import annotations
@@ -8,16 +8,18 @@ import argparse
 import json
 from typing import Any
 
-COMMANDS = ("kvcache", "kv-transfer", "kv-push", "kv-ttft", "kv-fetch", "kv-index")
+COMMANDS = ("kvcache", "kv-transfer", "kv-push", "kv-ttft", "kv-fetch", "kv-index", "kv-protection")
 
 
 def add_parsers(bench_commands: Any) -> None:
     kvcache = bench_commands.add_parser(
         "kvcache", help="replay a Mooncake trace through the KV store: hit rate vs ideal"
     )
-    kvcache.add_argument("--trace", required=True, help="a Mooncake trace (JSON lines with hash_ids)")
+    kvcache.add_argument(
+        "--trace", required=True, help="a Mooncake trace (JSON lines with hash_ids), or `generated` (kvcache_trace)"
+    )
     kvcache.add_argument("--capacity-blocks", type=int, default=None, help="default: 25%% of the trace's unique blocks")
-    kvcache.add_argument("--policy", default="lfuda", help="lru | s3fifo | lfuda")
+    kvcache.add_argument("--policy", default="lfuda", help="lru | s3fifo | lfuda | reuse")
     kvcache.add_argument(
         "--sweep",
         nargs="*",
@@ -27,6 +29,15 @@ def add_parsers(bench_commands: Any) -> None:
     )
     kvcache.add_argument("--plot", default=None, metavar="PNG", help="with --sweep: draw hit rate vs capacity")
     kvcache.add_argument("--json", action="store_true", help="one line of JSON")
+
+    protection = bench_commands.add_parser(
+        "kv-protection", help="recompute seconds lost when a store node dies: priced protection vs one level"
+    )
+    protection.add_argument("--trace", required=True, help="a Mooncake trace (JSON lines with hash_ids)")
+    protection.add_argument("--nodes", type=int, default=8, help="store nodes")
+    protection.add_argument("--levels", default="1+0,7+1,4+1,2+1,1+1,1+2", help="k+m levels to choose from")
+    protection.add_argument("--budget", type=float, default=1.1, help="bytes stored per block byte, all blocks")
+    protection.add_argument("--json", action="store_true", help="one line of JSON")
 
     transfer = bench_commands.add_parser("kv-transfer", help="GB/s through the KV store vs a raw TCP socket")
     transfer.add_argument("--megabytes", type=int, default=256, help="bytes moved per measurement")
@@ -81,15 +92,18 @@ def run(args: argparse.Namespace) -> int:
     result: Any
     if args.bench_command == "kvcache":
         from kvmesh.bench.kvcache import plot, run_kvcache_bench, sweep
+        from services.kvcache.policy import POLICIES
 
         result = run_kvcache_bench(args.trace, args.capacity_blocks, args.policy)
         if args.sweep is not None:
-            rows = sweep(
-                [args.trace, *args.sweep], (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75), ("lru", "s3fifo", "lfuda")
-            )
+            rows = sweep([args.trace, *args.sweep], (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75), POLICIES)
             if args.plot:
                 plot(rows, args.plot)
             result = {"result": result, "sweep": rows}
+    elif args.bench_command == "kv-protection":
+        from kvmesh.bench.kv_protection import run_protection_bench
+
+        result = run_protection_bench(args.trace, args.nodes, args.levels, args.budget)
     elif args.bench_command == "kv-transfer":
         from kvmesh.bench.kv_transfer import run_transfer_bench
 
