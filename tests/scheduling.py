@@ -25,7 +25,10 @@ DURATIONS = Path(__file__).with_name("durations.json")
 DEFAULT_S_PER_TEST = 0.5
 
 _API_MESH = "tests/services/api_mesh_session"  # tests/services/conftest.py's api_mesh_session
+_MESH = "tests/integration/mesh"  # tests/integration/conftest.py's session-scoped mesh
 SHARED_SCOPES = {
+    "tests/integration/test_mesh.py": _MESH,
+    "tests/integration/test_tracing.py": _MESH,
     "tests/services/test_gateway_chat_api.py": _API_MESH,
     "tests/services/test_gateway_responses_messages_api.py": _API_MESH,
     "tests/services/test_tenancy_isolation.py": _API_MESH,

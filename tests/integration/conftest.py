@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.bench.otlp_sink import OTLPSink
 from kvmesh.nats_server import free_port
 from kvmesh.up import Mesh, MeshPlan
 
@@ -75,10 +76,25 @@ def start_mesh(log_path: Path, env_extra: dict[str, str] | None = None, **plan_a
     return mesh
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """Two prefill and two decode workers, two balancers, one KV store, serving SmolLM2 (real weights)."""
+@pytest.fixture(scope="session")
+def receiver() -> Iterator[OTLPSink]:
+    """An OTLP receiver the session's mesh exports its spans to (test_tracing.py reads them)."""
+    with OTLPSink() as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory, receiver: OTLPSink) -> Iterator[Mesh]:
+    """Two prefill and two decode workers, two balancers, one KV store, serving SmolLM2 (real weights), exporting
+    traces to `receiver`. One mesh for test_mesh.py and test_tracing.py (tests/scheduling.py deals them to one
+    worker, in that order): a test that kills a worker starts it again unless it is the last to use the mesh."""
     log_path = tmp_path_factory.mktemp("mesh") / "mesh.log"
-    mesh = start_mesh(log_path, prefill=2, decode=2, kvcache=1, balancer=2, models=("smollm2-135m",))
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+    mesh = start_mesh(log_path, env, prefill=2, decode=2, kvcache=1, balancer=2, models=("smollm2-135m",))
+    mesh.log_path = log_path  # type: ignore[attr-defined]
     yield mesh
     mesh.stop()

@@ -217,3 +217,6 @@ def test_a_killed_decode_worker_leaves_the_pool_and_new_requests_still_succeed(m
         results = list(pool.map(lambda n: chat(client, f"Count to {n}.", max_tokens=3), range(8)))
     assert all(r.choices[0].message.content for r, _ in results)
     assert {h["x-kvmesh-decode-worker"] for _, h in results} == {"decode-0"}
+    child = mesh.spawn("decode", 1)  # back to two workers for test_tracing.py, on this mesh next
+    wait_until(lambda: ready(child.http_port), 120, "decode-1 to be ready again")
+    time.sleep(3)  # its heartbeats reach the balancers

@@ -1,4 +1,5 @@
-"""One trace per request across a real mesh exporting to an OTLP receiver inside the test: the client's
+"""One trace per request across a real mesh (conftest.py's, shared with test_mesh.py) exporting to an OTLP
+receiver inside the test: the client's
 traceparent is honoured, and gateway, balancer, prefill (its store read, compute and push), kvcache and decode
 spans hang off each other as the request travelled, for a streamed chat and for one migrated after a decode kill.
 Prompts and outputs never enter a span; the gateway's log lines carry the trace's ids."""
@@ -8,38 +9,17 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Iterator
 
 import openai
 import pytest
 
-from kvmesh.bench.otlp_sink import OTLPSink, ReceivedSpan
+from kvmesh.bench.otlp_sink import ReceivedSpan
 
-from .conftest import API_KEY, start_mesh, wait_until
+from .conftest import API_KEY, wait_until
 
 MODEL = "smollm2-135m"
 DOCUMENT = " ".join(f"Entry {i}: the {i}th lighthouse of the northern coast is painted green." for i in range(12))
 ROLES = ("kvmesh-gateway", "kvmesh-balancer", "kvmesh-prefill", "kvmesh-kvcache", "kvmesh-decode")
-
-
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OTLPSink]:
-    with OTLPSink() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, receiver: OTLPSink):
-    log_path = tmp_path_factory.mktemp("traced-mesh") / "mesh.log"
-    env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-        "OTEL_BSP_SCHEDULE_DELAY": "200",
-    }
-    mesh = start_mesh(log_path, env_extra=env, prefill=2, decode=2, kvcache=1, encoder=0, models=(MODEL,))
-    mesh.log_path = log_path
-    yield mesh
-    mesh.stop()
 
 
 @pytest.fixture(scope="module")
