@@ -116,7 +116,9 @@ def test_a_streamed_chat_is_one_trace_from_the_clients_span_to_decode(mesh, clie
     # a layer-major read feeds the compute while it runs (its child); a whole-block read comes before it
     (store_read,) = children(spans, prefill, "kvmesh.kv.read store") + children(spans, compute, "kvmesh.kv.read store")
     (push,) = children(spans, prefill, "kvmesh.kv.push")
-    assert device_read.attributes["kvmesh.kv.num_blocks"] == 0  # this worker never saw the prompt
+    # this worker never saw the prompt: at most the chat template's first block, which the mesh's earlier requests
+    # (test_mesh.py's) share, is on its device
+    assert device_read.attributes["kvmesh.kv.num_blocks"] <= 1
     get = one(spans, "kvmesh-kvcache", "kvmesh.v1.KVCache/Get")
     assert get.parent_id == store_read.span_id
     assert sum(v for k, v in get.attributes.items() if k.startswith("kvmesh.kv.num_blocks.")) > 0
