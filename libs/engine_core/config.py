@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "deepseek_v3", "deepseek_v4")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -98,6 +98,7 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype, informational
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    v4: V4Config | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -107,6 +108,8 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == "deepseek_v4":
+            return _deepseek_v4_model_config(raw)
         hidden = _require(raw, "hidden_size", int)
         heads = _require(raw, "num_attention_heads", int)
         kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -149,7 +152,34 @@ class ModelConfig:
         """Shape of one token's KV in one layer: (2, K, D) for GQA, (R + P,) for MLA's latent cache."""
         if self.mla is not None:
             return (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim,)
+        if self.v4 is not None:
+            return (self.head_dim,)
         return (2, self.num_kv_heads, self.head_dim)
+
+
+def _deepseek_v4_model_config(raw: dict[str, Any]) -> ModelConfig:
+    v4 = _v4_config(raw)
+    return ModelConfig(
+        model_type="deepseek_v4",
+        vocab_size=_require(raw, "vocab_size", int),
+        hidden_size=_require(raw, "hidden_size", int),
+        intermediate_size=v4.moe_intermediate_size,  # V4 has no dense MLP: every layer is MoE
+        num_layers=len(v4.attention_types),
+        num_heads=_require(raw, "num_attention_heads", int),
+        num_kv_heads=1,  # one KV vector per token, read as both key and value
+        head_dim=v4.head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=v4.rope_theta,
+        rope_scaling=None,  # V4's two ropes live in `v4` (main and compress)
+        max_position_embeddings=_require(raw, "max_position_embeddings", int),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=False,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        v4=v4,
+        raw=raw,
+    )
 
 
 def _mla_config(raw: dict[str, Any]) -> MLAConfig:
@@ -189,6 +219,164 @@ def _moe_config(raw: dict[str, Any]) -> MoEConfig:
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         moe_intermediate_size=_require(raw, "moe_intermediate_size", int),
         first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
+    )
+
+
+# DeepSeek-V4's attention types, by their names in HF configs, and the short names used in code and docs.
+V4_ATTENTION_TYPES = {
+    "sliding_attention": "window",
+    "compressed_sparse_attention": "csa",
+    "heavily_compressed_attention": "hca",
+}
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """DeepSeek-V4: a sliding window on every layer, compressed entries appended to it on CSA and HCA layers,
+    hyper-connections (several residual streams), MoE on every layer (the first ones hash-routed)."""
+
+    attention_types: tuple[str, ...]  # per layer: window | csa | hca
+    is_hash_moe: tuple[bool, ...]  # per layer: experts chosen by token id (tid2eid), not by score
+    csa_ratio: int  # tokens per compressed entry on CSA layers (4 in V4-Flash)
+    hca_ratio: int  # ... on HCA layers (128)
+    head_dim: int  # D: the one KV vector per token, also each query head's size (512)
+    rope_head_dim: int  # the rotated tail of every head and entry (64)
+    q_lora_rank: int
+    o_groups: int  # the grouped output projection: heads in o_groups groups ...
+    o_lora_rank: int  # ... each projected to o_lora_rank values
+    sliding_window: int  # every query sees this many latest tokens, itself included (128)
+    index_num_heads: int  # the lightning indexer of CSA layers
+    index_head_dim: int
+    index_topk: int  # compressed entries a CSA query attends to
+    hc_mult: int  # residual streams (4)
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int  # routed experts' and the one shared expert's width
+    routed_scaling_factor: float
+    scoring_func: str  # sqrtsoftplus | sigmoid
+    swiglu_limit: float  # gate and up clamped to this before SwiGLU
+    rope_theta: float  # "main" rope: window-only layers
+    compress_rope_theta: float  # "compress" rope: CSA/HCA layers, their compressors and the indexer
+    compress_rope_scaling: dict[str, Any] | None  # YaRN of the compress rope (attention factor 1)
+
+    def compress_ratio(self, layer: int) -> int:
+        """Tokens per compressed entry on `layer`; 0 on window-only layers."""
+        kind = self.attention_types[layer]
+        return {"window": 0, "csa": self.csa_ratio, "hca": self.hca_ratio}[kind]
+
+
+def _v4_layer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Per-layer attention types from `layer_types`, or the legacy per-layer `compress_ratios` (0/4/128)."""
+    names = raw.get("layer_types")
+    if names is None and raw.get("compress_ratios") is not None:
+        by_ratio = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+        unknown = [r for r in raw["compress_ratios"] if r not in by_ratio]
+        if unknown:
+            raise ConfigError(f"unsupported compress_ratios entries {unknown}: supported are 0, 4 and 128")
+        names = [by_ratio[r] for r in raw["compress_ratios"]]
+    if names is None:  # transformers' default: two HCA layers, then CSA and HCA alternating
+        names = ["heavily_compressed_attention"] * min(num_layers, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+            for i in range(max(num_layers - 2, 0))
+        ]
+    names = list(names)[:num_layers]
+    if len(names) != num_layers:
+        raise ConfigError(f"malformed model config: layer_types has {len(names)} entries for {num_layers} layers")
+    bad = [n for n in names if n not in V4_ATTENTION_TYPES]
+    if bad:
+        raise ConfigError(f"unsupported layer_types entries {bad}: supported are {', '.join(V4_ATTENTION_TYPES)}")
+    return tuple(V4_ATTENTION_TYPES[n] for n in names)
+
+
+def _v4_hash_layers(raw: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """Hash-routed MoE layers from `mlp_layer_types`, or the legacy `num_hash_layers` (default 3)."""
+    kinds = raw.get("mlp_layer_types")
+    if kinds is None:
+        num_hash = int(raw.get("num_hash_layers", 3))
+        kinds = ["hash_moe"] * min(num_layers, num_hash) + ["moe"] * max(0, num_layers - num_hash)
+    kinds = list(kinds)[:num_layers]
+    bad = [k for k in kinds if k not in ("hash_moe", "moe")]
+    if bad or len(kinds) != num_layers:
+        raise ConfigError(f"malformed model config: mlp_layer_types {kinds!r} (hash_moe or moe, one per layer)")
+    return tuple(k == "hash_moe" for k in kinds)
+
+
+def _v4_ropes(raw: dict[str, Any], head_dim: int) -> tuple[int, float, float, dict[str, Any] | None]:
+    """(rope dims, main theta, compress theta, compress YaRN) from nested `rope_parameters` {main, compress}, a
+    flat `rope_parameters`, or the legacy `rope_scaling` + `qk_rope_head_dim`."""
+    params = dict(raw.get("rope_parameters") or {})
+    main, compress = params.get("main"), params.get("compress")
+    if not isinstance(compress, dict):
+        compress = {k: v for k, v in (params or raw.get("rope_scaling") or {}).items() if k not in ("main", "compress")}
+        compress["rope_theta"] = raw.get("compress_rope_theta", 160000.0)
+    main = main if isinstance(main, dict) else {"rope_theta": raw.get("rope_theta", 10000.0)}
+    factor = compress.get("partial_rotary_factor") or raw.get("partial_rotary_factor")
+    if factor is not None:
+        rope_dim = int(head_dim * float(factor))
+    else:
+        rope_dim = int(raw.get("qk_rope_head_dim") or head_dim // 8)
+    if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
+        raise ConfigError(f"malformed model config: rotary dims {rope_dim} (partial_rotary_factor) for {head_dim}")
+    scaling = {k: v for k, v in compress.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    scaling["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
+    if scaling["rope_type"] == "yarn":
+        scaling.setdefault("attention_factor", 1.0)  # the V4 reference never scales cos/sin
+    elif scaling["rope_type"] != "default":
+        raise ConfigError(f"unsupported compress rope type {scaling['rope_type']!r} for deepseek_v4: yarn or default")
+    yarn = scaling if scaling["rope_type"] == "yarn" else None
+    return rope_dim, float(main.get("rope_theta", 10000.0)), float(compress["rope_theta"]), yarn
+
+
+def _v4_config(raw: dict[str, Any]) -> V4Config:
+    num_layers = _require(raw, "num_hidden_layers", int)
+    heads, head_dim = _require(raw, "num_attention_heads", int), _require(raw, "head_dim", int)
+    rates = dict(raw.get("compress_rates") or {})
+    csa = int(raw.get("compress_rate_csa") or rates.get("compressed_sparse_attention", 4))
+    hca = int(raw.get("compress_rate_hca") or rates.get("heavily_compressed_attention", 128))
+    if csa <= 0 or hca <= 0:
+        raise ConfigError(f"malformed model config: compress rates must be positive, got csa {csa}, hca {hca}")
+    if int(raw.get("num_key_value_heads") or 1) != 1:
+        raise ConfigError("malformed model config: num_key_value_heads must be 1 for deepseek_v4 (one KV vector)")
+    if int(raw.get("n_shared_experts", 1)) != 1:
+        raise ConfigError(f"unsupported n_shared_experts {raw['n_shared_experts']!r} for deepseek_v4: only 1")
+    scoring = raw.get("scoring_func", "sqrtsoftplus")
+    if scoring not in ("sqrtsoftplus", "sigmoid"):
+        raise ConfigError(f"unsupported scoring_func {scoring!r} for deepseek_v4: sqrtsoftplus or sigmoid")
+    groups = _require(raw, "o_groups", int)
+    if heads % groups:
+        raise ConfigError(f"malformed model config: o_groups {groups} must divide num_attention_heads {heads}")
+    rope_dim, theta, compress_theta, yarn = _v4_ropes(raw, head_dim)
+    index_head_dim = _require(raw, "index_head_dim", int)
+    if index_head_dim < rope_dim:
+        raise ConfigError(f"malformed model config: index_head_dim {index_head_dim} below the rotary dims {rope_dim}")
+    return V4Config(
+        attention_types=_v4_layer_types(raw, num_layers),
+        is_hash_moe=_v4_hash_layers(raw, num_layers),
+        csa_ratio=csa,
+        hca_ratio=hca,
+        head_dim=head_dim,
+        rope_head_dim=rope_dim,
+        q_lora_rank=_require(raw, "q_lora_rank", int),
+        o_groups=groups,
+        o_lora_rank=_require(raw, "o_lora_rank", int),
+        sliding_window=int(raw.get("sliding_window", 128)),
+        index_num_heads=_require(raw, "index_n_heads", int),
+        index_head_dim=index_head_dim,
+        index_topk=_require(raw, "index_topk", int),
+        hc_mult=int(raw.get("hc_mult", 4)),
+        hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(raw.get("hc_eps", 1e-6)),
+        num_experts=_require(raw, "n_routed_experts", int),
+        num_experts_per_tok=_require(raw, "num_experts_per_tok", int),
+        moe_intermediate_size=_require(raw, "moe_intermediate_size", int),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
+        scoring_func=scoring,
+        swiglu_limit=float(raw.get("swiglu_limit", 10.0)),
+        rope_theta=theta,
+        compress_rope_theta=compress_theta,
+        compress_rope_scaling=yarn,
     )
 
 

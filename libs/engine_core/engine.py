@@ -84,7 +84,9 @@ class LLMEngine:
             model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size
         )
         self.experts = ExpertParallel.attach(model, self.model_config, config)  # None without MoE layers
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # a model with per-sequence state (DeepSeek-V4) cannot resume from cached blocks yet: no prefix caching
+        prefix_caching = config.enable_prefix_caching and not self.runner.keeps_sequence_state
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.loads = LayerLoads(self.kv.pool, self.runner.kv_caches, self.kv_layout, self.runner.block_axis)
         self.sampler = Sampler(config.seed)

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from devices.base import DeviceOps
-from engine_core.models.batch import ForwardBatch, PrefillSegment
-from engine_core.request import Request
+from engine_core.models.batch import ForwardBatch, PrefillSegment, SequenceRows
+from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import SchedulerOutput
 
 
@@ -28,6 +28,11 @@ class ModelRunner:
         layer_shape = model.kv_cache_shape(num_blocks, block_size)  # type: ignore[operator]
         self.kv_caches = torch.zeros((num_layers, *layer_shape), dtype=dtype, device=ops.torch_device)
         self.block_axis: int = model.kv_block_axis  # type: ignore[assignment]  # where blocks sit in a layer's cache
+        # Models that keep a cache per sequence outside the paged tensor (DeepSeek-V4): request id -> (request,
+        # state). Created here when a request computes its first token, dropped once it finished or went back
+        # to waiting (preempted: it recomputes from its first token); the model writes the states' contents.
+        self.keeps_sequence_state: bool = getattr(model, "keeps_sequence_state", False)
+        self.sequence_states: dict[str, tuple[Request, object]] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -42,6 +47,8 @@ class ModelRunner:
         decode_tables, decode_lens, prefills = [], [], []
         embed_rows: list[torch.Tensor] = []
         embed_values: list[torch.Tensor] = []
+        sequences: list[SequenceRows] = []
+        self.drop_finished_states()
         offset = 0
         for item in output.scheduled:
             request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
@@ -62,6 +69,8 @@ class ModelRunner:
                 sample_rows.append(offset + count - 1)
             if request.embedding_spans:
                 _given_embeddings(request, start, count, offset, embed_rows, embed_values)
+            if self.keeps_sequence_state:
+                sequences.append(SequenceRows(offset, offset + count, self._sequence_state(request, start)))
             offset += count
         batch = ForwardBatch(
             positions=torch.cat(positions).to(device),
@@ -72,10 +81,30 @@ class ModelRunner:
             wait_for_layer=wait_for_layer,
             embed_rows=torch.cat(embed_rows).to(device) if embed_rows else None,
             embed_values=torch.cat(embed_values).to(device) if embed_values else None,
+            sequences=tuple(sequences),
         )
         hidden = self.model(torch.cat(input_ids).to(device), batch, self.kv_caches)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+
+    def _sequence_state(self, request: Request, start: int) -> object:
+        """The request's state; a new one when it computes from its first token (first time or recompute)."""
+        entry = self.sequence_states.get(request.request_id)
+        if start == 0 or entry is None:
+            if start != 0:
+                raise RuntimeError(
+                    f"request {request.request_id} resumes at token {start} with no sequence state: this model "
+                    "cannot resume from paged KV (prefix hits and KV import are off for it)"
+                )
+            entry = (request, self.model.new_sequence_state())  # type: ignore[operator]
+            self.sequence_states[request.request_id] = entry
+        return entry[1]
+
+    def drop_finished_states(self) -> None:
+        """Forget the sequence states of requests that finished or went back to waiting."""
+        for request_id, (request, _) in list(self.sequence_states.items()):
+            if request.status.is_finished or request.status is RequestStatus.WAITING:
+                del self.sequence_states[request_id]
 
     def _prepare_decode(self, tables: list[tuple[int, ...]], lens: list[int]):
         if not lens:

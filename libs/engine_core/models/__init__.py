@@ -8,9 +8,14 @@ from torch import nn
 from devices.base import DeviceOps
 from engine_core.config import ModelConfig
 from engine_core.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine_core.models.deepseek_v4 import DeepseekV4ForCausalLM
 from engine_core.models.llama import LlamaForCausalLM
 
-_ARCHITECTURES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}
+_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "deepseek_v4": DeepseekV4ForCausalLM,
+}
 
 
 def build_model(config: ModelConfig, ops: DeviceOps, dtype: torch.dtype) -> nn.Module:
@@ -24,5 +29,8 @@ def build_model(config: ModelConfig, ops: DeviceOps, dtype: torch.dtype) -> nn.M
         torch.set_default_dtype(previous)
     model = model.to_empty(device=ops.torch_device)  # allocates every tensor anew, which unties shared ones
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight  # type: ignore[union-attr]
+        if isinstance(model, DeepseekV4ForCausalLM):
+            model.head.weight = model.model.embed.weight
+        else:
+            model.lm_head.weight = model.model.embed_tokens.weight  # type: ignore[union-attr]
     return model.eval().requires_grad_(False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +22,17 @@ class PrefillSegment:
     end: int  # one past its last row
     num_cached: int  # context tokens before the segment (prefix-cache hits and earlier chunks)
     block_ids: torch.Tensor  # (m,) int64: blocks covering num_cached + (end - start) tokens
+
+
+@dataclass(frozen=True)
+class SequenceRows:
+    """One request's rows in the flattened batch, with the state its model keeps per sequence outside the paged
+    cache (DeepSeek-V4: the window and the compressors' entries and tails). The runner creates and drops the
+    state; the model's forward is its only writer."""
+
+    start: int
+    end: int
+    state: Any
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,8 @@ class ForwardBatch:
     # Called before each layer runs, with its index, when some of the KV it reads is still arriving (a layer-by-
     # layer load from a KV store, engine_core.kv_load); returns once that layer's KV is written.
     wait_for_layer: Callable[[int], None] | None = None
+    # Every request of the step in row order, for models that keep per-sequence state (empty for the others).
+    sequences: tuple[SequenceRows, ...] = ()
 
 
 def write_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,0 +1,10 @@
+"""DeepSeek-V4: compressed attention (CSA, HCA) over a sliding window, hyper-connections, hash-routed MoE.
+
+Modules: `attention` (the layer's attention), `compressor` (compressors and the lightning indexer), `blocks`
+(hyper-connections, MoE), `state` (what a sequence keeps between steps), `model` (the causal LM and its loading).
+A later variant (V4.1) is a new module that reuses these pieces and replaces the ones that change.
+"""
+
+from engine_core.models.deepseek_v4.model import DeepseekV4ForCausalLM
+
+__all__ = ["DeepseekV4ForCausalLM"]

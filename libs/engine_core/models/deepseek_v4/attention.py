@@ -1,0 +1,137 @@
+"""DeepSeek-V4 attention: one KV vector per token, a sliding window on every layer, compressed entries beyond it.
+
+Queries come from a low-rank projection, RMS-normed per head; each token's KV is one D-wide vector read as both
+key and value; the last r dims of queries and keys are rotated (the "main" rope on window-only layers, the YaRN
+"compress" rope elsewhere). A query attends to the latest `sliding_window` tokens (itself included) and, on CSA
+and HCA layers, to compressed entries whose window has closed (HCA: all of them; CSA: the indexer's top-k), with
+a learned per-head sink logit in the softmax. The output's rotated dims are rotated back at the query's position,
+then heads are projected in groups to a low rank and mixed to the hidden size.
+
+The window and the compressors' state live in each sequence's `LayerState`; projections run over the whole
+batch, the attention itself sequence by sequence. Shapes: T tokens, L one sequence's new tokens, H heads, D head
+size, K keys a query may see (window + entries), G output groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_core.config import ModelConfig, V4Config
+from engine_core.models.deepseek_v4.compressor import Compressor, Indexer
+from engine_core.models.deepseek_v4.functional import Fp32RMSNorm, rotate_tail, unweighted_rms_norm
+from engine_core.models.deepseek_v4.state import LayerState
+from engine_core.models.rope import RotaryEmbedding
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+class V4Attention(nn.Module):
+    def __init__(self, config: ModelConfig, v4: V4Config, layer: int) -> None:
+        super().__init__()
+        hidden, heads, d, eps = config.hidden_size, config.num_heads, v4.head_dim, config.rms_norm_eps
+        self.v4, self.num_heads, self.eps = v4, heads, eps
+        self.kind = v4.attention_types[layer]
+        self.wq_a = nn.Linear(hidden, v4.q_lora_rank, bias=False)
+        self.q_norm = Fp32RMSNorm(v4.q_lora_rank, eps)
+        self.wq_b = nn.Linear(v4.q_lora_rank, heads * d, bias=False)
+        self.wkv = nn.Linear(hidden, d, bias=False)
+        self.norm = Fp32RMSNorm(d, eps)  # of the KV vector
+        self.wo_a = nn.Linear(heads * d // v4.o_groups, v4.o_groups * v4.o_lora_rank, bias=False)  # per group
+        self.wo_b = nn.Linear(v4.o_groups * v4.o_lora_rank, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.empty(heads, dtype=torch.float32))
+        ratio = v4.compress_ratio(layer)
+        self.compressor = Compressor(hidden, d, ratio, self.kind == "csa", eps) if ratio else None
+        self.indexer = (
+            Indexer(hidden, v4.q_lora_rank, v4.index_num_heads, v4.index_head_dim, ratio, v4.index_topk, eps)
+            if self.kind == "csa"
+            else None
+        )
+
+    def empty_state(self, dtype: torch.dtype, device: torch.device) -> LayerState:
+        window = torch.empty(0, self.v4.head_dim, dtype=dtype, device=device)
+        compressor = self.compressor.empty_state(dtype, device) if self.compressor is not None else None
+        indexer = self.indexer.compressor.empty_state(dtype, device) if self.indexer is not None else None
+        return LayerState(window, compressor, indexer)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        cos_sin: CosSin,
+        sequences: list[tuple[int, int, LayerState]],
+    ) -> torch.Tensor:
+        """x (T, Hd) -> (T, Hd); `rope`/`cos_sin` are this layer's rope and its values at `positions` (T,);
+        `sequences`: (first row, end row, state) of each request, covering every row once."""
+        t, d = x.shape[0], self.v4.head_dim
+        q_residual = self.q_norm(self.wq_a(x))  # (T, q_lora)
+        q = unweighted_rms_norm(self.wq_b(q_residual).view(t, self.num_heads, d), self.eps)
+        q = rotate_tail(q, *cos_sin)  # (T, H, D)
+        kv = rotate_tail(self.norm(self.wkv(x))[:, None, :], *cos_sin)[:, 0]  # (T, D)
+        compressed = self.compressor.project(x) if self.compressor is not None else None
+        index_q = self.indexer.queries(q_residual, x, cos_sin) if self.indexer is not None else None
+        out = x.new_empty(t, self.num_heads, d)
+        for start, end, state in sequences:
+            rows = slice(start, end)
+            keys, mask = self._window(state, kv[rows], positions[rows])
+            if self.compressor is not None and compressed is not None:
+                assert state.compressor is not None
+                self.compressor.extend(state.compressor, compressed[0][rows], compressed[1][rows], rope)
+                entry_mask = self._entry_mask(state, x[rows], positions[rows], rope, index_q, rows)
+                keys = torch.cat([keys, state.compressor.entries])
+                mask = torch.cat([mask, entry_mask], dim=1)
+            out[rows] = self._attend(q[rows], keys, mask)
+        out = rotate_tail(out, cos_sin[0], -cos_sin[1])  # undo the keys' rotation carried into the values
+        return self.wo_b(self._grouped_output(out))
+
+    def _window(self, state: LayerState, kv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Keys of the window (the kept tokens, then the new ones) and which of them each query sees: (K, D),
+        (L, K). Keeps the latest `sliding_window - 1` for the next step."""
+        keys = torch.cat([state.window, kv])
+        first = int(positions[0]) - state.window.shape[0]
+        key_positions = torch.arange(first, first + keys.shape[0], device=kv.device)
+        delta = positions[:, None] - key_positions[None, :]  # (L, K)
+        mask = (delta >= 0) & (delta < self.v4.sliding_window)
+        state.window = keys[max(0, keys.shape[0] - (self.v4.sliding_window - 1)) :]
+        return keys, mask
+
+    def _entry_mask(
+        self,
+        state: LayerState,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        index_q: tuple[torch.Tensor, torch.Tensor] | None,
+        rows: slice,
+    ) -> torch.Tensor:
+        """(L, E): the closed entries each query sees; on CSA layers only those the indexer picks."""
+        assert state.compressor is not None and self.compressor is not None
+        num_entries = state.compressor.num_entries
+        if self.indexer is None or index_q is None:
+            visible = (positions + 1) // self.compressor.ratio
+            return torch.arange(num_entries, device=x.device)[None, :] < visible[:, None]
+        assert state.indexer is not None
+        kv, gate = self.indexer.compressor.project(x)
+        self.indexer.compressor.extend(state.indexer, kv, gate, rope)
+        chosen = self.indexer.select(state.indexer.entries, index_q[0][rows], index_q[1][rows], positions)
+        chosen = torch.where(chosen >= 0, chosen, torch.full_like(chosen, num_entries))  # -1: a spare column
+        picked = torch.zeros(positions.shape[0], num_entries + 1, dtype=torch.bool, device=x.device)
+        return picked.scatter_(1, chosen, True)[:, :num_entries]
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q (L, H, D) over keys = values (K, D), mask (L, K), with one sink logit per head -> (L, H, D)."""
+        scores = torch.matmul(q.transpose(0, 1), keys.T) * self.v4.head_dim**-0.5  # (H, L, K)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sinks = self.attn_sink.to(scores.dtype)[:, None, None].expand(-1, q.shape[0], 1)  # (H, L, 1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = logits.softmax(dim=-1, dtype=logits.dtype)[..., :-1]  # the sink takes its share, gives nothing
+        return torch.matmul(probs.to(keys.dtype), keys).transpose(0, 1)
+
+    def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:
+        """(T, H, D) -> (T, G * o_lora): each group of heads projected by its own block of wo_a."""
+        groups = self.v4.o_groups
+        x = out.reshape(out.shape[0], groups, -1).transpose(0, 1)  # (G, T, H * D / G)
+        w = self.wo_a.weight.view(groups, -1, x.shape[-1]).transpose(1, 2)  # (G, H * D / G, o_lora)
+        return torch.bmm(x, w).transpose(0, 1).flatten(1)

@@ -1,0 +1,148 @@
+"""DeepSeek-V4 as a causal LM for the engine: embed -> N residual streams -> layers -> collapse -> norm -> head.
+
+Unlike the paged models, V4 keeps each sequence's cache (window + compressors) in a `SequenceState` that the
+runner creates per request (`new_sequence_state`) and hands in through `ForwardBatch.sequences`; the paged cache
+tensor the runner still allocates (`kv_cache_shape`) is a one-value-per-token placeholder that only lets the
+block manager count tokens. Prefix caching is therefore off for V4 (the engine turns it off).
+
+Parameter names are those of DeepSeek's checkpoints, which is how transformers writes V4 directories too
+(`layers.3.attn.wq_a.weight`, `layers.3.ffn.experts.5.w1.weight`...); `_target` maps the few that differ.
+Multi-token-prediction layers (`mtp.*`) are skipped: serving does not use them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from devices.base import DeviceOps
+from engine_core.config import ModelConfig, V4Config
+from engine_core.models.batch import ForwardBatch
+from engine_core.models.deepseek_v4.attention import V4Attention
+from engine_core.models.deepseek_v4.blocks import HyperConnection, HyperHead, V4MoE, mix_streams
+from engine_core.models.deepseek_v4.functional import Fp32RMSNorm
+from engine_core.models.deepseek_v4.state import LayerState, SequenceState
+from engine_core.models.loading import Target, load_weights
+from engine_core.models.rope import RotaryEmbedding
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, v4: V4Config, layer: int) -> None:
+        super().__init__()
+        self.attn = V4Attention(config, v4, layer)
+        self.mlp = V4MoE(config, v4, layer)  # the checkpoint's `ffn`
+        self.attn_norm = Fp32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = Fp32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_attn = HyperConnection(config, v4)
+        self.hc_ffn = HyperConnection(config, v4)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        sequences: list[tuple[int, int, LayerState]],
+    ) -> torch.Tensor:
+        """streams (T, N, Hd) -> (T, N, Hd)."""
+        post, comb, collapsed = self.hc_attn(streams)
+        out = self.attn(self.attn_norm(collapsed), positions, rope, cos_sin, sequences)
+        streams = mix_streams(streams, out, post, comb)
+        post, comb, collapsed = self.hc_ffn(streams)
+        return mix_streams(streams, self.mlp(self.ffn_norm(collapsed), input_ids), post, comb)
+
+
+class V4Model(nn.Module):
+    def __init__(self, config: ModelConfig, v4: V4Config) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(V4DecoderLayer(config, v4, i) for i in range(config.num_layers))
+        self.hc_head = HyperHead(config, v4)
+        self.norm = Fp32RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    kv_block_axis = 0
+    keeps_sequence_state = True  # the runner creates a SequenceState per request; prefix caching is off
+
+    def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
+        super().__init__()
+        v4 = config.v4
+        assert v4 is not None
+        self.config, self.v4 = config, v4
+        self.model = V4Model(config, v4)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        max_pos = config.max_position_embeddings
+        self.main_rope = RotaryEmbedding(v4.rope_head_dim, v4.rope_theta, None, max_pos, interleaved=True)
+        self.compress_rope = RotaryEmbedding(
+            v4.rope_head_dim, v4.compress_rope_theta, v4.compress_rope_scaling, max_pos, interleaved=True
+        )
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """A placeholder of one value per token: V4's cache is per sequence (SequenceState), not paged yet."""
+        return (num_blocks, block_size, 1)
+
+    def new_sequence_state(self) -> SequenceState:
+        dtype, device = self.model.embed.weight.dtype, self.model.embed.weight.device
+        return SequenceState([layer.attn.empty_state(dtype, device) for layer in self.model.layers])  # type: ignore[union-attr, operator]
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
+        """input_ids (T,) -> final hidden states (T, Hd). Every row belongs to one of `batch.sequences`."""
+        states = self._advance(batch)
+        streams = self.model.embed(input_ids)[:, None, :].expand(-1, self.v4.hc_mult, -1).contiguous()  # (T, N, Hd)
+        ropes = {
+            "main": (self.main_rope, self.main_rope.cos_sin(batch.positions)),
+            "compress": (self.compress_rope, self.compress_rope.cos_sin(batch.positions)),
+        }
+        for index, layer in enumerate(self.model.layers):
+            rope, cos_sin = ropes["main" if self.v4.attention_types[index] == "window" else "compress"]
+            sequences = [(start, end, state.layers[index]) for start, end, state in states]
+            streams = layer(streams, input_ids, batch.positions, rope, cos_sin, sequences)
+        return self.model.norm(self.model.hc_head(streams))
+
+    def _advance(self, batch: ForwardBatch) -> list[tuple[int, int, SequenceState]]:
+        """Each sequence's rows and state, checking the state is where the step starts, then moving it on."""
+        out = []
+        for seq in batch.sequences:
+            state: SequenceState = seq.state
+            first = int(batch.positions[seq.start])
+            if first != state.num_tokens:
+                raise RuntimeError(f"sequence state holds {state.num_tokens} tokens, the step starts at {first}")
+            state.num_tokens += seq.end - seq.start
+            out.append((seq.start, seq.end, state))
+        if sum(end - start for start, end, _ in out) != batch.positions.shape[0]:
+            raise RuntimeError("deepseek_v4 needs every row in batch.sequences (a runner without sequence state?)")
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights(self, weights, self._target)
+
+    def _target(self, name: str) -> Target:
+        name = name.removeprefix("model.")
+        layer = re.match(r"layers\.(\d+)\.", name)
+        if name.startswith("mtp.") or (layer and int(layer.group(1)) >= self.config.num_layers):
+            return None  # multi-token-prediction layers, which serving does not use
+        if name in ("head.weight", "lm_head.weight"):
+            return "head.weight", None
+        renamed = {"embed_tokens.weight": "embed.weight"}.get(name, name)
+        renamed = "model." + re.sub(r"^hc_head[._](?:hc_)?(fn|base|scale)$", r"hc_head.\1", renamed)
+        renamed = renamed.replace(".ffn.", ".mlp.")
+        renamed = re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2", renamed)
+        width = self.v4.moe_intermediate_size
+        expert = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.w([123])\.weight", renamed)
+        if expert:
+            prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
+            if part == "2":
+                return f"{prefix}.w_down", index
+            return f"{prefix}.w_gate_up", (index, slice(0, width) if part == "1" else slice(width, 2 * width))
+        shared = re.fullmatch(r"(model\.layers\.\d+\.mlp\.shared_experts)\.w([13])\.weight", renamed)
+        if shared:
+            return f"{shared.group(1)}.w13.weight", slice(0, width) if shared.group(2) == "1" else slice(width, None)
+        return renamed, None
