@@ -221,7 +221,11 @@ def test_images_match_compose(rendered: dict[str, list[dict[str, Any]]], compose
 
 def test_settings_match_compose(cpu: list[dict[str, Any]], compose: dict[str, Any]) -> None:
     shared = compose["x-kvmesh-settings"]
-    assert settings_map(cpu) == {k: v for k, v in shared.items() if v is not None}
+    settings = settings_map(cpu)
+    # beyond compose (one NATS server): every stream and bucket copied on each node of the NATS StatefulSet
+    (nats,) = [o for o in cpu if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "nats"]
+    assert settings.pop("KVMESH_JETSTREAM_REPLICAS") == str(nats["spec"]["replicas"]) == "3"
+    assert settings == {k: v for k, v in shared.items() if v is not None}
     for name, _, container in containers(cpu):
         role = role_of(container)
         if role is None:
@@ -229,7 +233,7 @@ def test_settings_match_compose(cpu: list[dict[str, Any]], compose: dict[str, An
         env = effective_env(cpu, container)
         own = compose["services"][role]["environment"]
         # beyond compose: the lane's port, fixed for NetworkPolicies; a store node's stable name
-        names = set(shared) | set(own) | {"KVMESH_DATA_PORT", "KVMESH_WORKER_ID"}
+        names = set(shared) | set(own) | {"KVMESH_DATA_PORT", "KVMESH_WORKER_ID", "KVMESH_JETSTREAM_REPLICAS"}
         assert set(env) <= names, name
         stable_name = {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env.get("KVMESH_WORKER_ID") == (stable_name if role == "kvcache" else None), name
