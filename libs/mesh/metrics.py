@@ -146,6 +146,20 @@ REQUEST_QUEUE_TIME = _histogram(
     note="vLLM's vllm:request_queue_time_seconds. The mesh's one queue: the gateway admits or refuses (429) at once, "
     "and decode takes pushed KV straight into its batch (or refuses it: the gateway re-routes)",
 )
+GATEWAY_DECODE_EJECTIONS = _counter(
+    "kvmesh_gateway_decode_ejections_total",
+    "Decode workers this gateway took out of routing though their calls succeed",
+    ["reason"],
+    roles="gateway",
+    note="reason: latency (inter-token latency over slow_decode_factor x the pool's others'; mesh/latency_outliers.py)",
+)
+GATEWAY_MIGRATIONS = _counter(
+    "kvmesh_gateway_migrations_total",
+    "Generations moved mid-stream to another (prefill, decode) pair, their output so far prefilled there",
+    ["reason"],
+    roles="gateway",
+    note="reason: failed (the decode side failed), slow (on an ejected decode worker, the next token overdue)",
+)
 GATEWAY_IN_FLIGHT = _gauge("kvmesh_gateway_requests_in_flight", "Requests being served", ["model"], roles="gateway")
 USAGE_PUBLISHED = _counter(
     "kvmesh_gateway_usage_records_published_total",

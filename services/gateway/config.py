@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine_core.images import ImageLimits
 from mesh.config import ServiceSettings, require, setting
+from mesh.latency_outliers import LatencyRule
 from services.gateway.egress import EgressGuard
 from services.gateway.images import ImageSettings
 from services.gateway.listener import ListenerLimits
@@ -32,6 +33,22 @@ class GatewaySettings(ServiceSettings):
     )
     max_retries: int = setting(
         2, "re-routes (and migrations) after a worker fails with UNAVAILABLE or RESOURCE_EXHAUSTED"
+    )
+    # a slow decode worker (mesh/latency_outliers.py): ejected from routing for a while, its late streams migrated
+    slow_decode_factor: float = setting(
+        3.0,
+        "a decode worker whose median inter-token latency is over this many times its pool's others' is ejected "
+        "from routing, and its streams whose next token is this late migrate (0: never)",
+    )
+    slow_decode_window_s: float = setting(5.0, "seconds of inter-token latency samples a decode worker is judged on")
+    slow_decode_min_samples: int = setting(
+        8, "samples a decode worker (and a worker it is compared with) needs in the window to be judged"
+    )
+    slow_decode_ejection_s: float = setting(
+        10.0, "seconds a slow decode worker stays out of routing; each ejection in a row adds as much (up to 10x)"
+    )
+    slow_decode_min_itl_s: float = setting(
+        0.005, "a median inter-token latency below this (seconds) is never slow: the gateway's own loop jitter"
     )
     request_timeout_s: float = setting(600.0, "arrival to last token, in seconds; past it the request fails with 504")
     # output length (services/gateway/output_limits.py), for every API: N, model=N, or both (N for the others)
@@ -149,6 +166,26 @@ class GatewaySettings(ServiceSettings):
             "max_images_per_request",
             self.max_images_per_request,
             "must not be negative (0: no images)",
+        )
+        self._check_slow_decode()
+
+    def _check_slow_decode(self) -> None:
+        """LatencyRule checks its fields, naming the one at fault: said again naming its variable."""
+        try:
+            _ = self.slow_decode
+        except ValueError as exc:
+            field, _, reason = str(exc).partition(": ")
+            name = "slow_decode_" + field.split("=")[0]
+            require(False, name, getattr(self, name), reason)
+
+    @property
+    def slow_decode(self) -> LatencyRule:
+        return LatencyRule(
+            self.slow_decode_factor,
+            self.slow_decode_window_s,
+            self.slow_decode_min_samples,
+            self.slow_decode_ejection_s,
+            self.slow_decode_min_itl_s,
         )
 
     @property

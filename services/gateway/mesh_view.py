@@ -1,14 +1,23 @@
-"""What the gateway knows of the mesh, from heartbeats and health checks: live balancers, and which models have
-both a live prefill and a live decode worker. A view over the registry (the registry's tasks write it; failed
-calls are reported to it)."""
+"""What the gateway knows of the mesh, from heartbeats, health checks and its own streams: live balancers, which
+models have both a live prefill and a live decode worker, and which decode workers are too slow to route to. A
+view over the registry (the registry's tasks write it; failed calls are reported to it) and the latency outlier
+detector (the streams' token gaps are reported to it: mesh/latency_outliers.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+from mesh import tracing
 from mesh.discovery import KnownWorker
+from mesh.latency_outliers import Ejection, LatencyOutlierDetector, LatencyRule
+from mesh.logging import get_logger
+from mesh.metrics import GATEWAY_DECODE_EJECTIONS
 from mesh.pb import common_pb2
+
+log = get_logger(__name__)
+NO_LATENCY_RULE = LatencyRule(factor=0)  # embedding and unit tests: no decode worker is ever slow
 
 FOLLOWED_ROLES = (common_pb2.ROLE_BALANCER, common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_ENCODER)
 
@@ -20,9 +29,48 @@ class Registry(Protocol):
 
 
 class MeshView:
-    def __init__(self, registry: Registry) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        slow_decode: LatencyRule = NO_LATENCY_RULE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._registry = registry
         self._next_balancer = 0  # round-robin start; only `balancers()` writes it
+        self.latency = LatencyOutlierDetector(slow_decode, self.decode_ids)
+        self._clock = clock
+
+    def decode_ids(self, model: str) -> list[str]:
+        """The decode workers that may serve `model` now: known, and not ejected for failures."""
+        return [w.worker_id for w in self._registry.workers(common_pb2.ROLE_DECODE, model)]
+
+    def record_token_gap(self, model: str, decode_worker: str, gap_s: float, num_tokens: int) -> None:
+        """`num_tokens` arrived from `decode_worker` `gap_s` after the stream's previous ones: one ITL sample,
+        which may eject the worker for being slow (logged, counted, and an event on the request's span)."""
+        ejection = self.latency.record(model, decode_worker, gap_s / num_tokens, self._clock())
+        if ejection is not None:
+            report_ejection(ejection)
+
+    def slow_decode_ids(self, model: str, excluded: Sequence[str] = ()) -> list[str]:
+        """The decode workers of `model` ejected for latency, to keep out of a route besides `excluded`; none when
+        that would leave no decode worker outside them (a slow worker serves; an empty pool fails the request)."""
+        slow = [w for w in self.latency.ejected_ids(model, self._clock()) if w not in excluded]
+        if not slow:
+            return []
+        left = set(self.decode_ids(model)) - set(excluded) - set(slow)
+        return slow if left else []
+
+    def stall_limit_s(self, model: str, decode_worker: str) -> float | None:
+        """How long a stream on `decode_worker` may wait for its next token before it migrates: slow_decode_factor
+        x the pool's others' ITL, once the worker is out of routing (slow, or failing its checks); None while it
+        is in, or when nothing to compare with is known."""
+        rule = self.latency.rule
+        now_s = self._clock()
+        if not rule.is_enabled:
+            return None
+        is_out = self.latency.is_ejected(model, decode_worker, now_s) or decode_worker not in self.decode_ids(model)
+        reference_s = self.latency.reference_s(model, decode_worker, now_s) if is_out else None
+        return None if reference_s is None else rule.factor * max(reference_s, rule.min_itl_s)
 
     def balancers(self) -> list[KnownWorker]:
         """Live balancers, starting with a different one each call so the load spreads."""
@@ -49,3 +97,25 @@ class MeshView:
     def is_ready(self, candidates: Iterable[str]) -> bool:
         """A balancer to ask, and some model with workers on both sides."""
         return bool(self._registry.workers(common_pb2.ROLE_BALANCER)) and bool(self.served_models(candidates))
+
+
+def report_ejection(ejection: Ejection) -> None:
+    GATEWAY_DECODE_EJECTIONS.labels("latency").inc()
+    log.warning(
+        "decode worker ejected: slow",
+        worker_id=ejection.worker_id,
+        model=ejection.pool,
+        itl_ms=round(ejection.itl_s * 1000, 1),
+        pool_itl_ms=round(ejection.reference_s * 1000, 1),
+        num_in_a_row=ejection.num_in_a_row,
+    )
+    span = tracing.current_span()  # the request whose tokens showed it
+    if span.is_recording():
+        span.add_event(
+            "kvmesh.decode_ejected",
+            {
+                "kvmesh.decode_worker_id": ejection.worker_id,
+                "kvmesh.itl_ms": ejection.itl_s * 1000,
+                "kvmesh.pool_itl_ms": ejection.reference_s * 1000,
+            },
+        )

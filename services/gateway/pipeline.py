@@ -9,7 +9,9 @@
    worker failed) is excluded and the request re-routed, up to max_retries;
 4. Decode.Stream: the remaining tokens, detokenized as they come, cut at a stop string (then the call is
    cancelled, which makes decode abort the request and free its KV). A failure after the first token migrates the
-   generation to another pair (GenerationStream).
+   generation to another pair (GenerationStream), and so does a decode worker ejected for being slow whose next
+   token is overdue. The gaps between the tokens are the mesh view's samples of each decode worker's inter-token
+   latency (mesh/latency_outliers.py); a slow worker is left out of the routes (`exclude_worker_ids`).
 
 `Pipeline.start` does 1-3 and returns a GenerationStream once the first token is known, so the front end
 knows the serving workers before it sends a byte. The stream's owner must `close()` it (in a finally):
@@ -30,6 +32,7 @@ import grpc.aio
 from engine_core.kv_cache.block_hash import hash_token_blocks, root_hash
 from mesh import rpc, tracing
 from mesh.logging import get_logger
+from mesh.metrics import GATEWAY_MIGRATIONS
 from mesh.pb import (
     balancer_pb2,
     balancer_pb2_grpc,
@@ -50,6 +53,7 @@ log = get_logger(__name__)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 NOT_FINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
+STALL_CHECK_S = 0.1  # how often a stream waiting for its next token looks whether its decode worker was ejected
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,10 @@ def failed_worker(error: grpc.aio.AioRpcError, prefill_worker: str) -> str:
     return prefill_worker
 
 
+class DecodeStalled(Exception):
+    """The stream's decode worker is out of routing and its next token overdue: the generation migrates."""
+
+
 class Pipeline:
     def __init__(self, channels: rpc.Channels, mesh: MeshView, block_size: int, max_retries: int) -> None:
         self.channels = channels
@@ -186,13 +194,16 @@ class Pipeline:
         excluded: Sequence[str],
         deadline: Deadline,
     ) -> balancer_pb2.RouteResponse:
+        slow = self.mesh.slow_decode_ids(generation.model.name, excluded)
+        if slow:
+            tracing.current_span().set_attribute("kvmesh.slow_decode_excluded", slow)
         request = balancer_pb2.RouteRequest(
             request_id=attempt_id,
             model=generation.model.name,
             block_hashes=block_hashes,
             num_prompt_tokens=len(generation.prompt_token_ids) + len(generation.output_token_ids),
             traffic_class=generation.traffic_class,
-            exclude_worker_ids=excluded,
+            exclude_worker_ids=[*excluded, *slow],
         )
         for balancer in self.mesh.balancers():
             stub = balancer_pb2_grpc.BalancerStub(self.channels.get(balancer.info.address))
@@ -309,10 +320,11 @@ class GenerationStream:
                 return
             failed = attempt.placement.decode_worker
             why = "the decode worker ended the stream before the request finished"
+            cause = "failed"
             try:
                 await self._wait_for_push(attempt)
                 self._call = self._pipeline.open_decode_stream(attempt.placement, self._deadline)
-                async for batch in self._call:
+                async for batch in self._batches(self._call, attempt.placement.decode_worker):
                     if batch.finish_reason == common_pb2.FINISH_REASON_ABORT:
                         why = "the decode worker aborted the request"
                         break
@@ -337,23 +349,69 @@ class GenerationStream:
                 if error.code() not in RETRYABLE:
                     raise from_rpc_error(error, "decode") from None
                 why = f"the {'decode' if failed == attempt.placement.decode_worker else 'prefill'} worker failed"
+            except DecodeStalled as stalled:
+                why, cause = str(stalled), "slow"
             finally:
                 if self._call is not None:
                     self._call.cancel()  # a no-op once decode ended it; after a stop string, decode aborts the request
-            await self._migrate(failed, why)
+            await self._migrate(failed, why, cause)
+
+    async def _batches(
+        self, call: grpc.aio.UnaryStreamCall, decode_worker: str
+    ) -> AsyncIterator[decode_pb2.TokenBatch]:
+        """Decode's token batches as they arrive. The gap before each (after the first) is an inter-token latency
+        sample of `decode_worker` (MeshView.record_token_gap). While the worker is out of routing (slow, or failing
+        its checks) and a migration is left, waiting longer than MeshView.stall_limit_s for the next token raises
+        DecodeStalled: the output goes on on another pair rather than at the slow worker's pace."""
+        mesh, model = self._pipeline.mesh, self._generation.model.name
+        if not mesh.latency.rule.is_enabled:
+            async for batch in call:
+                yield batch
+            return
+        last_s: float | None = None  # the previous batch's arrival
+        waiting_since_s = time.monotonic()
+        while True:
+            read = asyncio.ensure_future(call.read())
+            try:
+                while not read.done():
+                    await asyncio.wait({read}, timeout=STALL_CHECK_S)
+                    self._check_stall(read, decode_worker, time.monotonic() - waiting_since_s)
+            finally:
+                read.cancel()  # a no-op once done; else (this task cancelled, or a stall) cancels the call
+            batch = read.result()
+            if batch is grpc.aio.EOF:
+                return
+            now_s = time.monotonic()
+            if last_s is not None and batch.token_ids:
+                mesh.record_token_gap(model, decode_worker, now_s - last_s, len(batch.token_ids))
+            last_s = waiting_since_s = now_s
+            yield batch
+
+    def _check_stall(self, read: asyncio.Future[object], decode_worker: str, waited_s: float) -> None:
+        """Raise DecodeStalled if the stream should leave `decode_worker` now (see `_batches`)."""
+        if read.done() or self.num_migrations >= self._pipeline.max_retries:  # slow is better than failed
+            return
+        limit_s = self._pipeline.mesh.stall_limit_s(self._generation.model.name, decode_worker)
+        if limit_s is not None and waited_s > limit_s:
+            raise DecodeStalled(
+                f"the decode worker is out of routing and slow: no token for {waited_s * 1000:.0f} ms "
+                f"(its pool's inter-token latency x slow_decode_factor: {limit_s * 1000:.0f} ms)"
+            )
 
     async def _wait_for_push(self, attempt: Attempt) -> None:
         """Prefill's second answer: decode holds the KV (raises AioRpcError when the push failed)."""
         while await attempt.prefill_call.read() is not grpc.aio.EOF:
             pass
 
-    async def _migrate(self, failed: str, why: str) -> None:
-        """Go on on another pair: prefill the prompt plus the output so far (raises GatewayError when it may not)."""
+    async def _migrate(self, failed: str, why: str, cause: str) -> None:
+        """Go on on another pair: prefill the prompt plus the output so far (raises GatewayError when it may not).
+        `cause`: failed or slow (the migrations metric's reason)."""
         generation = self._generation
         self.close()
         if self.num_migrations >= self._pipeline.max_retries:
             raise GatewayError(ErrorKind.UNAVAILABLE, f"{why}; retry shortly")
         self.num_migrations += 1
+        GATEWAY_MIGRATIONS.labels(cause).inc()
         resumed = dataclasses.replace(
             generation,
             request_id=f"{generation.request_id}.m{self.num_migrations}",
@@ -366,7 +424,12 @@ class GenerationStream:
             num_output_tokens=self.num_completion_tokens,
             migration=self.num_migrations,
         )
-        attributes = {"kvmesh.failed_worker_id": failed, "kvmesh.reason": why, "kvmesh.migration": self.num_migrations}
+        attributes = {
+            "kvmesh.failed_worker_id": failed,
+            "kvmesh.reason": why,
+            "kvmesh.migration": self.num_migrations,
+            "kvmesh.migration_cause": cause,
+        }
         with tracing.span("kvmesh.migrate", attributes=attributes):
             self._attempt = await self._pipeline.attempt(resumed, self._deadline, excluded=[failed])
         self.placement = self._attempt.placement

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mesh.discovery import WorkerRegistry
+from mesh.discovery import KnownWorker, WorkerRegistry
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, gateway_pb2_grpc
 from mesh.rollouts import RolloutStore
@@ -89,7 +89,11 @@ class GatewayServer:
         )
         await self.abandoned.start()
         self.registry = WorkerRegistry(
-            bus, FOLLOWED_ROLES, settings.heartbeat_interval_s, eject_after_failures=settings.eject_after_failures
+            bus,
+            FOLLOWED_ROLES,
+            settings.heartbeat_interval_s,
+            on_leave=self._forget_worker,
+            eject_after_failures=settings.eject_after_failures,
         )
         self.registry.check_health(
             self.runtime.channels, settings.health_check_interval_s, settings.health_check_timeout_s
@@ -108,7 +112,7 @@ class GatewayServer:
         self.limiter.start()
         self.probes = RolloutProbes(RolloutStore(bus.client), QualityProbe(self.registry, self.runtime.channels))
         await self.probes.start()
-        mesh = MeshView(self.registry)
+        mesh = MeshView(self.registry, settings.slow_decode)
         self.core = GatewayCore(
             keys=KeyRing(settings.api_keys),
             key_store=key_store,
@@ -146,6 +150,11 @@ class GatewayServer:
             public_grpc=True,  # API keys guard the Gateway service, not client certificates
         )  # the REST app serves /healthz, /readyz and /metrics on http_port itself
         log.info("gateway serving", http_port=self.http_port, grpc_port=self.grpc_port, models=catalog.names)
+
+    def _forget_worker(self, worker: KnownWorker) -> None:
+        """A worker left the mesh for good: its latency samples and ejections go too."""
+        if self.core is not None:
+            self.core.mesh.latency.forget(worker.worker_id)
 
     def _live_gateways(self) -> set[tuple[str, int]]:
         """The gateway processes heard from lately, this one included (abandoned.py)."""

@@ -68,6 +68,7 @@ class Script:
     finish_reason: int = common_pb2.FINISH_REASON_LENGTH
     batch_size: int = 2
     batch_delay_s: float = 0.0
+    decode_delays: dict[str, float] = field(default_factory=dict)  # decode worker -> its batch delay (a slow one)
     prefill_failures: list[tuple[grpc.StatusCode, str | None]] = field(default_factory=list)
     decode_error_after: int | None = None  # fail the stream with UNAVAILABLE after this many batches
     decode_errors: int = 1_000  # ... this many times (then streams run to the end)
@@ -169,12 +170,14 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
         script.streams.append(request.request_id)
         offset = script.offsets.get(request.request_id, 0)
         rest = script.token_ids[offset + 1 :]
+        worker = next((p.decode_worker_id for p in script.prefills if p.request_id == request.request_id), "")
+        delay_s = script.decode_delays.get(worker, script.batch_delay_s)
         try:
             for number, start in enumerate(range(0, len(rest), script.batch_size)):
                 if script.decode_error_after == number and script.decode_errors > 0:
                     script.decode_errors -= 1
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted decode failure")
-                await asyncio.sleep(script.batch_delay_s)
+                await asyncio.sleep(delay_s)
                 batch = rest[start : start + script.batch_size]
                 finish_reason: Any = script.finish_reason if start + script.batch_size >= len(rest) else 0
                 yield decode_pb2.TokenBatch(

@@ -6,14 +6,19 @@ Harness: the `mesh` and `script` fixtures of tests/services/gateway_harness.py (
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Iterator
 
 import grpc
 import grpc.aio
 import pytest
+from prometheus_client import REGISTRY
+
+from services.gateway.mesh_view import MeshView
 
 from . import gateway_harness
-from .gateway_harness import COMPLETION, MODEL, Mesh, Script, post, sse_events
+from .gateway_harness import COMPLETION, MODEL, Mesh, Script, post, sse_events, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -74,3 +79,71 @@ async def test_a_decode_failure_mid_stream_migrates_and_the_output_goes_on(mesh:
     assert list(script.prefills[1].output_token_ids) == script.token_ids[:3]
     assert script.routes[1].num_prompt_tokens == script.routes[0].num_prompt_tokens + 3  # prefill computes them too
     assert script.prefills[1].request_id == script.prefills[0].request_id + ".m1"
+
+
+# a slow decode worker (mesh/latency_outliers.py, the gateway's default rule: 3x the pool's others', 8 samples)
+
+
+@pytest.fixture
+def view(mesh: Mesh) -> Iterator[MeshView]:
+    """The gateway's mesh view, with no latency samples before or after the test (other tests' streams leave some,
+    and an ejection would outlast the test)."""
+    assert mesh.gateway.core is not None
+    view = mesh.gateway.core.mesh
+    for worker in ("decode-a", "decode-b"):
+        view.latency.forget(worker)
+    yield view
+    for worker in ("decode-a", "decode-b"):
+        view.latency.forget(worker)
+
+
+async def report_gaps(view: MeshView, worker: str, gap_s: float) -> None:
+    """Eight token gaps of `worker`, as its streams would report them; the last one 60 ms later, when the worker
+    is judged again (at most every 50 ms)."""
+    for _ in range(7):
+        view.record_token_gap(MODEL, worker, gap_s, 1)
+    await asyncio.sleep(0.06)
+    view.record_token_gap(MODEL, worker, gap_s, 1)
+
+
+def counted(metric: str, reason: str) -> float:
+    return REGISTRY.get_sample_value(metric, {"reason": reason}) or 0.0
+
+
+async def test_a_slow_decode_worker_is_left_out_of_the_routes(mesh: Mesh, script: Script, view: MeshView) -> None:
+    ejections = counted("kvmesh_gateway_decode_ejections_total", "latency")
+    await report_gaps(view, "decode-b", 0.01)
+    await report_gaps(view, "decode-a", 0.2)  # 20x decode-b's
+    assert counted("kvmesh_gateway_decode_ejections_total", "latency") == ejections + 1
+    status, headers, _ = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert (status, headers["x-kvmesh-decode-worker"]) == (200, "decode-b")
+    assert [list(r.exclude_worker_ids) for r in script.routes] == [["decode-a"]]
+    # never the last: with decode-b excluded for a failure, the slow one is asked all the same
+    script.prefill_failures = [(grpc.StatusCode.UNAVAILABLE, "decode-b")]
+    status, headers, _ = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert (status, headers["x-kvmesh-decode-worker"]) == (200, "decode-a")
+    assert [list(r.exclude_worker_ids) for r in script.routes[1:]] == [["decode-a"], ["decode-b"]]
+
+
+async def test_a_stream_on_a_decode_worker_found_slow_migrates_with_the_same_output(
+    mesh: Mesh, script: Script, view: MeshView
+) -> None:
+    script.batch_size, script.decode_delays = 1, {"decode-a": 0.5}
+    migrations = counted("kvmesh_gateway_migrations_total", "slow")
+    await report_gaps(view, "decode-b", 0.01)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    request = asyncio.ensure_future(post(mesh, body))
+    await wait_for(lambda: script.streams)  # following decode-a, whose next token is 0.5 s away
+    await report_gaps(view, "decode-a", 0.5)  # its other streams show it slow: ejected
+    status, headers, raw = await request
+    events = sse_events(raw)
+    assert (status, headers["x-kvmesh-decode-worker"], events[-1]) == (200, "decode-a", "[DONE]")
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
+    # moved after prefill's token only, without decode-a, which was told to drop the request (its KV freed)
+    assert [list(r.exclude_worker_ids) for r in script.routes] == [[], ["decode-a"]]
+    assert list(script.prefills[1].output_token_ids) == script.token_ids[:1]
+    assert script.prefills[1].decode_worker_id == "decode-b"
+    assert script.stream_ends == ["cancelled", "finished"]
+    await wait_for(lambda: script.own_aborts())
+    assert script.own_aborts() == [script.prefills[0].request_id]
+    assert counted("kvmesh_gateway_migrations_total", "slow") == migrations + 1
