@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.bench.kvcache import belady_hit_rate, ideal_hit_rate, load_trace, replay, reuse_oracle_lru_hit_rate
+from kvmesh.bench.kvcache import (
+    belady_hit_rate,
+    class_oracle_lru_hit_rate,
+    ideal_hit_rate,
+    load_trace,
+    replay,
+    reuse_oracle_lru_hit_rate,
+)
 from kvmesh.bench.kvcache_trace import generate_trace
 
 # Two chains used twice each, alternating; room for two blocks.
@@ -43,3 +50,13 @@ def test_the_generated_trace_is_the_same_every_run() -> None:
     small = generate_trace(num_requests=50, num_templates=3, seed=1)
     heads = {ids[0] for _, ids in small}
     assert len(heads) < 50  # templates repeat: their first blocks are shared
+
+
+def test_the_class_oracle_admits_by_the_true_reuse_of_a_run_length() -> None:
+    one_off = [(0.0, [1, 2]), (1.0, [9]), (2.0, [1, 2])]
+    # runs of 2 are always reused, runs of 1 never: [9] is not stored, so [1, 2] hits
+    assert class_oracle_lru_hit_rate(one_off, capacity_blocks=2) == 2 / 5
+    mixed = [(0.0, [1, 2]), (1.0, [3, 4]), (2.0, [1, 2]), (3.0, [5, 6])]
+    # runs of 2: half of the 6 first-seen blocks come back; at a threshold of 0.5 or less all are stored
+    assert class_oracle_lru_hit_rate(mixed, capacity_blocks=2) == 0.0
+    assert class_oracle_lru_hit_rate(mixed, capacity_blocks=4) == 2 / 8

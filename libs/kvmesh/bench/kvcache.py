@@ -21,6 +21,7 @@ from kvmesh.bench import kvcache_trace
 from mesh.kv_blocks import KVLayout, checksum
 from services.kvcache.blocks import Block
 from services.kvcache.policy import POLICIES
+from services.kvcache.reuse import run_bucket
 from services.kvcache.store import BlockStore, StoreConfig
 
 LAYOUT = KVLayout(model="trace", dtype="float32", block_size=512, num_layers=1, layer_shape=(1,), block_axis=0)
@@ -117,6 +118,53 @@ def reuse_oracle_lru_hit_rate(requests: Sequence[tuple[float, list[int]]], capac
     return _prefix_hit_rate(requests, cached, store)
 
 
+def class_oracle_lru_hit_rate(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int) -> float:
+    """LRU that admits a first-seen block when its class (the `reuse` policy's: the length of the run its request
+    writes, whether that run extends a cached prefix) is reused at least a threshold over the *whole* trace, and
+    always a block seen before; the best threshold. The most any admission filter on those features could get."""
+    uses: dict[int, int] = {}
+    for _, ids in requests:
+        for hash_id in ids:
+            uses[hash_id] = uses.get(hash_id, 0) + 1
+    seen: set[int] = set()
+    counts: dict[tuple[int, bool], list[int]] = {}  # class -> [first-seen blocks, of those used again]
+    for _, ids in requests:
+        hits = next((n for n, hash_id in enumerate(ids) if hash_id not in seen), len(ids))
+        klass = (run_bucket(len(ids) - hits), hits > 0)
+        for hash_id in ids[hits:]:
+            if hash_id not in seen:
+                count = counts.setdefault(klass, [0, 0])
+                count[0] += 1
+                count[1] += uses[hash_id] > 1
+        seen.update(ids)
+    rate = {klass: reused / num for klass, (num, reused) in counts.items()}
+    return max(_class_admitted_lru(requests, capacity_blocks, rate, t / 10) for t in range(1, 7))
+
+
+def _class_admitted_lru(
+    requests: Sequence[tuple[float, list[int]]], capacity_blocks: int, rate: dict[tuple[int, bool], float], at: float
+) -> float:
+    cached: OrderedDict[int, None] = OrderedDict()
+    seen: set[int] = set()
+    hits = total = 0
+    for _, ids in requests:
+        num_hits = next((n for n, hash_id in enumerate(ids) if hash_id not in cached), len(ids))
+        for hash_id in reversed(ids[:num_hits]):
+            cached.move_to_end(hash_id)
+        klass = (run_bucket(len(ids) - num_hits), num_hits > 0)
+        for hash_id in ids[num_hits:]:
+            if hash_id in cached:
+                cached.move_to_end(hash_id)
+            elif hash_id in seen or rate.get(klass, 0.0) >= at:
+                cached[hash_id] = None
+                while len(cached) > capacity_blocks:
+                    cached.popitem(last=False)
+            seen.add(hash_id)
+        hits += num_hits
+        total += len(ids)
+    return hits / max(total, 1)
+
+
 class _TraceClock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -171,6 +219,7 @@ def _rows(
         "ideal_hit_rate": round(ideal, 4),
         "belady_hit_rate": round(belady_hit_rate(requests, capacity_blocks), 4),
         "reuse_oracle_lru_hit_rate": round(reuse_oracle_lru_hit_rate(requests, capacity_blocks), 4),
+        "class_oracle_lru_hit_rate": round(class_oracle_lru_hit_rate(requests, capacity_blocks), 4),
     }
     rows = []
     for policy in policies:
