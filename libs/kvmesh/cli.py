@@ -237,6 +237,9 @@ def _bench(args: argparse.Namespace) -> int:
             max_prompt_tokens=args.max_prompt_tokens,
             max_output_tokens=args.max_output_tokens,
             repeats=args.repeats,
+            sampling=args.sampling,
+            quantization=args.quantization,
+            with_llama_cpp=args.with_llama_cpp,
         )
     elif args.bench_command == "serve" and args.trace_rounds:
         from kvmesh.bench.trace_ab import run_trace_ab
@@ -385,6 +388,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--repeats", type=int, default=None, help="runs per measurement, median reported (default 3)")
     engine.add_argument("--quick", action="store_true", help="smoke test: C 1 4, short lengths, 1 repeat")
     engine.add_argument("--device", default="cpu")
+    engine.add_argument(
+        "--sampling",
+        choices=("greedy", "typical"),
+        default="greedy",
+        help="typical: temperature 0.8, top_p 0.95, top_k 50, repetition_penalty 1.1 (default greedy)",
+    )
+    engine.add_argument("--quantization", default="none", help="the engine's quantization mode (default none)")
+    engine.add_argument(
+        "--with-llama-cpp",
+        action="store_true",
+        help="also llama.cpp's server on the same GGUF (llama-cpp-python[server]; skipped with a message if absent)",
+    )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--json", action="store_true", help="one line of JSON")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,12 +14,16 @@ from kvmesh.bench.engine import QUICK, make_workload, run_engine_bench
 from kvmesh.cli import build_parser
 
 VOCAB_SIZE = 500  # LLAMA_TEST_CONFIG's
+# 2 x the weights a token multiplies by in LLAMA_TEST_CONFIG: per layer q and o (96 x 96), k and v (96 x 32: 2 of
+# 6 heads), gate, up and down (96 x 192); then the LM head (96 x 500)
+LLAMA_FLOPS_PER_TOKEN = 2 * (3 * (2 * 96 * 96 + 2 * 96 * 32 + 3 * 96 * 192) + 96 * 500)
 
 
 @pytest.fixture(scope="module")
 def report(llama_reference) -> dict[str, Any]:
     path, _ = llama_reference
-    return run_engine_bench(str(path), None, "cpu", seed=0, quick=True)
+    # typical sampling (greedy is the default, run by the JSON-output smoke test); llama.cpp skipped with a reason
+    return run_engine_bench(str(path), None, "cpu", seed=0, quick=True, sampling="typical", with_llama_cpp=True)
 
 
 def test_workload_is_seeded_and_within_ranges() -> None:
@@ -43,6 +49,14 @@ def test_top_level_fields(report: dict[str, Any]) -> None:
     assert report["workload"]["concurrencies"] == [1, 4] and report["workload"]["repeats"] == 1
     assert list(report["results"]) == ["1", "4"]
     assert report["goal_met"] is None  # no C=32 in quick mode
+    assert report["workload"]["sampling"].startswith("typical (temperature 0.8, top_p 0.95, top_k 50")
+    assert report["quantization"] == "none"
+    assert report["llama_cpp"] == {
+        "skipped": f"llama.cpp needs a GGUF file; {Path(report['model_path']).name} is not one"
+    }
+    roofline = report["roofline"]
+    assert roofline["model_gflop_per_token"] == round(LLAMA_FLOPS_PER_TOKEN / 1e9, 4)
+    assert roofline["roofline_tok_s"] == pytest.approx(roofline["gemm_gflops"] * 1e9 / LLAMA_FLOPS_PER_TOKEN, rel=1e-3)
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])
@@ -56,23 +70,23 @@ def test_results_are_consistent(report: dict[str, Any], concurrency: int) -> Non
     for rate in (
         ours["prefill_tok_s"],
         ours["decode_tok_s"],
-        ours["throughput_tok_s"],
+        ours["useful_tok_s"],
         batched["prefill_tok_s"],
-        batched["throughput_tok_s"],
-        sequential["throughput_tok_s"],
+        batched["useful_tok_s"],
+        sequential["useful_tok_s"],
     ):
         assert rate is not None and rate > 0
     assert ours["num_preemptions"] == 0 and ours["num_prefix_hit_tokens"] == 0
     assert batched["counted_tokens"] == sequential["counted_tokens"] == result["num_output_tokens"]
     assert batched["generated_tokens"] == concurrency * max(workload.output_lens)
-    assert result["ours_vs_hf_batched"] == pytest.approx(
-        ours["throughput_tok_s"] / batched["throughput_tok_s"], rel=1e-2
-    )
-    assert result["ours_vs_hf_sequential"] == pytest.approx(
-        ours["throughput_tok_s"] / sequential["throughput_tok_s"], rel=1e-2
-    )
+    assert result["ours_vs_hf_batched"] == pytest.approx(ours["useful_tok_s"] / batched["useful_tok_s"], rel=1e-2)
+    assert result["ours_vs_hf_sequential"] == pytest.approx(ours["useful_tok_s"] / sequential["useful_tok_s"], rel=1e-2)
     e2e = result["seconds"]["ours_e2e"][0]
-    assert ours["throughput_tok_s"] == pytest.approx(result["num_output_tokens"] / e2e, rel=1e-2)
+    assert ours["useful_tok_s"] == pytest.approx(result["num_output_tokens"] / e2e, rel=1e-2)
+    hf_e2e = result["seconds"]["hf_batched_e2e"][0]
+    assert batched["padded_tok_s"] == pytest.approx(batched["generated_tokens"] / hf_e2e, rel=1e-2)
+    roofline_tok_s = report["roofline"]["roofline_tok_s"]
+    assert ours["roofline_fraction"] == pytest.approx(ours["decode_tok_s"] / roofline_tok_s, abs=1e-3)
     assert all(len(runs) == 1 for runs in result["seconds"].values())
     # Decode is timed inside each end-to-end run, so it can never come out longer than that run.
     assert list(result["decode_seconds"]) == ["ours_e2e", "hf_batched_e2e"]
@@ -87,6 +101,36 @@ def test_results_are_consistent(report: dict[str, Any], concurrency: int) -> Non
 def test_cli_passes_the_options() -> None:
     args = build_parser().parse_args(["bench", "engine", "--quick", "--max-output-tokens", "8", "--repeats", "2"])
     assert (args.quick, args.max_output_tokens, args.repeats, args.concurrency) == (True, 8, 2, None)
+    assert (args.sampling, args.quantization, args.with_llama_cpp) == ("greedy", "none", False)
+    args = build_parser().parse_args(["bench", "engine", "--sampling", "typical", "--with-llama-cpp"])
+    assert (args.sampling, args.with_llama_cpp) == ("typical", True)
+
+
+def test_both_systems_sample_with_the_same_settings() -> None:
+    from kvmesh.bench.engine import SAMPLING, _generation_kwargs
+
+    assert _generation_kwargs(SAMPLING["typical"]) == {
+        "do_sample": True,
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "top_k": 50,
+        "repetition_penalty": 1.1,
+    }
+    assert _generation_kwargs(SAMPLING["greedy"]) == {"do_sample": False}
+    with pytest.raises(ValueError, match="sampling must be one of greedy, typical, got 'nucleus'"):
+        replace(QUICK, sampling="nucleus")
+
+
+def test_an_unknown_quantization_is_refused_naming_the_option() -> None:
+    from engine_core.config import EngineConfig
+    from kvmesh.bench.engine import quantization_args
+
+    assert quantization_args("none") == {} and quantization_args("fp32") == {}
+    if "quantization" in EngineConfig.__dataclass_fields__:  # the engine's int8 path has landed: it validates
+        assert quantization_args("int8") == {"quantization": "int8"}
+    else:
+        with pytest.raises(ValueError, match="--quantization int8: this engine has no quantization setting"):
+            quantization_args("int8")
 
 
 def test_decode_is_timed_inside_the_run_even_when_the_prefill_run_was_slower() -> None:

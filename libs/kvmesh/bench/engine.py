@@ -1,15 +1,21 @@
 """`kvmesh bench engine`: our engine's prefill, decode and end-to-end tokens/s against transformers.
 
-At each concurrency C one fixed, seeded workload of C requests (mixed prompt and output lengths, greedy,
-ignore_eos so every output has its exact length) runs on three systems, all in this process on the same
-weights: our `LLM` (all C requests submitted at once), transformers' batched `generate` (left-padded, one
-call), and transformers one request at a time. Each measurement runs `repeats` times, interleaved across
-systems so that a burst of load elsewhere on the machine hits all of them alike; the median is reported.
+At each concurrency C one fixed, seeded workload of C requests (mixed prompt and output lengths, greedy or
+`typical` sampling, ignore_eos so every output has its exact length) runs on three systems, all in this
+process on the same weights: our `LLM` (all C requests submitted at once), transformers' batched `generate`
+(left-padded, one call), and transformers one request at a time. Each measurement runs `repeats` times,
+interleaved across systems so that a burst of load elsewhere on the machine hits all of them alike; the median
+is reported.
 
 Prefill rates come from runs that generate one token per request. Decode rates are timed inside each
 end-to-end run, from the moment every request holds its first token to the end, over the tokens generated in
 that span: subtracting two separate runs' times would let noise between the runs decide the rate (or make it
 negative).
+
+Rates count useful tokens: each request's own output. transformers' batched `generate` runs every row to the
+longest output; the tokens it computed that way are reported apart (`padded_tok_s`). `roofline_fraction` is our
+decode rate over the machine's GEMM rate (measured in the same run) divided by the model's FLOPs per token
+(`roofline.py`). `--with-llama-cpp` adds llama.cpp's server on the same GGUF (`llama_cpp.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import itertools
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -27,8 +34,15 @@ from typing import Any
 import torch
 
 from engine_core import LLM, SamplingParams, model_store
+from engine_core.config import EngineConfig
+from kvmesh.bench import roofline
 
 BLOCK_SIZE = 16
+# The request settings each system samples with (transformers gets the same ones, see `_generation_kwargs`).
+SAMPLING = {
+    "greedy": SamplingParams(temperature=0.0),
+    "typical": SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1),
+}
 GOAL_CONCURRENCY, GOAL_RATIO = 32, 1.5
 
 # Prompts are slices of this text when the model has a tokenizer (real text gives the attention realistic
@@ -58,8 +72,12 @@ class EngineBenchConfig:
     output_lens: tuple[int, int]  # inclusive range each output's length is drawn from
     repeats: int  # runs per measurement
     max_repeated_sequential: int  # transformers one request at a time runs once above this many requests
+    sampling: str = "greedy"  # a key of SAMPLING
+    quantization: str = "none"  # the engine's quantization mode (transformers always runs float32)
 
     def __post_init__(self) -> None:
+        if self.sampling not in SAMPLING:
+            raise ValueError(f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
         if not self.concurrencies or min(self.concurrencies) < 1:
             raise ValueError(f"concurrencies must be positive, got {self.concurrencies}")
         for name in ("prompt_lens", "output_lens"):
@@ -138,7 +156,9 @@ class OurSystem:
             block_size=BLOCK_SIZE,
             num_kv_blocks=num_requests * max_blocks_per_request,
             max_num_seqs=max(64, num_requests),
+            **quantization_args(config.quantization),
         )
+        self.sampling = SAMPLING[config.sampling]
         self.ops = self.llm.engine.ops
         self.ids = itertools.count()
 
@@ -152,7 +172,7 @@ class OurSystem:
         """Serve every request with the given output lengths, all submitted at once, stepping the engine
         here (as `LLM.generate` does) to see when the last request gets its first token."""
         engine = self.llm.engine
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+        params = [replace(self.sampling, max_tokens=n, ignore_eos=True) for n in output_lens]
         generated = dict.fromkeys((f"bench-{next(self.ids)}" for _ in params), 0)
         start = time.perf_counter()
         for request_id, prompt, param in zip(generated, workload.prompts, params, strict=True):
@@ -171,10 +191,19 @@ class OurSystem:
         return Run(end - start, end - all_started_at, sum(output_lens) - tokens_then)
 
 
+def quantization_args(mode: str) -> dict[str, str]:
+    """The engine arguments for a `--quantization` mode; a clear error when this engine has no such setting."""
+    if mode in ("none", "fp32"):
+        return {}
+    if "quantization" not in EngineConfig.__dataclass_fields__:
+        raise ValueError(f"--quantization {mode}: this engine has no quantization setting yet (only none)")
+    return {"quantization": mode}  # EngineConfig validates the mode and names the setting
+
+
 class HFSystem:
     """The same weights through transformers' `generate`: what a user gets without a serving engine."""
 
-    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, sampling: SamplingParams) -> None:
         from transformers import AutoModelForCausalLM
 
         if path.suffix == ".gguf":  # transformers dequantizes GGUF weights to `dtype` when loading
@@ -183,6 +212,7 @@ class HFSystem:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         self.model = model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps `to`; mypy misreads it
         self.device = device
+        self.sampling = _generation_kwargs(sampling)
         eos = self.model.config.eos_token_id
         self.pad_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
 
@@ -195,7 +225,7 @@ class HFSystem:
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         config = GenerationConfig(
-            do_sample=False,
+            **self.sampling,
             max_new_tokens=num_new_tokens,
             min_new_tokens=num_new_tokens,
             pad_token_id=self.pad_id,
@@ -221,6 +251,19 @@ class HFSystem:
 
     def sequential(self, workload: Workload) -> float:
         return sum(self._generate([p], n).seconds for p, n in zip(workload.prompts, workload.output_lens, strict=True))
+
+
+def _generation_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """transformers' names for the settings SAMPLING uses."""
+    if params.is_greedy:
+        return {"do_sample": False}
+    return {
+        "do_sample": True,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "repetition_penalty": params.repetition_penalty,
+    }
 
 
 class _FirstTokenClock:
@@ -271,7 +314,9 @@ def _speedup(ours_s: float, theirs_s: float) -> float:
     return round(theirs_s / ours_s, 3)
 
 
-def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config: EngineBenchConfig) -> dict[str, Any]:
+def bench_concurrency(
+    ours: OurSystem, hf: HFSystem, workload: Workload, config: EngineBenchConfig, roofline_tok_s: float | None = None
+) -> dict[str, Any]:
     stats_before = ours.llm.engine.stats()
     measurements: dict[str, Callable[[], float | Run]] = {
         "ours_prefill": lambda: ours.prefill(workload),
@@ -287,21 +332,24 @@ def bench_concurrency(ours: OurSystem, hf: HFSystem, workload: Workload, config:
     stats_after = ours.llm.engine.stats()
     med = {name: statistics.median(_seconds(run) for run in values) for name, values in runs.items()}
     num, num_prompt, num_out = workload.num_requests, workload.num_prompt_tokens, workload.num_output_tokens
+    decode_rate = _decode_rate(runs["ours_e2e"])
     ours_result = {
         "prefill_tok_s": _rate(num_prompt, med["ours_prefill"]),
-        "decode_tok_s": _decode_rate(runs["ours_e2e"]),
-        "throughput_tok_s": _rate(num_out, med["ours_e2e"]),
+        "decode_tok_s": decode_rate,
+        "useful_tok_s": _rate(num_out, med["ours_e2e"]),
+        "roofline_fraction": None if not (decode_rate and roofline_tok_s) else round(decode_rate / roofline_tok_s, 3),
         "num_preemptions": stats_after.num_preemptions - stats_before.num_preemptions,
         "num_prefix_hit_tokens": stats_after.num_prefix_hit_tokens - stats_before.num_prefix_hit_tokens,
     }
     batched = {
         "prefill_tok_s": _rate(num_prompt, med["hf_batched_prefill"]),
         "decode_tok_s": _decode_rate(runs["hf_batched_e2e"]),
-        "throughput_tok_s": _rate(num_out, med["hf_batched_e2e"]),
+        "useful_tok_s": _rate(num_out, med["hf_batched_e2e"]),
+        "padded_tok_s": _rate(num * max(workload.output_lens), med["hf_batched_e2e"]),  # with the padding rows'
         "generated_tokens": num * max(workload.output_lens),
         "counted_tokens": num_out,  # each request's own output length; the padding rows' extra tokens are waste
     }
-    sequential = {"throughput_tok_s": _rate(num_out, med["hf_sequential"]), "counted_tokens": num_out}
+    sequential = {"useful_tok_s": _rate(num_out, med["hf_sequential"]), "counted_tokens": num_out}
     return {
         "num_requests": num,
         "num_prompt_tokens": num_prompt,
@@ -362,13 +410,20 @@ def run_engine_bench(
     max_prompt_tokens: int | None = None,
     max_output_tokens: int | None = None,
     repeats: int | None = None,
+    sampling: str = "greedy",
+    quantization: str = "none",
+    with_llama_cpp: bool = False,
 ) -> dict[str, Any]:
     """The whole benchmark as a JSON-ready dict (see the module docstring for what is measured)."""
-    config = bench_config(concurrencies, quick, max_prompt_tokens, max_output_tokens, repeats)
+    config = replace(
+        bench_config(concurrencies, quick, max_prompt_tokens, max_output_tokens, repeats),
+        sampling=sampling,
+        quantization=quantization,
+    )
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     path = model_store.resolve(model)
     ours = OurSystem(model, device, config)
-    hf = HFSystem(path, ours.ops.torch_device, ours.llm.engine.dtype)
+    hf = HFSystem(path, ours.ops.torch_device, ours.llm.engine.dtype, ours.sampling)
     source_ids, vocab_size = _prompt_source(ours.llm), ours.llm.engine.model_config.vocab_size
     workloads = {
         c: make_workload(c, config, source_ids, vocab_size, random.Random(f"{seed}:{c}")) for c in config.concurrencies
@@ -376,16 +431,21 @@ def run_engine_bench(
     shortest = replace(config, prompt_lens=(config.prompt_lens[0],) * 2, output_lens=(config.output_lens[0],) * 2)
     warmup = make_workload(2, shortest, source_ids, vocab_size, random.Random(f"{seed}:warmup"))
     _warm_up(ours, hf, warmup)
-    results = {str(c): bench_concurrency(ours, hf, w, config) for c, w in workloads.items()}
+    machine = roofline.measure(ours.llm.engine.runner.model, ours.llm.engine.model_config)
+    results = {str(c): bench_concurrency(ours, hf, w, config, machine["roofline_tok_s"]) for c, w in workloads.items()}
+    llama_cpp = _with_llama_cpp(path, ours, workloads, results, config) if with_llama_cpp else None
     goal = results.get(str(GOAL_CONCURRENCY), {}).get("ours_vs_hf_batched")
     return {
         "model": model,
         "model_path": str(path),
         "device": ours.ops.name,
         "dtype": str(ours.llm.engine.dtype).removeprefix("torch."),
+        "quantization": config.quantization,
         "torch_threads": torch.get_num_threads(),
         "workload": _describe(config, seed, source_ids is not None),
+        "roofline": machine,
         "results": results,
+        "llama_cpp": llama_cpp,
         "goal": f"ours_vs_hf_batched at C={GOAL_CONCURRENCY} >= {GOAL_RATIO}",
         "goal_met": None if goal is None else goal >= GOAL_RATIO,
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -404,7 +464,8 @@ def _describe(config: EngineBenchConfig, seed: int, is_text: bool) -> dict[str, 
         "prompt_tokens": list(config.prompt_lens),
         "output_tokens": list(config.output_lens),
         "seed": seed,
-        "sampling": "greedy, ignore_eos (ours) / min_new_tokens = max_new_tokens (transformers): exact lengths",
+        "sampling": f"{config.sampling} ({_settings(SAMPLING[config.sampling])}), ignore_eos (ours) / "
+        "min_new_tokens = max_new_tokens (transformers): exact lengths",
         "repeats": config.repeats,
         "statistic": (
             "median of `repeats` runs, interleaved across systems, after one warm-up run per system; "
@@ -413,3 +474,42 @@ def _describe(config: EngineBenchConfig, seed: int, is_text: bool) -> dict[str, 
         ),
         "concurrencies": list(config.concurrencies),
     }
+
+
+def _settings(params: SamplingParams) -> str:
+    if params.is_greedy:
+        return "argmax"
+    return (
+        f"temperature {params.temperature}, top_p {params.top_p}, top_k {params.top_k}, "
+        f"repetition_penalty {params.repetition_penalty}"
+    )
+
+
+def _with_llama_cpp(
+    path: Path, ours: OurSystem, workloads: dict[int, Workload], results: dict[str, Any], config: EngineBenchConfig
+) -> dict[str, Any]:
+    """llama.cpp's server on the same GGUF, each workload `repeats` times after ours (not interleaved: its
+    server is a separate process); figures go into each concurrency's results, the setup into the return."""
+    from kvmesh.bench.llama_cpp import SERVER, LlamaCppServer, why_unavailable
+
+    tokenizer = ours.llm.tokenizer
+    reason = why_unavailable(path) or (None if tokenizer is not None else "the model has no tokenizer")
+    if reason is not None:
+        print(f"kvmesh bench engine: llama.cpp {reason}", file=sys.stderr)
+        return {"skipped": reason}
+    context = config.prompt_lens[1] + config.output_lens[1] + 64  # room for re-tokenization differences
+    server = LlamaCppServer(path, torch.get_num_threads(), context)
+    eos = sorted(ours.llm.engine.eos_token_ids)
+    try:
+        for concurrency, workload in workloads.items():
+            prompts = [tokenizer.decode(p) for p in workload.prompts]
+            runs = [server.run(prompts, workload.output_lens, ours.sampling, eos) for _ in range(config.repeats)]
+            seconds = statistics.median(r[0] for r in runs)
+            tokens = runs[0][1]
+            result = results[str(concurrency)]
+            result["llama_cpp"] = {"useful_tok_s": _rate(tokens, seconds), "completion_tokens": tokens}
+            result["ours_vs_llama_cpp"] = round(result["ours"]["useful_tok_s"] / (tokens / seconds), 3)
+            result["seconds"]["llama_cpp"] = [round(r[0], 6) for r in runs]
+    finally:
+        server.stop()
+    return {"server": SERVER, "gguf": str(path), "threads": torch.get_num_threads()}

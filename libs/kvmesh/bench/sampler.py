@@ -21,10 +21,10 @@ import torch
 from engine_core import LLM, SamplingParams
 from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput
-from kvmesh.bench.engine import PROMPT_TEXT
+from kvmesh.bench.engine import PROMPT_TEXT, SAMPLING
 
 GOAL_FRACTION = 0.05
-TYPICAL = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1)  # as `bench engine`'s
+TYPICAL = SAMPLING["typical"]  # `bench engine --sampling typical`
 
 # Each setting applies to every row, except "mixed", which cycles through the others row by row.
 MIXED = "rows cycle through the other settings"
