@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "deepseek_v3", "deepseek_v4")
+QUANTIZATION_MODES = ("none", "int8")  # engine_core.quantization implements them
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -400,6 +401,10 @@ class EngineConfig:
     # experts; (experts + num_redundant_experts) must be a multiple of expert_parallel_size
     expert_parallel_size: int = 1
     num_redundant_experts: int = 0
+    quantization: str = "none"  # none | int8 (linear layers in int8 on the cpu: engine_core.quantization)
+    # while requests decode, a prefill computes at most this many prompt tokens a step (0: no cap), so that a long
+    # prompt arriving cannot stall the running streams (vLLM's long_prefill_token_threshold)
+    long_prefill_token_threshold: int = 256
 
     def __post_init__(self) -> None:
         for name in (
@@ -420,6 +425,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
+        threshold = self.long_prefill_token_threshold
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be a non-negative integer, got {threshold!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
 

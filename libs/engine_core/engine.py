@@ -39,6 +39,7 @@ from engine_core.kv_transfer import (
 from engine_core.loader.checkpoint import open_checkpoint
 from engine_core.model_runner import ModelRunner
 from engine_core.models import build_model
+from engine_core.quantization import calibration_ids, check_quantization, quantize_model
 from engine_core.request import EmbeddingSpan, Request, RequestStatus
 from engine_core.sampler import Sampler
 from engine_core.sampling_params import SamplingParams
@@ -77,8 +78,15 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.served_name = config.served_name or config.model
         self.dtype = config.torch_dtype(self.ops.name)
+        check_quantization(config.quantization, self.model_config.model_type, self.ops.name, self.dtype)
         model = build_model(self.model_config, self.ops, self.dtype)
         model.load_weights(checkpoint.tensors())  # type: ignore[operator]
+        quantize_model(
+            model,
+            config.quantization,
+            calibration_ids(self.tokenizer, self.model_config.vocab_size),
+            self.model_config.num_layers,
+        )
         num_blocks = self._num_blocks(model)
         self.runner = ModelRunner(
             model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size
@@ -87,7 +95,10 @@ class LLMEngine:
         # a model with per-sequence state (DeepSeek-V4) cannot resume from cached blocks yet: no prefix caching
         prefix_caching = config.enable_prefix_caching and not self.runner.keeps_sequence_state
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
+            self.kv,
+        )
         self.loads = LayerLoads(self.kv.pool, self.runner.kv_caches, self.kv_layout, self.runner.block_axis)
         self.sampler = Sampler(config.seed)
         model_len = min(
@@ -99,9 +110,10 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
         log.info(
-            "engine ready: %s on %s, %d KV blocks (%d MiB), context %d",
+            "engine ready: %s on %s (quantization %s), %d KV blocks (%d MiB), context %d",
             self.served_name,
             self.ops.name,
+            config.quantization,
             num_blocks,
             self.runner.kv_cache_bytes >> 20,
             self.max_model_len,

@@ -9,6 +9,12 @@ to be recomputed. Arrival order decides both admission and preemption, so the ol
 makes progress and none starves; a request alone always fits (the engine caps the context at the cache's
 capacity), so none deadlocks.
 
+Decodes come first in the token budget, whatever their arrival order: a prefill only takes what the running
+decodes leave. While any request decodes, all prefills together compute at most `long_prefill_token_threshold`
+tokens a step (vLLM's knob of that name): a step's time is what every running stream waits between two tokens,
+so a long prompt arriving is prefilled in small chunks beside them instead of stalling them for whole seconds.
+With nothing decoding, a prefill takes the whole budget.
+
 The scheduler is the only writer of the queues and of each request's status, tokens and progress.
 """
 
@@ -62,6 +68,7 @@ class RequestOutput:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    long_prefill_token_threshold: int = 0  # prefill tokens a step while any request decodes (0: no cap)
 
 
 class Scheduler:
@@ -115,14 +122,28 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        num_decodes_ahead = sum(1 for r in self.running if _is_decoding(r))  # decodes not yet given their token
+        prefill_budget = self._prefill_budget(num_decodes_ahead > 0)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            is_prefill = not _is_decoding(request)
+            if is_prefill:  # it leaves a token for each decode behind it, and keeps under the prefill cap
+                num_new = min(
+                    request.num_tokens - request.num_computed_tokens, budget - num_decodes_ahead, prefill_budget
+                )
+                if num_new <= 0:
+                    index += 1
+                    continue
+            else:
+                num_decodes_ahead -= 1
+                num_new = 1
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()  # the latest arrival
+                if victim is not request and _is_decoding(victim):
+                    num_decodes_ahead -= 1
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -130,13 +151,21 @@ class Scheduler:
             else:
                 scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
+                prefill_budget -= num_new if is_prefill else 0
                 index += 1
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            self._admit_waiting(min(budget, prefill_budget), scheduled)
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # stable: decodes first, each group in order
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _prefill_budget(self, is_decoding: bool) -> int:
+        """Prompt tokens all prefills may compute this step: capped only while some request decodes."""
+        threshold = self.config.long_prefill_token_threshold
+        if is_decoding and threshold > 0:
+            return threshold
+        return self.config.max_num_batched_tokens
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -154,7 +183,6 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-        return budget
 
     def update(
         self,
@@ -215,6 +243,11 @@ class Scheduler:
         if force_free or not request.keep_kv:
             self.kv.free(request)
             self.requests.pop(request.request_id, None)
+
+
+def _is_decoding(request: Request) -> bool:
+    """Whether the request needs exactly one token this step: it decodes (or its prompt lacks only its last)."""
+    return request.num_tokens - request.num_computed_tokens == 1
 
 
 def _output(request: Request, new_token_ids: list[int], new_logprobs: list[TokenLogprobs]) -> RequestOutput:

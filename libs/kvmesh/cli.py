@@ -12,6 +12,8 @@ kvmesh serve ROLE                   one role (gateway, encoder, prefill, decode,
                                     configured by KVMESH_*
 kvmesh bench engine --json          engine throughput against transformers
 kvmesh bench sampler --json         sampling's cost per decode step, per setting, on real logits
+kvmesh bench quant --json           int8 against our float32: greedy agreement, perplexity, tokens/s
+kvmesh bench long-prompt --json     running streams' TPOT p99 while long prompts arrive, prefill cap on and off
 kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store (also kv-transfer, kv-ttft)
 kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
 kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
@@ -241,6 +243,16 @@ def _bench(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             with_llama_cpp=args.with_llama_cpp,
         )
+    elif args.bench_command == "quant":
+        from kvmesh.bench.quant import run_quant_bench
+
+        result = run_quant_bench(args.model, args.concurrency, args.repeats, args.seed, args.greedy_tokens)
+    elif args.bench_command == "long-prompt":
+        from kvmesh.bench.long_prompt import run_long_prompt_bench
+
+        result = run_long_prompt_bench(
+            args.model, args.streams, args.prompt_tokens, args.thresholds, args.max_num_batched_tokens, args.seed
+        )
     elif args.bench_command == "serve" and args.trace_rounds:
         from kvmesh.bench.trace_ab import run_trace_ab
 
@@ -402,6 +414,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--json", action="store_true", help="one line of JSON")
+
+    quant = bench_commands.add_parser("quant", help="int8 against our float32: greedy agreement, perplexity, tokens/s")
+    quant.add_argument("--model", default="smollm2-135m")
+    quant.add_argument("--concurrency", type=int, default=32, help="requests submitted at once (default 32)")
+    quant.add_argument("--repeats", type=int, default=3, help="runs per engine, interleaved, median reported")
+    quant.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens per prompt compared")
+    quant.add_argument("--seed", type=int, default=0)
+    quant.add_argument("--json", action="store_true", help="one line of JSON")
+
+    long_prompt = bench_commands.add_parser(
+        "long-prompt", help="running streams' TPOT p99 while long prompts arrive, per prefill cap"
+    )
+    long_prompt.add_argument("--model", default="smollm2-135m")
+    long_prompt.add_argument("--streams", type=int, default=8, help="requests decoding when the long prompt comes")
+    long_prompt.add_argument("--prompt-tokens", type=int, default=8000, help="the long prompt's length")
+    long_prompt.add_argument(
+        "--thresholds", type=int, nargs="+", default=[0, 256, 64], help="long_prefill_token_threshold values (0: off)"
+    )
+    long_prompt.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    long_prompt.add_argument("--seed", type=int, default=0)
+    long_prompt.add_argument("--json", action="store_true", help="one line of JSON")
 
     from kvmesh.bench.sampler import add_parser as add_sampler_bench_parser
 

@@ -10,9 +10,9 @@ from .helpers import make_request
 TOKEN = 7
 
 
-def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64):
+def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_threshold=0):
     kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, long_prefill_threshold), kv)
 
 
 def step(scheduler):
@@ -52,6 +52,39 @@ def test_decodes_come_first_and_waiting_requests_share_the_rest_of_the_budget():
     assert plan(output) == [("a", 1), ("b", 9)]
     output, _ = step(scheduler)
     assert plan(output) == [("a", 1), ("b", 2), ("c", 4)]
+
+
+def test_an_earlier_chunked_prefill_leaves_a_token_for_each_later_decode():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("long", list(range(40)), SamplingParams(max_tokens=2)))
+    scheduler.add_request(make_request("b", [1, 2], SamplingParams(max_tokens=8)))
+    scheduler.add_request(make_request("c", [3, 4], SamplingParams(max_tokens=8)))
+    scheduler.running.extend(scheduler.waiting)  # all three running, "long" first (the earliest arrival)
+    scheduler.waiting.clear()
+    for request in scheduler.running:
+        request.status = RequestStatus.RUNNING
+    scheduler.kv.allocate_slots(scheduler.requests["b"], 1)
+    scheduler.kv.allocate_slots(scheduler.requests["c"], 1)
+    scheduler.requests["b"].num_computed_tokens = scheduler.requests["c"].num_computed_tokens = 1  # decoding
+    output, _ = step(scheduler)
+    assert plan(output) == [("b", 1), ("c", 1), ("long", 6)]  # before: [("long", 8)], b and c stalled
+
+
+def test_while_requests_decode_prefills_keep_under_the_long_prefill_threshold():
+    scheduler = make_scheduler(max_num_batched_tokens=64, long_prefill_threshold=5)
+    scheduler.add_request(make_request("a", list(range(3)), SamplingParams(max_tokens=20)))
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 3)]  # nothing decodes yet: no cap
+    scheduler.add_request(make_request("long", list(range(100, 112)), SamplingParams(max_tokens=2)))
+    scheduler.add_request(make_request("next", list(range(200, 204)), SamplingParams(max_tokens=2)))
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 1), ("long", 5)]  # "next" waits: the prefill cap is spent
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 1), ("long", 5)]
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 1), ("long", 2), ("next", 3)]  # both prefills share the cap
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 1), ("long", 1), ("next", 1)]
 
 
 def test_max_num_seqs_bounds_the_batch():

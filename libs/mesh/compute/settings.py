@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_core import EngineConfig
+from engine_core.config import QUANTIZATION_MODES
 from mesh.compute.faults import Faults
 from mesh.config import ServiceSettings, require, setting
 from mesh.logging import get_logger
@@ -22,6 +23,15 @@ class WorkerSettings(ServiceSettings):
     kv_cache_memory_bytes: int = setting(256 * 2**20, "the KV cache of each model, sized once and never exceeded")
     max_num_seqs: int = setting(32, "requests in one batch")
     max_num_batched_tokens: int = setting(1024, "tokens in one engine step (chunked prefill past it)")
+    long_prefill_token_threshold: int = setting(
+        256,
+        "while requests decode, prefills compute at most this many prompt tokens a step, so a long prompt cannot "
+        "stall running streams (0: no cap; docs/engine.md)",
+    )
+    quantization: str = setting(
+        "none",
+        "none, or int8: linear layers with int8 weights and activations on the cpu (llama models; docs/engine.md)",
+    )
     torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
     prefix_caching_enabled: bool = setting(
         True, "reuse the KV of a prompt's leading blocks this worker already holds (off: every prompt computed in full)"
@@ -65,7 +75,13 @@ class WorkerSettings(ServiceSettings):
         ):
             value = getattr(self, name)
             require(value > 0, name, value, "must be positive")
-        for name in ("num_redundant_experts", "expert_report_steps"):
+        require(
+            self.quantization in QUANTIZATION_MODES,
+            "quantization",
+            self.quantization,
+            f"must be one of {', '.join(QUANTIZATION_MODES)}",
+        )
+        for name in ("num_redundant_experts", "expert_report_steps", "long_prefill_token_threshold"):
             value = getattr(self, name)
             require(value >= 0, name, value, "must not be negative")
         self._check_faults()
@@ -98,6 +114,8 @@ class WorkerSettings(ServiceSettings):
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            quantization=self.quantization,
             enable_prefix_caching=self.prefix_caching_enabled,
             served_name=model,
             expert_parallel_size=self.expert_parallel_size,

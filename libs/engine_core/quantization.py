@@ -1,0 +1,169 @@
+"""Weight quantization, applied once after the weights load: `EngineConfig.quantization` (KVMESH_QUANTIZATION).
+
+`int8` runs every linear layer (attention projections, the MLP, the LM head) with int8 weights, one scale per
+output channel, and int8 activations quantized on the fly at each call (one scale per call, from the activations'
+range): PyTorch's own dynamic-quantization kernels (`torch.ops.quantized.linear_dynamic`, fbgemm or oneDNN under
+the `x86` backend). The weights take a quarter of the bytes and the multiplies run on int8 dot products, which is
+where a CPU decode step spends most of its time. Norms, embeddings, rope, attention and the KV cache stay float32.
+
+One scale for a whole activation tensor is coarse when a few channels carry outliers (they do in LLMs: the inputs
+of `down_proj` most): their range sets the step for every other channel. So each linear layer is first smoothed,
+as SmoothQuant does: input channel j is divided by s_j and the weight's column j multiplied by it (the product is
+unchanged), s_j = sqrt(max|x_j| / max|W_j|), which moves outlier range from the activations into the per-channel
+weights. max|x_j| comes from one float32 forward pass over a fixed calibration text at load, so every worker
+computes the same weights. docs/engine.md gives the quality this buys (greedy agreement, perplexity).
+
+The pass walks the model's `nn.Linear` modules, whatever their names or fusing, so model code needs no change.
+Models that read a linear layer's weight directly (DeepSeek's absorbed MLA uses `kv_b_proj.weight` as a matrix)
+are not supported and say so at start; so are devices and dtypes the kernels do not serve.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine_core.config import QUANTIZATION_MODES, ConfigError
+from engine_core.models.batch import ForwardBatch, PrefillSegment
+
+INT8_MODEL_TYPES = ("llama",)  # architectures that only call their linear layers (no direct weight reads)
+# Prose, code and numbers, so that most channels see typical values. Not the text docs/engine.md measures on.
+CALIBRATION_TEXT = (
+    "The committee met on Tuesday to review the budget for the coming year. Revenue from the port rose by "
+    "twelve percent, while the cost of repairs to the northern bridge came in under the estimate.\n\n"
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(values)\n\n"
+    "Q: What is 17 times 23?\nA: 17 times 23 is 391.\n\n"
+    "She opened the window and listened. Somewhere below, a radio was playing an old song about the sea, "
+    "and a dog barked twice at a passing bicycle. Tomorrow, she thought, the letters would finally arrive."
+)
+MAX_CALIBRATION_TOKENS = 256
+
+
+def check_quantization(mode: str, model_type: str, device_name: str, dtype: torch.dtype) -> None:
+    """Raise ConfigError, naming the setting, unless `mode` can run this model here. Called before loading."""
+    if mode == "none":
+        return
+    if mode not in QUANTIZATION_MODES:
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
+    if model_type not in INT8_MODEL_TYPES:
+        raise ConfigError(
+            f"quantization {mode!r} does not support model_type {model_type!r}: supported are "
+            f"{', '.join(INT8_MODEL_TYPES)} (use quantization 'none')"
+        )
+    if device_name != "cpu":
+        raise ConfigError(f"quantization {mode!r} runs on the cpu device only, got device {device_name!r}")
+    if dtype != torch.float32:
+        raise ConfigError(f"quantization {mode!r} needs dtype float32 (its activations), got {dtype}")
+
+
+def quantize_model(model: nn.Module, mode: str, calibration_ids: list[int], num_layers: int) -> int:
+    """Replace the model's linear layers in place for `mode` (checked by check_quantization); return how many.
+    `calibration_ids`: the tokens whose float32 forward pass measures each layer's input range."""
+    if mode == "none":
+        return 0
+    input_ranges = measure_input_ranges(model, lambda: prefill_logits(model, calibration_ids, num_layers))
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int8Linear.from_linear(linear, input_ranges[name]))
+    return len(targets)
+
+
+def calibration_ids(tokenizer: object | None, vocab_size: int) -> list[int]:
+    """The calibration tokens: CALIBRATION_TEXT through the tokenizer, or seeded random ids without one."""
+    limit = MAX_CALIBRATION_TOKENS
+    if tokenizer is not None:
+        ids: list[int] = tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)  # type: ignore[attr-defined]
+        return ids[:limit]
+    rng = random.Random(0)
+    return [rng.randrange(vocab_size) for _ in range(limit)]
+
+
+def measure_input_ranges(model: nn.Module, forward: Callable[[], object]) -> dict[str, torch.Tensor]:
+    """max |x_j| over the tokens `forward` runs, for each input channel j of each nn.Linear, by module name."""
+    ranges: dict[str, torch.Tensor] = {}
+
+    def record(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            seen = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)  # (I,)
+            ranges[name] = torch.maximum(ranges[name], seen) if name in ranges else seen
+
+        return hook
+
+    hooks = [
+        module.register_forward_pre_hook(record(name))
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear
+    ]
+    try:
+        forward()
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return ranges
+
+
+@torch.inference_mode()
+def prefill_logits(model: nn.Module, token_ids: list[int], num_layers: int) -> torch.Tensor:
+    """Logits (T, V) at every position of one prefill of `token_ids`, run into a scratch KV cache (the engine's
+    cache is untouched): calibration, and teacher-forced quality measures (`kvmesh bench quant`)."""
+    block_size = 16
+    num_tokens = len(token_ids)
+    num_blocks = -(-num_tokens // block_size)
+    layer_shape = model.kv_cache_shape(num_blocks, block_size)  # type: ignore[operator]
+    kv_caches = torch.zeros((num_layers, *layer_shape))
+    batch = ForwardBatch(
+        positions=torch.arange(num_tokens),
+        slot_mapping=torch.arange(num_tokens),
+        num_decode_tokens=0,
+        decode=None,
+        prefills=(PrefillSegment(0, num_tokens, 0, torch.arange(num_blocks)),),
+    )
+    hidden = model(torch.tensor(token_ids), batch, kv_caches)  # (T, Hd)
+    return model.compute_logits(hidden)  # type: ignore[operator]
+
+
+class Int8Linear(nn.Module):
+    """y = (x / s) @ (W * s).T + b, the weight int8 per output channel and (x / s) quantized per call.
+
+    `reduce_range` (7-bit activations) is off: on this project's machines (AVX-512 VNNI) 8 bits measured better
+    (docs/engine.md); fbgemm's AVX2-only kernels can saturate 16-bit pair sums with it off."""
+
+    input_scale: torch.Tensor
+
+    def __init__(self, packed: torch.Tensor, input_scale: torch.Tensor, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.packed = packed  # torch.ops.quantized.linear_prepack's opaque packed weight and bias
+        self.register_buffer("input_scale", input_scale)  # (I,): 1 / s, applied to x before quantizing
+        self.in_features = in_features
+        self.out_features = out_features
+        self.reduce_range = False
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, input_range: torch.Tensor) -> Int8Linear:
+        """`input_range`: max |x_j| per input channel (I,), measured on calibration tokens."""
+        weight = linear.weight.detach().float()  # (O, I)
+        weight_range = weight.abs().amax(dim=0).clamp(min=1e-5)  # (I,)
+        smooth = (input_range.float().clamp(min=1e-5) / weight_range).sqrt()  # (I,): s_j
+        weight = weight * smooth  # (O, I)
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (O,): symmetric, so zero points are 0
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        with warnings.catch_warnings():
+            # PyTorch 2.10+ deprecates creating quantized tensors; prepacking still needs one, once, at load.
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            qweight = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        return cls(packed, 1.0 / smooth, linear.in_features, linear.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic((x * self.input_scale).contiguous(), self.packed, self.reduce_range)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, reduce_range={self.reduce_range}"

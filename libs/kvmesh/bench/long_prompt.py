@@ -1,0 +1,112 @@
+"""`kvmesh bench long-prompt`: what a long prompt arriving does to the streams already decoding.
+
+For each `long_prefill_token_threshold` (0: no cap) a fresh engine starts `streams` requests (short prompts, long
+outputs) and, once all of them decode, steps `baseline_steps` times: each stream's gaps between two tokens are the
+baseline TPOT samples. Then one long prompt arrives (max_tokens 1: it leaves once prefilled, so what is measured
+is its prefill, not the longer decode attention it would add afterwards) and the engine steps until it is done;
+the streams' gaps meanwhile are the TPOT samples under load. Reported per threshold: TPOT p50/p99 in both phases,
+their p99 ratio (the goal: at most 2), and the long prompt's time to first token.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from engine_core import LLM, LLMEngine, SamplingParams
+
+BLOCK_SIZE = 16
+STREAM_PROMPT_TOKENS = 64
+STREAM_OUTPUT_TOKENS = 1024  # more than the steps any measured cap needs to prefill the long prompt
+BASELINE_STEPS = 20
+GOAL_RATIO = 2.0
+
+
+def run_long_prompt_bench(
+    model: str, streams: int, prompt_tokens: int, thresholds: list[int], max_num_batched_tokens: int, seed: int
+) -> dict[str, Any]:
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    results = {
+        str(t): _one_threshold(model, streams, prompt_tokens, t, max_num_batched_tokens, seed) for t in thresholds
+    }
+    return {
+        "model": model,
+        "torch_threads": torch.get_num_threads(),
+        "streams": streams,
+        "long_prompt_tokens": prompt_tokens,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "results": results,
+        "goal": f"tpot_p99_ratio <= {GOAL_RATIO}",
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def _one_threshold(
+    model: str, streams: int, prompt_tokens: int, threshold: int, max_num_batched_tokens: int, seed: int
+) -> dict[str, Any]:
+    context = prompt_tokens + BLOCK_SIZE
+    llm = LLM(
+        model,
+        enable_prefix_caching=False,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=streams * -(-(STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS) // BLOCK_SIZE)
+        + -(-context // BLOCK_SIZE),
+        max_model_len=context,
+        max_num_batched_tokens=max_num_batched_tokens,
+        long_prefill_token_threshold=threshold,
+    )
+    engine = llm.engine
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    stream_params = SamplingParams(temperature=0.0, max_tokens=STREAM_OUTPUT_TOKENS, ignore_eos=True)
+    stream_ids = [f"stream-{i}" for i in range(streams)]
+    for request_id in stream_ids:
+        engine.add_request(request_id, [rng.randrange(vocab) for _ in range(STREAM_PROMPT_TOKENS)], stream_params)
+    last_token_at: dict[str, float] = {}
+    while len(last_token_at) < streams:  # prefill the streams; the clock starts at each one's first token
+        _step(engine, last_token_at, [])
+    baseline: list[float] = []
+    for _ in range(BASELINE_STEPS):
+        _step(engine, last_token_at, baseline)
+    loaded: list[float] = []
+    arrived = time.perf_counter()
+    engine.add_request("long", [rng.randrange(vocab) for _ in range(prompt_tokens)], SamplingParams(max_tokens=1))
+    while "long" not in last_token_at:
+        _step(engine, last_token_at, loaded)
+    ttft = last_token_at["long"] - arrived
+    for request_id in stream_ids:
+        engine.abort_request(request_id)
+    return {
+        "tpot_baseline_ms": _percentiles(baseline),
+        "tpot_with_long_prompt_ms": _percentiles(loaded),
+        "tpot_p99_ratio": round(_p99(loaded) / _p99(baseline), 3),
+        "long_prompt_ttft_s": round(ttft, 3),
+        "num_samples": [len(baseline), len(loaded)],
+    }
+
+
+def _step(engine: LLMEngine, last_token_at: dict[str, float], gaps: list[float]) -> None:
+    """One engine step; each stream's time since its previous token goes to `gaps`."""
+    outputs = engine.step()
+    now = time.perf_counter()
+    for output in outputs:
+        if not output.new_token_ids:
+            continue
+        previous = last_token_at.get(output.request_id)
+        if previous is not None and output.request_id != "long":
+            gaps.append(now - previous)
+        last_token_at[output.request_id] = now
+
+
+def _p99(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=100, method="inclusive")[98]
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    return {"p50": round(statistics.median(samples) * 1e3, 2), "p99": round(_p99(samples) * 1e3, 2)}

@@ -1,0 +1,67 @@
+"""The int8 path (engine_core.quantization): refused where it cannot run, and close to float32 where it runs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from engine_core import LLM, EngineConfig
+from engine_core.config import ConfigError
+from engine_core.quantization import Int8Linear, check_quantization, measure_input_ranges, prefill_logits
+
+
+def test_an_unknown_quantization_mode_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"quantization must be one of none, int8, got 'fp8'"):
+        EngineConfig(model="smollm2-135m", quantization="fp8")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "device", "dtype", "message"),
+    [
+        ("deepseek_v3", "cpu", torch.float32, "quantization 'int8' does not support model_type 'deepseek_v3'"),
+        ("llama", "cuda", torch.float32, "quantization 'int8' runs on the cpu device only, got device 'cuda'"),
+        ("llama", "cpu", torch.bfloat16, "quantization 'int8' needs dtype float32"),
+    ],
+)
+def test_int8_is_refused_where_its_kernels_cannot_run(
+    model_type: str, device: str, dtype: torch.dtype, message: str
+) -> None:
+    check_quantization("none", model_type, device, dtype)  # float32 runs anywhere
+    with pytest.raises(ConfigError, match=message):
+        check_quantization("int8", model_type, device, dtype)
+
+
+def test_an_unsupported_model_is_refused_at_start(deepseek_reference) -> None:
+    with pytest.raises(ConfigError, match="does not support model_type 'deepseek_v3'"):
+        LLM(str(deepseek_reference[0]), quantization="int8", num_kv_blocks=16)
+
+
+def test_an_int8_linear_layer_stays_close_despite_an_outlier_channel() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(16, 64)
+    x[:, 5] *= 50  # one outlier channel, as LLM activations have: smoothing keeps it from flattening the rest
+    ranges = measure_input_ranges(linear, lambda: linear(x))
+    assert torch.equal(ranges[""], x.abs().amax(dim=0))
+    expected = linear(x)
+    error = (Int8Linear.from_linear(linear, ranges[""])(x) - expected).abs().max() / expected.abs().max()
+    assert error < 0.02
+
+
+def test_int8_replaces_every_linear_layer_and_keeps_the_logits_close(llama_reference) -> None:
+    path = str(llama_reference[0])
+    fp32 = LLM(path, num_kv_blocks=16)
+    int8 = LLM(path, quantization="int8", num_kv_blocks=16)
+    modules = list(int8.engine.runner.model.modules())
+    assert sum(isinstance(m, Int8Linear) for m in modules) == 3 * 4 + 1  # qkv, o, gate_up, down per layer; LM head
+    assert not any(type(m) is nn.Linear for m in modules)
+    assert not any(isinstance(m, Int8Linear) for m in fp32.engine.runner.model.modules())
+    rng = random.Random(1)
+    ids = [rng.randrange(500) for _ in range(64)]
+    expected = prefill_logits(fp32.engine.runner.model, ids, 3)  # (T, V)
+    got = prefill_logits(int8.engine.runner.model, ids, 3)
+    assert (got - expected).abs().mean() / expected.std() < 0.1
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
