@@ -10,7 +10,7 @@ import pytest
 
 from mesh.kv_index import GlobalKVIndex
 from mesh.routing import Assignment, CostModel, NoWorkerError, Router, RouteRequest, WorkerState
-from mesh.routing.kvmesh import KvmeshDecode
+from mesh.routing.kvmesh import KvmeshDecode, KvmeshPrefill
 from mesh.routing.view import LoadView
 
 # prefill_s(cached, new) = new / 1000 * (1 + (cached + new / 2) / 1000); fetching or pushing a token: 1 ms
@@ -184,12 +184,33 @@ def test_a_hot_prefix_spills_to_a_second_worker_instead_of_piling_up() -> None:
     first_elsewhere = next(n for n, r in enumerate(chosen) if r.prefill_worker_id != "p-a")
     # p-a takes requests (0.009056 s each) until its predicted TTFT passes the bound, 2 x 0.145248 + 4 x 0.145248
     # (the least TTFT is an idle worker's full prefill), with the 96th; the prefix is then copied to a second
-    # worker, which holds it from then on (the pending cache), then to the third
+    # worker, which holds it from then on (the pending cache), then to the third. (The bounded wait, the least TTFT
+    # + 8 typical full prefills of 0.145248, is looser here.)
     assert first_elsewhere == 96
     assert chosen[first_elsewhere].num_cached_tokens == 0 and chosen[-1].num_cached_tokens == 128
     assert counts == {"p-a": 96, "p-b": 23, "p-c": 81}
     waits = [router.view.wait_s(w, 0.0) for w in pool]
     assert max(waits) - min(waits) <= 6 * 0.145248
+
+
+def test_a_cached_turn_does_not_wait_behind_a_long_prompt_past_some_typical_prefills() -> None:
+    index = GlobalKVIndex()
+    index.add("p-a", [key(n) for n in range(1, 38)])  # a conversation's 592 tokens
+    pool = [worker("p-a"), worker("p-b")]
+    turn = request(600, *range(1, 38), request_id="turn")
+    chosen = {}
+    for cap in (4.0, math.inf):
+        router = Router("kvmesh", index, COST)
+        router.prefill_policy = KvmeshPrefill(max_extra_wait_typical=cap)
+        router.route(request(80, 1, 2, 3, 4, 5, request_id="short"), pool, DECODE, 0.0)  # typical: 0.0832 s
+        long, _ = router.route(request(1000, 1, 2, 3, 4, *range(100, 160), request_id="long"), pool, DECODE, 0.0)
+        assert (long.prefill_worker_id, long.predicted_ttft_s) == ("p-a", pytest.approx(1.43395, abs=1e-5))
+        route, _ = router.route(turn, pool, DECODE, 0.0)
+        chosen[cap] = (route.prefill_worker_id, route.num_cached_tokens, round(route.predicted_ttft_s, 4))
+    # on p-a it would wait 1.434 s behind the long prompt to save 0.767 s of compute: past the least TTFT (0.78 s,
+    # p-b computing it all) + 4 x the typical full prefill (0.0974 s, smoothed over the two before), so p-b
+    assert chosen[4.0] == ("p-b", 0, 0.78)
+    assert chosen[math.inf] == ("p-a", 592, 1.4467)  # without the cap, the recompute weight waits for the cache
 
 
 def test_kvmesh_counts_blocks_still_being_computed_as_cached_on_their_worker() -> None:
@@ -237,7 +258,8 @@ def test_finished_requests_heard_from_decode_free_their_kv_before_the_next_repor
     # known up to now: 400 left on d-a; the one still running grows a token per 0.01 s step until 0.5
     assert policy.predicted_kv(d_a, view, 0.3, 0.5) == 400 + 50
     view.assign(Assignment("b", "r3", 0.3, "p-a", "d-b", 100, 100, 0.1, 0.9))  # on d-b later, but it counts
-    assert policy.predicted_kv(d_b, view, 0.3, 0.5) == 700 + 50 + 100
+    # for the share of the window after 0.5 (half of 100 expected outputs' 0.01 s steps) it will be there
+    assert policy.predicted_kv(d_b, view, 0.3, 0.5) == pytest.approx(700 + 50 + 100 * (1 - 0.4 / 0.5))
     assert policy.pick(request(10), [d_a, d_b], view, 0.3, arrival_s=0.5) == "d-a"
     view.update(worker("d-a", reported_s=0.25, num_kv_tokens=420, num_running=1))  # a report after the finish
     assert view.num_finished("d-a") == (0, 0)
