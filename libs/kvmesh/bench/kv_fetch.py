@@ -24,6 +24,7 @@ from kvmesh.up import Mesh, MeshPlan
 
 MODES = ("always", "never", "auto")  # prefill workers 1, 2, 3; worker 0 computes every prompt first
 BLOCK_TOKENS = 16
+SHARED_BLOCKS = 4  # at most this many leading blocks (the chat template's) are shared by every prompt
 
 
 def _prompt(num_tokens: int, round_index: int) -> str:
@@ -36,18 +37,24 @@ def _store_blocks(mesh: Mesh) -> float:
 
 
 def _wait_stored(mesh: Mesh, num_blocks: float, timeout_s: float = 60.0) -> None:
+    """Until the store holds `num_blocks` and has held still for a moment (the prompts share the chat template's
+    first blocks, stored once, so the exact count is not known; a round the store had not all of is left out)."""
     deadline = time.monotonic() + timeout_s
-    while _store_blocks(mesh) < num_blocks:
+    held, still_since = _store_blocks(mesh), time.monotonic()
+    while held < num_blocks or time.monotonic() - still_since < 0.3:
         if time.monotonic() > deadline:
             raise TimeoutError("the prompt's blocks did not reach the store")
         time.sleep(0.05)
+        now_held = _store_blocks(mesh)
+        if now_held != held:
+            held, still_since = now_held, time.monotonic()
 
 
 def _one_round(mesh: Mesh, model: str, prompt: str) -> dict[str, dict[str, Any]]:
     """The prompt cold, then once per mode; the runs by the worker that served them (`cold`: the first)."""
     before = _store_blocks(mesh)
     cold = stream_chat(mesh.base_url, model, prompt)
-    _wait_stored(mesh, before + (cold["prompt_tokens"] - 1) // BLOCK_TOKENS)
+    _wait_stored(mesh, before + max((cold["prompt_tokens"] - 1) // BLOCK_TOKENS - SHARED_BLOCKS, 1))
     runs = {"cold": cold}
     for _ in MODES:
         run = stream_chat(mesh.base_url, model, prompt)
@@ -78,7 +85,7 @@ def run_fetch_bench(
     )
     mode_of = {f"prefill-{n + 1}": mode for n, mode in enumerate(MODES)}
     ttft: dict[int, dict[str, list[float]]] = {n: {mode: [] for mode in MODES} for n in prefix_tokens}
-    misrouted = 0
+    misrouted = incomplete = 0
     mesh = Mesh(plan, out=log.open("w"))
     try:
         mesh.start()
@@ -93,19 +100,30 @@ def run_fetch_bench(
             for num_tokens in prefix_tokens:
                 runs = _one_round(mesh, model, _prompt(num_tokens, round_index))
                 served = {w for w in runs if w != "cold"}
+                whole = BLOCK_TOKENS * ((runs["cold"]["prompt_tokens"] - 1) // BLOCK_TOKENS)
                 if runs["cold"]["prefill_worker"] != "prefill-0" or served != set(mode_of):
                     misrouted += 1  # the round-robin order slipped: this round says nothing
+                    continue
+                if runs["prefill-1"]["cached_tokens"] != whole:
+                    incomplete += 1  # the store did not hold the whole prefix yet: neither
                     continue
                 if round_index > 0:
                     for worker, mode in mode_of.items():
                         ttft[num_tokens][mode].append(runs[worker]["ttft_s"])
+        auto_port = mesh.child(f"prefill-{MODES.index('auto') + 1}").http_port
+        choices = {
+            choice: scrape_total(auto_port, f'kvmesh_prefill_kv_fetch_decisions_total{{choice="{choice}"}}')
+            for choice in ("fetch", "partial", "recompute", "probe")
+        }
     finally:
         mesh.stop()
     return {
         "model": model,
         "repeats": repeats,
         "by_prefix_tokens": _summary(ttft),
+        "auto_choices": choices,  # the auto worker's, warm-up round included
         "misrouted": misrouted,
+        "incomplete": incomplete,
         "log": str(log),
     }
 
