@@ -14,8 +14,10 @@ The rule, per pool (the decode workers of one model):
   enough samples. Comparing with the others keeps a slow worker from raising its own bar: with two workers, a
   median over the whole pool would sit halfway to the slow one;
 - an ITL over `factor` x the reference, and over `min_itl_s` (below it the gaps measure the gateway's own event
-  loop, not the worker), ejects the worker. A reference needs another worker left in the pool, so the pool's last
-  worker is never ejected (Envoy's `max_ejection_percent`);
+  loop, not the worker), in both halves of the window (each with half of `min_samples`), ejects the worker: a
+  burst shorter than half the window (a cold start's first steps, a moment of CPU starvation on a busy host)
+  ejects nobody, a worker slow for longer is out. A reference needs another worker left in the pool, so the
+  pool's last worker is never ejected (Envoy's `max_ejection_percent`);
 - an ejected worker is back after `ejection_s` x the times it was ejected in a row (Envoy's ejection time, capped
   at MAX_EJECTION_MULTIPLE); samples are neither kept nor taken while it is out, so it is judged again on fresh
   ones. Judged not slow on `min_samples` fresh samples, its count of ejections in a row starts over.
@@ -109,6 +111,8 @@ class LatencyOutlierDetector:
         if itl_s <= self.rule.factor * reference_s or itl_s <= self.rule.min_itl_s:
             self._num_in_a_row.pop(key, None)  # judged healthy on enough fresh samples
             return None
+        if not self._is_slow_throughout(key, reference_s, now_s):
+            return None
         num_in_a_row = self._num_in_a_row.get(key, 0) + 1
         self._num_in_a_row[key] = num_in_a_row
         until_s = now_s + self.rule.ejection_s * min(num_in_a_row, MAX_EJECTION_MULTIPLE)
@@ -116,6 +120,15 @@ class LatencyOutlierDetector:
         self._samples.pop(key, None)
         self.num_ejections += 1
         return Ejection(pool, worker_id, itl_s, reference_s, until_s, num_in_a_row)
+
+    def _is_slow_throughout(self, key: tuple[str, str], reference_s: float, now_s: float) -> bool:
+        """Slow in each half of the window, on at least half of min_samples in each (the caller trimmed it)."""
+        middle_s = now_s - self.rule.window_s / 2
+        samples = self._samples[key]
+        halves = ([itl for at, itl in samples if at < middle_s], [itl for at, itl in samples if at >= middle_s])
+        bar_s = max(self.rule.factor * reference_s, self.rule.min_itl_s)
+        need = (self.rule.min_samples + 1) // 2
+        return all(len(half) >= need and statistics.median(half) > bar_s for half in halves)
 
     def itl_s(self, pool: str, worker_id: str, now_s: float) -> float | None:
         """The worker's median ITL over the window; None with fewer than min_samples."""

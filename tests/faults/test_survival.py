@@ -95,10 +95,19 @@ def index_agrees(mesh: Mesh) -> bool:
 
 
 def test_a_throttled_decode_worker_fails_no_request(suite: FaultSuite) -> None:
+    """A decode worker stopped 75% of every 200 ms, alive and answering its checks: the gateway ejects it on its
+    streams' token gaps (mesh/latency_outliers.py), sends it no request while it is out, and moves its late
+    streams to the other worker (same output); no request fails."""
     result = suite.slow_decode(0.75)
     print(json.dumps(result.figures()))
+    notes = result.notes
     assert result.num_failed == 0, result.details
     assert result.num_requests >= 3
+    assert notes["ejected_after_s"] is not None, notes
+    assert notes["num_requests_while_ejected"] >= 1 and notes["share_while_ejected"] == 0.0, notes
+    # once it is out, streams are as quick as before the fault (within the 2x this busy machine's runs differ by)
+    baseline_ms = result.baseline_tpot_p99_ms
+    assert baseline_ms is not None and notes["tpot_p99_ms_while_ejected"] <= 2 * baseline_ms, result.figures()
 
 
 def test_a_client_that_hangs_up_has_its_kv_freed_on_every_worker_within_a_second(suite: FaultSuite) -> None:

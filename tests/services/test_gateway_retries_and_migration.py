@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -98,9 +99,13 @@ def view(mesh: Mesh) -> Iterator[MeshView]:
 
 
 async def report_gaps(view: MeshView, worker: str, gap_s: float) -> None:
-    """Eight token gaps of `worker`, as its streams would report them; the last one 60 ms later, when the worker
-    is judged again (at most every 50 ms)."""
-    for _ in range(7):
+    """Eight token gaps of `worker` over the last 4 s, as its streams would have reported them (a worker must be
+    slow in both halves of the 5 s window): four dated back, then four now, the last 60 ms later, when the
+    worker is judged again (at most every 50 ms)."""
+    now_s = time.monotonic()
+    for age_s in (4.0, 3.75, 3.5, 3.25):
+        view.latency.record(MODEL, worker, gap_s, now_s - age_s)
+    for _ in range(3):
         view.record_token_gap(MODEL, worker, gap_s, 1)
     await asyncio.sleep(0.06)
     view.record_token_gap(MODEL, worker, gap_s, 1)

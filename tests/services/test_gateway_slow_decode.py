@@ -49,18 +49,20 @@ def view_with(workers: Workers, clock: Clock) -> MeshView:
     return MeshView(workers, LatencyRule(factor=3.0, window_s=5.0, min_samples=4, ejection_s=10.0), clock)
 
 
-def report(view: MeshView, clock: Clock, worker: str, gap_s: float, num_tokens: int = 1, count: int = 4) -> None:
-    for _ in range(count):
-        clock.now_s += 0.25
-        view.record_token_gap(MODEL, worker, gap_s, num_tokens)
+def report(view: MeshView, clock: Clock, gaps: dict[str, float], num_rounds: int = 5) -> None:
+    """A round a second: one token gap of each worker (seconds)."""
+    for _ in range(num_rounds):
+        clock.now_s += 1.0
+        for worker, gap_s in gaps.items():
+            view.record_token_gap(MODEL, worker, gap_s, 1)
 
 
 def test_a_slow_worker_leaves_the_routes_unless_it_is_the_last_one_left() -> None:
     workers, clock = Workers("d0", "d1", "d2"), Clock()
     view = view_with(workers, clock)
-    report(view, clock, "d1", 0.2, num_tokens=2)  # 0.1 s a token
-    report(view, clock, "d2", 0.12)
-    report(view, clock, "d0", 0.5)  # over 3x the others' median (0.11)
+    clock.now_s += 1.0
+    view.record_token_gap(MODEL, "d1", 0.2, 2)  # 0.1 s a token
+    report(view, clock, {"d1": 0.1, "d2": 0.12, "d0": 0.5})  # over 3x the others' median (0.11) throughout
     assert view.slow_decode_ids(MODEL) == ["d0"]
     assert view.slow_decode_ids(MODEL, excluded=["d1"]) == ["d0"]  # d2 is left
     assert view.slow_decode_ids(MODEL, excluded=["d0", "d1"]) == []  # already out
@@ -72,16 +74,16 @@ def test_a_slow_worker_leaves_the_routes_unless_it_is_the_last_one_left() -> Non
 def test_a_stream_waits_factor_times_the_pools_latency_once_its_worker_is_out() -> None:
     workers, clock = Workers("d0", "d1"), Clock()
     view = view_with(workers, clock)
-    report(view, clock, "d1", 0.1)
+    report(view, clock, {"d1": 0.1, "d0": 0.1})
     assert view.stall_limit_s(MODEL, "d0") is None  # in the routes: it is waited for
-    report(view, clock, "d0", 0.5)
+    report(view, clock, {"d1": 0.1, "d0": 0.5})
     assert view.stall_limit_s(MODEL, "d0") == pytest.approx(0.3)  # slow: 3 x d1's 0.1 s
     assert view.stall_limit_s(MODEL, "d1") is None
     workers.failing.add("d1")
     assert view.stall_limit_s(MODEL, "d1") is None  # out for failed checks, but nobody left to compare with
     workers.failing.discard("d1")
     clock.now_s += 10.0  # d0 back in the routes; d1's samples out of the window
-    report(view, clock, "d1", 0.1)
+    report(view, clock, {"d1": 0.1})
     workers.failing.add("d0")
     assert view.stall_limit_s(MODEL, "d0") == pytest.approx(0.3)  # out for failed checks (a stopped process)
 
@@ -89,8 +91,7 @@ def test_a_stream_waits_factor_times_the_pools_latency_once_its_worker_is_out() 
 def test_off_no_worker_is_slow_and_no_stream_leaves() -> None:
     workers, clock = Workers("d0", "d1"), Clock()
     view = MeshView(workers, clock=clock)
-    report(view, clock, "d1", 0.1)
-    report(view, clock, "d0", 5.0)
+    report(view, clock, {"d1": 0.1, "d0": 5.0})
     workers.failing.add("d0")
     assert (view.slow_decode_ids(MODEL), view.stall_limit_s(MODEL, "d0")) == ([], None)
 

@@ -37,7 +37,7 @@ from kvmesh.bench.faults import (
     wait_for,
     wait_until_serving,
 )
-from kvmesh.bench.load import Load
+from kvmesh.bench.load import Load, Outcome
 from kvmesh.nats_server import EmbeddedNats
 
 if TYPE_CHECKING:
@@ -49,6 +49,10 @@ MODEL = "deepseek-tiny"  # takes images, so the encoder pool is on the request p
 # gateway excludes both), which fails the request when the other decode worker is down (a decode victim's
 # replacement still starting)
 ROLES = ("prefill", "decode", "kvcache", "encoder", "balancer", "expert_lb")
+SLOW_DECODE_EJECTION_S = 10.0  # how long the gateway keeps a slow decode worker out of routing (its first time)
+# the least window of the slow-decode fault: the gateway's detection takes half its 5 s window of samples and
+# more (6.2 s in one run on the busy test machine, at 436 ms a token), then requests must be seen avoiding it
+SLOW_DECODE_OBSERVE_S = 12.0
 
 
 def mesh_plan_args() -> dict[str, Any]:
@@ -68,6 +72,7 @@ def mesh_plan_args() -> dict[str, Any]:
             # busy processes (this project's test machine, load average ~20) misses 0.25 s deadlines, and both
             # replicas of a role were ejected at once in the suite's runs (503 "no workers serve ... right now")
             "KVMESH_HEALTH_CHECK_TIMEOUT_S": "2.0",
+            "KVMESH_SLOW_DECODE_EJECTION_S": str(SLOW_DECODE_EJECTION_S),  # the default, said so the notes agree
         },
     )
 
@@ -189,11 +194,18 @@ class FaultSuite:
 
     def slow_decode(self, duty: float = 0.75, name: str = "decode-0") -> FaultResult:
         """A throttled decode worker: stopped (SIGSTOP) for `duty` of every 200 ms, as a starved or throttled
-        process is, for the window. Notes: its share of the window's requests, and the TPOT p50 of those it
-        served against the other worker's."""
+        process is, for the window. The gateway is to eject it from routing (its streams' token gaps against the
+        other worker's, mesh/latency_outliers.py) and move its late streams. Notes (slow_decode_notes): when the
+        gateway ejected it (its kvmesh_gateway_decode_ejections_total, read every 0.25 s), the worker's share of
+        the requests before and while it was out, the streams migrated for slowness, and their TPOTs."""
         self.wait_role_serving("decode")
+        for replica in self.replicas("decode"):  # every one in the routes: none still out for an earlier slowness
+            self.wait_routed_to(replica)
         pid = self.mesh.child(name).process.pid
         stop = threading.Event()
+        ejected_at_s: list[float] = []
+        num_ejections = self.gateway_metric("kvmesh_gateway_decode_ejections_total", 'reason="latency"')
+        num_migrations = self.gateway_metric("kvmesh_gateway_migrations_total", 'reason="slow"')
 
         def throttle() -> None:
             while not stop.is_set():
@@ -202,23 +214,51 @@ class FaultSuite:
                 os.kill(pid, signal.SIGCONT)
                 time.sleep(0.2 * (1 - duty))
 
-        thread = threading.Thread(target=throttle, daemon=True)
+        def watch_ejections() -> None:
+            while not stop.is_set() and not ejected_at_s:
+                if self.gateway_metric("kvmesh_gateway_decode_ejections_total", 'reason="latency"') > num_ejections:
+                    ejected_at_s.append(time.monotonic())
+                stop.wait(0.25)
+
+        threads = [threading.Thread(target=run, daemon=True) for run in (throttle, watch_ejections)]
+
+        streams_on_slow: list[Outcome] = []
+
+        def inject() -> None:
+            streams_on_slow.extend(o for o in self.load.in_flight() if o.decode_worker == name)
+            for thread in threads:
+                thread.start()
+
         start = time.monotonic()
         try:
-            result = self.measure(f"slow decode ({duty:.0%} stopped)", thread.start, self.observe_s * 3)
+            observe_s = max(3 * self.observe_s, SLOW_DECODE_OBSERVE_S)
+            result = self.measure(f"slow decode ({duty:.0%} stopped)", inject, observe_s)
         finally:
             stop.set()
-            thread.join()
+            for thread in threads:
+                if thread.ident is not None:
+                    thread.join()
         window = [o for o in self.load.outcomes() if o.started_s >= start and o.is_ok]
-        on_slow = [t for o in window if o.decode_worker == name and (t := o.tpot_s) is not None]
-        others = [t for o in window if o.decode_worker != name and (t := o.tpot_s) is not None]
-        result.notes = {
-            "victim": name,
-            "share_on_slow_worker": round(len(on_slow) / max(1, len(on_slow) + len(others)), 3),
-            "tpot_p50_ms_slow": _ms(percentile(on_slow, 0.5)),
-            "tpot_p50_ms_others": _ms(percentile(others, 0.5)),
-        }
+        result.notes = slow_decode_notes(window, name, start, ejected_at_s[0] if ejected_at_s else None)
+        num_slow = self.gateway_metric("kvmesh_gateway_migrations_total", 'reason="slow"') - num_migrations
+        result.notes["num_migrated_for_slowness"] = int(num_slow)
+        result.notes["streams_on_slow_worker_at_fault"] = len(streams_on_slow)
         return result
+
+    def wait_routed_to(self, name: str, timeout_s: float = 2 * SLOW_DECODE_EJECTION_S + 10) -> None:
+        """Until a request of the load sent from now on is routed to `name` (raises TimeoutError)."""
+        since_s = time.monotonic()
+
+        def is_routed() -> bool:
+            sent = self.load.in_flight() + self.load.outcomes()
+            return any(o.started_s >= since_s and o.decode_worker == name for o in sent)
+
+        wait_for(is_routed, timeout_s, f"a request routed to {name}", interval_s=0.1)
+
+    def gateway_metric(self, metric: str, labels: str) -> float:
+        """One sample of the gateway's /metrics (its public port: the admin key's)."""
+        port = self.mesh.child("gateway-0").http_port
+        return metric_sample(port, metric, labels, key=self.mesh.admin_key)
 
     def nats_outage(self, seconds: float, kill_during: str | None = None) -> FaultResult:
         """SIGKILL the embedded NATS under load and start it again on its port and store after `seconds`.
@@ -260,6 +300,34 @@ class FaultSuite:
         """The size of the decode pool at each live balancer, in name order."""
         ports = [self.mesh.child(name).http_port for name in self.replicas("balancer")]
         return [metric_sample(port, "kvmesh_balancer_workers", 'pool="decode"') for port in ports]
+
+
+def slow_decode_notes(window: list[Outcome], name: str, start_s: float, ejected_at_s: float | None) -> dict[str, Any]:
+    """What a slow decode worker did to the requests started in the fault's window (whole ones): its share of them
+    before it was ejected and while it was out (the gateway's SLOW_DECODE_EJECTION_S from `ejected_at_s`), and
+    the TPOT p50 of the streams it served against the others', and the p99 of those sent while it was out."""
+
+    def share(outcomes: list[Outcome]) -> float | None:
+        on_slow = sum(o.decode_worker == name for o in outcomes)
+        return round(on_slow / len(outcomes), 3) if outcomes else None
+
+    def tpots(outcomes: list[Outcome]) -> list[float]:
+        return [t for o in outcomes if (t := o.tpot_s) is not None]
+
+    out_until_s = -1.0 if ejected_at_s is None else ejected_at_s + SLOW_DECODE_EJECTION_S
+    before = [o for o in window if ejected_at_s is None or o.started_s < ejected_at_s]
+    while_out = [o for o in window if ejected_at_s is not None and ejected_at_s <= o.started_s < out_until_s]
+    return {
+        "victim": name,
+        "ejected_after_s": None if ejected_at_s is None else round(ejected_at_s - start_s, 2),
+        "share_on_slow_worker": share(window),
+        "share_before_ejection": share(before),
+        "share_while_ejected": share(while_out),
+        "num_requests_while_ejected": len(while_out),
+        "tpot_p50_ms_slow": _ms(percentile(tpots([o for o in window if o.decode_worker == name]), 0.5)),
+        "tpot_p50_ms_others": _ms(percentile(tpots([o for o in window if o.decode_worker != name]), 0.5)),
+        "tpot_p99_ms_while_ejected": _ms(percentile(tpots(while_out), 0.99)),
+    }
 
 
 def _ms(seconds: float | None) -> float | None:

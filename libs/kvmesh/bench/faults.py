@@ -92,17 +92,24 @@ def measure(
 # the mesh's side: signals, metrics, replacements
 
 
-def metric_total(port: int, metric: str) -> float:
+def _metric_lines(port: int, key: str | None) -> list[str]:
+    """A child's /metrics; `key`: the admin key the gateway's public port asks for."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return list(response.read().decode().splitlines())
+
+
+def metric_total(port: int, metric: str, key: str | None = None) -> float:
     """The sum of one metric's samples on a child's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        lines = response.read().decode().splitlines()
+    lines = _metric_lines(port, key)
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.split("{")[0].split(" ")[0] == metric)
 
 
-def metric_sample(port: int, metric: str, labels: str) -> float:
+def metric_sample(port: int, metric: str, labels: str, key: str | None = None) -> float:
     """One sample of a metric on a child's /metrics, by its label string (`pool="decode"`); 0 when absent."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        lines = response.read().decode().splitlines()
+    lines = _metric_lines(port, key)
     prefix = f"{metric}{{{labels}}} "
     return next((float(line[len(prefix) :]) for line in lines if line.startswith(prefix)), 0.0)
 
