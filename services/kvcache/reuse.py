@@ -14,9 +14,10 @@ lowest goes first, the oldest among equals, and the floor becomes each victim's 
 recency still ages frequency out.
 
 Work per operation: a heap push (O(log n)), four sketch counters and a dict update; `victim` pops stale heap
-entries lazily. Memory per held block: a dict entry and a heap entry (about 200 bytes in CPython), 4 sketch
-bytes (the width rounds up to a power of two), and up to `GHOST_FACTOR` first-sighting records (key and class,
-about 100 bytes each); the class table is a few dozen entries whatever the size.
+entries lazily. Memory per held block, keys not counted: 64 sketch bytes (`SKETCH_WIDTH` counters in each of 4
+rows, the width rounded up to a power of two), dict and heap entries and up to `GHOST_FACTOR` first-sighting
+records: 325 B in all as tracemalloc measures 50,000 blocks (`lfuda` 311 B, `lru` 105 B); the class table is a
+few dozen entries whatever the size.
 """
 
 from __future__ import annotations
