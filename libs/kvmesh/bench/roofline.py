@@ -36,16 +36,17 @@ def gemm_gflops(size: int = GEMM_SIZE, repeats: int = GEMM_REPEATS) -> float:
 
 
 def flops_per_token(model: torch.nn.Module, config: ModelConfig) -> int:
-    """2 x the weights one token multiplies by: every matrix but the embedding table; stacked routed experts
-    (3-D) by num_experts_per_tok / num_experts."""
+    """2 x the weights one token multiplies by: every linear layer (float or int8: anything with in_features and
+    out_features, the LM head included; the embedding table is a lookup), and stacked routed experts (3-D
+    parameters) by num_experts_per_tok / num_experts."""
     weights = 0.0
-    for name, param in model.named_parameters(remove_duplicate=False):  # a tied LM head counts as a matrix
-        if param.dim() < 2 or "embed_tokens" in name:
-            continue
-        share = 1.0
-        if param.dim() == 3 and config.moe is not None:
-            share = config.moe.num_experts_per_tok / config.moe.num_experts
-        weights += param.numel() * share
+    for module in model.modules():
+        in_features, out_features = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if isinstance(in_features, int) and isinstance(out_features, int):
+            weights += in_features * out_features
+    if config.moe is not None:
+        share = config.moe.num_experts_per_tok / config.moe.num_experts
+        weights += sum(p.numel() * share for p in model.parameters() if p.dim() == 3)
     return int(2 * weights)
 
 
