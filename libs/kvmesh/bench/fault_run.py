@@ -304,7 +304,7 @@ class FaultSuite:
 
 def slow_decode_notes(window: list[Outcome], name: str, start_s: float, ejected_at_s: float | None) -> dict[str, Any]:
     """What a slow decode worker did to the requests started in the fault's window (whole ones): its share of them
-    before it was ejected and while it was out (the gateway's SLOW_DECODE_EJECTION_S from `ejected_at_s`), and
+    before it was ejected and while it was out (SLOW_DECODE_EJECTION_S from `ejected_at_s`, less a second), and
     the TPOT p50 of the streams it served against the others', and the p99 of those sent while it was out."""
 
     def share(outcomes: list[Outcome]) -> float | None:
@@ -314,7 +314,8 @@ def slow_decode_notes(window: list[Outcome], name: str, start_s: float, ejected_
     def tpots(outcomes: list[Outcome]) -> list[float]:
         return [t for o in outcomes if (t := o.tpot_s) is not None]
 
-    out_until_s = -1.0 if ejected_at_s is None else ejected_at_s + SLOW_DECODE_EJECTION_S
+    # less a second: the watcher sees the ejection up to a poll and a scrape after it, so it ends that much sooner
+    out_until_s = -1.0 if ejected_at_s is None else ejected_at_s + SLOW_DECODE_EJECTION_S - 1.0
     before = [o for o in window if ejected_at_s is None or o.started_s < ejected_at_s]
     while_out = [o for o in window if ejected_at_s is not None and ejected_at_s <= o.started_s < out_until_s]
     return {
