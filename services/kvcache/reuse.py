@@ -5,9 +5,10 @@ Admission. A block seen for the first time falls in a class made of features the
 whether that run extended a prefix the store held, and its traffic class. The policy learns online, per class,
 the share of first-seen blocks that were asked for again within a window of recent first sightings (about
 `GHOST_FACTOR` times what the tier holds). A block whose class is reused less than `ADMIT_RATIO` times the
-average enters at the aging floor: it is the next victim, so a one-off prompt displaces at most one block before
-it leaves, instead of flushing the cache. Whether a key was seen before, held or not, comes from a
-`FrequencySketch` (TinyLFU's count-min sketch): a prefix that comes back after its eviction is always admitted.
+average goes to a small window (`WINDOW_FRACTION` of the bytes, W-TinyLFU's) that is evicted first, oldest first,
+and a hit there admits it: a one-off prompt passes through the window instead of flushing the cache. Whether a
+key was seen before, held or not, comes from a `FrequencySketch` (TinyLFU's count-min sketch): a prefix that
+comes back after its eviction is always admitted.
 
 Eviction. An admitted block's priority is the floor plus its hits while held plus one, capped at `MAX_FREQ`; the
 lowest goes first, the oldest among equals, and the floor becomes each victim's priority (GreedyDual aging), so
