@@ -1,13 +1,13 @@
 """DeepSeek-V4 against the reference in transformers (>= 5.8; the test extra pins 5.24), on the same weights.
 
-The tiny config has every layer type: window-only, CSA (with the lightning indexer keeping fewer entries than
-are visible), HCA, and hash-routed MoE layers. Windows and compress ratios are small, so prompts of 5 to 41 tokens
-and 12 decode steps cross the sliding window and close compressed windows in prefill and in decode. Checks as
-for V3 (test_parity.check_against_reference): prefill logits of a mixed-length batch, greedy tokens, per-step
-decode logprobs. The decode reference is transformers' own cached generation (its per-step logits), not a
-teacher-forced forward: the indexer's top-k may break exact score ties differently in a row whose length is the
-number of entries, so the reference's last-position logits can change with the input's length. Then chunked
-prefill with split points inside and across compression windows changes no token.
+The tiny config (test_deepseek_v4_config.V4_TEST_CONFIG) has every layer type: window-only, CSA (with the lightning
+indexer keeping fewer entries than are visible), HCA, and hash-routed MoE layers. Windows and compress ratios are
+small, so prompts of 5 to 41 tokens and 8 decode steps cross the sliding window and close compressed windows in
+prefill and in decode. Checks as for V3 (test_parity.check_against_reference): prefill logits of a mixed-length
+batch, greedy tokens, per-step decode logprobs. The decode reference is transformers' own cached generation (its
+per-step logits), not a teacher-forced forward: the indexer's top-k may break exact score ties differently in a row
+whose length is the number of entries, so the reference's last-position logits can change with the input's length.
+Then chunked prefill with split points inside and across compression windows, and preemption, change no token.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ import torch
 
 from engine_core import LLM, SamplingParams
 from tests.engine_core.test_deepseek_v4_config import V4_TEST_CONFIG
-from tests.engine_core.test_parity import ATOL, NUM_NEW, prefill_logits, random_prompts, reference_logits
+from tests.engine_core.test_parity import ATOL, prefill_logits, random_prompts, reference_logits
+
+NUM_NEW = 8  # from 41 tokens, 8 more close two CSA windows and one HCA window in decode
+PROMPT_LENGTHS = (5, 23, 41)  # within the first window, past it, past an HCA window with more CSA entries than top-k
 
 transformers_v4 = pytest.importorskip(
     "transformers.models.deepseek_v4", reason="DeepSeek-V4's reference needs transformers >= 5.8 (the extra pins 5.24)"
@@ -72,18 +75,22 @@ def test_deepseek_v4_matches_transformers(v4_reference):
     path, model = v4_reference
     llm = LLM(str(path), device="cpu", num_kv_blocks=64)
     assert llm.engine.kv.pool.enable_caching is False  # per-sequence state: no prefix hits yet
-    check_against_reference(llm, model, random_prompts(512))
+    check_against_reference(llm, model, random_prompts(512, PROMPT_LENGTHS))
     runner = llm.engine.runner
-    assert len(runner.sequence_states) == 4  # the last step's states: dropped when the next step starts
+    assert len(runner.sequence_states) == 3  # the last step's states: dropped when the next step starts
     runner.drop_finished_states()
     assert runner.sequence_states == {}
 
 
-def test_chunked_prefill_changes_no_token(v4_reference):
-    """Chunks of 3 tokens split CSA windows (4), HCA windows (8) and the sliding window (8) at every offset."""
+def test_chunked_prefill_and_preemption_change_no_token(v4_reference):
+    """Chunks of 3 tokens split CSA windows (4), HCA windows (8) and the sliding window (8) at every offset; with
+    5 blocks of 16 tokens both requests start (2 blocks each) but cannot both grow past 32 tokens: one recomputes."""
     path, _model = v4_reference
-    prompts = random_prompts(512, (37, 45))
+    prompts = random_prompts(512, (30, 31))
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-    whole = LLM(str(path), device="cpu", num_kv_blocks=64).generate(prompts, params)
+    whole = [o.token_ids for o in LLM(str(path), device="cpu", num_kv_blocks=64).generate(prompts, params)]
     chunked = LLM(str(path), device="cpu", num_kv_blocks=64, max_num_batched_tokens=3).generate(prompts, params)
-    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    assert [o.token_ids for o in chunked] == whole
+    tight = LLM(str(path), device="cpu", num_kv_blocks=5)
+    assert [o.token_ids for o in tight.generate(prompts, params)] == whole
+    assert tight.engine.stats().num_preemptions >= 1
