@@ -9,24 +9,76 @@ import torch.nn.functional as F
 
 from devices.base import DecodeBatch, DeviceOps
 
+# What one more segment costs, in context tokens of attention work: a segment's fixed price (an SDPA call, the
+# views and the copy of its rows' output) against the padding it saves. Measured with bench/decode_step.py at
+# batch 32 (SmolLM2-135M): 128 to 1024 change a step by under 2%; this middle value splits a batch of contexts
+# between 32 and 290 tokens into three segments.
+SEGMENT_OVERHEAD_TOKENS = 256
+
 
 @dataclass(frozen=True)
-class _CpuDecodeIndex:
-    """Gather indices shared by every layer's decode attention in one step.
+class DecodeSegment:
+    """Rows [start, end) of a decode batch, attended in one call over `num_blocks` blocks each: the most any of
+    its rows needs, so a row reads at most the blocks its segment's longest row needs, not the batch's."""
 
-    Whole blocks are gathered (index_select of contiguous S-token slabs), not single tokens: on a CPU that
-    is about twice as fast, and attention over the padding positions is masked out.
+    start: int
+    end: int
+    num_blocks: int
+    offset: int  # where the segment's blocks start in the step's gathered blocks
+    valid: torch.Tensor | None  # (n, num_blocks * S) bool: position < context length; None: every position is
+
+
+@dataclass(frozen=True)
+class _CpuDecodePlan:
+    """What every layer's decode attention shares in one step: which blocks to gather, and the segments.
+
+    Each segment's rows' block tables, cut (or padded with block 0) to the segment's `num_blocks`, are
+    concatenated into one gather list, so a layer gathers the step's blocks in one copy per cache and each
+    segment attends over a contiguous view of them.
     """
 
-    block_ids: torch.Tensor  # (B * M,) int64: every sequence's block table, flattened
-    valid: torch.Tensor  # (B, M * S) bool: position < context length
+    segments: tuple[DecodeSegment, ...]
+    block_ids: torch.Tensor  # (G,) int64: G = sum over segments of rows x num_blocks
+
+
+def plan_segments(num_blocks: list[int], overhead_blocks: float) -> list[tuple[int, int, int]]:
+    """Split rows into contiguous segments (start, end, most blocks) minimising the blocks attended plus
+    `overhead_blocks` per segment. Rows sorted by length (the model runner sorts decodes longest first) make the
+    segments length buckets; any order is correct, only less saving.
+
+    Dynamic programming over runs of rows with equal block counts: O(runs^2), a few dozen runs at most in
+    practice (runs <= distinct block counts when sorted).
+    """
+    runs: list[tuple[int, int]] = []  # (first row, block count) of each run of equal counts
+    for row, count in enumerate(num_blocks):
+        if not runs or runs[-1][1] != count:
+            runs.append((row, count))
+    bounds = [start for start, _ in runs] + [len(num_blocks)]
+    best = [0.0] + [float("inf")] * len(runs)  # best[j]: cost of rows before run j
+    cut = [0] * (len(runs) + 1)
+    for j in range(1, len(runs) + 1):
+        most = 0
+        for i in range(j - 1, -1, -1):  # segment = runs i .. j-1
+            most = max(most, runs[i][1])
+            cost = best[i] + (bounds[j] - bounds[i]) * most + overhead_blocks
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    segments, j = [], len(runs)
+    while j:
+        i = cut[j]
+        segments.append((bounds[i], bounds[j], max(count for _, count in runs[i:j])))
+        j = i
+    return segments[::-1]
 
 
 class CpuOps(DeviceOps):
     name = "cpu"
+    segment_overhead_tokens: float = SEGMENT_OVERHEAD_TOKENS  # decode attention's price of one more segment
 
     def __init__(self, torch_device: torch.device | None = None) -> None:
         super().__init__(torch_device or torch.device("cpu"))
+        # gather buffers of decode attention, by role; written only by the thread that runs the model
+        self._workspaces: dict[str, torch.Tensor] = {}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -40,41 +92,73 @@ class CpuOps(DeviceOps):
         return F.silu(gate).mul_(up)
 
     def prepare_decode(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodeBatch:
-        num_positions = block_tables.shape[1] * block_size
-        positions = torch.arange(num_positions, device=block_tables.device)  # (M * S,)
-        valid = positions[None, :] < context_lens[:, None]  # (B, M * S)
-        index = _CpuDecodeIndex(block_tables.flatten().long(), valid)
-        return DecodeBatch(block_tables, context_lens, block_size, index)
+        lens = context_lens.tolist()
+        num_blocks = [-(-n // block_size) for n in lens]
+        pieces, segments, offset = [], [], 0
+        for start, end, most in plan_segments(num_blocks, self.segment_overhead_tokens / block_size):
+            pieces.append(block_tables[start:end, :most].flatten())
+            valid = None
+            if any(n != most * block_size for n in lens[start:end]):
+                positions = torch.arange(most * block_size, device=context_lens.device)
+                valid = positions[None, :] < context_lens[start:end, None]  # (n, most * S)
+            segments.append(DecodeSegment(start, end, most, offset, valid))
+            offset += (end - start) * most
+        plan = _CpuDecodePlan(tuple(segments), torch.cat(pieces).long())
+        return DecodeBatch(block_tables, context_lens, block_size, plan)
 
     def paged_decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
     ) -> torch.Tensor:
-        index: _CpuDecodeIndex = batch.extra
-        num_seqs, num_positions = index.valid.shape
-        k = k_cache.index_select(0, index.block_ids).view(num_seqs, num_positions, *k_cache.shape[2:])  # (B, L, K, D)
-        v = v_cache.index_select(0, index.block_ids).view(num_seqs, num_positions, *v_cache.shape[2:])  # (B, L, K, Dv)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # (B, H, 1, D)
-            k.transpose(1, 2),  # (B, K, L, D)
-            v.transpose(1, 2),
-            attn_mask=index.valid[:, None, None, :],  # (B, 1, 1, L)
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(2)  # (B, H, Dv)
+        plan: _CpuDecodePlan = batch.extra
+        keys = self._gather("k", k_cache, plan.block_ids)  # (G, S, K, D)
+        values = self._gather("v", v_cache, plan.block_ids)  # (G, S, K, Dv)
+        outs = []
+        for seg in plan.segments:
+            num_rows, num_positions = seg.end - seg.start, seg.num_blocks * batch.block_size
+            blocks = slice(seg.offset, seg.offset + num_rows * seg.num_blocks)
+            k = keys[blocks].view(num_rows, num_positions, *k_cache.shape[2:])  # (n, L, K, D)
+            v = values[blocks].view(num_rows, num_positions, *v_cache.shape[2:])  # (n, L, K, Dv)
+            out = F.scaled_dot_product_attention(
+                q[seg.start : seg.end].unsqueeze(2),  # (n, H, 1, D)
+                k.transpose(1, 2),  # (n, K, L, D)
+                v.transpose(1, 2),
+                attn_mask=None if seg.valid is None else seg.valid[:, None, None, :],  # (n, 1, 1, L)
+                scale=scale,
+                enable_gqa=True,
+            )
+            outs.append(out.squeeze(2))  # (n, H, Dv)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def mla_decode_attention(
         self, q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float
     ) -> torch.Tensor:
-        index: _CpuDecodeIndex = batch.extra
-        num_seqs, num_positions = index.valid.shape
+        plan: _CpuDecodePlan = batch.extra
         rank = q_latent.shape[-1]
-        entries = kv_cache.index_select(0, index.block_ids).view(num_seqs, num_positions, -1)  # (B, L, R+P)
-        q = torch.cat([q_latent, q_rope], dim=-1)  # (B, H, R+P)
-        scores = torch.bmm(q.float(), entries.float().transpose(1, 2)) * scale  # (B, H, L)
-        scores = scores.masked_fill(~index.valid[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q_latent.dtype)
-        return torch.bmm(probs, entries[..., :rank])  # (B, H, R)
+        gathered = self._gather("latent", kv_cache, plan.block_ids)  # (G, S, R+P)
+        q = torch.cat([q_latent, q_rope], dim=-1).float()  # (B, H, R+P)
+        outs = []
+        for seg in plan.segments:
+            num_rows = seg.end - seg.start
+            blocks = slice(seg.offset, seg.offset + num_rows * seg.num_blocks)
+            entries = gathered[blocks].view(num_rows, seg.num_blocks * batch.block_size, -1)  # (n, L, R+P)
+            scores = torch.bmm(q[seg.start : seg.end], entries.float().transpose(1, 2)) * scale  # (n, H, L)
+            if seg.valid is not None:
+                scores = scores.masked_fill(~seg.valid[:, None, :], float("-inf"))
+            probs = scores.softmax(dim=-1).to(q_latent.dtype)
+            outs.append(torch.bmm(probs, entries[..., :rank]))  # (n, H, R)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _gather(self, role: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """cache (N, S, *F) -> its blocks `block_ids`, (G, S, *F), copied into a buffer this object keeps for
+        `role` and reuses every layer and step. A fresh tensor each call costs more than the copy: glibc hands
+        large freed blocks back to the OS, so every call would fault its pages in again."""
+        needed = block_ids.numel() * cache[0].numel()
+        buffer = self._workspaces.get(role)
+        if buffer is None or buffer.numel() < needed or buffer.dtype != cache.dtype or buffer.device != cache.device:
+            buffer = torch.empty(needed, dtype=cache.dtype, device=cache.device)
+            self._workspaces[role] = buffer
+        out = buffer[:needed].view(block_ids.numel(), *cache.shape[1:])
+        return torch.index_select(cache, 0, block_ids, out=out)
 
     def gather_cache(self, cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return cache[block_ids].flatten(0, 1)[:num_tokens]  # (m, S, *F) -> (num_tokens, *F)

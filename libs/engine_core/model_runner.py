@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from devices.base import DeviceOps
+from devices.base import DecodeBatch, DeviceOps
 from engine_core.models.batch import ForwardBatch, PrefillSegment, SequenceRows
 from engine_core.request import Request, RequestStatus
-from engine_core.scheduler import SchedulerOutput
+from engine_core.scheduler import ScheduledRequest, SchedulerOutput
 
 
 class ModelRunner:
@@ -43,49 +43,34 @@ class ModelRunner:
         """Compute every scheduled token; return logits (n, V) of the requests that sample, in scheduled order.
         `wait_for_layer`: called before each layer (KV still arriving layer by layer: engine_core.kv_load)."""
         device = self.ops.torch_device
-        input_ids, positions, slots, sample_rows = [], [], [], []
-        decode_tables, decode_lens, prefills = [], [], []
-        embed_rows: list[torch.Tensor] = []
-        embed_values: list[torch.Tensor] = []
-        sequences: list[SequenceRows] = []
         self.drop_finished_states()
-        offset = 0
-        for item in output.scheduled:
-            request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
-            pos = torch.arange(start, start + count)
-            block_ids = torch.tensor(item.block_ids, dtype=torch.long)
-            input_ids.append(torch.tensor(request.all_token_ids[start : start + count]))
-            positions.append(pos)
-            slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
-            if count == 1:
-                decode_tables.append(item.block_ids)
-                decode_lens.append(start + 1)
+        decodes, prefills = _decode_rows_first(output.scheduled)
+        rows = _StepRows(self.block_size)
+        sequences: list[SequenceRows] = []
+        segments: list[PrefillSegment] = []
+        for item in [*decodes, *prefills]:
+            first_row = len(rows.input_ids)
+            if item.num_new_tokens == 1:
+                rows.add_decode(item)
             else:
-                num_context_blocks = -(-(start + count) // self.block_size)
-                prefills.append(
-                    PrefillSegment(offset, offset + count, start, block_ids[:num_context_blocks].to(device))
-                )
-            if item.needs_sample:
-                sample_rows.append(offset + count - 1)
-            if request.embedding_spans:
-                _given_embeddings(request, start, count, offset, embed_rows, embed_values)
+                segments.append(rows.add_prefill(item, device))
             if self.keeps_sequence_state:
-                sequences.append(SequenceRows(offset, offset + count, self._sequence_state(request, start)))
-            offset += count
+                state = self._sequence_state(item.request, item.request.num_computed_tokens)
+                sequences.append(SequenceRows(first_row, first_row + item.num_new_tokens, state))
         batch = ForwardBatch(
-            positions=torch.cat(positions).to(device),
-            slot_mapping=torch.cat(slots).to(device),
-            num_decode_tokens=len(decode_lens),
-            decode=self._prepare_decode(decode_tables, decode_lens),
-            prefills=tuple(prefills),
+            positions=torch.tensor(rows.positions, dtype=torch.long).to(device),
+            slot_mapping=torch.tensor(rows.slots, dtype=torch.long).to(device),
+            num_decode_tokens=len(decodes),
+            decode=self._prepare_decode(decodes),
+            prefills=tuple(segments),
             wait_for_layer=wait_for_layer,
-            embed_rows=torch.cat(embed_rows).to(device) if embed_rows else None,
-            embed_values=torch.cat(embed_values).to(device) if embed_values else None,
+            embed_rows=torch.cat(rows.embed_rows).to(device) if rows.embed_rows else None,
+            embed_values=torch.cat(rows.embed_values).to(device) if rows.embed_values else None,
             sequences=tuple(sequences),
         )
-        hidden = self.model(torch.cat(input_ids).to(device), batch, self.kv_caches)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
-        return self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+        hidden = self.model(torch.tensor(rows.input_ids, dtype=torch.long).to(device), batch, self.kv_caches)
+        sample_rows = [rows.last_row[id(item)] for item in output.scheduled if item.needs_sample]
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])  # type: ignore[operator]
 
     def _sequence_state(self, request: Request, start: int) -> object:
         """The request's state; a new one when it computes from its first token (first time or recompute)."""
@@ -106,16 +91,17 @@ class ModelRunner:
             if request.status.is_finished or request.status is RequestStatus.WAITING:
                 del self.sequence_states[request_id]
 
-    def _prepare_decode(self, tables: list[tuple[int, ...]], lens: list[int]):
-        if not lens:
+    def _prepare_decode(self, decodes: list[ScheduledRequest]) -> DecodeBatch | None:
+        if not decodes:
             return None
-        width = max(len(t) for t in tables)
-        padded = torch.zeros((len(tables), width), dtype=torch.int32)
-        for i, table in enumerate(tables):
-            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        width = max(len(item.block_ids) for item in decodes)
+        tables = [list(item.block_ids) + [0] * (width - len(item.block_ids)) for item in decodes]
+        lens = [item.request.num_computed_tokens + 1 for item in decodes]
         device = self.ops.torch_device
         return self.ops.prepare_decode(
-            padded.to(device), torch.tensor(lens, dtype=torch.int32, device=device), self.block_size
+            torch.tensor(tables, dtype=torch.int32).to(device),
+            torch.tensor(lens, dtype=torch.int32).to(device),
+            self.block_size,
         )
 
     # -- KV export / import -------------------------------------------------------------------------
@@ -136,6 +122,60 @@ class ModelRunner:
     def write_all_layers(self, block_id: int, values: torch.Tensor) -> None:
         index = torch.tensor([block_id], dtype=torch.long, device=self.kv_caches.device)
         self.kv_caches.index_copy_(self.block_axis + 1, index, values.to(self.kv_caches.device))
+
+
+def _decode_rows_first(
+    scheduled: tuple[ScheduledRequest, ...],
+) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
+    """The step's rows in batch order: single-token requests longest context first (so the device can attend
+    rows of similar lengths together, `DeviceOps.prepare_decode`), then the multi-token ones in scheduled order."""
+    decodes = [item for item in scheduled if item.num_new_tokens == 1]
+    decodes.sort(key=lambda item: -item.request.num_computed_tokens)  # stable: ties keep scheduled order
+    return decodes, [item for item in scheduled if item.num_new_tokens != 1]
+
+
+class _StepRows:
+    """The flattened batch's per-row inputs as plain lists, filled one scheduled request at a time; each
+    becomes one tensor (a torch op per request would cost more than the arithmetic)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []  # flat cache slot each row writes
+        self.last_row: dict[int, int] = {}  # id(scheduled request) -> its last row
+        self.embed_rows: list[torch.Tensor] = []
+        self.embed_values: list[torch.Tensor] = []
+
+    def add_decode(self, item: ScheduledRequest) -> None:
+        request, position, size = item.request, item.request.num_computed_tokens, self.block_size
+        self._note_embeddings(request, position, 1)
+        self.last_row[id(item)] = len(self.input_ids)
+        self.input_ids.append(request.all_token_ids[position])
+        self.positions.append(position)
+        self.slots.append(item.block_ids[position // size] * size + position % size)
+
+    def add_prefill(self, item: ScheduledRequest, device: torch.device) -> PrefillSegment:
+        request, start, count, size = (
+            item.request,
+            item.request.num_computed_tokens,
+            item.num_new_tokens,
+            self.block_size,
+        )
+        self._note_embeddings(request, start, count)
+        first_row = len(self.input_ids)
+        self.last_row[id(item)] = first_row + count - 1
+        self.input_ids.extend(request.all_token_ids[start : start + count])
+        self.positions.extend(range(start, start + count))
+        blocks = item.block_ids
+        self.slots.extend(blocks[pos // size] * size + pos % size for pos in range(start, start + count))
+        num_context_blocks = -(-(start + count) // size)
+        block_ids = torch.tensor(blocks[:num_context_blocks], dtype=torch.long).to(device)
+        return PrefillSegment(first_row, first_row + count, start, block_ids)
+
+    def _note_embeddings(self, request: Request, start: int, count: int) -> None:
+        if request.embedding_spans:
+            _given_embeddings(request, start, count, len(self.input_ids), self.embed_rows, self.embed_values)
 
 
 def _given_embeddings(

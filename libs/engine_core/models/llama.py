@@ -37,15 +37,17 @@ class LlamaAttention(nn.Module):
         cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rope(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)  # (T, H, D)
-        k = rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)  # (T, K, D)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, K, D)
+        num_tokens, num_heads, num_kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # (T, (H + 2K) * D)
+        q_size, kv_size, _ = self.split
+        # q and k side by side in each row: one rope call rotates both
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, self.head_dim)  # (T, H + K, D)
+        q, k = rope(qk, *cos_sin).split([num_heads, num_kv_heads], dim=1)  # (T, H, D), (T, K, D)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, self.head_dim)  # (T, K, D)
         k_cache, v_cache = cache[0], cache[1]  # (N, S, K, D) each
         write_cache(k_cache, batch.slot_mapping, k)
         write_cache(v_cache, batch.slot_mapping, v)
-        out = torch.empty_like(q)  # (T, H, D)
+        out = q.new_empty(num_tokens, num_heads, self.head_dim)  # (T, H, D)
         num_decode = batch.num_decode_tokens
         if num_decode:
             assert batch.decode is not None
