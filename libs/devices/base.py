@@ -27,8 +27,8 @@ import torch
 class DecodeBatch:
     """Where each decode sequence's context lives in the paged cache; built once per step, used by every layer.
 
-    `extra` holds whatever a device family precomputes from the block tables (the cpu module: gather
-    indices and masks) so that the per-layer calls do no index arithmetic.
+    `extra` holds whatever a device family precomputes from the block tables (the cpu module: segments of rows
+    attended together, their gather indices and masks) so that the per-layer calls do no index arithmetic.
     """
 
     block_tables: torch.Tensor  # (B, M) int32: block ids per sequence, padded with 0
@@ -63,7 +63,9 @@ class DeviceOps(ABC):
     # -- attention over the paged KV cache ----------------------------------------------------------
     @abstractmethod
     def prepare_decode(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodeBatch:
-        """Precompute what the decode attention calls of one step share (called once per step)."""
+        """Precompute what the decode attention calls of one step share (called once per step). Rows may come in
+        any order; the model runner orders them longest context first, which lets the cpu module attend rows of
+        similar lengths together instead of padding every row to the longest."""
 
     @abstractmethod
     def paged_decode_attention(

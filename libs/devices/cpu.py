@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from devices.base import DecodeBatch, DeviceOps
 
-# What one more segment costs, in context tokens of attention work: a segment's fixed price (an SDPA call, the
-# views and the copy of its rows' output) against the padding it saves. Measured with bench/decode_step.py at
-# batch 32 (SmolLM2-135M): 128 to 1024 change a step by under 2%; this middle value splits a batch of contexts
-# between 32 and 290 tokens into three segments.
+# What one more segment costs, in context tokens of attention work: a segment's fixed price (an SDPA call, its
+# views, its share of the output copy) against the padding it saves. From a 1-thread timing of one layer's decode
+# attention at batch 32 (SmolLM2-135M's shapes, contexts of 32 to 296 tokens): 64, 256 and 1024 made 6, 3 and 2
+# segments and timed alike within the machine's noise, all well under one padded segment; 256 is the middle.
 SEGMENT_OVERHEAD_TOKENS = 256
 
 
