@@ -65,3 +65,14 @@ def test_int8_replaces_every_linear_layer_and_keeps_the_logits_close(llama_refer
     got = prefill_logits(int8.engine.runner.model, ids, 3)
     assert (got - expected).abs().mean() / expected.std() < 0.1
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_worker_refuses_an_unknown_quantization_naming_the_variable() -> None:
+    from mesh.compute.settings import WorkerSettings
+    from mesh.config import SettingError, load_settings
+
+    with pytest.raises(SettingError, match=r"^KVMESH_QUANTIZATION='int4': must be one of none, int8$"):
+        load_settings(WorkerSettings, env={"KVMESH_QUANTIZATION": "int4"})
+    settings = load_settings(WorkerSettings, env={"KVMESH_QUANTIZATION": "int8"})
+    config = settings.engine_config("smollm2-135m")
+    assert (config.quantization, config.long_prefill_token_threshold) == ("int8", 256)

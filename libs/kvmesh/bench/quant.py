@@ -12,10 +12,12 @@ medians of end-to-end tokens/s and of the decode rate (timed from the moment eve
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -76,19 +78,27 @@ def run_quant_bench(
     workload = make_workload(
         concurrency, workload_config, source_ids, vocab_size, random.Random(f"{seed}:{concurrency}")
     )
-    speed = _speed(engines, workload, repeats)
+    greedy = _progress("greedy", _greedy_agreement(fp32, int8, num_greedy_tokens))
+    text = _progress("text", _text_quality(fp32, int8, text_ids))
+    speed = _progress("speed", _speed(engines, workload, repeats))
     return {
         "model": model,
         "torch_threads": torch.get_num_threads(),
         "quantized_engine": torch.backends.quantized.engine,
-        "greedy": _greedy_agreement(fp32, int8, num_greedy_tokens),
-        "text": {"path": str(TEXT_PATH.relative_to(TEXT_PATH.parents[3])), **_text_quality(fp32, int8, text_ids)},
+        "greedy": greedy,
+        "text": {"path": str(TEXT_PATH.relative_to(TEXT_PATH.parents[3])), **text},
         "speed": speed,
         "int8_vs_fp32_throughput": round(speed["int8"]["throughput_tok_s"] / speed["none"]["throughput_tok_s"], 3),
         "goal": "int8_vs_fp32_throughput >= 1.8 at 32 concurrent",
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+def _progress(part: str, result: dict[str, Any]) -> dict[str, Any]:
+    """Each part on stderr as it ends (stdout carries only the final JSON): a long run killed early keeps them."""
+    print(json.dumps({part: result}), file=sys.stderr, flush=True)
+    return result
 
 
 def _greedy_agreement(fp32: LLM, int8: LLM, num_tokens: int) -> dict[str, Any]:
