@@ -30,6 +30,7 @@ from kvmesh.up import Mesh, MeshPlan
 
 IP = "ip"
 TC = "tc"
+IPTABLES = "iptables"
 DEVICE = "eth0"  # the namespace's end of its veth pair
 
 
@@ -114,13 +115,32 @@ class Hosts:
         self.address = str(next(self._addresses))  # the bridge's, in the root namespace: NATS listens here
         self.hosts: dict[str, Host] = {}
         self.is_open = False
+        self.has_forward_rule = False
 
     def open(self) -> Hosts:
         self.is_open = True  # from here on close() has something to remove
         run(IP, "link", "add", self.bridge, "type", "bridge")
         run(IP, "addr", "add", f"{self.address}/{self.subnet.prefixlen}", "dev", self.bridge)
         run(IP, "link", "set", self.bridge, "up")
+        self._accept_bridged_traffic()
         return self
+
+    def _forward_rule(self) -> tuple[str, ...]:
+        return ("FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT")
+
+    def _accept_bridged_traffic(self) -> None:
+        """Where bridged packets pass through iptables (br_netfilter loaded) and the FORWARD chain drops by default
+        (as a running Docker engine sets it), host-to-host traffic on the bridge would be dropped: accept it with
+        a rule naming this run's bridge, removed by close(). Nothing is changed where packets are not filtered."""
+        self.has_forward_rule = False
+        try:
+            with open("/proc/sys/net/bridge/bridge-nf-call-iptables") as flag:
+                filtered = flag.read().strip() == "1"
+        except OSError:  # no br_netfilter: bridged packets never see iptables
+            return
+        if filtered and shutil.which(IPTABLES) is not None:
+            run(IPTABLES, "-I", *self._forward_rule())
+            self.has_forward_rule = True
 
     def add(self, name: str) -> Host:
         """A namespace for `name`, its veth pair on the bridge, the next address of the subnet."""
@@ -181,6 +201,10 @@ class Hosts:
             with contextlib.suppress(NetnsError):
                 run(IP, "link", "del", host.veth)
         if self.is_open:
+            if self.has_forward_rule:
+                with contextlib.suppress(NetnsError):
+                    run(IPTABLES, "-D", *self._forward_rule())
+                self.has_forward_rule = False
             with contextlib.suppress(NetnsError):
                 run(IP, "link", "del", self.bridge)
         self.hosts.clear()
@@ -190,7 +214,8 @@ class Hosts:
         """This run's namespaces and links still present (after close(): none)."""
         namespaces = [line.split()[0] for line in run(IP, "netns", "list").splitlines() if line.strip()]
         links = [line.split(":")[1].strip().split("@")[0] for line in run(IP, "-o", "link").splitlines()]
-        return [name for name in namespaces + links if name.startswith(self.tag)]
+        rules = run(IPTABLES, "-S", "FORWARD").splitlines() if shutil.which(IPTABLES) else []
+        return [name for name in namespaces + links + rules if self.tag in name]
 
     def __enter__(self) -> Hosts:
         try:

@@ -68,7 +68,8 @@ async def test_models_health_ready_metrics(mesh: Mesh, script: Script) -> None:
             ("kvmesh:request_generation_tokens", OTEL_TOKEN_BUCKETS),
         ):
             served = [s for s in families[name].samples if s.labels.get("model_name") == MODEL]
-            assert {s.labels["tenant"] for s in served} == {"default"}
+            # the registry is the process's: tenants of test modules run before this one in the worker are there too
+            assert "default" in {s.labels["tenant"] for s in served}
             assert sorted({float(s.labels["le"]) for s in served if "le" in s.labels}) == [*buckets, math.inf]
         async with session.get(f"{mesh.base_url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}) as response:
             assert response.status == 404 and (await response.json())["error"]["code"] == "not_found"
