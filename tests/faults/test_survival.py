@@ -11,21 +11,17 @@ the gateway."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
 import pytest
 
 from kvmesh.bench.fault_run import ROLES, FaultSuite
-from kvmesh.bench.faults import metric_sample, metric_total, wait_for
+from kvmesh.bench.faults import wait_for
 from kvmesh.bench.load import KINDS
 from kvmesh.bench.soak import run_soak, slope_per_minute
 from kvmesh.up import Mesh
-from mesh.bus import Bus
-from mesh.kv_index import GlobalKVIndex
-from mesh.kv_stream import KVEventFollower
-from tests.integration.conftest import API_KEY
+from tests.integration.conftest import API_KEY, kv_index_agrees
 
 # `kvmesh bench soak`, short, first (before any fault): mixed traffic (chat, tools, images, Responses
 # follow-ups), every request whole, latency bucketed, every process's memory sampled and its slope computed.
@@ -67,31 +63,7 @@ def test_nats_down_10_s_under_load_fails_no_request_and_loses_no_kv_event(suite:
     assert result.num_requests >= 4
     assert result.notes["decode_pools_2s_in"] == result.notes["decode_pools_before"] == [2.0, 2.0]
     assert result.notes["ejected_after_s"] < 2.0
-    wait_for(lambda: index_agrees(fault_mesh), 30, "the KV index to agree with the store node", interval_s=1.0)
-
-
-async def replayed_index(mesh: Mesh) -> GlobalKVIndex:
-    """The global KV index as the KVMESH_KV stream has it: a fresh follower's, replayed from the stream."""
-    bus = await Bus.connect(mesh.nats_url, "test-faults", tls=mesh.nats_tls)
-    try:
-        index = GlobalKVIndex()
-        follower = KVEventFollower(bus, index)
-        await follower.start()
-        assert await follower.wait_caught_up(timeout_s=20)
-        await follower.stop()
-        return index
-    finally:
-        await bus.close()
-
-
-def index_agrees(mesh: Mesh) -> bool:
-    """The store node's holdings are what the stream says it holds, and every live balancer's index (which
-    followed the stream through the outage) has every block the stream has."""
-    index = asyncio.run(replayed_index(mesh))
-    held = metric_sample(mesh.child("kvcache-0").http_port, "kvmesh_kvcache_blocks", 'tier="host"')
-    balancers = [c.http_port for c in mesh.children if c.role == "balancer" and c.process.poll() is None]
-    indexed = {metric_total(port, "kvmesh_kv_index_blocks") for port in balancers}
-    return (index.num_blocks("kvcache-0"), {index.num_blocks()}) == (held, indexed)
+    wait_for(lambda: kv_index_agrees(fault_mesh), 30, "the KV index to agree with the store node", interval_s=1.0)
 
 
 def test_a_throttled_decode_worker_fails_no_request(suite: FaultSuite) -> None:

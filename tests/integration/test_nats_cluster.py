@@ -18,11 +18,9 @@ from kvmesh.bench.load import Load
 from kvmesh.nats_cluster import NatsCluster
 from kvmesh.up import Mesh
 from mesh.bus import Bus
-from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import STREAM as KV_STREAM
-from mesh.kv_stream import KVEventFollower
 
-from .conftest import API_KEY, scrape, start_mesh, wait_until
+from .conftest import API_KEY, kv_index_agrees, scrape, start_mesh, wait_until
 
 MODEL = "deepseek-tiny"
 REQUESTS_PER_OUTCOME = {"chat": 1, "responses": 2}  # a stored response, then a follow-up naming it
@@ -72,23 +70,8 @@ async def kv_stream_leader(bus: Bus) -> str | None:
     return info.cluster.leader if info.cluster else None
 
 
-async def replayed_index(bus: Bus) -> GlobalKVIndex:
-    index = GlobalKVIndex()
-    follower = KVEventFollower(bus, index)
-    await follower.start()
-    assert await follower.wait_caught_up(timeout_s=20)
-    await follower.stop()
-    return index
-
-
 def store_blocks(mesh: Mesh) -> float:
     return scrape(mesh.child("kvcache-0").http_port, "kvmesh_kvcache_blocks").get('{tier="host"}', 0)
-
-
-def index_agrees(mesh: Mesh) -> bool:
-    index = asyncio.run(with_bus(mesh, replayed_index))
-    balancer = scrape(mesh.child("balancer-0").http_port, "kvmesh_kv_index_blocks").get("", -1)
-    return (index.num_blocks("kvcache-0"), index.num_blocks()) == (store_blocks(mesh), balancer)
 
 
 def usage_records(database: Path) -> int:
@@ -135,7 +118,7 @@ def test_leader_killed_under_load_fails_no_request_and_loses_no_record(mesh: Mes
     database: Path = mesh.database  # type: ignore[attr-defined]
     wait_until(lambda: usage_records(database) == num_requests, 30, f"{num_requests} usage records in the ledger")
     assert store_blocks(mesh) > 0
-    wait_until(lambda: index_agrees(mesh), 20, "the index to agree with the store and the balancer")
+    wait_until(lambda: kv_index_agrees(mesh), 20, "the index to agree with the store and the balancer")
     print(
         f"\nNATS cluster of 3, {leader} (meta and every stream leader) SIGKILLed: {len(outcomes)} requests ok, "
         f"0 failed, {num_requests} usage records; new KV stream leader {new_stream_leader} after "
