@@ -292,7 +292,7 @@ class FaultSuite:
         result = self.measure(f"NATS down {seconds:.0f} s", inject, seconds + self.observe_s)
         restarted.wait(timeout=30)
         if kill_during is not None:
-            replace(self.mesh, kill_during, wait=False)
+            replace(self.mesh, kill_during)  # serving again before the next fault: it may hit another role
         result.notes = notes
         return result
 
