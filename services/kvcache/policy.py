@@ -19,11 +19,10 @@ evict. Pinned keys are simply not in the policy while pinned, so they are never 
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import OrderedDict
 from typing import Protocol
 
+from services.kvcache.aging import AgingHeap
 from services.kvcache.blocks import NO_HINT, BlockHint
 from services.kvcache.reuse import ReusePolicy
 
@@ -143,16 +142,13 @@ class S3FIFOPolicy:
 
 
 class LFUDAPolicy:
-    """Priority = aging floor + min(hits, MAX_FREQ); a min-heap with lazy deletion (stale entries are skipped)."""
+    """Priority = aging floor + min(hits, MAX_FREQ), kept in an AgingHeap."""
 
     MAX_FREQ = 4
 
     def __init__(self, capacity_bytes: int = 0) -> None:
-        self._floor = 0  # the priority of the last victim: new keys start above every key older than it
-        self._entry: dict[bytes, tuple[int, int]] = {}  # key -> its live heap entry's (priority, order)
+        self._heap = AgingHeap()
         self._freq: dict[bytes, int] = {}
-        self._heap: list[tuple[int, int, bytes]] = []  # (priority, order, key); order breaks ties oldest first
-        self._order = itertools.count()
 
     def insert(self, key: bytes, size: int, hint: BlockHint = NO_HINT) -> None:
         self._freq[key] = 1
@@ -165,27 +161,19 @@ class LFUDAPolicy:
 
     def remove(self, key: bytes) -> None:
         self._freq.pop(key, None)
-        self._entry.pop(key, None)
+        self._heap.discard(key)
 
     def victim(self) -> bytes | None:
-        while self._heap:
-            priority, order, key = heapq.heappop(self._heap)
-            if self._entry.get(key) == (priority, order):
-                self._floor = priority
-                self.remove(key)
-                return key
-        return None
+        key = self._heap.pop()
+        if key is not None:
+            del self._freq[key]
+        return key
 
     def _push(self, key: bytes) -> None:
-        entry = (self._floor + self._freq[key], next(self._order))
-        self._entry[key] = entry
-        heapq.heappush(self._heap, (*entry, key))
-        if len(self._heap) > 2 * len(self._entry) + 1024:  # drop stale entries now and then
-            self._heap = [(p, o, k) for p, o, k in self._heap if self._entry.get(k) == (p, o)]
-            heapq.heapify(self._heap)
+        self._heap.push(key, self._heap.floor + self._freq[key])
 
     def __len__(self) -> int:
-        return len(self._entry)
+        return len(self._heap)
 
 
 def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:

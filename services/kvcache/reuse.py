@@ -23,10 +23,9 @@ few dozen entries whatever the size.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import OrderedDict
 
+from services.kvcache.aging import AgingHeap
 from services.kvcache.blocks import NO_HINT, BlockHint
 from services.kvcache.sketch import FrequencySketch
 
@@ -55,11 +54,8 @@ class ReusePolicy:
         self.window_target_bytes = int(capacity_bytes * WINDOW_FRACTION)
         self._window: OrderedDict[bytes, int] = OrderedDict()  # not admitted: key -> size, oldest first
         self._window_bytes = 0
-        self._floor = 0  # the priority of the last victim
-        self._entry: dict[bytes, tuple[int, int]] = {}  # key -> its live heap entry's (priority, order)
+        self._heap = AgingHeap()  # the admitted keys, in lfuda's order
         self._hits: dict[bytes, int] = {}  # key -> 1 + hits while held, capped at MAX_FREQ
-        self._heap: list[tuple[int, int, bytes]] = []  # (priority, order, key); order breaks ties oldest first
-        self._order = itertools.count()
         self._sketch = FrequencySketch()
         self._first_seen: OrderedDict[bytes, Class] = OrderedDict()  # recent first sightings, oldest first
         self._num_seen: dict[Class, float] = {}  # class -> first sightings
@@ -77,7 +73,7 @@ class ReusePolicy:
         if not is_known:
             self._first_sighting(key, klass)
         if is_admitted:
-            self._push(key, self._floor + 1)
+            self._heap.push(key, self._heap.floor + 1)
         else:
             self._window[key] = size
             self._window_bytes += size
@@ -88,36 +84,33 @@ class ReusePolicy:
             self._window_bytes -= size
             self._seen(key)
             self._hits[key] = 2
-            self._push(key, self._floor + 2)
+            self._heap.push(key, self._heap.floor + 2)
             return
         if key in self._hits:
             self._seen(key)
             self._hits[key] = min(self._hits[key] + 1, MAX_FREQ)
-            self._push(key, self._floor + self._hits[key])
+            self._heap.push(key, self._heap.floor + self._hits[key])
 
     def remove(self, key: bytes) -> None:
         self._hits.pop(key, None)
-        self._entry.pop(key, None)
+        self._heap.discard(key)
         size = self._window.pop(key, None)
         if size is not None:
             self._window_bytes -= size
 
     def victim(self) -> bytes | None:
-        if self._window and (self._window_bytes > self.window_target_bytes or not self._entry):
+        if self._window and (self._window_bytes > self.window_target_bytes or not self._heap):
             key, size = self._window.popitem(last=False)
             self._window_bytes -= size
             self._hits.pop(key, None)
             return key
-        while self._heap:
-            priority, order, key = heapq.heappop(self._heap)
-            if self._entry.get(key) == (priority, order):
-                self._floor = priority
-                self.remove(key)
-                return key
-        return None
+        admitted = self._heap.pop()
+        if admitted is not None:
+            del self._hits[admitted]
+        return admitted
 
     def __len__(self) -> int:
-        return len(self._entry) + len(self._window)
+        return len(self._heap) + len(self._window)
 
     # -- prediction ---------------------------------------------------------------------------------------------
     def reuse_rate(self, klass: Class) -> float:
@@ -143,18 +136,9 @@ class ReusePolicy:
     def _first_sighting(self, key: bytes, klass: Class) -> None:
         self._first_seen[key] = klass
         self._num_seen[klass] = self._num_seen.get(klass, 0.0) + 1
-        while len(self._first_seen) > GHOST_FACTOR * max(len(self._entry), 1):
+        while len(self._first_seen) > GHOST_FACTOR * max(len(self._heap), 1):
             self._first_seen.popitem(last=False)
         self._num_sightings += 1
         if self._num_sightings % DECAY_EVERY == 0:
             self._num_seen = {c: n / 2 for c, n in self._num_seen.items()}
             self._num_reused = {c: n / 2 for c, n in self._num_reused.items()}
-
-    # -- the heap -----------------------------------------------------------------------------------------------
-    def _push(self, key: bytes, priority: int) -> None:
-        entry = (priority, next(self._order))
-        self._entry[key] = entry
-        heapq.heappush(self._heap, (*entry, key))
-        if len(self._heap) > 2 * len(self._entry) + 1024:  # drop stale entries now and then
-            self._heap = [(p, o, k) for p, o, k in self._heap if self._entry.get(k) == (p, o)]
-            heapq.heapify(self._heap)
