@@ -18,7 +18,10 @@ from torch import nn
 
 from engine_core.config import ConfigError, EngineConfig, ModelConfig
 from engine_core.models.deepseek_v3 import DeepseekMoE
+from engine_core.models.deepseek_v4.blocks import V4MoE
 from engine_core.models.experts import ExpertCounters, PhysicalExperts
+
+MoELayer = DeepseekMoE | V4MoE  # DeepSeek-V4's hash-routed layers count and place like the scored ones
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class PreparedPlacement:
 class ExpertParallel:
     """Owned by the engine; every method but `prepare` runs on the engine thread."""
 
-    def __init__(self, layers: list[tuple[int, DeepseekMoE]], layout: ExpertLayout) -> None:
+    def __init__(self, layers: list[tuple[int, MoELayer]], layout: ExpertLayout) -> None:
         self.layers = [module for _, module in layers]
         self.layout = layout
         self.version = 0
@@ -67,19 +70,19 @@ class ExpertParallel:
         layers = [
             (i, m)
             for i, layer in enumerate(model.model.layers)  # type: ignore[union-attr, arg-type]
-            if isinstance(m := layer.mlp, DeepseekMoE)
+            if isinstance(m := layer.mlp, (DeepseekMoE, V4MoE))
         ]
-        if not layers or model_config.moe is None:
+        if not layers:
             return None
-        moe = model_config.moe
-        num_slots = moe.num_experts + config.num_redundant_experts
+        num_experts, num_groups = _experts(model_config)
+        num_slots = num_experts + config.num_redundant_experts
         if num_slots % config.expert_parallel_size:
             raise ConfigError(
                 f"expert_parallel_size {config.expert_parallel_size} must divide the {num_slots} expert slots "
-                f"({moe.num_experts} experts + num_redundant_experts {config.num_redundant_experts})"
+                f"({num_experts} experts + num_redundant_experts {config.num_redundant_experts})"
             )
         layout = ExpertLayout(
-            len(layers), layers[0][0], moe.num_experts, moe.num_groups, num_slots, config.expert_parallel_size
+            len(layers), layers[0][0], num_experts, num_groups, num_slots, config.expert_parallel_size
         )
         return cls(layers, layout)
 
@@ -135,3 +138,11 @@ class ExpertParallel:
             module.placement.phy2log.tolist() if module.placement is not None else list(range(self.layout.num_experts))
             for module in self.layers
         ]
+
+
+def _experts(model_config: ModelConfig) -> tuple[int, int]:
+    """(logical experts per MoE layer, groups of the gate's group-limited routing; 1 where it has none)."""
+    if model_config.v4 is not None:
+        return model_config.v4.num_experts, 1  # V4 routes without group limits (hash layers by a fixed table)
+    assert model_config.moe is not None, "a model with MoE layers has a MoE config"
+    return model_config.moe.num_experts, model_config.moe.num_groups

@@ -20,6 +20,7 @@ from torch import nn
 
 from engine_core.config import ModelConfig, V4Config
 from engine_core.models.deepseek_v4.functional import unweighted_rms_norm
+from engine_core.models.experts import ExpertCounters, PhysicalExperts
 
 
 class HyperConnection(nn.Module):
@@ -114,6 +115,10 @@ class ExpertRouter(nn.Module):
 
 
 class V4MoE(nn.Module):
+    """As DeepseekMoE (deepseek_v3): the logical experts' weights load from checkpoints; under expert parallelism
+    the engine sets `placement` (copies in slot order) and `counters`, only between steps
+    (engine_core.expert_parallel). Hash-routed layers are counted and placed like scored ones."""
+
     def __init__(self, config: ModelConfig, v4: V4Config, layer: int) -> None:
         super().__init__()
         e, i, hd = v4.num_experts, v4.moe_intermediate_size, config.hidden_size
@@ -122,13 +127,41 @@ class V4MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(e, hd, i), requires_grad=False)  # (E, Hd, I): w2
         self.shared_experts = SharedExpert(hd, i, v4.swiglu_limit)
         self.limit = v4.swiglu_limit
+        self.placement: PhysicalExperts | None = None  # None: the logical experts are the slots, on one rank
+        self.counters: ExpertCounters | None = None
+        self.num_routed_tokens = 0  # every token so far: rotates tokens over an expert's replicas
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        expert_ids, weights = self.gate(x, input_ids)
+        expert_ids, weights = self.gate(x, input_ids)  # (T, k) logical
+        placement = self.placement
+        slot_ids = None if placement is None else placement.dispatch(expert_ids, self.num_routed_tokens)  # (T, k)
         out = torch.zeros_like(x)
-        for expert in expert_ids.unique().tolist():
+        for expert in expert_ids.unique().tolist():  # logical order whatever the placement: the same sums
             tokens, slot = torch.where(expert_ids == expert)
-            hidden = clamped_swiglu(F.linear(x[tokens], self.w_gate_up[expert]), self.limit)
-            routed = F.linear(hidden, self.w_down[expert]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, routed.to(out.dtype))
+            if placement is None or slot_ids is None:
+                self._add_expert(out, x, weights, tokens, slot, self.w_gate_up[expert], self.w_down[expert])
+                continue
+            homes = slot_ids[tokens, slot]  # the replica each of these tokens uses (identical weights)
+            for home in homes.unique().tolist():
+                pick = homes == home
+                w_gate_up, w_down = placement.w_gate_up[home], placement.w_down[home]
+                self._add_expert(out, x, weights, tokens[pick], slot[pick], w_gate_up, w_down)
+        self.num_routed_tokens += x.shape[0]
+        if self.counters is not None:
+            self.counters.record(expert_ids, slot_ids)
         return out + self.shared_experts(x)
+
+    def _add_expert(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        tokens: torch.Tensor,
+        slot: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+    ) -> None:
+        """out[tokens] += weight * expert(x[tokens]), for the tokens that chose it in `slot` of their k."""
+        hidden = clamped_swiglu(F.linear(x[tokens], w_gate_up), self.limit)
+        routed = F.linear(hidden, w_down) * weights[tokens, slot, None]
+        out.index_add_(0, tokens, routed.to(out.dtype))
