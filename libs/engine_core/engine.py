@@ -39,6 +39,8 @@ from engine_core.kv_transfer import (
 from engine_core.loader.checkpoint import open_checkpoint
 from engine_core.model_runner import ModelRunner
 from engine_core.models import build_model
+from engine_core.models.deepseek_v4.state import SequenceState
+from engine_core.models.deepseek_v4.transfer import layer_from_bytes, layer_to_bytes, state_sections
 from engine_core.quantization import calibration_ids, check_quantization, quantize_model
 from engine_core.request import EmbeddingSpan, Request, RequestStatus
 from engine_core.sampler import Sampler
@@ -150,6 +152,14 @@ class LLMEngine:
             self.runner.block_axis,
         )
 
+    @property
+    def transfer_layout(self) -> KVLayout:
+        """How a request's KV travels to another engine (export_kv, begin_kv_import): its blocks (`kv_layout`),
+        or for a model with per-sequence state (DeepSeek-V4) that state, in per-layer sections (format 2)."""
+        if self.model_config.v4 is None:
+            return self.kv_layout
+        return dataclasses.replace(self.kv_layout, sections=state_sections(self.model_config.v4))
+
     # -- requests -----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -252,11 +262,15 @@ class LLMEngine:
             request.append_output_token(token)
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id)
+        is_aborted = self.scheduler.abort(request_id)
+        if is_aborted:
+            self.runner.forget_sequence_state(request_id)
+        return is_aborted
 
     def release(self, request_id: str) -> None:
         """Free a finished request that was kept for KV export."""
         self.scheduler.release(request_id)
+        self.runner.forget_sequence_state(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -398,12 +412,16 @@ class LLMEngine:
             raise KeyError(f"no request {request_id!r} kept for KV export")
         num_tokens = request.num_computed_tokens
         block_ids = self.kv.block_ids(request_id)[: cdiv(num_tokens, self.config.block_size)]
+        layout = self.transfer_layout
 
         def read(layer: int, first: int, count: int) -> bytes:
+            if layout.sections is not None:  # the request's whole state, one layer's section at a time
+                state: SequenceState = self.runner.sequence_states[request_id][1]  # type: ignore[assignment]
+                return layer_to_bytes(state.layers[layer], layout.sections, layer, num_tokens, layout.dtype)
             return tensor_to_bytes(self.runner.read_blocks(layer, block_ids[first : first + count]))
 
         return KVExport(
-            self.kv_layout,
+            layout,
             request_id,
             list(request.prompt_token_ids),
             list(request.output_token_ids),
@@ -429,7 +447,7 @@ class LLMEngine:
 
         Returns False, changing nothing, when too few blocks are free right now.
         """
-        self.kv_layout.check_compatible(layout)
+        self.transfer_layout.check_compatible(layout)
         if request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         request = self._new_request(
@@ -443,6 +461,10 @@ class LLMEngine:
         if self.kv.allocate_slots(request, num_tokens) is None:
             return False
         request.num_computed_tokens = num_tokens
+        if layout.sections is not None:  # filled layer by layer by import_kv_chunk
+            state = self.runner.model.new_sequence_state()  # type: ignore[operator]
+            state.num_tokens = num_tokens
+            self.runner.put_sequence_state(request, state)
         self.scheduler.add_request(request)
         return True
 
@@ -453,6 +475,12 @@ class LLMEngine:
         request = self._importing(request_id)
         if not 0 <= layer < self.model_config.num_layers:
             raise KVLayoutError(f"layer {layer} out of range [0, {self.model_config.num_layers})")
+        layout = self.transfer_layout
+        if layout.sections is not None:  # format 2: the layer's whole section, whatever first_block says
+            state: SequenceState = self.runner.sequence_states[request_id][1]  # type: ignore[assignment]
+            num_tokens, device = request.num_computed_tokens, self.ops.torch_device
+            state.layers[layer] = layer_from_bytes(data, layout.sections, layer, num_tokens, layout.dtype, device)
+            return
         block_ids = self.kv.block_ids(request_id)[: cdiv(request.num_computed_tokens, self.config.block_size)]
         num_blocks = len(data) // max(self.kv_layout.chunk_bytes(1), 1)
         if first_block < 0 or num_blocks < 1 or first_block + num_blocks > len(block_ids):
@@ -467,8 +495,18 @@ class LLMEngine:
     def finish_kv_import(self, request_id: str) -> None:
         """All layers arrived: the request joins the running batch (its blocks may now be shared)."""
         request = self._importing(request_id)
-        self.kv.cache_computed_blocks(request)
+        if self.transfer_layout.sections is None:
+            self.kv.cache_computed_blocks(request)
+        else:  # the state arrived, not the blocks' contents: they are never offered as a prefix
+            self._check_imported_state(request)
         self.scheduler.start_running(request)
+
+    def _check_imported_state(self, request: Request) -> None:
+        """KVLayoutError unless every layer's section arrived (each holds at least one window row)."""
+        state: SequenceState = self.runner.sequence_states[request.request_id][1]  # type: ignore[assignment]
+        missing = [i for i, layer in enumerate(state.layers) if layer.window.shape[0] == 0]
+        if missing:
+            raise KVLayoutError(f"imported state lacks layers {missing}")
 
     def _importing(self, request_id: str) -> Request:
         request = self.scheduler.requests.get(request_id)

@@ -86,10 +86,23 @@ class ModelRunner:
         return entry[1]
 
     def drop_finished_states(self) -> None:
-        """Forget the sequence states of requests that finished or went back to waiting."""
+        """Forget the sequence states of requests that finished or went back to waiting; a request kept for KV
+        export keeps its state (what the export sends) until `forget_sequence_state`."""
         for request_id, (request, _) in list(self.sequence_states.items()):
-            if request.status.is_finished or request.status is RequestStatus.WAITING:
+            is_kept = request.keep_kv and request.status in (
+                RequestStatus.FINISHED_STOPPED,
+                RequestStatus.FINISHED_LENGTH,
+            )
+            if (request.status.is_finished and not is_kept) or request.status is RequestStatus.WAITING:
                 del self.sequence_states[request_id]
+
+    def put_sequence_state(self, request: Request, state: object) -> None:
+        """A state built elsewhere (a KV import): the request resumes from it."""
+        self.sequence_states[request.request_id] = (request, state)
+
+    def forget_sequence_state(self, request_id: str) -> None:
+        """The kept request was released."""
+        self.sequence_states.pop(request_id, None)
 
     def _prepare_decode(self, decodes: list[ScheduledRequest]) -> DecodeBatch | None:
         if not decodes:

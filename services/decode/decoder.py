@@ -139,9 +139,9 @@ class Decoder:
     async def _import(self, engine: AsyncEngine, header: PushHeader, chunks: AsyncIterator[KVChunk]) -> int:
         """Write the chunks, check they were all there, and start decoding with the outputs queued."""
         request_id = header.request_id
-        received = await self._receive_chunks(header.layout, chunks)
+        received = await self._receive_chunks(header, chunks)
         num_bytes = sum(len(chunk.data) for chunk in received)
-        expected = header.layout.num_layers * header.layout.chunk_bytes(header.num_blocks)
+        expected = header.layout.transfer_bytes(header.num_blocks, header.num_tokens)
         if num_bytes != expected:
             raise KVLayoutError(f"incomplete KV push: {num_bytes} of {expected} bytes arrived")
         outputs = engine.open_stream(request_id)  # before decoding starts, so no token is lost
@@ -175,14 +175,15 @@ class Decoder:
             )
 
     @staticmethod
-    async def _receive_chunks(layout: KVLayout, chunks: AsyncIterator[KVChunk]) -> list[KVChunk]:
+    async def _receive_chunks(header: PushHeader, chunks: AsyncIterator[KVChunk]) -> list[KVChunk]:
         """Every chunk of the push, size-checked. They are written to the cache in one engine call afterwards:
         on the engine thread (an Abort may free the blocks at any moment, and there a write can never land in a
         block already handed to another request), and at once (each call waits for a step boundary, so a call
         per chunk would cost a decode step per chunk under load)."""
         received = []
+        layout = header.layout
         async for chunk in chunks:
-            if len(chunk.data) != layout.chunk_bytes(chunk.num_blocks):
+            if len(chunk.data) != layout.transfer_chunk_bytes(chunk.layer, chunk.num_blocks, header.num_tokens):
                 raise KVLayoutError(f"KV chunk of {len(chunk.data)} bytes does not hold {chunk.num_blocks} blocks")
             received.append(chunk)
         return received

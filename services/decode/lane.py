@@ -107,7 +107,7 @@ class PushLane(LaneListener[decode_pb2.PushLaneFrame]):
         first chunk: by then the header is checked and its blocks are reserved, so its size is one the cache
         holds."""
         layout = header.layout
-        total = layout.num_layers * layout.chunk_bytes(header.num_blocks)
+        total = layout.transfer_bytes(header.num_blocks, header.num_tokens)
         buffer = memoryview(b"")
         offset = 0
         while True:
@@ -119,7 +119,8 @@ class PushLane(LaneListener[decode_pb2.PushLaneFrame]):
                 raise ValueError("a KV push has exactly one header, and it comes first; then chunks, then an end")
             chunk = frame.chunk
             # checked before the payload is read: it lands in what the header announced, never past it
-            if not 0 < chunk.num_blocks <= header.num_blocks or payload_bytes != layout.chunk_bytes(chunk.num_blocks):
+            expected = layout.transfer_chunk_bytes(chunk.layer, chunk.num_blocks, header.num_tokens)
+            if not 0 < chunk.num_blocks <= header.num_blocks or payload_bytes != expected:
                 raise KVLayoutError(f"KV chunk of {payload_bytes} bytes does not hold {chunk.num_blocks} blocks")
             if offset + payload_bytes > total:
                 raise KVLayoutError(f"the KV push holds more than its header's {header.num_blocks} blocks per layer")

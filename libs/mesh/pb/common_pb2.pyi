@@ -98,20 +98,38 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "layer_shape", "block_axis")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "layer_shape", "block_axis", "sections")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SHAPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_AXIS_FIELD_NUMBER: _ClassVar[int]
+    SECTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
     num_layers: int
     layer_shape: _containers.RepeatedScalarFieldContainer[int]
     block_axis: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_shape: _Optional[_Iterable[int]] = ..., block_axis: _Optional[int] = ...) -> None: ...
+    sections: KVStateSections
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_shape: _Optional[_Iterable[int]] = ..., block_axis: _Optional[int] = ..., sections: _Optional[_Union[KVStateSections, _Mapping]] = ...) -> None: ...
+
+class KVStateSections(_message.Message):
+    __slots__ = ("layer_kinds", "head_dim", "index_head_dim", "sliding_window", "csa_ratio", "hca_ratio")
+    LAYER_KINDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CSA_RATIO_FIELD_NUMBER: _ClassVar[int]
+    HCA_RATIO_FIELD_NUMBER: _ClassVar[int]
+    layer_kinds: _containers.RepeatedScalarFieldContainer[str]
+    head_dim: int
+    index_head_dim: int
+    sliding_window: int
+    csa_ratio: int
+    hca_ratio: int
+    def __init__(self, layer_kinds: _Optional[_Iterable[str]] = ..., head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., sliding_window: _Optional[int] = ..., csa_ratio: _Optional[int] = ..., hca_ratio: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "models", "max_num_seqs", "num_kv_blocks", "block_size", "data_address", "started_at_ms", "version")
