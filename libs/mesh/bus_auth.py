@@ -29,7 +29,7 @@ from mesh.access import BALANCER, DECODE, ENCODER, EXPERT_LB, GATEWAY, KVCACHE, 
 WORKER = "{worker}"  # a worker's own id in a subject of the table
 INBOXES = "_INBOX.>"
 KV_STREAMS = ("KVMESH_KV", "KV_KVMESH_KV_SNAPSHOT", "OBJ_KVMESH_KV_SNAPSHOTS")  # the KV index and its snapshots
-GATEWAY_STREAMS = ("KVMESH_USAGE", "KVMESH_FINISHED", "KV_KVMESH_LIMITS", "KV_kvmesh_responses")
+GATEWAY_STREAMS = ("KVMESH_USAGE", subjects.FINISHED_STREAM, "KV_KVMESH_LIMITS", "KV_kvmesh_responses")
 ROLLOUT_STREAM = "KV_KVMESH_ROLLOUTS"  # canary rollouts (mesh.rollouts): the admin API and the balancers write it
 
 
@@ -115,15 +115,17 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
         ),
         subscribe=(subjects.heartbeat(KVCACHE), f"{subjects.EXPERT_PLAN_PREFIX}.>", INBOXES),
     ),
-    # no balancer assignments, no expert plans, no other role's heartbeats
+    # no balancer assignments, no other role's heartbeats; of JetStream only the acks of its finished requests
+    # (publishes the gateways' KVMESH_FINISHED keeps) and whether that stream exists yet (mesh.outbox)
     DECODE: SubjectPermissions(
         publish=(
             _heartbeat(DECODE),
             subjects.kv_events(WORKER),
             subjects.REQUESTS_FINISHED,
             subjects.ALL_EXPERT_LOADS,
+            f"$JS.API.STREAM.INFO.{subjects.FINISHED_STREAM}",
         ),
-        subscribe=(f"{subjects.EXPERT_PLAN_PREFIX}.>",),
+        subscribe=(f"{subjects.EXPERT_PLAN_PREFIX}.>", INBOXES),
     ),
     # its tiers' events (acknowledged JetStream publishes); follows its peers and the KV stream (repair)
     KVCACHE: SubjectPermissions(

@@ -182,7 +182,9 @@ class ServiceSettings:
         3, "consecutive failed calls or health checks that eject a worker from its pools (until it answers again)"
     )
     outbox_size: int = setting(
-        10_000, "events kept while NATS is away (KV events, ...), sent in order when it returns; beyond: resync"
+        10_000,
+        "events kept per outbox while NATS is away (KV events, finished requests), sent in order when it returns; "
+        "beyond: a store node resyncs, others drop the oldest",
     )
     log_level: str = setting("info", "debug, info, warning or error (structlog)")
     log_format: str = setting("auto", "auto (JSON unless a terminal), json or console")

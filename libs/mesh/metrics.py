@@ -336,8 +336,34 @@ POOL_EJECTED_WORKERS = _gauge(
     "Workers out of the pools for consecutive failed health checks or calls, until one passes",
     roles="gateway, balancer",
 )
+_OUTBOXES = "kv_events (prefill, kvcache), finished_requests (decode)"
 OUTBOX_MESSAGES = _gauge(
-    "kvmesh_outbox_messages", "KV event batches waiting in this process's outbox for NATS", roles="prefill, kvcache"
+    "kvmesh_outbox_messages",
+    "Events waiting in this process's outbox for NATS",
+    ["outbox"],
+    roles="prefill, decode, kvcache",
+    note=_OUTBOXES,
+)
+OUTBOX_MESSAGES_PEAK = _gauge(
+    "kvmesh_outbox_messages_peak",
+    "The most events this process's outbox has held at once since it started",
+    ["outbox"],
+    roles="prefill, decode, kvcache",
+    note=_OUTBOXES,
+)
+OUTBOX_MESSAGES_SENT = _gauge(
+    "kvmesh_outbox_messages_sent",
+    "Events this process's outbox has sent since it started (acknowledged, where a stream keeps them)",
+    ["outbox"],
+    roles="prefill, decode, kvcache",
+    note=_OUTBOXES,
+)
+OUTBOX_MESSAGES_DROPPED = _gauge(
+    "kvmesh_outbox_messages_dropped",
+    "Events this process's outbox dropped since it started: it overflowed (a resync covers a store node's)",
+    ["outbox"],
+    roles="prefill, decode, kvcache",
+    note=_OUTBOXES,
 )
 
 # balancer

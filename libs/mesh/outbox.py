@@ -6,7 +6,10 @@ arrives, in order, when NATS returns. On a subject a JetStream stream captures, 
 acknowledged, with the message's `Nats-Msg-Id`: a send that was stored but whose ack was lost is retried, and the
 stream keeps one copy (its duplicate window, two minutes by default). On a plain subject (`jetstream=False`) a send
 is a core publish, which the client buffers while it reconnects; the id still travels in the header, so a stream
-that captures the subject drops a second copy all the same.
+that captures the subject drops a second copy all the same. Where the stream is another role's and may not exist
+yet (`stream`: decode's finished requests go to the gateway's KVMESH_FINISHED), the outbox asks whether it does
+and sends core publishes, with the id, until it is made: a JetStream publish that no stream captures gets no ack
+(core subscribers take it and answer nothing), and would be sent again forever.
 
 The queue holds at most `capacity` messages. One more, and the queue is dropped whole and `resync` (the
 publisher's full state, for example a store node's `all_cleared` and then every block it holds) is sent first when
@@ -22,12 +25,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import nats.js.errors
+
+from mesh import metrics
 from mesh.bus import Bus
 from mesh.logging import get_logger
 from mesh.tasks import cancel_until_done
 
 log = get_logger(__name__)
 MSG_ID = "Nats-Msg-Id"
+STREAM_RECHECK_S = 5.0  # how often an outbox whose stream is missing asks again whether it was made
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class Outbox:
         resync: Callable[[], list[Envelope]] | None = None,
         ack_timeout_s: float = 2.0,
         retry_s: float = 0.25,
+        stream: str | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity={capacity}: must be at least 1")
@@ -58,11 +66,15 @@ class Outbox:
         self.resync = resync
         self.ack_timeout_s = ack_timeout_s
         self.retry_s = retry_s
+        self.stream = stream  # the stream that captures the subjects where it may not exist (None: it does)
         self.needs_resync = False  # the queue overflowed: `resync` goes out first when the bus is back
         self.num_sent = 0
         self.num_retries = 0  # sends that failed and were tried again
         self.num_dropped = 0  # messages dropped on overflow (covered by a resync where there is one)
         self.num_resyncs = 0
+        self.num_unacked = 0  # sent as core publishes: `stream` did not exist
+        self.max_len = 0  # the longest the queue has been
+        self._stream_checked: tuple[float, int, bool] | None = None  # (when, bus.num_disconnects then, it exists)
         self._queue: deque[Envelope] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -89,6 +101,7 @@ class Outbox:
                 log.warning("outbox overflowed: the publisher's state will be sent again", capacity=self.capacity)
                 return False
         self._queue.append(envelope)
+        self.max_len = max(self.max_len, len(self._queue))
         self._wake.set()
         return True
 
@@ -140,9 +153,42 @@ class Outbox:
 
     async def _send(self, envelope: Envelope) -> None:
         headers = {MSG_ID: envelope.msg_id}
-        if self.jetstream:
+        if self.jetstream and await self._stream_exists():
             await self.bus.client.jetstream().publish(
                 envelope.subject, envelope.payload, timeout=self.ack_timeout_s, headers=headers
             )
         else:
             await self.bus.client.publish(envelope.subject, envelope.payload, headers=headers)
+            self.num_unacked += self.jetstream
+
+    async def _stream_exists(self) -> bool:
+        """Whether `stream` exists (True without one), asked again after a reconnect (a NATS with a new store may
+        have lost it) and every STREAM_RECHECK_S while it is missing. Raises while JetStream does not answer."""
+        if self.stream is None:
+            return True
+        now = time.monotonic()
+        checked = self._stream_checked
+        is_fresh = checked is not None and checked[1] == self.bus.num_disconnects
+        if checked is not None and is_fresh and (checked[2] or now - checked[0] < STREAM_RECHECK_S):
+            return checked[2]
+        try:
+            await self.bus.client.jetstream(timeout=self.ack_timeout_s).stream_info(self.stream)
+            exists = True
+        except nats.js.errors.NotFoundError:
+            exists = False
+        except nats.js.errors.ServiceUnavailableError as exc:
+            if exc.code is not None:  # JetStream answered, unavailable for now (a cluster electing): ask again
+                raise
+            exists = False  # nobody answers JetStream's API: this NATS has none
+        if checked is None or checked[2] != exists:
+            log.info("outbox stream", stream=self.stream, exists=exists)
+        self._stream_checked = (now, self.bus.num_disconnects, exists)
+        return exists
+
+
+def export_metrics(name: str, outbox: Outbox) -> None:
+    """The outbox's figures on this process's /metrics, labelled `name`, read from it at each scrape."""
+    metrics.OUTBOX_MESSAGES.labels(outbox=name).set_function(lambda: len(outbox))
+    metrics.OUTBOX_MESSAGES_PEAK.labels(outbox=name).set_function(lambda: outbox.max_len)
+    metrics.OUTBOX_MESSAGES_SENT.labels(outbox=name).set_function(lambda: outbox.num_sent)
+    metrics.OUTBOX_MESSAGES_DROPPED.labels(outbox=name).set_function(lambda: outbox.num_dropped)

@@ -38,6 +38,7 @@ def kv_events_worker(subject: str, claimed: str) -> str | None:
 
 
 REQUESTS_FINISHED = "kvmesh.requests.finished"  # events_pb2.RequestFinished: requests leaving decode workers
+FINISHED_STREAM = "KVMESH_FINISHED"  # the JetStream stream gateways keep them in (an abandoned request's tokens)
 
 BALANCER_ASSIGN = "kvmesh.balancer.assign"  # balancer_pb2.Assignment: every replica's decisions, for its peers
 BALANCER_REPLICAS = "kvmesh.balancer.replicas"  # balancer_pb2.ReplicaRecommendation: pool sizes for autoscalers

@@ -19,6 +19,8 @@ from mesh.compute.errors import abort, status_on_error
 from mesh.discovery import now_ms
 from mesh.lane import server_tls
 from mesh.logging import bind_request_id, get_logger
+from mesh.outbox import Envelope, Outbox
+from mesh.outbox import export_metrics as export_outbox_metrics
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc, events_pb2
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
@@ -128,11 +130,23 @@ async def export_metrics_forever(engines: ModelEngines, interval_s: float) -> No
         await asyncio.sleep(interval_s)
 
 
-async def publish_finished(bus: Bus, message: events_pb2.RequestFinished) -> None:
-    try:
-        await bus.publish(subjects.REQUESTS_FINISHED, message, request_id=message.request_id)
-    except Exception:  # NATS briefly away: balancers see the request gone at the worker's next heartbeat
-        log.warning("finished request not announced", exc_info=True)
+class FinishedFeed:
+    """Requests leaving this worker (kvmesh.requests.finished), through an outbox (mesh.outbox): balancers count a
+    request's KV as free at once, and the gateways' KVMESH_FINISHED keeps each one, from which a request whose
+    gateway died is billed, so none may be lost while NATS is away. Each is a JetStream publish, acknowledged, with
+    the id `<worker>.<start ms>.<seq>` (a copy sent again after a lost ack is kept once); a core publish while no
+    gateway has made the stream yet. Only `publish` (the event loop) writes `seq`."""
+
+    def __init__(self, bus: Bus, worker_id: str, capacity: int) -> None:
+        self.worker_id = worker_id
+        self.seq = 0
+        self._epoch = now_ms()
+        self.outbox = Outbox(bus, capacity, stream=subjects.FINISHED_STREAM)
+
+    def publish(self, message: events_pb2.RequestFinished) -> None:
+        self.seq += 1
+        msg_id = f"{self.worker_id}.{self._epoch}.{self.seq}"
+        self.outbox.put(Envelope(subjects.REQUESTS_FINISHED, message.SerializeToString(), msg_id))
 
 
 class DecodeService:
@@ -146,7 +160,7 @@ class DecodeService:
             engines, settings.stream_attach_timeout_s, on_left=self._announce_left, faults=settings.faults()
         )
         self.lane: PushLane | None = None  # the bulk lane prefill pushes KV over (KVMESH_DATA_PORT)
-        self._announcing: set[asyncio.Task[None]] = set()
+        self.finished: FinishedFeed | None = None  # made once the bus is connected
         self._exporter = asyncio.create_task(export_metrics_forever(engines, settings.heartbeat_interval_s))
 
     @classmethod
@@ -156,6 +170,10 @@ class DecodeService:
         service = cls(settings, runtime, engines)
         servicer = DecodeServicer(service.decoder, runtime.lifecycle, runtime.worker_id)
         try:
+            bus = await runtime.connect_bus()  # before the first request can finish
+            service.finished = FinishedFeed(bus, runtime.worker_id, settings.outbox_size)
+            service.finished.outbox.start()
+            export_outbox_metrics("finished_requests", service.finished.outbox)
             data_port = 0
             if settings.data_port >= 0:
                 service.lane = PushLane(
@@ -179,8 +197,7 @@ class DecodeService:
 
     def _announce_left(self, left: LeftRequest) -> None:
         """The finished-request feed: balancers count the request's KV as free now, not at the next heartbeat."""
-        bus = self.runtime.bus
-        if bus is None:
+        if self.finished is None:
             return
         message = events_pb2.RequestFinished(
             request_id=left.request_id,
@@ -191,13 +208,16 @@ class DecodeService:
             finish_reason=left.finish_reason,
             timestamp_ms=now_ms(),
         )
-        task = asyncio.get_running_loop().create_task(publish_finished(bus, message))
-        self._announcing.add(task)
-        task.add_done_callback(self._announcing.discard)
+        self.finished.publish(message)
+
+    async def _stop_finished(self) -> None:
+        if self.finished is not None:
+            await self.finished.outbox.stop()
 
     async def stop(self) -> None:
-        """Leave the pool, let followed requests finish (up to drain_timeout_s), then close."""
-        await self.runtime.shutdown()
+        """Leave the pool, let followed requests finish (up to drain_timeout_s), send what they published, then
+        close."""
+        await self.runtime.shutdown(after_drain=self._stop_finished)
         if self.lane is not None:
             await self.lane.stop()
         self.decoder.close()

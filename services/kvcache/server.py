@@ -24,6 +24,7 @@ from mesh.kv_stream import KVEventFollower, ensure_kv_stream
 from mesh.lane import server_tls
 from mesh.logging import get_logger
 from mesh.outbox import Envelope, Outbox
+from mesh.outbox import export_metrics as export_outbox_metrics
 from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.service import Lifecycle, ServiceRuntime
 from services.kvcache.blocks import BlocksRemoved, BlocksStored, StoreEvent, layer_major_slices
@@ -276,7 +277,7 @@ async def serve(settings: KVCacheSettings) -> None:
         holdings=store.holdings,
     )
     publisher.start()
-    metrics.OUTBOX_MESSAGES.set_function(lambda: len(publisher.outbox))
+    export_outbox_metrics("kv_events", publisher.outbox)
     servicer = KVCacheServicer(store, runtime.lifecycle, publisher)
     publisher.clear_all()  # whatever an earlier process under this id announced is gone, except ...
     await servicer.changed(store.recover())  # ... what its SSD directory still holds

@@ -23,6 +23,7 @@ from mesh.compute.faults import Faults
 from mesh.discovery import WorkerRegistry
 from mesh.erasure import Protection
 from mesh.logging import bind_request_id, get_logger
+from mesh.outbox import export_metrics as export_outbox_metrics
 from mesh.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
@@ -209,7 +210,7 @@ class PrefillService:
             writer.start()
         relay = KVEventRelay(runtime.worker_id, bus, writer, settings.outbox_size)
         relay.start()
-        metrics.OUTBOX_MESSAGES.set_function(lambda: len(relay.outbox))
+        export_outbox_metrics("kv_events", relay.outbox)
         service = cls(settings, runtime, registry, writer, relay)
         service.store = store
         try:

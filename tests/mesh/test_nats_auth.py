@@ -20,6 +20,7 @@ from mesh.bus import Bus, BusError, redact
 from mesh.discovery import WorkerRegistry
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower, KVIndexCompactor, ensure_kv_stream, publish_acked
+from mesh.outbox import MSG_ID, Envelope, Outbox
 from mesh.pb import common_pb2, events_pb2
 
 SETTLE_S = 0.3  # a publish refused or delivered on loopback is heard well within this
@@ -177,13 +178,48 @@ async def test_the_gateway_uses_its_jetstream_streams_and_buckets(server: Embedd
 
 async def test_jetstream_is_refused_to_the_roles_that_do_not_use_it(server: EmbeddedNats) -> None:
     heard = Heard()
-    decode = await connect(server.url_as("decode", "decode-0"), heard)
+    encoder = await connect(server.url_as("encoder"), heard)
     with pytest.raises(nats.errors.Error):  # the API request is refused, so no answer comes
-        await decode.jetstream(timeout=0.5).stream_info("KVMESH_USAGE")
+        await encoder.jetstream(timeout=0.5).stream_info("KVMESH_USAGE")
     inbox, request = heard.errors  # nor may it subscribe to the inbox an answer would come to
     assert inbox.startswith('nats: permissions violation for subscription to "_inbox.')
     assert request == violation("$JS.API.STREAM.INFO.KVMESH_USAGE")
-    await decode.close()
+    await encoder.close()
+
+
+async def test_decode_publishes_its_finished_requests_acknowledged_and_nothing_else_of_jetstream(
+    server: EmbeddedNats,
+) -> None:
+    """Its outbox (mesh.outbox) asks whether the gateways' KVMESH_FINISHED exists and gets the stream's acks;
+    the stream's messages and any other stream stay closed to it."""
+    from services.gateway.tenancy.abandoned import ensure_finished_stream
+    from services.gateway.tenancy.ledger import ensure_usage_stream
+
+    gateway = await nats.connect(server.url_as("gateway"))
+    await ensure_finished_stream(gateway.jetstream(timeout=2))
+    await ensure_usage_stream(gateway.jetstream(timeout=2))
+    heard = Heard()
+    decode = await connect(server.url_as("decode", "decode-0"), heard)
+    outbox = Outbox(Bus(decode), capacity=10, ack_timeout_s=1.0, stream=subjects.FINISHED_STREAM)
+    outbox.start()
+    outbox.put(Envelope(subjects.REQUESTS_FINISHED, b"finished", "decode-0.1.1"))
+    assert await outbox.flush(5.0)
+    await outbox.stop()
+    assert (outbox.num_sent, outbox.num_unacked, outbox.num_retries) == (1, 0, 0)
+    kept = await gateway.jetstream(timeout=2).get_msg(subjects.FINISHED_STREAM, 1)
+    assert (kept.data, (kept.headers or {})[MSG_ID]) == (b"finished", "decode-0.1.1")
+    for refused in (
+        decode.jetstream(timeout=0.5).get_msg(subjects.FINISHED_STREAM, 1),
+        decode.jetstream(timeout=0.5).stream_info("KVMESH_USAGE"),
+    ):
+        with pytest.raises(nats.errors.Error):
+            await refused
+    await asyncio.sleep(SETTLE_S)
+    assert heard.errors == [
+        violation(f"$JS.API.STREAM.MSG.GET.{subjects.FINISHED_STREAM}"),
+        violation("$JS.API.STREAM.INFO.KVMESH_USAGE"),
+    ]
+    await asyncio.gather(decode.close(), gateway.close())
 
 
 async def test_a_role_reaches_only_its_own_streams(server: EmbeddedNats) -> None:

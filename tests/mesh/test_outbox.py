@@ -98,3 +98,43 @@ async def test_an_overflow_during_an_outage_sends_the_resync_first(nats_and_bus)
     await outbox.stop()
     assert await stored(bus) == [(b"100", "w.1.100"), (b"101", "w.1.101"), (b"5", "w.1.5")]
     assert (outbox.num_resyncs, outbox.num_dropped) == (1, 4)
+
+
+async def test_until_its_stream_is_made_an_outbox_publishes_plain_then_acknowledged_through_an_outage(
+    nats_and_bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode's finished requests: the stream is the gateways' and may not exist yet. Without it a JetStream
+    publish gets no ack from the core subscriber (a balancer) and would be sent forever: a plain publish instead,
+    with the id; once the stream is made, acknowledged, and what is put while NATS is down arrives once."""
+    monkeypatch.setattr("mesh.outbox.STREAM_RECHECK_S", 0.2)
+    nats, bus = nats_and_bus
+    heard: list[tuple[bytes, str]] = []
+
+    async def on_message(msg) -> None:  # a balancer's core subscription
+        heard.append((msg.data, (msg.headers or {}).get(MSG_ID, "")))
+
+    await bus.client.subscribe("test.finished", cb=on_message)
+    outbox = Outbox(bus, capacity=100, ack_timeout_s=0.5, retry_s=0.05, stream="FINISHED_TEST")
+    outbox.start()
+    finished = [Envelope("test.finished", str(n).encode(), f"d.1.{n}") for n in range(6)]
+    outbox.put(finished[0])
+    assert await outbox.flush(5.0)
+    assert (outbox.num_sent, outbox.num_unacked, outbox.num_retries) == (1, 1, 0)
+
+    js = bus.client.jetstream()
+    await js.add_stream(StreamConfig(name="FINISHED_TEST", subjects=["test.finished"]))
+    await asyncio.sleep(0.3)  # past the recheck: the outbox learns the stream exists
+    outbox.put(finished[1])
+    assert await outbox.flush(5.0)
+    await kill_and_restart(nats, 0.5, lambda: [outbox.put(e) for e in finished[2:5]])
+    assert await outbox.flush(15.0)
+    outbox.put(finished[4])  # sent again (a lost ack): the stream keeps one
+    outbox.put(finished[5])
+    assert await outbox.flush(5.0)
+    await outbox.stop()
+    info = await js.stream_info("FINISHED_TEST")
+    kept = [await js.get_msg("FINISHED_TEST", seq) for seq in range(info.state.first_seq, info.state.last_seq + 1)]
+    assert [(m.data, (m.headers or {})[MSG_ID]) for m in kept] == [(e.payload, e.msg_id) for e in finished[1:]]
+    assert (outbox.num_sent, outbox.num_unacked, outbox.max_len) == (7, 1, 3)
+    await asyncio.sleep(0.2)
+    assert heard[0] == (b"0", "d.1.0") and heard[-1] == (b"5", "d.1.5")

@@ -4,7 +4,8 @@ A request that started generating has an open record (ledger.py: open_requests) 
 own record normally follows and removes it. When the gateway is SIGKILLed mid-stream, no record ever comes; the
 decode worker sees its stream cancelled, stops the request and publishes RequestFinished (finish_reason "abort",
 the tokens it generated) on kvmesh.requests.finished, which the JetStream stream KVMESH_FINISHED keeps (it
-captures that subject; decode publishes as before). Every gateway runs an AbandonedRequests sweeper; it settles
+captures that subject; decode publishes through an outbox, acknowledged by the stream, so one published while NATS
+was away arrives when it returns). Every gateway runs an AbandonedRequests sweeper; it settles
 an open request when either
 
 - its gateway process is gone (no heartbeat from that worker id with that start time, after this sweeper has
@@ -42,7 +43,7 @@ from services.gateway.tenancy import schema
 from services.gateway.tenancy.db import Database
 from services.gateway.tenancy.ledger import ensure_stream, settle
 
-FINISHED_STREAM = "KVMESH_FINISHED"
+FINISHED_STREAM = subjects.FINISHED_STREAM
 FINISHED_MAX_AGE_S = 3600.0  # longer than a request may live (request_timeout_s) plus the sweeper's margin
 FINISHED_MAX_BYTES = 256 * 2**20  # the oldest go first past it
 GRACE_S = 5.0  # an open record younger than this is never judged: its gateway's heartbeat may be on the way
