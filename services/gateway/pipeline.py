@@ -9,9 +9,10 @@
    worker failed) is excluded and the request re-routed, up to max_retries;
 4. Decode.Stream: the remaining tokens, detokenized as they come, cut at a stop string (then the call is
    cancelled, which makes decode abort the request and free its KV). A failure after the first token migrates the
-   generation to another pair (GenerationStream), and so does a decode worker ejected for being slow whose next
-   token is overdue. The gaps between the tokens are the mesh view's samples of each decode worker's inter-token
-   latency (mesh/latency_outliers.py); a slow worker is left out of the routes (`exclude_worker_ids`).
+   generation to another pair (GenerationStream), and so does a decode worker out of routing (slow, or failing its
+   health checks) whose next token, or prefill's push to it, is overdue. The gaps between the tokens are the mesh
+   view's samples of each decode worker's inter-token latency (mesh/latency_outliers.py); a slow worker is left
+   out of the routes (`exclude_worker_ids`).
 
 `Pipeline.start` does 1-3 and returns a GenerationStream once the first token is known, so the front end
 knows the serving workers before it sends a byte. The stream's owner must `close()` it (in a finally):
@@ -25,6 +26,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -371,14 +373,7 @@ class GenerationStream:
         last_s: float | None = None  # the previous batch's arrival
         waiting_since_s = time.monotonic()
         while True:
-            read = asyncio.ensure_future(call.read())
-            try:
-                while not read.done():
-                    await asyncio.wait({read}, timeout=STALL_CHECK_S)
-                    self._check_stall(read, decode_worker, time.monotonic() - waiting_since_s)
-            finally:
-                read.cancel()  # a no-op once done; else (this task cancelled, or a stall) cancels the call
-            batch = read.result()
+            batch = await self._read(call, decode_worker, waiting_since_s)
             if batch is grpc.aio.EOF:
                 return
             now_s = time.monotonic()
@@ -386,6 +381,17 @@ class GenerationStream:
                 mesh.record_token_gap(model, decode_worker, now_s - last_s, len(batch.token_ids))
             last_s = waiting_since_s = now_s
             yield batch
+
+    async def _read(self, call: grpc.aio.UnaryStreamCall, decode_worker: str, waiting_since_s: float) -> Any:
+        """The call's next message, or EOF; raises DecodeStalled as `_check_stall` says."""
+        read = asyncio.ensure_future(call.read())
+        try:
+            while not read.done():
+                await asyncio.wait({read}, timeout=STALL_CHECK_S)
+                self._check_stall(read, decode_worker, time.monotonic() - waiting_since_s)
+        finally:
+            read.cancel()  # a no-op once done; else (this task cancelled, or a stall) cancels the call
+        return read.result()
 
     def _check_stall(self, read: asyncio.Future[object], decode_worker: str, waited_s: float) -> None:
         """Raise DecodeStalled if the stream should leave `decode_worker` now (see `_batches`)."""
@@ -399,8 +405,11 @@ class GenerationStream:
             )
 
     async def _wait_for_push(self, attempt: Attempt) -> None:
-        """Prefill's second answer: decode holds the KV (raises AioRpcError when the push failed)."""
-        while await attempt.prefill_call.read() is not grpc.aio.EOF:
+        """Prefill's second answer: decode holds the KV (raises AioRpcError when the push failed). A push to a
+        decode worker out of routing (slow, or failing its checks: stopped, starved) that outlasts the stall limit
+        raises DecodeStalled, as a late token does: the request moves rather than wait for that worker."""
+        decode_worker, since_s = attempt.placement.decode_worker, time.monotonic()
+        while await self._read(attempt.prefill_call, decode_worker, since_s) is not grpc.aio.EOF:
             pass
 
     async def _migrate(self, failed: str, why: str, cause: str) -> None:

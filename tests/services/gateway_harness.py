@@ -74,6 +74,8 @@ class Script:
     decode_errors: int = 1_000  # ... this many times (then streams run to the end)
     offsets: dict[str, int] = field(default_factory=dict)  # request id -> output tokens its prompt already holds
     prefill_delay_s: float = 0.0
+    push_delays: dict[str, float] = field(default_factory=dict)  # decode worker -> how long a push to it takes
+    pushes: list[str] = field(default_factory=list)  # "<request id> finished" | "<request id> cancelled"
     prefill_ends: list[str] = field(default_factory=list)  # "finished" | "cancelled"
     routes: list[balancer_pb2.RouteRequest] = field(default_factory=list)
     prefills: list[prefill_pb2.PrefillRequest] = field(default_factory=list)
@@ -163,6 +165,12 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
         first = await self.Prefill(request, context)
         first.kv_pending = True
         yield first
+        try:
+            await asyncio.sleep(self.script.push_delays.get(request.decode_worker_id, 0.0))
+        except asyncio.CancelledError:
+            self.script.pushes.append(f"{request.request_id} cancelled")
+            raise
+        self.script.pushes.append(f"{request.request_id} finished")
         yield prefill_pb2.PrefillResponse(worker_id="prefill", kv_bytes_sent=1)
 
     async def Stream(self, request: decode_pb2.StreamRequest, context: Any) -> AsyncIterator[decode_pb2.TokenBatch]:

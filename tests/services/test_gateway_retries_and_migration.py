@@ -152,3 +152,29 @@ async def test_a_stream_on_a_decode_worker_found_slow_migrates_with_the_same_out
     await wait_for(lambda: script.own_aborts())
     assert script.own_aborts() == [script.prefills[0].request_id]
     assert counted("kvmesh_gateway_migrations_total", "slow") == migrations + 1
+
+
+async def test_a_push_to_a_decode_worker_found_slow_is_not_waited_for(
+    mesh: Mesh, script: Script, view: MeshView
+) -> None:
+    """Prefill's push to decode-a takes 30 s (a stopped or starved worker): once decode-a is out of routing the
+    request moves, with prefill's token, to decode-b; the push is cancelled and decode-a told to drop it."""
+    script.push_delays = {"decode-a": 30.0}
+    migrations = counted("kvmesh_gateway_migrations_total", "slow")
+    await report_gaps(view, "decode-b", 0.01)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    request = asyncio.ensure_future(post(mesh, body))
+    await wait_for(lambda: script.prefills)  # prefill answered and pushes to decode-a
+    await report_gaps(view, "decode-a", 0.5)  # its other streams show it slow: ejected
+    status, headers, raw = await asyncio.wait_for(request, 10)
+    events = sse_events(raw)
+    assert (status, headers["x-kvmesh-decode-worker"], events[-1]) == (200, "decode-a", "[DONE]")
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
+    first, second = script.prefills
+    assert (list(second.output_token_ids), second.decode_worker_id) == (script.token_ids[:1], "decode-b")
+    assert script.streams == [second.request_id]  # decode-a's stream was never opened
+    await wait_for(lambda: len(script.pushes) == 2)
+    assert sorted(script.pushes) == sorted([f"{first.request_id} cancelled", f"{second.request_id} finished"])
+    await wait_for(lambda: script.own_aborts())
+    assert script.own_aborts() == [first.request_id]
+    assert counted("kvmesh_gateway_migrations_total", "slow") == migrations + 1
