@@ -16,6 +16,11 @@ node without a lane answers). `store_fetch_gbps` is the other read path (whole b
 the index or when parity must be decoded), `store_put_gbps` the write path (over the lane; every block checked by the
 node, written to host memory, events acked by JetStream).
 
+`cpu_s_per_256mib` is what each side spent on the CPU per 256 MiB moved (the median over repeats), a figure that
+load elsewhere barely moves where GB/s halves: `store_reader` (this process, every thread, around the lane stream),
+`store_node` (the node's process, every thread, from /proc), and the raw sides, `raw_sender` and `raw_reader`
+(cached blocks) and `raw_same_memory_sender` and `raw_same_memory_reader`.
+
 Protection (`--protection`, the `protection` field): `tls` (the default, as deployed) runs the node and the client
 with a throwaway CA, so the lane is authenticated by mutual TLS and its frames sealed (AES-GCM), and `ratio` is the
 protected lane over raw TCP; `mac` is the same with KVMESH_LANE_ENCRYPT=0 (payloads authenticated, not encrypted);
@@ -28,6 +33,7 @@ on every byte.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import multiprocessing
@@ -35,10 +41,12 @@ import os
 import shutil
 import socket
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,32 @@ from services.prefill.prefiller import StoreBlock
 from services.prefill.store_client import StoreClient
 
 MODEL = "bench"
+CPU_UNIT_BYTES = 256 * 2**20  # cpu_s_per_256mib
+
+
+def cpu_s_of(pid: int) -> float:
+    """CPU seconds the process `pid` has run so far, every live thread of it (/proc/PID/task/*/schedstat, ns)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended since the listing
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+class CpuMeter:
+    """CPU seconds of this process and of `peer` (another process) spent in each measured stretch."""
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.own_s: list[float] = []
+        self.peer_s: list[float] = []
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        own, peer = time.process_time(), cpu_s_of(self.peer)
+        yield
+        self.own_s.append(time.process_time() - own)
+        self.peer_s.append(cpu_s_of(self.peer) - peer)
 
 
 def bench_layout(block_kib: int) -> KVLayout:
@@ -109,28 +143,32 @@ def _mac_gbps(data: bytes, repeats: int) -> tuple[float, float]:
     return len(data) / min(hmac_s) / 1e9, len(data) / min(blake_s) / 1e9
 
 
-def _tcp_push(connection: socket.socket, datas: list[bytes] | list[bytearray]) -> float:
-    started = time.perf_counter()
-    connection.sendall(sum(len(data) for data in datas).to_bytes(8, "little"))
-    for data in datas:
-        connection.sendall(data)
-    connection.recv(1)
-    return time.perf_counter() - started
+def _tcp_push(connection: socket.socket, datas: list[bytes] | list[bytearray], cpu: CpuMeter | None = None) -> float:
+    with cpu.measure() if cpu is not None else contextlib.nullcontext():
+        started = time.perf_counter()
+        connection.sendall(sum(len(data) for data in datas).to_bytes(8, "little"))
+        for data in datas:
+            connection.sendall(data)
+        connection.recv(1)
+        return time.perf_counter() - started
 
 
-async def _stream(client: StoreClient, keys: list[bytes], layout: KVLayout, over_lanes: bool) -> float:
+async def _stream(
+    client: StoreClient, keys: list[bytes], layout: KVLayout, over_lanes: bool, cpu: CpuMeter | None = None
+) -> float:
     client.use_lanes = over_lanes
     stream = client.plan_stream(MODEL, keys)
     assert stream is not None
-    started = time.perf_counter()
-    assert await stream.run(layout, len(keys), lambda layer, pieces: None)
-    elapsed = time.perf_counter() - started
+    with cpu.measure() if cpu is not None else contextlib.nullcontext():
+        started = time.perf_counter()
+        assert await stream.run(layout, len(keys), lambda layer, pieces: None)
+        elapsed = time.perf_counter() - started
     client.use_lanes = True
     return elapsed
 
 
 async def _store_round(
-    client: StoreClient, blocks: list[StoreBlock], round_id: int
+    client: StoreClient, blocks: list[StoreBlock], round_id: int, cpu: CpuMeter | None = None
 ) -> tuple[float, float, float, float]:
     """(put, fetch, layer-stream over the lane, layer-stream over gRPC seconds) for fresh keys, so every Put
     stores and every read gets the whole chain."""
@@ -147,7 +185,7 @@ async def _store_round(
     got = await client.fetch(MODEL, keys)
     fetch_s = time.perf_counter() - started
     assert len(got) == len(keys) and got[-1].data == fresh[-1].data, "the store did not give every block back"
-    lane_s = await _stream(client, keys, blocks[0].layout, over_lanes=True)
+    lane_s = await _stream(client, keys, blocks[0].layout, over_lanes=True, cpu=cpu)
     grpc_s = await _stream(client, keys, blocks[0].layout, over_lanes=False)
     return put_s, fetch_s, lane_s, grpc_s
 
@@ -207,6 +245,8 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
                 if node.poll() is not None:
                     raise RuntimeError("the kvcache node exited")
                 await asyncio.sleep(0.05)
+            sink_pids = [sink.pid for sink in sinks]
+            assert None not in sink_pids
             raw = socket.create_connection(("127.0.0.1", ports[0]))
             raw_tls = _raw_tls_client(certs).wrap_socket(socket.create_connection(("127.0.0.1", ports[1])))
             raw_same = socket.create_connection(("127.0.0.1", ports[2]))
@@ -217,15 +257,16 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
             _tcp_push(raw_same, same_memory)
             await _store_round(client, blocks[:2], 0)
             put_s, fetch_s, stream_s, grpc_stream_s, tcp_s, tls_s, same_s = [], [], [], [], [], [], []
+            store_cpu, raw_cpu, same_cpu = CpuMeter(node.pid), CpuMeter(sink_pids[0] or 0), CpuMeter(sink_pids[2] or 0)
             for round_id in range(1, repeats + 1):
-                put, fetch, streamed, grpc_streamed = await _store_round(client, blocks, round_id)
+                put, fetch, streamed, grpc_streamed = await _store_round(client, blocks, round_id, store_cpu)
                 put_s.append(put)
                 fetch_s.append(fetch)
                 stream_s.append(streamed)
                 grpc_stream_s.append(grpc_streamed)
-                tcp_s.append(_tcp_push(raw, datas))
+                tcp_s.append(_tcp_push(raw, datas, raw_cpu))
                 tls_s.append(_tcp_push(raw_tls, datas))
-                same_s.append(_tcp_push(raw_same, same_memory))
+                same_s.append(_tcp_push(raw_same, same_memory, same_cpu))
             raw.close()
             raw_tls.close()
             raw_same.close()
@@ -243,6 +284,18 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
     store_gbps = total / min(stream_s) / 1e9
     raw_gbps = total / min(tcp_s) / 1e9
     same_gbps = total / min(same_s) / 1e9
+
+    def per_unit(seconds: list[float]) -> float:
+        return round(statistics.median(seconds) * CPU_UNIT_BYTES / total, 4)
+
+    cpu = {
+        "store_reader": per_unit(store_cpu.own_s),
+        "store_node": per_unit(store_cpu.peer_s),
+        "raw_sender": per_unit(raw_cpu.own_s),
+        "raw_reader": per_unit(raw_cpu.peer_s),
+        "raw_same_memory_sender": per_unit(same_cpu.own_s),
+        "raw_same_memory_reader": per_unit(same_cpu.peer_s),
+    }
     return {
         "protection": protection,
         "store_gbps": round(store_gbps, 3),
@@ -256,6 +309,7 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
         "store_grpc_stream_gbps": round(total / min(grpc_stream_s) / 1e9, 3),
         "store_fetch_gbps": round(total / min(fetch_s) / 1e9, 3),
         "store_put_gbps": round(total / min(put_s) / 1e9, 3),
+        "cpu_s_per_256mib": cpu,
         "megabytes": round(total / 2**20, 1),
         "block_bytes": num_block_bytes,
         "repeats": repeats,
