@@ -14,14 +14,18 @@ place as it lands in the caller's views; its tag is checked when its last byte i
 it returns (LaneError otherwise), and a frame is checked before it is parsed.
 
 A payload of THREAD_BYTES or more is moved by a worker thread (`WORKERS`) with blocking socket calls, where the
-event loop would wake once per socket buffer and run Python each time: the receiving worker asks the kernel for a
-whole 2 MiB batch at once (MSG_WAITALL) and hands it to a cipher thread (`CIPHER`) that opens it and passes it to
-the caller's `landed` hook (the reader's checksum, while the bytes are still in cache) as the next batch comes in;
-the sending worker writes slice n while a cipher thread seals slice n + 1. The cipher, CRC-32C and the socket calls
-run without the GIL. A worker waits at most IO_PATIENCE_S for the socket: past that the event loop waits (under
-the stall limit) and a worker resumes, so a peer that stalls holds no thread. A smaller payload takes the same
-steps on the event loop, unpipelined. The sender encrypts into scratch buffers (its bytes are the store's blocks,
-never changed); the receiver opens in place.
+event loop would wake once per socket buffer and run Python each time. Every pass over a payload's bytes is made by
+the thread that moves them, slice by slice (SEAL_SLICE_BYTES), while the slice is in that core's cache: the
+receiving worker asks the kernel for a whole slice at once (MSG_WAITALL), opens it in place and passes it to the
+caller's `landed` hook (the reader's checksum) before it asks for the next; the sending worker seals a slice into a
+reused scratch buffer (its bytes are the store's blocks, never changed) and writes it. So each byte costs each end
+the socket's copy plus the cipher and the checksum run on cached bytes, with one thread handoff per payload. (A
+cipher thread beside the worker, opening batch n while batch n + 1 came in, cost the reader 15-20% more CPU per
+byte, its handoffs and a trip through the shared cache per 2 MiB batch; where both ends share two cores, it only
+moved work onto the core the other end needs.) The cipher, CRC-32C and the socket calls run without the GIL. A worker waits at most
+IO_PATIENCE_S for the socket: past that the event loop waits (under the stall limit) and a worker resumes, so a
+peer that stalls holds no thread. A smaller payload takes the same steps on the event loop. A payload nobody reads
+on its way in (the plain lane without a `landed` hook) is received in batches of MAX_BATCH_BYTES.
 
 Memory follows the bytes: `recv_bytes` grows its buffers as bytes arrive (each new piece at most the size of what
 already came), so a peer that declares a size and sends nothing holds 64 KiB, not the size it declared. A wait for
@@ -59,18 +63,19 @@ from mesh.tls import PeerIdentity
 IOV_MAX = 512  # pieces per sendmsg / recvmsg_into (the kernel allows 1024)
 FIRST_PIECE_BYTES = 64 * 2**10  # recv_bytes: the first buffer; each next one at most doubles what arrived
 MAX_PIECE_BYTES = 8 * 2**20
-SEAL_SLICE_BYTES = 2 * 2**20  # a payload is sealed and written (received and opened) this much at a time
+SEAL_SLICE_BYTES = 256 * 2**10  # a payload is sealed and written (received and opened) this much at a time: the
+# thread that moves it touches each slice again while it is in that core's cache (L2 here: 2 MiB)
+MAX_BATCH_BYTES = 8 * 2**20  # a payload nobody reads on its way in (plain, no `landed`) is received this much a call
 THREAD_BYTES = 2**20  # a payload this large is moved by a worker thread; a smaller one by the event loop
 IO_PATIENCE_S = 0.05  # a worker's longest wait for the socket before it hands the wait back to the event loop
 MAX_WORKERS = 16  # payloads moved at once by one process; more wait their turn
-MAX_IDLE_SCRATCH = 4  # sealing buffers kept between frames, for the process
+MAX_IDLE_SCRATCH = 8  # sealing buffers kept between frames, for the process
 KEY_BYTES = 16  # AES-128
 TAG_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
 Landed = Callable[[int, memoryview], None]  # (index of a view, bytes of it now in place and opened), in order
 WORKERS = ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="lane-io")
-CIPHER = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="lane-seal")  # never waits on I/O
 _PATIENCE = struct.pack("@ll", 0, int(IO_PATIENCE_S * 1e6))  # a struct timeval, for SO_RCVTIMEO and SO_SNDTIMEO
 _idle_scratch: list[bytearray] = []  # written by event loops and workers (list.pop and list.append are atomic)
 _stall_limit_s: contextvars.ContextVar[float | None] = contextvars.ContextVar("lane_stall_limit_s", default=None)
@@ -78,9 +83,8 @@ _stall_limit_s: contextvars.ContextVar[float | None] = contextvars.ContextVar("l
 
 def _fresh_workers() -> None:
     """In a forked child: the parent's worker threads are not there, and a pool that counts them would never run."""
-    global WORKERS, CIPHER
+    global WORKERS
     WORKERS = ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="lane-io")
-    CIPHER = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="lane-seal")
 
 
 os.register_at_fork(after_in_child=_fresh_workers)
@@ -210,12 +214,9 @@ async def recv_exactly_into(sock: socket.socket, *views: memoryview, landed: Lan
         if not sock.num_payload_left:
             sock.payload, tag = None, bytearray(TAG_BYTES)
     in_worker = num_bytes >= THREAD_BYTES
-    batches = list(_batches(views, SEAL_SLICE_BYTES))
-    incoming = _Incoming(batches, opener, getattr(sock, "encrypt", True), tag, landed, in_worker)
-    try:
-        await _drive(sock, incoming.step, False, in_worker)
-    finally:
-        await _settle(incoming.finishing)  # no cipher thread is left writing into the caller's views
+    batch_bytes = SEAL_SLICE_BYTES if opener is not None or landed is not None else MAX_BATCH_BYTES
+    incoming = _Incoming(list(_batches(views, batch_bytes)), opener, getattr(sock, "encrypt", True), tag, landed)
+    await _drive(sock, incoming.step, False, in_worker)
 
 
 def _fill(sock: socket.socket, pending: list[memoryview]) -> bool:
@@ -243,10 +244,10 @@ def _drain(sock: socket.socket, pending: list[memoryview]) -> bool:
 
 
 class _Incoming:
-    """A payload being received, batch by batch: each batch opened (a sealed lane) and handed to `landed` once its
-    bytes are in, the tag (when this read completes the payload) received with the last batch and checked after
-    it. `step` runs on one thread at a time (a worker or the event loop) and resumes where it stopped; with
-    `pipelined`, batch n is opened by a cipher thread while batch n + 1 comes in."""
+    """A payload being received, batch by batch: each batch opened (a sealed lane) and handed to `landed` by the
+    thread that received it, right after its bytes are in and while they are still in that core's cache; the tag
+    (when this read completes the payload) received with the last batch and checked after it. `step` runs on one
+    thread at a time (a worker or the event loop) and resumes where it stopped."""
 
     def __init__(
         self,
@@ -255,16 +256,13 @@ class _Incoming:
         encrypt: bool,
         tag: bytearray | None,
         landed: Landed | None,
-        pipelined: bool,
     ) -> None:
         self.batches = batches
         self.opener = opener
         self.encrypt = encrypt
         self.tag = tag
         self.landed = landed
-        self.pipelined = pipelined and len(batches) > 1 and (opener is not None or landed is not None)
-        self.num_in = 0  # batches whose bytes are in
-        self.finishing: Future[None] | None = None  # the last batch handed to a cipher thread
+        self.num_in = 0  # batches whose bytes are in, opened and handed over
         self.pending = self._views(0)
 
     def _views(self, n: int) -> list[memoryview]:
@@ -277,23 +275,14 @@ class _Incoming:
             if not _fill(sock, self.pending):
                 return False
             if self.num_in < len(self.batches):
-                self._hand_over(self.batches[self.num_in])
+                self._finish(self.batches[self.num_in])
                 self.num_in += 1
             if self.num_in >= len(self.batches):
                 break
             self.pending = self._views(self.num_in)
-        if self.finishing is not None:
-            self.finishing.result()
         if self.opener is not None and self.tag is not None:
             _finalize(self.opener, self.tag)
         return True
-
-    def _hand_over(self, batch: list[tuple[int, memoryview]]) -> None:
-        if not self.pipelined:
-            return self._finish(batch)
-        if self.finishing is not None:
-            self.finishing.result()  # the batch before first: a payload is opened in order
-        self.finishing = CIPHER.submit(self._finish, batch)
 
     def _finish(self, batch: list[tuple[int, memoryview]]) -> None:
         for n, part in batch:
@@ -307,9 +296,9 @@ class _Incoming:
 
 class _Outgoing:
     """A frame being sent: `first` (its header and frame), then the payload slice by slice, each sealed (or, not
-    `encrypt`, only authenticated) before it is written, the tag after the last. `step` runs on one thread at a
-    time (a worker or the event loop) and resumes where it stopped; with `pipelined`, slice n + 1 is sealed by a
-    cipher thread while slice n is written."""
+    `encrypt`, only authenticated) just before it is written, by the thread that writes it, so the socket's copy
+    reads it from cache; the tag after the last. `step` runs on one thread at a time (a worker or the event loop)
+    and resumes where it stopped."""
 
     def __init__(
         self,
@@ -317,15 +306,11 @@ class _Outgoing:
         slices: list[list[tuple[int, memoryview]]],
         sealer: AEADEncryptionContext | None,
         encrypt: bool,
-        pipelined: bool,
     ) -> None:
         self.slices = slices
         self.sealer = sealer
-        self.pipelined = pipelined and sealer is not None and len(slices) > 1
-        num_scratch = 0 if sealer is None or not encrypt or not slices else 2 if self.pipelined else 1
-        self.scratch = [_take_scratch() for _ in range(num_scratch)]
+        self.scratch = _take_scratch() if sealer is not None and encrypt and slices else None
         self.num_done = 0  # slices prepared for the socket
-        self.preparing: Future[list[memoryview]] | None = None  # the next slice, sealed by a cipher thread
         self.pending = [view for view in first if len(view)]
 
     def step(self, sock: socket.socket) -> bool:
@@ -333,31 +318,25 @@ class _Outgoing:
         while _drain(sock, self.pending):
             if self.num_done == len(self.slices):
                 return True
-            n = self.num_done
-            self.pending = self.preparing.result() if self.preparing is not None else self._prepare(n)
+            self.pending = self._prepare(self.num_done)
             self.num_done += 1
-            if self.pipelined and n + 1 < len(self.slices):
-                self.preparing = CIPHER.submit(self._prepare, n + 1)
-            else:
-                self.preparing = None
         return False
 
     def _prepare(self, n: int) -> list[memoryview]:
         parts = [part for _, part in self.slices[n]]
         if self.sealer is None:
             return parts
-        prepared = _seal(self.sealer, parts, self.scratch[n % len(self.scratch)] if self.scratch else None)
+        prepared = _seal(self.sealer, parts, self.scratch)
         if n + 1 < len(self.slices):
             return prepared
         self.sealer.finalize()
         return [*prepared, memoryview(self.sealer.tag)]
 
-    async def release(self) -> None:
-        """Once no cipher thread holds its scratch buffers: give them back."""
-        await _settle(self.preparing)
-        for view in self.scratch:
-            _give_scratch(view)
-        self.scratch = []
+    def release(self) -> None:
+        """Give the scratch buffer back (no thread holds it once the exchange's worker has settled)."""
+        if self.scratch is not None:
+            _give_scratch(self.scratch)
+            self.scratch = None
 
 
 async def _drive(sock: socket.socket, step: Callable[[socket.socket], bool], writable: bool, in_worker: bool) -> None:
@@ -495,7 +474,7 @@ async def send_frame_bytes(sock: socket.socket, header: bytes, encoded: bytes, p
     num_bytes = sum(len(v) for v in views)
     in_worker = num_bytes >= THREAD_BYTES
     if not isinstance(sock, SealedSocket):  # one gather write of it all
-        outgoing = _Outgoing([memoryview(header), memoryview(encoded), *views], [], None, False, False)
+        outgoing = _Outgoing([memoryview(header), memoryview(encoded), *views], [], None, False)
     else:
         framer = sock.sealer(header)
         sealed = bytearray(encoded)
@@ -503,11 +482,11 @@ async def send_frame_bytes(sock: socket.socket, header: bytes, encoded: bytes, p
         framer.finalize()
         first = [memoryview(header), memoryview(sealed), memoryview(framer.tag)]
         sealer = sock.sealer(header) if views else None
-        outgoing = _Outgoing(first, list(_batches(views, SEAL_SLICE_BYTES)), sealer, sock.encrypt, in_worker)
+        outgoing = _Outgoing(first, list(_batches(views, SEAL_SLICE_BYTES)), sealer, sock.encrypt)
     try:
         await _drive(sock, outgoing.step, True, in_worker)
     finally:
-        await outgoing.release()
+        outgoing.release()
 
 
 async def send_all(sock: socket.socket, pieces: Sequence[Buffer]) -> None:

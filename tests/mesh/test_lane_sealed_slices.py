@@ -16,11 +16,12 @@ import pytest
 
 from mesh import lane
 from mesh.kv_blocks import checksum, checksum_more
-from mesh.lane_io import SEAL_SLICE_BYTES, SealedSocket, send_raw, stall_limit
+from mesh.lane_io import SEAL_SLICE_BYTES, THREAD_BYTES, SealedSocket, send_raw, stall_limit
 from mesh.pb import kvcache_pb2
 
 KEYS = (os.urandom(16), os.urandom(16))
-PIECE_SIZES = (SEAL_SLICE_BYTES + 5, 17, 2 * SEAL_SLICE_BYTES - 1, SEAL_SLICE_BYTES // 2)  # 4 slices, ragged
+PIECE_SIZES = (4 * SEAL_SLICE_BYTES + 5, 17, 2 * SEAL_SLICE_BYTES - 1, SEAL_SLICE_BYTES // 2)  # 7 slices, ragged
+assert sum(PIECE_SIZES) >= THREAD_BYTES  # moved by a worker thread
 VIEW_SIZES = (1, SEAL_SLICE_BYTES - 3, 3 * SEAL_SLICE_BYTES, sum(PIECE_SIZES) - 4 * SEAL_SLICE_BYTES + 2)
 STALL_S = 0.3
 
