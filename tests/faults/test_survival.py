@@ -4,10 +4,10 @@ replicas of any role is SIGKILLed; a stream outlives SIGTERM of every role it pa
 up has its KV freed on every decode worker within a second. Each test prints its figures (`kvmesh bench faults`
 prints the same, measured longer, for docs/reliability.md).
 
-In order: NATS killed for 10 s, a throttled decode worker and a client hanging up (every replica up); SIGKILL of
-one replica of each role (each started again at once); SIGTERM of each role mid-stream with the load paused (the
-last replica may be the one stopped: only the stream's drain is asked, and nothing is started again); SIGTERM of
-the gateway."""
+In order: NATS killed for 10 s, a throttled decode worker, a stopped one and a client hanging up (every replica
+up); SIGKILL of one replica of each role (each started again at once); SIGTERM of each role mid-stream with the
+load paused (the last replica may be the one stopped: only the stream's drain is asked, and nothing is started
+again); SIGTERM of the gateway."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ import math
 
 import pytest
 
-from kvmesh.bench.fault_run import ROLES, FaultSuite
+from kvmesh.bench.fault_run import ROLES, STOPPED_EJECTION_S, FaultSuite
 from kvmesh.bench.faults import wait_for
 from kvmesh.bench.load import KINDS
+from kvmesh.bench.outboxes import kv_index_agrees
 from kvmesh.bench.soak import run_soak, slope_per_minute
 from kvmesh.up import Mesh
-from tests.integration.conftest import API_KEY, kv_index_agrees
+from tests.integration.conftest import API_KEY
 
 # `kvmesh bench soak`, short, first (before any fault): mixed traffic (chat, tools, images, Responses
 # follow-ups), every request whole, latency bucketed, every process's memory sampled and its slope computed.
@@ -63,6 +64,9 @@ def test_nats_down_10_s_under_load_fails_no_request_and_loses_no_kv_event(suite:
     assert result.num_requests >= 4
     assert result.notes["decode_pools_2s_in"] == result.notes["decode_pools_before"] == [2.0, 2.0]
     assert result.notes["ejected_after_s"] < 2.0
+    outboxes = result.notes["outboxes"]  # "<process>/<outbox>": peak, replayed, seconds to drain after NATS's return
+    assert all(o["drained_s"] is not None for key, o in outboxes.items() if not key.startswith("decode-1/")), outboxes
+    assert sum(o["num_peak"] for key, o in outboxes.items() if key.endswith("/finished_requests")) >= 1, outboxes
     wait_for(lambda: kv_index_agrees(fault_mesh), 30, "the KV index to agree with the store node", interval_s=1.0)
 
 
@@ -80,6 +84,18 @@ def test_a_throttled_decode_worker_fails_no_request(suite: FaultSuite) -> None:
     # once it is out, streams are as quick as before the fault (within the 2x this busy machine's runs differ by)
     baseline_ms = result.baseline_tpot_p99_ms
     assert baseline_ms is not None and notes["tpot_p99_ms_while_ejected"] <= 2 * baseline_ms, result.figures()
+
+
+def test_a_stopped_decode_worker_is_ejected_by_health_checks_and_fails_no_request(suite: FaultSuite) -> None:
+    """A decode worker SIGSTOPped under load gives no token gaps to judge: every balancer's health checks eject
+    it within 3 rounds of their deadline, the gateway's too, and its streams move to the other worker (same
+    output); no request fails. SIGCONT, and it is back in every balancer's pool (its next passing check)."""
+    result = suite.stopped_decode()
+    print(json.dumps(result.figures()))
+    assert result.num_failed == 0, result.details
+    assert result.num_requests >= 3 and result.notes["streams_on_victim"] >= 1, result.figures()
+    assert result.notes["ejected_after_s"] < STOPPED_EJECTION_S + 1.0, result.notes  # + a scrape of the pools
+    assert result.notes["num_migrated"] >= 1, result.notes  # its streams moved (whole: none failed)
 
 
 def test_a_client_that_hangs_up_has_its_kv_freed_on_every_worker_within_a_second(suite: FaultSuite) -> None:

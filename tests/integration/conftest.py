@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import urllib.request
@@ -14,9 +13,6 @@ import pytest
 from kvmesh.bench.otlp_sink import OTLPSink
 from kvmesh.nats_server import free_port
 from kvmesh.up import Mesh, MeshPlan
-from mesh.bus import Bus
-from mesh.kv_index import GlobalKVIndex
-from mesh.kv_stream import KVEventFollower
 
 API_KEY = "sk-kvmesh-test"
 
@@ -35,30 +31,6 @@ def scrape(port: int, metric: str) -> dict[str, float]:
 
 def total(port: int, metric: str) -> float:
     return sum(scrape(port, metric).values())
-
-
-async def replayed_kv_index(mesh: Mesh) -> GlobalKVIndex:
-    """The global KV index as the KVMESH_KV stream has it: a fresh follower's, replayed from the stream."""
-    bus = await Bus.connect(mesh.nats_url, "test-kv-index", tls=mesh.nats_tls)
-    try:
-        index = GlobalKVIndex()
-        follower = KVEventFollower(bus, index)
-        await follower.start()
-        assert await follower.wait_caught_up(timeout_s=20)
-        await follower.stop()
-        return index
-    finally:
-        await bus.close()
-
-
-def kv_index_agrees(mesh: Mesh) -> bool:
-    """The store node kvcache-0 holds what the stream says it holds, and every live balancer's index (which
-    followed the stream through whatever happened to NATS) has every block the stream has."""
-    index = asyncio.run(replayed_kv_index(mesh))
-    held = scrape(mesh.child("kvcache-0").http_port, "kvmesh_kvcache_blocks").get('{tier="host"}', 0)
-    balancers = [c.http_port for c in mesh.children if c.role == "balancer" and c.process.poll() is None]
-    indexed = {total(port, "kvmesh_kv_index_blocks") for port in balancers}
-    return (index.num_blocks("kvcache-0"), {index.num_blocks()}) == (held, indexed)
 
 
 def ready(port: int) -> bool:

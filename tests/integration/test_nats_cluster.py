@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from kvmesh.bench.load import Load
+from kvmesh.bench.outboxes import kv_index_agrees
 from kvmesh.nats_cluster import NatsCluster
 from kvmesh.up import Mesh
 from mesh.bus import Bus
 from mesh.kv_stream import STREAM as KV_STREAM
 
-from .conftest import API_KEY, kv_index_agrees, scrape, start_mesh, wait_until
+from .conftest import API_KEY, scrape, start_mesh, wait_until
 
 MODEL = "deepseek-tiny"
 REQUESTS_PER_OUTCOME = {"chat": 1, "responses": 2}  # a stored response, then a follow-up naming it

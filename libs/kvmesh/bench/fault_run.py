@@ -6,6 +6,7 @@ all in turn and prints the figures (tests/faults/ runs the same ones, shorter, a
     suite.sigterm_during_stream("prefill")
     suite.client_disconnect()            # seconds until every decode worker holds no KV
     suite.slow_decode(0.75)              # a decode worker stopped 75% of the time (SIGSTOP, SIGCONT)
+    suite.stopped_decode()               # a decode worker stopped outright (SIGSTOP) until it is measured
     suite.nats_outage(10.0)
 
 Every worker the suite kills, or stops under load, is started again at once (without waiting: the next fault on
@@ -38,6 +39,7 @@ from kvmesh.bench.faults import (
     wait_until_serving,
 )
 from kvmesh.bench.load import Load, Outcome
+from kvmesh.bench.outboxes import OutboxWatch, kv_index_agrees
 from kvmesh.nats_server import EmbeddedNats
 
 if TYPE_CHECKING:
@@ -53,6 +55,12 @@ SLOW_DECODE_EJECTION_S = 10.0  # how long the gateway keeps a slow decode worker
 # the least window of the slow-decode fault: the gateway's detection takes half its 5 s window of samples and
 # more (6.2 s in one run on the busy test machine, at 436 ms a token), then requests must be seen avoiding it
 SLOW_DECODE_OBSERVE_S = 12.0
+# a live worker on this busy CPU misses 0.25 s deadlines: both replicas of a role were ejected at once in the
+# suite's runs (503 "no workers serve ... right now"); a dead one's port refuses at once, whatever the deadline
+HEALTH_CHECK_TIMEOUT_S = 2.0
+# a stopped worker answers no check: ejected after 3 (KVMESH_EJECT_AFTER_FAILURES) rounds of checks that each wait
+# out the deadline, one every KVMESH_HEALTH_CHECK_INTERVAL_S (0.5 s) at most
+STOPPED_EJECTION_S = 3 * (HEALTH_CHECK_TIMEOUT_S + 0.5)
 
 
 def mesh_plan_args() -> dict[str, Any]:
@@ -68,10 +76,7 @@ def mesh_plan_args() -> dict[str, Any]:
             "KVMESH_HEARTBEAT_INTERVAL_S": "0.5",
             "KVMESH_EXPERT_REPORT_STEPS": "16",  # the workers report expert loads: expert_lb runs
             "KVMESH_KV_CACHE_MEMORY_BYTES": str(64 * 2**20),
-            # a dead worker's port refuses at once, whatever the deadline; a live one on a CPU shared by a dozen
-            # busy processes (this project's test machine, load average ~20) misses 0.25 s deadlines, and both
-            # replicas of a role were ejected at once in the suite's runs (503 "no workers serve ... right now")
-            "KVMESH_HEALTH_CHECK_TIMEOUT_S": "2.0",
+            "KVMESH_HEALTH_CHECK_TIMEOUT_S": str(HEALTH_CHECK_TIMEOUT_S),
             "KVMESH_SLOW_DECODE_EJECTION_S": str(SLOW_DECODE_EJECTION_S),  # the default, said so the notes agree
         },
     )
@@ -245,6 +250,54 @@ class FaultSuite:
         result.notes["streams_on_slow_worker_at_fault"] = len(streams_on_slow)
         return result
 
+    def stopped_decode(self) -> FaultResult:
+        """A decode worker stopped outright (SIGSTOP) under load until `observe_s` after every balancer ejected
+        it, then continued (SIGCONT). It sends no token, so the gateway's latency rule has nothing to judge: only
+        failed health checks (no answer within KVMESH_HEALTH_CHECK_TIMEOUT_S, mesh.health) eject it, from every
+        balancer's pool and the gateway's, and its streams, by then overdue, move to the other worker. Notes: the
+        victim and the streams it held, seconds until every balancer's pool left it out, how long it was stopped,
+        seconds from SIGCONT until every pool had it back, and the gateway's migrations meanwhile."""
+        self.wait_role_serving("decode")
+        for replica in self.replicas("decode"):  # every one in the routes: none still out for an earlier fault
+            self.wait_routed_to(replica)
+        name, num_streams = self.victim("decode")
+        pid = self.mesh.child(name).process.pid
+        pools_before = self.decode_pool_sizes()
+        smaller = [n - 1 for n in pools_before]
+        notes: dict[str, Any] = {"victim": name, "streams_on_victim": num_streams}
+        num_migrations = self.num_migrations()
+        stopped_at_s = resumed_at_s = time.monotonic()
+
+        def resume() -> None:
+            nonlocal resumed_at_s
+            os.kill(pid, signal.SIGCONT)
+            if "stopped_s" not in notes:
+                resumed_at_s = time.monotonic()
+                notes["stopped_s"] = round(resumed_at_s - stopped_at_s, 2)
+
+        def inject() -> None:
+            nonlocal stopped_at_s
+            os.kill(pid, signal.SIGSTOP)
+            stopped_at_s = time.monotonic()
+            ejected_after_s = wait_for(lambda: self.decode_pool_sizes() == smaller, 30, f"{name} ejected")
+            notes["ejected_after_s"] = round(ejected_after_s, 2)
+            threading.Timer(self.observe_s, resume).start()  # what it held is moved by then, or waits for it
+
+        try:
+            result = self.measure("SIGSTOP decode", inject, self.observe_s)
+        finally:
+            resume()
+        wait_for(lambda: self.decode_pool_sizes() == pools_before, 30, f"{name} back in the pools")
+        notes["back_after_sigcont_s"] = round(time.monotonic() - resumed_at_s, 2)  # measure's wait may add to it
+        notes["num_migrated"] = int(self.num_migrations() - num_migrations)
+        result.notes = notes
+        return result
+
+    def num_migrations(self) -> float:
+        """The gateway's migrations so far, for any cause."""
+        port = self.mesh.child("gateway-0").http_port
+        return metric_total(port, "kvmesh_gateway_migrations_total", key=self.mesh.admin_key)
+
     def wait_routed_to(self, name: str, timeout_s: float = 2 * SLOW_DECODE_EJECTION_S + 10) -> None:
         """Until a request of the load sent from now on is routed to `name` (raises TimeoutError)."""
         since_s = time.monotonic()
@@ -264,20 +317,23 @@ class FaultSuite:
         """SIGKILL the embedded NATS under load and start it again on its port and store after `seconds`.
         `kill_during`: a worker to SIGKILL 2 s into the outage, as a worker that really dies while NATS is away
         (started again once NATS is back). Notes: each balancer's decode pool 2 s into the outage (nobody is
-        pruned for the heartbeats NATS did not carry) and, with a victim, seconds until every balancer ejected it
-        (gRPC health checks, mesh.health)."""
+        pruned for the heartbeats NATS did not carry), with a victim the seconds until every balancer ejected it
+        (gRPC health checks, mesh.health), and each outbox's peak size, replay and seconds to drain (outboxes.py)."""
         nats = self.mesh.nats
         assert isinstance(nats, EmbeddedNats) and nats.process is not None, "the mesh's own NATS, one server"
         restarted = threading.Event()
         notes: dict[str, Any] = {}
+        outboxes = OutboxWatch(self.mesh)
 
         def restart() -> None:
             nats.start()
+            outboxes.returned()
             restarted.set()
 
         def inject() -> None:
             assert nats.process is not None
             pools_before = self.decode_pool_sizes()
+            outboxes.start()
             nats.process.kill()
             nats.process.wait()
             threading.Timer(seconds, restart).start()
@@ -291,6 +347,7 @@ class FaultSuite:
 
         result = self.measure(f"NATS down {seconds:.0f} s", inject, seconds + self.observe_s)
         restarted.wait(timeout=30)
+        notes["outboxes"] = outboxes.wait(timeout_s=60)  # before the victim's replacement takes its name
         if kill_during is not None:
             replace(self.mesh, kill_during)  # serving again before the next fault: it may hit another role
         result.notes = notes
@@ -358,7 +415,7 @@ def add_parser(bench_commands: Any) -> None:
     faults.add_argument("--json", action="store_true", help="one line of JSON")
 
 
-FAULTS = ("slow", "disconnect", "sigkill", "sigterm", "nats", "gateway")  # in the order a run takes them
+FAULTS = ("slow", "stopped", "disconnect", "sigkill", "sigterm", "nats", "gateway")  # in the order a run takes them
 
 
 def run(args: argparse.Namespace) -> int:
@@ -394,8 +451,15 @@ def run_fault_bench(
         extra: dict[str, Any] = {}
         if "nats" in only:  # first, while the store node the index is checked against is the first one
             results.append(suite.nats_outage(nats_outage_s))
+            try:
+                agreed_s = wait_for(lambda: kv_index_agrees(mesh), 60, "the KV index to agree", interval_s=1.0)
+                results[-1].notes["kv_index_agrees_after_s"] = round(agreed_s, 2)
+            except TimeoutError:
+                results[-1].notes["kv_index_agrees_after_s"] = None
         if "slow" in only:
             results.append(suite.slow_decode(slow_duty))
+        if "stopped" in only:
+            results.append(suite.stopped_decode())
         if "disconnect" in only:
             held, freed_s = suite.client_disconnect()
             extra["client_disconnect"] = {"kv_tokens_held": held, "kv_freed_s": round(freed_s, 2)}
@@ -407,6 +471,7 @@ def run_fault_bench(
             extra["sigterm_gateway_stream_whole"] = suite.sigterm_gateway_during_stream().is_whole
     return {
         "model": MODEL,
+        "load_average": [round(x, 1) for x in os.getloadavg()],  # at the end: the machine's, over 1, 5, 15 min
         "concurrency": concurrency,
         "observe_s": observe_s,
         "faults": [r.figures() for r in results],

@@ -92,7 +92,7 @@ def measure(
 # the mesh's side: signals, metrics, replacements
 
 
-def _metric_lines(port: int, key: str | None) -> list[str]:
+def metric_lines(port: int, key: str | None) -> list[str]:
     """A child's /metrics; `key`: the admin key the gateway's public port asks for."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
     if key is not None:
@@ -103,13 +103,13 @@ def _metric_lines(port: int, key: str | None) -> list[str]:
 
 def metric_total(port: int, metric: str, key: str | None = None) -> float:
     """The sum of one metric's samples on a child's /metrics."""
-    lines = _metric_lines(port, key)
+    lines = metric_lines(port, key)
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.split("{")[0].split(" ")[0] == metric)
 
 
 def metric_sample(port: int, metric: str, labels: str, key: str | None = None) -> float:
     """One sample of a metric on a child's /metrics, by its label string (`pool="decode"`); 0 when absent."""
-    lines = _metric_lines(port, key)
+    lines = metric_lines(port, key)
     prefix = f"{metric}{{{labels}}} "
     return next((float(line[len(prefix) :]) for line in lines if line.startswith(prefix)), 0.0)
 
