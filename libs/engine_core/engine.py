@@ -89,16 +89,16 @@ class LLMEngine:
             calibration_ids(self.tokenizer, self.model_config.vocab_size),
             self.model_config.num_layers,
         )
-        num_blocks = self._num_blocks(model)
+        self.config = config = self._model_block_size(config, model)
+        self.max_num_seqs, state_bytes = self._sequence_state_budget(model)
+        num_blocks = self._num_blocks(model, state_bytes)
         self.runner = ModelRunner(
             model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size
         )
         self.experts = ExpertParallel.attach(model, self.model_config, config)  # None without MoE layers
-        # a model with per-sequence state (DeepSeek-V4) cannot resume from cached blocks yet: no prefix caching
-        prefix_caching = config.enable_prefix_caching and not self.runner.keeps_sequence_state
-        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
+            SchedulerConfig(self.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
             self.kv,
         )
         self.loads = LayerLoads(self.kv.pool, self.runner.kv_caches, self.kv_layout, self.runner.block_axis)
@@ -121,12 +121,43 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _num_blocks(self, model: torch.nn.Module) -> int:
+    @staticmethod
+    def _model_block_size(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
+        """The config with the block size the model needs (DeepSeek-V4: a multiple of its compress ratios)."""
+        model_block_size = getattr(model, "kv_block_size", None)
+        block_size = config.block_size if model_block_size is None else model_block_size(config.block_size)
+        if block_size == config.block_size:
+            return config
+        log.info("block_size %d -> %d: the model's blocks hold whole compressed windows", config.block_size, block_size)
+        return dataclasses.replace(config, block_size=block_size)
+
+    def _sequence_state_budget(self, model: torch.nn.Module) -> tuple[int, tuple[int, int]]:
+        """(requests that may run at once, (bytes each reserves, bytes each gains per block)) for models that keep
+        per-sequence state beside the paged cache (DeepSeek-V4): at most half of kv_cache_memory_bytes goes to
+        the running requests' fixed state, so max_num_seqs may shrink; (max_num_seqs, (0, 0)) for the others."""
+        state_bytes = getattr(model, "sequence_state_bytes", None)
+        if state_bytes is None:
+            return self.config.max_num_seqs, (0, 0)
+        fixed, per_block = state_bytes(self.config.block_size)
+        if self.config.num_kv_blocks is not None:  # no byte budget
+            return self.config.max_num_seqs, (fixed, per_block)
+        max_num_seqs = min(self.config.max_num_seqs, self.config.kv_cache_memory_bytes // 2 // max(fixed, 1))
+        if max_num_seqs < 1:
+            raise ConfigError(
+                f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no request: its state needs "
+                f"{fixed} bytes, and at most half the budget goes to request states"
+            )
+        return max_num_seqs, (fixed, per_block)
+
+    def _num_blocks(self, model: torch.nn.Module, state_bytes: tuple[int, int]) -> int:
+        """Blocks that fit kv_cache_memory_bytes beside `max_num_seqs` requests' fixed state; each block also
+        counts the entries a running request's state gains per block (`_sequence_state_budget`)."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         shape = model.kv_cache_shape(1, self.config.block_size)  # type: ignore[operator]
         bytes_per_block = self.model_config.num_layers * self.dtype.itemsize * int(torch.tensor(shape).prod())
-        num_blocks = self.config.kv_cache_memory_bytes // bytes_per_block
+        bytes_per_block += state_bytes[1]
+        num_blocks = (self.config.kv_cache_memory_bytes - self.max_num_seqs * state_bytes[0]) // bytes_per_block
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no block: "

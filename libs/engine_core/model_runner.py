@@ -28,9 +28,10 @@ class ModelRunner:
         layer_shape = model.kv_cache_shape(num_blocks, block_size)  # type: ignore[operator]
         self.kv_caches = torch.zeros((num_layers, *layer_shape), dtype=dtype, device=ops.torch_device)
         self.block_axis: int = model.kv_block_axis  # type: ignore[assignment]  # where blocks sit in a layer's cache
-        # Models that keep a cache per sequence outside the paged tensor (DeepSeek-V4): request id -> (request,
-        # state). Created here when a request computes its first token, dropped once it finished or went back
-        # to waiting (preempted: it recomputes from its first token); the model writes the states' contents.
+        # Models that keep a cache per sequence beside the paged tensor (DeepSeek-V4): request id -> (request,
+        # state). Created here when a request computes its first token, or rebuilt from its first blocks when it
+        # starts after a prefix-cache hit; dropped once it finished or went back to waiting (preempted: it
+        # restarts from its cached blocks or its first token). The model writes the states' contents.
         self.keeps_sequence_state: bool = getattr(model, "keeps_sequence_state", False)
         self.sequence_states: dict[str, tuple[Request, object]] = {}
 
@@ -55,7 +56,7 @@ class ModelRunner:
             else:
                 segments.append(rows.add_prefill(item, device))
             if self.keeps_sequence_state:
-                state = self._sequence_state(item.request, item.request.num_computed_tokens)
+                state = self._sequence_state(item.request, item.request.num_computed_tokens, item.block_ids)
                 sequences.append(SequenceRows(first_row, first_row + item.num_new_tokens, state))
         batch = ForwardBatch(
             positions=torch.tensor(rows.positions, dtype=torch.long).to(device),
@@ -67,21 +68,28 @@ class ModelRunner:
             embed_rows=torch.cat(rows.embed_rows).to(device) if rows.embed_rows else None,
             embed_values=torch.cat(rows.embed_values).to(device) if rows.embed_values else None,
             sequences=tuple(sequences),
+            block_size=self.block_size,
         )
         hidden = self.model(torch.tensor(rows.input_ids, dtype=torch.long).to(device), batch, self.kv_caches)
         sample_rows = [rows.last_row[id(item)] for item in output.scheduled if item.needs_sample]
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])  # type: ignore[operator]
 
-    def _sequence_state(self, request: Request, start: int) -> object:
-        """The request's state; a new one when it computes from its first token (first time or recompute)."""
+    def _sequence_state(self, request: Request, start: int, block_ids: tuple[int, ...]) -> object:
+        """The request's state; a new one when it computes from its first token (first time or recompute), one
+        rebuilt from its first blocks when it starts after a prefix-cache hit (at a block boundary)."""
         entry = self.sequence_states.get(request.request_id)
         if start == 0 or entry is None:
-            if start != 0:
+            if start == 0:
+                state = self.model.new_sequence_state()  # type: ignore[operator]
+            elif start % self.block_size == 0:
+                blocks = list(block_ids[: start // self.block_size])
+                state = self.model.sequence_state_from_blocks(self.kv_caches, blocks, self.block_size)  # type: ignore[operator]
+            else:
                 raise RuntimeError(
                     f"request {request.request_id} resumes at token {start} with no sequence state: this model "
-                    "cannot resume from paged KV (prefix hits and KV import are off for it)"
+                    "resumes only at a block boundary (KV import is not written for it)"
                 )
-            entry = (request, self.model.new_sequence_state())  # type: ignore[operator]
+            entry = (request, state)
             self.sequence_states[request.request_id] = entry
         return entry[1]
 

@@ -8,6 +8,7 @@ batch, greedy tokens, per-step decode logprobs. The decode reference is transfor
 per-step logits), not a teacher-forced forward: the indexer's top-k may break exact score ties differently in a row
 whose length is the number of entries, so the reference's last-position logits can change with the input's length.
 Then chunked prefill with split points inside and across compression windows, and preemption, change no token.
+The generate half runs on prefix-cache hits of the prompts prefill_logits computed (test_prefix_cache_v4 has more).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def v4_reference(tmp_path_factory: pytest.TempPathFactory):
 def test_deepseek_v4_matches_transformers(v4_reference):
     path, model = v4_reference
     llm = LLM(str(path), device="cpu", num_kv_blocks=64)
-    assert llm.engine.kv.pool.enable_caching is False  # per-sequence state: no prefix hits yet
+    assert llm.engine.kv.pool.enable_caching  # generate hits the blocks prefill_logits cached (16 and 32 tokens)
     check_against_reference(llm, model, random_prompts(512, PROMPT_LENGTHS))
+    assert llm.engine.stats().num_prefix_hit_tokens == 16 + 32
     runner = llm.engine.runner
     assert len(runner.sequence_states) == 3  # the last step's states: dropped when the next step starts
     runner.drop_finished_states()

@@ -51,6 +51,7 @@ class ForwardBatch:
     wait_for_layer: Callable[[int], None] | None = None
     # Every request of the step in row order, for models that keep per-sequence state (empty for the others).
     sequences: tuple[SequenceRows, ...] = ()
+    block_size: int = 0  # tokens per block of the paged cache (slot // block_size is a row's block)
 
 
 def write_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
 """DeepSeek-V4: compressed attention (CSA, HCA) over a sliding window, hyper-connections, hash-routed MoE.
 
 Modules: `attention` (the layer's attention), `compressor` (compressors and the lightning indexer), `blocks`
-(hyper-connections, MoE), `state` (what a sequence keeps between steps), `model` (the causal LM and its loading).
+(hyper-connections, MoE), `state` (what a sequence keeps between steps), `block_layout` (what a block of the paged
+cache holds, so a prefix-cache hit resumes exactly), `model` (the causal LM and its loading).
 A later variant (V4.1) is a new module that reuses these pieces and replaces the ones that change.
 """
 

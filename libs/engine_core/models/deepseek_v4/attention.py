@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from engine_core.config import ModelConfig, V4Config
+from engine_core.models.deepseek_v4.block_layout import BlockLayout, LayerBlocks, read_layer_state
 from engine_core.models.deepseek_v4.compressor import Compressor, Indexer
 from engine_core.models.deepseek_v4.functional import Fp32RMSNorm, rotate_tail, unweighted_rms_norm
-from engine_core.models.deepseek_v4.state import LayerState
+from engine_core.models.deepseek_v4.state import CompressorState, LayerState
 from engine_core.models.rope import RotaryEmbedding
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -54,6 +55,21 @@ class V4Attention(nn.Module):
         indexer = self.indexer.compressor.empty_state(dtype, device) if self.indexer is not None else None
         return LayerState(window, compressor, indexer)
 
+    def state_from_blocks(self, cache: torch.Tensor, layout: BlockLayout, block_ids: torch.Tensor) -> LayerState:
+        """The state after the tokens of blocks `block_ids` (k,) of this layer's cache (N, F), at a boundary where
+        every compressor's open window is empty (block_layout)."""
+        read = read_layer_state(cache, layout, block_ids, self.v4.sliding_window - 1)
+        state = self.empty_state(cache.dtype, cache.device)
+        state.window = read["window"]
+        parts = [(self.compressor, state.compressor, "")]
+        if self.indexer is not None:
+            parts.append((self.indexer.compressor, state.indexer, "index_"))
+        for compressor, compressed, prefix in parts:
+            if compressor is not None and compressed is not None:
+                overlap = (read.get(prefix + "overlap_kv"), read.get(prefix + "overlap_gate"))
+                compressor.resume(compressed, read[prefix + "entries"], *overlap)  # type: ignore[arg-type]
+        return state
+
     def forward(
         self,
         x: torch.Tensor,
@@ -61,9 +77,11 @@ class V4Attention(nn.Module):
         rope: RotaryEmbedding,
         cos_sin: CosSin,
         sequences: list[tuple[int, int, LayerState]],
+        blocks: LayerBlocks | None = None,
     ) -> torch.Tensor:
         """x (T, Hd) -> (T, Hd); `rope`/`cos_sin` are this layer's rope and its values at `positions` (T,);
-        `sequences`: (first row, end row, state) of each request, covering every row once."""
+        `sequences`: (first row, end row, state) of each request, covering every row once; `blocks`: this layer's
+        block rows, where each token's KV, entries and overlaps are also written (block_layout)."""
         t, d = x.shape[0], self.v4.head_dim
         q_residual = self.q_norm(self.wq_a(x))  # (T, q_lora)
         q = unweighted_rms_norm(self.wq_b(q_residual).view(t, self.num_heads, d), self.eps)
@@ -71,14 +89,17 @@ class V4Attention(nn.Module):
         kv = rotate_tail(self.norm(self.wkv(x))[:, None, :], *cos_sin)[:, 0]  # (T, D)
         compressed = self.compressor.project(x) if self.compressor is not None else None
         index_q = self.indexer.queries(q_residual, x, cos_sin) if self.indexer is not None else None
+        if blocks is not None:
+            blocks.write_window(kv)
         out = x.new_empty(t, self.num_heads, d)
         for start, end, state in sequences:
             rows = slice(start, end)
             keys, mask = self._window(state, kv[rows], positions[rows])
             if self.compressor is not None and compressed is not None:
                 assert state.compressor is not None
-                self.compressor.extend(state.compressor, compressed[0][rows], compressed[1][rows], rope)
-                entry_mask = self._entry_mask(state, x[rows], positions[rows], rope, index_q, rows)
+                kv_c, gate_c = compressed[0][rows], compressed[1][rows]
+                _extend(self.compressor, state.compressor, kv_c, gate_c, rope, blocks, "", rows, positions[rows])
+                entry_mask = self._entry_mask(state, x[rows], positions[rows], rope, index_q, rows, blocks)
                 keys = torch.cat([keys, state.compressor.entries])
                 mask = torch.cat([mask, entry_mask], dim=1)
             out[rows] = self._attend(q[rows], keys, mask)
@@ -93,7 +114,7 @@ class V4Attention(nn.Module):
         key_positions = torch.arange(first, first + keys.shape[0], device=kv.device)
         delta = positions[:, None] - key_positions[None, :]  # (L, K)
         mask = (delta >= 0) & (delta < self.v4.sliding_window)
-        state.window = keys[max(0, keys.shape[0] - (self.v4.sliding_window - 1)) :]
+        state.window = keys[max(0, keys.shape[0] - (self.v4.sliding_window - 1)) :].clone()  # not a view of keys
         return keys, mask
 
     def _entry_mask(
@@ -104,6 +125,7 @@ class V4Attention(nn.Module):
         rope: RotaryEmbedding,
         index_q: tuple[torch.Tensor, torch.Tensor] | None,
         rows: slice,
+        blocks: LayerBlocks | None,
     ) -> torch.Tensor:
         """(L, E): the closed entries each query sees; on CSA layers only those the indexer picks."""
         assert state.compressor is not None and self.compressor is not None
@@ -113,7 +135,7 @@ class V4Attention(nn.Module):
             return torch.arange(num_entries, device=x.device)[None, :] < visible[:, None]
         assert state.indexer is not None
         kv, gate = self.indexer.compressor.project(x)
-        self.indexer.compressor.extend(state.indexer, kv, gate, rope)
+        _extend(self.indexer.compressor, state.indexer, kv, gate, rope, blocks, "index_", rows, positions)
         chosen = self.indexer.select(state.indexer.entries, index_q[0][rows], index_q[1][rows], positions)
         chosen = torch.where(chosen >= 0, chosen, torch.full_like(chosen, num_entries))  # -1: a spare column
         picked = torch.zeros(positions.shape[0], num_entries + 1, dtype=torch.bool, device=x.device)
@@ -135,3 +157,25 @@ class V4Attention(nn.Module):
         x = out.reshape(out.shape[0], groups, -1).transpose(0, 1)  # (G, T, H * D / G)
         w = self.wo_a.weight.view(groups, -1, x.shape[-1]).transpose(1, 2)  # (G, H * D / G, o_lora)
         return torch.bmm(x, w).transpose(0, 1).flatten(1)
+
+
+def _extend(
+    compressor: Compressor,
+    state: CompressorState,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    rope: RotaryEmbedding,
+    blocks: LayerBlocks | None,
+    prefix: str,
+    rows: slice,
+    positions: torch.Tensor,
+) -> None:
+    """`Compressor.extend` for one sequence's rows (kv, gate (L, c W), positions (L,)), also writing the entries it
+    emits and, for CSA, each block's last-window projections into the sequence's blocks."""
+    num_before = state.num_entries
+    compressor.extend(state, kv, gate, rope)
+    if blocks is None:
+        return
+    blocks.write_entries(prefix, rows, int(positions[0]), state.entries[num_before:], num_before)
+    if compressor.num_series == 2:
+        blocks.write_overlap(prefix, rows, kv, gate)

@@ -44,7 +44,7 @@ class Compressor(nn.Module):
         m = self.ratio
         kv, gate = torch.cat([state.tail_kv, kv]), torch.cat([state.tail_gate.to(gate.dtype), gate])
         usable = kv.shape[0] // m * m
-        state.tail_kv, state.tail_gate = kv[usable:], gate[usable:]
+        state.tail_kv, state.tail_gate = kv[usable:].clone(), gate[usable:].clone()  # not views of the whole chunk
         if usable == 0:
             return
         n = usable // m
@@ -58,6 +58,16 @@ class Compressor(nn.Module):
         cos, sin = rope.cos_sin(positions)
         entries = rotate_tail(entries[:, None, :], cos, sin)[:, 0]
         state.entries = torch.cat([state.entries, entries])
+
+    def resume(
+        self, state: CompressorState, entries: torch.Tensor, overlap_kv: torch.Tensor, overlap_gate: torch.Tensor
+    ) -> None:
+        """Set an empty state to where a sequence stands at a window boundary: its entries (E, W) and, for CSA,
+        the last closed window's first series (m, W) with its raw gate logits (the position bias is added here, in
+        fp32, as `extend` adds it)."""
+        state.entries = entries
+        if self.num_series == 2:
+            state.overlap_kv, state.overlap_gate = overlap_kv, overlap_gate + self.ape[:, : self.width]
 
     def _overlap(
         self, state: CompressorState, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor

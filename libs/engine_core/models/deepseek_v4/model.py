@@ -1,9 +1,10 @@
 """DeepSeek-V4 as a causal LM for the engine: embed -> N residual streams -> layers -> collapse -> norm -> head.
 
-Unlike the paged models, V4 keeps each sequence's cache (window + compressors) in a `SequenceState` that the
-runner creates per request (`new_sequence_state`) and hands in through `ForwardBatch.sequences`; the paged cache
-tensor the runner still allocates (`kv_cache_shape`) is a one-value-per-token placeholder that only lets the
-block manager count tokens. Prefix caching is therefore off for V4 (the engine turns it off).
+A running sequence's cache (window + compressors) is a `SequenceState` that the runner creates per request
+(`new_sequence_state`) and hands in through `ForwardBatch.sequences`. The paged cache tensor (`kv_cache_shape`) holds,
+per block, what resumes a sequence exactly at the block's end (`block_layout`): the forward writes it as tokens are
+computed, and `sequence_state_from_blocks` rebuilds a state from a prefix-cache hit. Blocks hold a multiple of every
+compress ratio (`kv_block_size`).
 
 Parameter names are those of DeepSeek's checkpoints, which is how transformers writes V4 directories too
 (`layers.3.attn.wq_a.weight`, `layers.3.ffn.experts.5.w1.weight`...); `_target` maps the few that differ.
@@ -22,9 +23,10 @@ from devices.base import DeviceOps
 from engine_core.config import ModelConfig, V4Config
 from engine_core.models.batch import ForwardBatch
 from engine_core.models.deepseek_v4.attention import V4Attention
+from engine_core.models.deepseek_v4.block_layout import BlockLayout, LayerBlocks, block_size_for
 from engine_core.models.deepseek_v4.blocks import HyperConnection, HyperHead, V4MoE, mix_streams
 from engine_core.models.deepseek_v4.functional import Fp32RMSNorm
-from engine_core.models.deepseek_v4.state import LayerState, SequenceState
+from engine_core.models.deepseek_v4.state import LayerState, SequenceState, bytes_per_sequence
 from engine_core.models.loading import Target, load_weights
 from engine_core.models.rope import RotaryEmbedding
 
@@ -47,10 +49,11 @@ class V4DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         sequences: list[tuple[int, int, LayerState]],
+        blocks: LayerBlocks | None,
     ) -> torch.Tensor:
         """streams (T, N, Hd) -> (T, N, Hd)."""
         post, comb, collapsed = self.hc_attn(streams)
-        out = self.attn(self.attn_norm(collapsed), positions, rope, cos_sin, sequences)
+        out = self.attn(self.attn_norm(collapsed), positions, rope, cos_sin, sequences, blocks)
         streams = mix_streams(streams, out, post, comb)
         post, comb, collapsed = self.hc_ffn(streams)
         return mix_streams(streams, self.mlp(self.ffn_norm(collapsed), input_ids), post, comb)
@@ -67,7 +70,7 @@ class V4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     kv_block_axis = 0
-    keeps_sequence_state = True  # the runner creates a SequenceState per request; prefix caching is off
+    keeps_sequence_state = True  # the runner creates a SequenceState per request, or rebuilds it from blocks
 
     def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
         super().__init__()
@@ -75,6 +78,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         assert v4 is not None
         self.config, self.v4 = config, v4
         self.model = V4Model(config, v4)
+        self._layouts: dict[int, list[BlockLayout]] = {}  # block size -> per layer, filled by block_layouts
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         max_pos = config.max_position_embeddings
         self.main_rope = RotaryEmbedding(v4.rope_head_dim, v4.rope_theta, None, max_pos, interleaved=True)
@@ -82,9 +86,47 @@ class DeepseekV4ForCausalLM(nn.Module):
             v4.rope_head_dim, v4.compress_rope_theta, v4.compress_rope_scaling, max_pos, interleaved=True
         )
 
+    def kv_block_size(self, requested: int) -> int:
+        """Tokens per block: `requested` rounded up to a multiple of every compress ratio in use."""
+        return block_size_for(self.v4, requested)
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """A placeholder of one value per token: V4's cache is per sequence (SequenceState), not paged yet."""
-        return (num_blocks, block_size, 1)
+        """One layer's cache: a row per block, as wide as the widest layer's sections (block_layout)."""
+        if block_size != block_size_for(self.v4, block_size):
+            raise ValueError(f"block_size {block_size} is not a multiple of every compress ratio in use")
+        return (num_blocks, max(layout.row_width for layout in self.block_layouts(block_size)))
+
+    def block_layouts(self, block_size: int) -> list[BlockLayout]:
+        """Each layer's sections of a block row (block_layout), for blocks of `block_size` tokens."""
+        if block_size not in self._layouts:
+            layers = range(self.config.num_layers)
+            self._layouts[block_size] = [BlockLayout.of_layer(self.v4, layer, block_size) for layer in layers]
+        return self._layouts[block_size]
+
+    def sequence_state_bytes(self, block_size: int) -> tuple[int, int]:
+        """(bytes of a running sequence's state at its largest besides its entries, bytes of the entries it gains
+        per block): what the engine counts against the memory budget beside the paged cache."""
+        itemsize = self.model.embed.weight.element_size()
+        fixed, per_block = 0, 0
+        for layer in range(self.config.num_layers):
+            kind, ratio = self.v4.attention_types[layer], self.v4.compress_ratio(layer)
+            fixed += bytes_per_sequence(self.v4, itemsize)[kind]
+            width = self.v4.head_dim + (self.v4.index_head_dim if kind == "csa" else 0)
+            per_block += block_size // ratio * width * itemsize if ratio else 0
+        return fixed, per_block
+
+    def sequence_state_from_blocks(
+        self, kv_caches: torch.Tensor, block_ids: list[int], block_size: int
+    ) -> SequenceState:
+        """The state of a sequence after the tokens of its first blocks `block_ids`, from the paged cache
+        (num_layers, N, F): a prefix-cache hit resumes exactly where a cold run would be."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches.device)
+        layouts = self.block_layouts(block_size)
+        layers = [
+            layer.attn.state_from_blocks(kv_caches[i], layouts[i], index)  # type: ignore[union-attr, operator]
+            for i, layer in enumerate(self.model.layers)
+        ]
+        return SequenceState(layers, num_tokens=len(block_ids) * block_size)
 
     def new_sequence_state(self) -> SequenceState:
         dtype, device = self.model.embed.weight.dtype, self.model.embed.weight.device
@@ -98,10 +140,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             "main": (self.main_rope, self.main_rope.cos_sin(batch.positions)),
             "compress": (self.compress_rope, self.compress_rope.cos_sin(batch.positions)),
         }
+        layouts = self.block_layouts(batch.block_size) if batch.block_size else None
         for index, layer in enumerate(self.model.layers):
             rope, cos_sin = ropes["main" if self.v4.attention_types[index] == "window" else "compress"]
             sequences = [(start, end, state.layers[index]) for start, end, state in states]
-            streams = layer(streams, input_ids, batch.positions, rope, cos_sin, sequences)
+            blocks = LayerBlocks(kv_caches[index], layouts[index], batch.slot_mapping) if layouts else None
+            streams = layer(streams, input_ids, batch.positions, rope, cos_sin, sequences, blocks)
         return self.model.norm(self.model.hc_head(streams))
 
     def _advance(self, batch: ForwardBatch) -> list[tuple[int, int, SequenceState]]:

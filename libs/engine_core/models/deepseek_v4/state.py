@@ -3,8 +3,10 @@
 Per layer: the window (the latest `sliding_window - 1` tokens' KV vectors: the next query sees them plus itself),
 and on CSA/HCA layers each compressor's state: the entries emitted so far, the tokens of the window not yet
 closed (the tail) and, for CSA's overlapping windows, the first half of the last closed window. The runner
-creates a `SequenceState` when a request starts (or restarts after preemption) and drops it when the request
-finishes; the model's forward is the only writer.
+creates a `SequenceState` when a request starts from its first token, or has the model rebuild one from the
+request's first blocks when it starts after a prefix-cache hit (`block_layout`: blocks end where every tail is
+empty), and drops it when the request finishes or is preempted; the model's forward is the only writer. Tensors are
+never views of larger ones, so `num_bytes` is what a state holds (the engine counts it against its memory budget).
 
 Shapes: D the head size (the one KV vector per token), W a compressor's entry width (D, or the indexer's),
 c = 2 for overlapping (CSA) compressors and 1 otherwise, m the compress ratio.
