@@ -496,6 +496,7 @@ class LLMEngine:
             state = self.runner.model.new_sequence_state()  # type: ignore[operator]
             state.num_tokens = num_tokens
             self.runner.put_sequence_state(request, state)
+            self.kv.skip_caching(request, num_tokens)  # its blocks' rows stay unwritten: never a prefix hit
         self.scheduler.add_request(request)
         return True
 

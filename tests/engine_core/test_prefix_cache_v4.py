@@ -1,8 +1,8 @@
 """DeepSeek-V4's prefix cache and memory budget: a hit resumes exactly where a cold run is, and the paged cache plus
 the running requests' states never exceed kv_cache_memory_bytes.
 
-The model is the random 4-layer V4 of test_parity_v4 (window 8, CSA ratio 4, HCA ratio 8): blocks of 8 tokens
-close two CSA windows and one HCA window each, and the sliding window (7 kept tokens) spans a block boundary.
+The model is a small random V4 with every layer type (v4_helpers: window 8, CSA ratio 4, HCA ratio 8): blocks of 8
+tokens close two CSA windows and one HCA window each, and the sliding window (7 kept tokens) spans a block boundary.
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ from engine_core.config import ConfigError, EngineConfig
 from engine_core.engine import LLMEngine
 from engine_core.kv_cache.block_hash import root_hash
 from engine_core.models.deepseek_v4.state import CompressorState, SequenceState
+from tests.engine_core.test_engine import handoff
 from tests.engine_core.test_parity import random_prompts
-from tests.engine_core.test_parity_v4 import v4_reference  # noqa: F401  (the module's fixture)
+from tests.engine_core.v4_helpers import write_small_v4
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory: pytest.TempPathFactory):
+    return write_small_v4(tmp_path_factory.mktemp("v4-prefix"))
 
 
 def assert_same_state(rebuilt: SequenceState, live: SequenceState) -> None:
@@ -43,10 +49,10 @@ def assert_same_compressor(a: CompressorState, b: CompressorState) -> None:
 
 
 @pytest.mark.parametrize("chunk", [8, 3])
-def test_blocks_rebuild_the_live_state_at_every_boundary(v4_reference, chunk):  # noqa: F811
+def test_blocks_rebuild_the_live_state_at_every_boundary(v4_path, chunk):
     """Prefill 40 tokens in chunks of 8 (one block a step) or 3 (chunks splitting windows and blocks); whenever
     the computed tokens reach a block boundary, the state rebuilt from the blocks equals the live one."""
-    path, _ = v4_reference
+    path = v4_path
     llm = LLM(str(path), device="cpu", num_kv_blocks=16, block_size=8, max_num_batched_tokens=chunk)
     engine = llm.engine
     prompt = random_prompts(512, (40,))[0]
@@ -67,11 +73,11 @@ def test_blocks_rebuild_the_live_state_at_every_boundary(v4_reference, chunk):  
         assert_same_state(model.sequence_state_from_blocks(caches, block_ids[: num_tokens // 8], 8), live)
 
 
-def test_a_hit_gives_the_tokens_of_a_cold_run(v4_reference):  # noqa: F811
+def test_a_hit_gives_the_tokens_of_a_cold_run(v4_path):
     """A batch of mixed lengths over a shared 24-token prefix (3 blocks of 8): suffixes of 1, 3, 7 and 13 tokens
     end inside a CSA window, inside an HCA window, and across both; one prompt shares nothing. Greedy tokens equal
     a cold run's, and top-5 logprobs agree to float rounding (a hit computes fewer rows per step)."""
-    path, _ = v4_reference
+    path = v4_path
     prefix = random_prompts(512, (24,))[0]
     tails = random_prompts(500, (1, 3, 7, 13, 30))
     prompts = [prefix + tail for tail in tails[:4]] + [tails[4]]
@@ -89,11 +95,11 @@ def test_a_hit_gives_the_tokens_of_a_cold_run(v4_reference):  # noqa: F811
     assert warm.engine.stats().num_prefix_hit_tokens == 4 * 24
 
 
-def test_preemption_resumes_from_cached_blocks(v4_reference):  # noqa: F811
+def test_preemption_resumes_from_cached_blocks(v4_path):
     """With 6 blocks of 8 tokens two requests of 14 and 15 start (2 blocks each) but cannot both grow to 30: the
     later one is preempted and, back in, restarts from its cached blocks (a rebuilt state) instead of its first
     token; no token changes."""
-    path, _ = v4_reference
+    path = v4_path
     prompts = random_prompts(512, (14, 15))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     roomy = [o.token_ids for o in LLM(str(path), device="cpu", num_kv_blocks=64).generate(prompts, params)]
@@ -104,10 +110,10 @@ def test_preemption_resumes_from_cached_blocks(v4_reference):  # noqa: F811
     assert stats.num_prompt_tokens_computed == 14 + 15  # back in, the preempted one hit its prompt's blocks
 
 
-def test_blocks_read_from_one_engine_serve_as_hits_in_another(v4_reference):  # noqa: F811
+def test_blocks_read_from_one_engine_serve_as_hits_in_another(v4_path):
     """The store's path (read_cached_blocks -> inject_cached_blocks) carries V4 blocks: a hit on injected blocks
     gives the source's tokens."""
-    path, _ = v4_reference
+    path = v4_path
     prompt = random_prompts(512, (45,))[0]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     source = LLM(str(path), device="cpu", num_kv_blocks=32, served_name="m")
@@ -121,8 +127,8 @@ def test_blocks_read_from_one_engine_serve_as_hits_in_another(v4_reference):  # 
     assert out.num_cached_tokens == 32 and out.token_ids == expected
 
 
-def test_block_size_is_a_multiple_of_every_compress_ratio(v4_reference):  # noqa: F811
-    path, _ = v4_reference
+def test_block_size_is_a_multiple_of_every_compress_ratio(v4_path):
+    path = v4_path
     assert LLM(str(path), device="cpu", num_kv_blocks=8, block_size=6).engine.config.block_size == 8
     assert LLM(str(path), device="cpu", num_kv_blocks=8, block_size=16).engine.config.block_size == 16
     model = LLM(str(path), device="cpu", num_kv_blocks=8, block_size=8).engine.runner.model
@@ -131,10 +137,10 @@ def test_block_size_is_a_multiple_of_every_compress_ratio(v4_reference):  # noqa
         model.kv_cache_shape(3, 12)
 
 
-def test_the_memory_budget_holds_the_states_too(v4_reference):  # noqa: F811
+def test_the_memory_budget_holds_the_states_too(v4_path):
     """kv_cache_memory_bytes bounds the paged cache plus every live sequence state, under a load of mixed
     lengths that preempts; the running requests' fixed state takes at most half the budget (max_num_seqs shrinks)."""
-    path, _ = v4_reference
+    path = v4_path
     budget = 400_000
     engine = LLMEngine(EngineConfig(str(path), device="cpu", kv_cache_memory_bytes=budget))
     fixed, per_block = engine.runner.model.sequence_state_bytes(16)
@@ -155,3 +161,15 @@ def test_the_memory_budget_holds_the_states_too(v4_reference):  # noqa: F811
     assert engine.stats().num_preemptions > 0 and peak > engine.runner.kv_cache_bytes
     with pytest.raises(ConfigError, match="holds no request"):
         LLMEngine(EngineConfig(str(path), device="cpu", kv_cache_memory_bytes=2 * fixed - 1))
+
+
+def test_an_imported_state_is_never_a_prefix_hit(v4_path):
+    """A handoff carries the request's state, not its blocks' rows: the decode engine never offers those blocks to
+    a later request with the same prompt, which computes it and gets the same tokens."""
+    prompt = random_prompts(512, (40,))[0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prefill = LLMEngine(EngineConfig(str(v4_path), device="cpu", num_kv_blocks=32, block_size=8))
+    decode = LLM(str(v4_path), device="cpu", num_kv_blocks=32, block_size=8)
+    handed_off = handoff(prefill, decode.engine, "r", prompt, params)
+    again = decode.generate([prompt], params)[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == handed_off

@@ -96,6 +96,11 @@ class KVCacheManager:
         )
         self._num_cached_blocks[request.request_id] = num_full
 
+    def skip_caching(self, request: Request, num_tokens: int) -> None:
+        """The blocks holding the request's first `num_tokens` never enter the prefix cache: what they hold was not
+        written here (a DeepSeek-V4 import carries the request's state, not its blocks' contents)."""
+        self._num_cached_blocks[request.request_id] = cdiv(num_tokens, self.block_size)
+
     def free(self, request: Request) -> None:
         """Release every block the request holds, last block first (so tails are evicted before heads)."""
         blocks = self._req_blocks.pop(request.request_id, [])
