@@ -32,6 +32,7 @@ SHARED_SCOPES = {
     "tests/services/test_gateway_chat_api.py": _API_MESH,
     "tests/services/test_gateway_responses_messages_api.py": _API_MESH,
     "tests/services/test_tenancy_isolation.py": _API_MESH,
+    "tests/services/test_gateway_v4_api.py": _API_MESH,
 }
 
 

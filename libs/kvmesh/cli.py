@@ -1,7 +1,7 @@
 """`kvmesh` — one entry point for models, benchmarks and (later) the mesh's roles.
 
 kvmesh models list                  known models and whether they are on disk
-kvmesh models pull [NAME ...]       fetch real weights (smollm2-135m) and write deepseek-tiny
+kvmesh models pull [NAME ...]       fetch real weights (smollm2-135m), write deepseek-tiny and deepseek-v4-tiny
                                     (default: the known models in $KVMESH_MODELS, else all)
 kvmesh models make-tiny             write deepseek-tiny (random weights, fixed seed)
 kvmesh generate MODEL PROMPT        one completion, offline
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--balancer", type=int, default=2, help="balancer replicas (they share their decisions)")
     up.add_argument("--gateway", type=int, default=1, help="gateway processes sharing --port (SO_REUSEPORT)")
     up.add_argument("--encoder", type=int, default=1, help="vision encoder workers (0: images are refused)")
-    up.add_argument("--models", nargs="+", default=["smollm2-135m", "deepseek-tiny"])
+    up.add_argument("--models", nargs="+", default=["smollm2-135m", "deepseek-tiny", "deepseek-v4-tiny"])
     up.add_argument("--port", type=int, default=8080, help="the gateway's HTTP port")
     up.add_argument("--grpc-port", type=int, default=50050, help="the gateway's gRPC port")
     up.add_argument("--nats", default=None, metavar="URL", help="use this NATS instead of an embedded one")

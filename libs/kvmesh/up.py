@@ -43,7 +43,7 @@ from kvmesh.supervisor import Child, RestartPolicy, Supervisor
 from mesh.config import ServiceSettings, SettingError, TLSSettings, load_settings
 from mesh.tls import CA_FILE, client_ssl_context, load_credentials
 
-DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny")
+DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny", "deepseek-v4-tiny")
 STOP_MARGIN_S = 10.0  # past the drain timeout, for a drained child to close its servers and exit
 START_ORDER = ("kvcache", "balancer", "expert_lb", "encoder", "prefill", "decode", "gateway")
 

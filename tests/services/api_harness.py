@@ -1,6 +1,6 @@
 """A real mesh in this process for the API tests: NATS, a balancer, one prefill and one decode worker running
-the real engines (SmolLM2 with real weights, deepseek-tiny), and the gateway. Clients: the official `openai`
-and `anthropic` SDKs, raw HTTP, and the Gateway gRPC API."""
+the real engines (SmolLM2 with real weights, deepseek-tiny, deepseek-v4-tiny), and the gateway. Clients: the
+official `openai` and `anthropic` SDKs, raw HTTP, and the Gateway gRPC API."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ KEY = "sk-api-test-4c1d"
 ADMIN_KEY = "sk-api-admin-9b7e"  # /admin/v1/ (tenants and keys of the tenancy tests)
 SMOL = "smollm2-135m"
 DEEPSEEK = "deepseek-tiny"
-MODELS = (SMOL, DEEPSEEK)
+DEEPSEEK_V4 = "deepseek-v4-tiny"
+MODELS = (SMOL, DEEPSEEK, DEEPSEEK_V4)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from .api_harness import DEEPSEEK, KEY, SMOL, ApiMesh
+from .api_harness import DEEPSEEK, KEY, MODELS, SMOL, ApiMesh
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -287,7 +287,7 @@ async def test_errors(mesh: ApiMesh) -> None:
         )
     assert bad_class.value.param == "traffic_class" and "'Agent Loop!'" in bad_class.value.message
     models = await mesh.openai().models.list()
-    assert sorted(m.id for m in models.data) == sorted([SMOL, DEEPSEEK])
+    assert sorted(m.id for m in models.data) == sorted(MODELS)
 
 
 async def test_an_engine_failure_mid_stream_raises_in_the_sdk(mesh: ApiMesh) -> None:
