@@ -1,10 +1,10 @@
 """DeepSeek-V4 prefix cache: time to first token of a hit against a cold run, and bytes a cached block keeps.
 
-A random V4 written by transformers (4 layers: window, CSA, HCA, CSA; V4-Flash's window 128 and ratios 4/128, so
-blocks of 128 tokens; hidden 64), in the engine on the CPU. Each round sends a fresh 2,048-token prefix with a
-32-token suffix (cold: every token computed), then the same prefix with another suffix (a hit on 16 blocks: only
-the suffix computed). Prints one JSON object: medians, their ratio, bytes per cached token (this model and V4-Flash's
-shape, against the entries alone and DeepSeek-V3).
+`deepseek-v4-tiny` (4 layers: window, CSA, HCA, CSA; window 32, ratios 4 and 16, so blocks of 16 tokens) in the
+engine on the CPU. Each round sends a fresh prefix with a suffix (cold: every token computed), then the same prefix
+with another suffix (a hit on the prefix's blocks: only the suffix computed). Prints one JSON object: medians, their
+ratio, bytes per cached token (this model, and V4-Flash's shape at blocks of 128, against the entries alone and
+DeepSeek-V3).
 
     PYTHONPATH=libs:. python bench/v4_prefix_hit.py [--rounds 5] [--prefix 2048] [--suffix 32]
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 
 import torch
@@ -22,36 +21,6 @@ import torch
 from engine_core import LLM, SamplingParams
 from engine_core.config import ModelConfig
 from engine_core.models.deepseek_v4.block_layout import BlockLayout
-
-CONFIG = dict(
-    vocab_size=512,
-    hidden_size=64,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    head_dim=32,
-    q_lora_rank=48,
-    num_experts_per_tok=2,
-    n_routed_experts=8,
-    sliding_window=128,
-    o_groups=2,
-    o_lora_rank=16,
-    index_n_heads=8,
-    index_head_dim=16,
-    index_topk=64,
-    layer_types=[
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-        "compressed_sparse_attention",
-    ],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
-    hc_sinkhorn_iters=4,
-    max_position_embeddings=4096,
-    partial_rotary_factor=0.25,
-    initializer_range=0.1,
-)
 
 V4_FLASH = dict(  # the released config's shape, for bytes per token
     model_type="deepseek_v4",
@@ -107,19 +76,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prefix", type=int, default=2048)
     parser.add_argument("--suffix", type=int, default=32)
+    parser.add_argument("--model", default="deepseek-v4-tiny")
     args = parser.parse_args()
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    torch.manual_seed(0)
-    path = tempfile.mkdtemp(prefix="v4-prefix-bench-")
-    DeepseekV4ForCausalLM(DeepseekV4Config(**CONFIG)).save_pretrained(path)
-    llm = LLM(path, device="cpu", block_size=128, max_num_batched_tokens=4096)
+    llm = LLM(args.model, device="cpu", max_num_batched_tokens=4096)
+    vocab = llm.engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    ttft(llm, torch.randint(3, 512, (64,), generator=generator).tolist())  # warm-up
+    ttft(llm, torch.randint(3, vocab, (64,), generator=generator).tolist())  # warm-up
     cold, hit, cached = [], [], []
     for _ in range(args.rounds):
-        prefix = torch.randint(3, 512, (args.prefix,), generator=generator).tolist()
-        suffixes = torch.randint(3, 512, (2, args.suffix), generator=generator).tolist()
+        prefix = torch.randint(3, vocab, (args.prefix,), generator=generator).tolist()
+        suffixes = torch.randint(3, vocab, (2, args.suffix), generator=generator).tolist()
         seconds, _ = ttft(llm, prefix + suffixes[0])
         cold.append(seconds)
         seconds, num_cached = ttft(llm, prefix + suffixes[1])
@@ -138,7 +104,9 @@ def main() -> None:
                 "hit_ttft_s_median": statistics.median(hit),
                 "hit_over_cold": statistics.median(hit) / statistics.median(cold),
                 "block_size": engine.config.block_size,
-                "bench_model_bytes_per_token_fp32": bytes_per_token(engine.model_config, 128, 4),
+                "model_bytes_per_token": bytes_per_token(
+                    engine.model_config, engine.config.block_size, engine.dtype.itemsize
+                ),
                 "v4_flash_bytes_per_token_bf16": bytes_per_token(flash, 128, 2),
                 "v3_bytes_per_token_bf16": 61 * (512 + 64) * 2,
             }

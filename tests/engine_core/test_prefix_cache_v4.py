@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from engine_core import LLM, SamplingParams
-from engine_core.config import ConfigError, EngineConfig
+from engine_core.config import ConfigError, EngineConfig, ModelConfig
 from engine_core.engine import LLMEngine
 from engine_core.kv_cache.block_hash import root_hash
+from engine_core.models.deepseek_v4.block_layout import BlockLayout
 from engine_core.models.deepseek_v4.state import CompressorState, SequenceState
+from tests.engine_core.test_deepseek_v4_config import V4_FLASH
 from tests.engine_core.test_engine import handoff
 from tests.engine_core.test_parity import random_prompts
 from tests.engine_core.v4_helpers import write_small_v4
@@ -173,3 +175,16 @@ def test_an_imported_state_is_never_a_prefix_hit(v4_path):
     handed_off = handoff(prefill, decode.engine, "r", prompt, params)
     again = decode.generate([prompt], params)[0]
     assert again.num_cached_tokens == 0 and again.token_ids == handed_off
+
+
+def test_v4_flash_block_rows():
+    """docs/engine.md's bytes per cached token for V4-Flash's shape in bf16, blocks of 128: a CSA row holds 128
+    window vectors, 32 entries + 32 indexer keys and the two overlaps; HCA one entry; window-only layers only
+    vectors."""
+    config = ModelConfig.from_hf(V4_FLASH)
+    assert config.v4 is not None
+    layouts = [BlockLayout.of_layer(config.v4, layer, 128) for layer in range(config.num_layers)]
+    widths = {layout.row_width for layout in layouts}
+    assert widths == {128 * 512, 128 * 512 + 512, 128 * 512 + 32 * 512 + 8 * 512 + 32 * 128 + 8 * 128}
+    assert sum(layout.row_width for layout in layouts) * 2 // 128 == 52_592
+    assert len(layouts) * max(widths) * 2 // 128 == 61_232
