@@ -45,6 +45,11 @@ class ModelRunner:
         `wait_for_layer`: called before each layer (KV still arriving layer by layer: engine_core.kv_load)."""
         device = self.ops.torch_device
         self.drop_finished_states()
+        if self.keeps_sequence_state and wait_for_layer is not None:
+            # a state rebuilt from prefix blocks reads every layer's rows before the forward: the loaded ones must
+            # all be there (no overlap of compute and transfer for these models yet)
+            for layer in range(self.kv_caches.shape[0]):
+                wait_for_layer(layer)
         decodes, prefills = _decode_rows_first(output.scheduled)
         rows = _StepRows(self.block_size)
         sequences: list[SequenceRows] = []

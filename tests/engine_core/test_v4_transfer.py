@@ -4,10 +4,14 @@ V4 KV offered to a V3 engine, or the reverse, is refused as a layout mismatch (a
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from engine_core import EngineConfig, LLMEngine, SamplingParams
+from engine_core.kv_cache.block_hash import root_hash
 from engine_core.kv_transfer import KVLayoutError
 from mesh.kv_blocks import KVLayout, layout_from_proto, layout_to_proto
 from tests.engine_core.test_engine import handoff, run_to_completion
@@ -102,3 +106,31 @@ def test_an_import_missing_a_layer_is_refused(v4_path):
     with pytest.raises(KVLayoutError, match=r"lacks layers \[3\]"):
         decode.finish_kv_import("r")
     assert decode.abort_request("r") and decode.runner.sequence_states == {}
+
+
+def test_blocks_streamed_in_layer_by_layer_give_a_cold_runs_tokens(v4_path):
+    """A V4 prefix hit rebuilds the request's state from its blocks' rows before the forward pass, so a step that
+    reads blocks still arriving from a KV store (engine_core.kv_load) first waits for all of their layers."""
+    prompt = [(i * 37) % 480 + 3 for i in range(70)]  # 4 full blocks of 16, then 6 tokens
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cold = engine(v4_path, served_name="m")
+    cold.add_request("cold", prompt, greedy)
+    expected = run_to_completion(cold)["cold"]
+    keys = cold.prompt_block_hashes(prompt)
+    blocks, layout = cold.read_cached_blocks(keys), cold.kv_layout
+    size = layout.chunk_bytes(1)
+    warm = engine(v4_path, served_name="m")
+    load = warm.loads.begin(root_hash("m"), keys, prompt[: 16 * len(keys)])
+    warm.add_request("warm", prompt, greedy)
+
+    def loader() -> None:  # the layers arrive after the step has started
+        for layer in range(layout.num_layers):
+            time.sleep(0.2)
+            warm.loads.write_layer(load, layer, [block[layer * size : (layer + 1) * size] for block in blocks])  # type: ignore[index]
+
+    thread = threading.Thread(target=loader)
+    thread.start()
+    tokens = run_to_completion(warm)["warm"]
+    thread.join()
+    assert tokens == expected
+    assert warm.stats().num_prefix_hit_tokens == 64
