@@ -9,7 +9,7 @@ import math
 import pytest
 
 from mesh.kv_index import GlobalKVIndex
-from mesh.routing import Assignment, CostModel, NoWorkerError, Router, RouteRequest, WorkerState
+from mesh.routing import Assignment, CostModel, NoWorkerError, PrefillPick, Router, RouteRequest, WorkerState
 from mesh.routing.kvmesh import KvmeshDecode, KvmeshPrefill
 from mesh.routing.view import LoadView
 
@@ -175,22 +175,28 @@ def test_an_idle_pool_starts_at_once_a_busy_one_waits_for_the_cache() -> None:
 def test_a_hot_prefix_spills_to_a_second_worker_instead_of_piling_up() -> None:
     index = GlobalKVIndex()
     index.add("p-a", [key(n) for n in range(1, 9)])
-    router = Router("kvmesh", index, COST)
     pool = [worker("p-a"), worker("p-b"), worker("p-c")]
-    chosen = [
-        router.route(request(136, *range(1, 9), 100 + n, request_id=f"r{n}"), pool, DECODE, 0.0)[0] for n in range(200)
-    ]
-    counts = {w.worker_id: sum(r.prefill_worker_id == w.worker_id for r in chosen) for w in pool}
-    first_elsewhere = next(n for n, r in enumerate(chosen) if r.prefill_worker_id != "p-a")
-    # p-a takes requests (0.009056 s each) until its predicted TTFT passes the bound, 2 x 0.145248 + 4 x 0.145248
-    # (the least TTFT is an idle worker's full prefill), with the 96th; the prefix is then copied to a second
-    # worker, which holds it from then on (the pending cache), then to the third. (The bounded wait, the least TTFT
-    # + 8 typical full prefills of 0.145248, is looser here.)
-    assert first_elsewhere == 96
-    assert chosen[first_elsewhere].num_cached_tokens == 0 and chosen[-1].num_cached_tokens == 128
-    assert counts == {"p-a": 96, "p-b": 23, "p-c": 81}
-    waits = [router.view.wait_s(w, 0.0) for w in pool]
-    assert max(waits) - min(waits) <= 6 * 0.145248
+    hot = [request(136, *range(1, 9), 100 + n, request_id=f"r{n}") for n in range(200)]
+    for tail_quantile, first, counts in ((0.0, 96, {"p-a": 96, "p-b": 23, "p-c": 81}), (0.99, 23, None)):
+        router = Router("kvmesh", index, COST)
+        router.prefill_policy = KvmeshPrefill(tail_quantile=tail_quantile)
+        chosen = [router.route(r, pool, DECODE, 0.0)[0] for r in hot]
+        first_elsewhere = next(n for n, r in enumerate(chosen) if r.prefill_worker_id != "p-a")
+        assert first_elsewhere == first
+        assert chosen[first_elsewhere].num_cached_tokens == 0 and chosen[-1].num_cached_tokens == 128
+        if counts is not None:
+            assert {w.worker_id: sum(r.prefill_worker_id == w.worker_id for r in chosen) for w in pool} == counts
+        waits = [router.view.wait_s(w, 0.0) for w in pool]
+        assert max(waits) - min(waits) <= 6 * 0.145248
+    # Without the tail guard p-a takes requests (0.009056 s each) until its predicted TTFT passes the bound,
+    # 2 x 0.145248 + 4 x 0.145248 (the least TTFT is an idle worker's full prefill), with the 96th; the prefix is then
+    # copied to a second worker, which holds it from then on (the pending cache), then to the third. (The bounded
+    # wait, the least TTFT + 8 typical full prefills of 0.145248, is looser here.) With it (the default), the 24th
+    # would wait 0.217 s on p-a, past the tail the picks' TTFTs have tracked (0.2145 s), to save 0.136 s of compute
+    # that costs the pool only 0.5 x that (one worker in three busy: 0.5 requests queued behind it, M/M/1): the
+    # prefix is copied to an idle worker at once, and the three queues end within 0.009 s of each other.
+    assert max(waits) - min(waits) == pytest.approx(0.697664 - 0.688608, abs=1e-6)
+    assert router.prefill_policy.tail_ttft_s == pytest.approx(0.698543, abs=1e-6)
 
 
 def test_a_cached_turn_does_not_wait_behind_a_long_prompt_past_some_typical_prefills() -> None:
@@ -211,6 +217,20 @@ def test_a_cached_turn_does_not_wait_behind_a_long_prompt_past_some_typical_pref
     # p-b computing it all) + 4 x the typical full prefill (0.0974 s, smoothed over the two before), so p-b
     assert chosen[4.0] == ("p-b", 0, 0.78)
     assert chosen[math.inf] == ("p-a", 592, 1.4467)  # without the cap, the recompute weight waits for the cache
+
+
+def test_a_wait_into_the_tail_is_left_out_unless_the_compute_it_saves_costs_the_busy_pool_more() -> None:
+    policy = KvmeshPrefill()
+    policy.tail_ttft_s = 2.0  # as if tracked: the p99 of the picks' predicted TTFT
+    cached = PrefillPick("p-a", 40_000, 0.04, 2.1)  # it would wait 2.06 s for its cache
+    quickest = PrefillPick("p-b", 0, 0.74, 0.8)  # computes the whole prompt after a 0.06 s queue
+    # one worker in four busy: the 0.70 s of compute the wait saves would delay 1/3 of a request queued behind it
+    # (M/M/1 at 0.25), 0.23 s, against 1.3 s more TTFT for this one: it goes to p-b
+    assert policy.is_tail_wait(cached, quickest, busy=0.25)
+    # three in four busy: 3 requests behind it, 2.1 s of delay, more than the 1.3 s: it waits for its cache
+    assert not policy.is_tail_wait(cached, quickest, busy=0.75)
+    assert not policy.is_tail_wait(PrefillPick("p-a", 40_000, 0.04, 1.9), quickest, busy=0.25)  # below the tail
+    assert not KvmeshPrefill(tail_quantile=0.0).is_tail_wait(cached, quickest, busy=0.25)  # nothing tracked
 
 
 def test_kvmesh_counts_blocks_still_being_computed_as_cached_on_their_worker() -> None:
@@ -255,11 +275,12 @@ def test_finished_requests_heard_from_decode_free_their_kv_before_the_next_repor
     assert view.num_finished("d-a") == (1, 600) and view.num_finished("d-b") == (0, 0)
     assert view.num_kv_tokens(d_a) == 400 and view.num_requests(d_a) == 1
     assert view.num_kv_tokens(d_b) == 700 and view.num_requests(d_b) == 1
-    # known up to now: 400 left on d-a; the one still running grows a token per 0.01 s step until 0.5
-    assert policy.predicted_kv(d_a, view, 0.3, 0.5) == 400 + 50
+    # known up to now: 400 left on d-a; the one still running grows a token per 0.01 s step from the report on, read
+    # over the window after the arrival at 0.5 (half of 100 expected outputs' steps: to 1.0) at 0.5, 0.625, ..., 1.0
+    assert policy.predicted_kv(d_a, view, 0.3, 0.5) == pytest.approx(400 + (50 + 62.5 + 75 + 87.5 + 100) / 5)
     view.assign(Assignment("b", "r3", 0.3, "p-a", "d-b", 100, 100, 0.1, 0.9))  # on d-b later, but it counts
-    # for the share of the window after 0.5 (half of 100 expected outputs' 0.01 s steps) it will be there
-    assert policy.predicted_kv(d_b, view, 0.3, 0.5) == pytest.approx(700 + 50 + 100 * (1 - 0.4 / 0.5))
+    # from when it gets there (0.9: only the window's last moment, 1.0), with the 10 tokens it has made by then
+    assert policy.predicted_kv(d_b, view, 0.3, 0.5) == pytest.approx(700 + 75 + (100 + 10) / 5)
     assert policy.pick(request(10), [d_a, d_b], view, 0.3, arrival_s=0.5) == "d-a"
     view.update(worker("d-a", reported_s=0.25, num_kv_tokens=420, num_running=1))  # a report after the finish
     assert view.num_finished("d-a") == (0, 0)

@@ -14,7 +14,12 @@ times this prompt's full prefill is not a candidate, so a hot prefix is copied t
 one. Nor is a worker whose TTFT exceeds the least one's by more than `max_extra_wait_typical` typical full prefills
 (smoothed over the prompts picked for): a conversation's turn cached on a worker busy with a very long prompt is
 computed elsewhere instead of waiting seconds to save less (these waits were the p99 on the Mooncake conversation
-trace). The bounds and the weight are relative (to this prompt's prefill, to the busy share), so they hold on any
+trace). And a wait into the tail must pay: a worker whose TTFT would pass the tracked 99th percentile of the
+picks' predicted TTFTs (`tail_quantile`) is left out when the wait costs this request more than the compute it saves
+would cost the requests queued behind it on the quickest worker (busy / (1 - busy) of them: an M/M/1 queue at the
+pool's busy share). On a lightly loaded pool a cached turn stuck behind a long prompt, or a hot prefix, is then
+computed (copied) on a free worker instead of landing in the tail; a busy pool still waits for the cache.
+The bounds and the weight are relative (to this prompt's prefill, to the busy share), so they hold on any
 hardware; only the queue's drain between heartbeats runs on the real clock (KVMESH_BALANCER_COST_SCALE fits the cost
 model to the hardware, docs/balancer.md).
 Picks within `tie_fraction` of the request's least prefill time of the best are spread by a hash of the request
@@ -23,11 +28,12 @@ id, so replicas that pick at the same moment do not all choose the same idle wor
 Decode: the worker with the least KV predicted for when this request's KV gets there (prefill queue + prefill + transfer
 from now). With the decode workers' finished-request feed: the reported KV less the requests that left since, grown by a
 token per running request per step (up to the expected output, learned from finished requests through `observe_output`,
-starting from `expected_output_tokens`), plus the prompts of every request assigned since, each for the share of a
-window after this request's arrival that it will be there (the KV this one shares the worker with early in its life, not
-at one instant). Without it: the reported KV grown and decayed by requests finishing at the rate their expected lifetime
-says (expected output x step time), plus the prompts of requests assigned since that get there first. Reports are up to
-a heartbeat old and staggered across workers, so aligning them to one moment matters; ties go to fewer requests.
+starting from `expected_output_tokens`), plus every request assigned since from when it gets there, grown the
+same way, read over a window after this request's arrival (the KV this one shares the worker with early in its life,
+not at one instant). Without it: the reported KV grown and decayed by requests finishing at the rate their expected
+lifetime says (expected output x step time), plus the prompts of requests assigned since that get there first.
+Reports are up to a heartbeat old and staggered across workers, so aligning them to one moment matters; ties go to
+fewer requests.
 """
 
 from __future__ import annotations
@@ -57,7 +63,10 @@ class KvmeshPrefill:
         spread_ties: bool = True,
         max_extra_wait_typical: float = 8.0,
         typical_smoothing: float = 0.01,
+        tail_quantile: float = 0.99,
+        tail_step_typical: float = 0.1,
     ) -> None:
+        assert 0 <= tail_quantile < 1 and tail_step_typical > 0
         self.recompute_weight = recompute_weight
         self.max_wait_gap_rel = max_wait_gap_rel
         self.max_wait_gap_prefills = max_wait_gap_prefills
@@ -66,13 +75,18 @@ class KvmeshPrefill:
         self.max_extra_wait_typical = max_extra_wait_typical
         self.typical_smoothing = typical_smoothing
         self.typical_prefill_s = 0.0  # smoothed full prefill of the prompts picked for; only `pick` writes it
+        self.tail_quantile = tail_quantile  # 0: no tail guard
+        self.tail_step_typical = tail_step_typical  # the tracker's step, in typical full prefills
+        self.tail_ttft_s = 0.0  # tracked `tail_quantile` of the picks' predicted TTFT; only `pick` writes it
 
     def scores(self, ctx: PickContext, picks: dict[str, PrefillPick]) -> dict[str, float]:
         """Predicted TTFT plus the weighted compute a worker would spend beyond the best-cached one, the weight
-        scaled by the share of busy workers; workers past the imbalance bound are left out."""
+        scaled by the share of busy workers; workers past the imbalance bound, and waits into the tail that do not
+        pay (`is_tail_wait`), are left out."""
         least_s = min(p.predicted_s for p in picks.values())
         most_s = max(p.predicted_s for p in picks.values())
-        least_ttft = min(p.predicted_ttft_s for p in picks.values())
+        quickest = min(picks.values(), key=lambda p: p.predicted_ttft_s)
+        least_ttft = quickest.predicted_ttft_s
         bound = least_ttft * (1 + self.max_wait_gap_rel) + self.max_wait_gap_prefills * most_s
         if self.typical_prefill_s > 0:
             bound = min(bound, least_ttft + self.max_extra_wait_typical * self.typical_prefill_s)
@@ -81,8 +95,18 @@ class KvmeshPrefill:
         return {
             worker_id: p.predicted_ttft_s + weight * (p.predicted_s - least_s)
             for worker_id, p in picks.items()
-            if p.predicted_ttft_s <= bound
+            if p.predicted_ttft_s <= bound and not self.is_tail_wait(p, quickest, busy)
         }
+
+    def is_tail_wait(self, pick: PrefillPick, quickest: PrefillPick, busy: float) -> bool:
+        """Whether waiting on this worker (for its cache) would put the request past the tail of recent picks'
+        predicted TTFTs, saving less compute than the wait costs. The wait is this request's own; the compute it
+        saves would delay the requests queued behind it on the quickest worker: about busy / (1 - busy) of them (an
+        M/M/1 queue at the pool's busy share), never priced above the recompute weight."""
+        if self.tail_ttft_s <= 0 or pick.predicted_ttft_s <= max(quickest.predicted_ttft_s, self.tail_ttft_s):
+            return False
+        price = min(busy / max(1.0 - busy, 1e-9), self.recompute_weight * busy)
+        return pick.predicted_ttft_s - quickest.predicted_ttft_s > price * (quickest.predicted_s - pick.predicted_s)
 
     def pick(self, ctx: PickContext, workers: Sequence[WorkerState]) -> PrefillPick:
         picks = {w.worker_id: make_pick(ctx, w) for w in workers}
@@ -94,8 +118,22 @@ class KvmeshPrefill:
         tie_s = self.tie_fraction * min(p.predicted_s for p in picks.values())
         near = sorted(worker_id for worker_id, score in scores.items() if score <= best + tie_s)
         if self.spread_ties and ctx.request.request_id:
-            return picks[max(near, key=lambda w: spread_rank(ctx.request.request_id, w))]
-        return picks[min(near, key=lambda w: (scores[w], ctx.view.recent_work_s(w, ctx.now_s), w))]
+            pick = picks[max(near, key=lambda w: spread_rank(ctx.request.request_id, w))]
+        else:
+            pick = picks[min(near, key=lambda w: (scores[w], ctx.view.recent_work_s(w, ctx.now_s), w))]
+        self._track_tail(pick.predicted_ttft_s)
+        return pick
+
+    def _track_tail(self, ttft_s: float) -> None:
+        """Stochastic quantile tracking: up by step x q above the estimate, down by step x (1 - q) below, so it
+        settles where a share 1 - q of picks lies above (steps scale with the typical full prefill)."""
+        if self.tail_quantile <= 0:
+            return
+        step = self.tail_step_typical * self.typical_prefill_s
+        if ttft_s > self.tail_ttft_s:
+            self.tail_ttft_s += step * self.tail_quantile
+        else:
+            self.tail_ttft_s = max(self.tail_ttft_s - step * (1 - self.tail_quantile), 0.0)
 
     def observe(self, assignment: Assignment, worker: WorkerState | None) -> None:
         pass
@@ -106,38 +144,36 @@ class KvmeshPrefill:
 
 class KvmeshDecode:
     def __init__(
-        self, expected_output_tokens: float = 256.0, output_smoothing: float = 0.01, window_outputs: float = 0.5
+        self,
+        expected_output_tokens: float = 256.0,
+        output_smoothing: float = 0.01,
+        window_outputs: float = 0.5,
+        num_samples: int = 4,
     ) -> None:
-        assert expected_output_tokens > 0 and 0 < output_smoothing <= 1 and window_outputs > 0
+        assert expected_output_tokens > 0 and 0 < output_smoothing <= 1 and window_outputs > 0 and num_samples > 0
         self.expected_output_tokens = expected_output_tokens  # only `observe_output` writes it
         self.output_smoothing = output_smoothing
         self.window_outputs = window_outputs  # the window after the arrival, in expected outputs' steps
+        self.num_samples = num_samples  # the window is read at num_samples + 1 evenly spaced moments
 
     def predicted_kv(self, worker: WorkerState, view: LoadView, now_s: float, arrival_s: float) -> float:
-        """The worker's KV when this request's KV gets there.
+        """The worker's KV over the window after this request's KV gets there.
 
         Hearing finished requests (the decode workers' feed), the KV up to now is known rather than predicted: the
-        report less the requests that left since, the rest grown a token per step; to the arrival it grows again, and
-        every request assigned since counts with its prompt for the share of a window after this request's arrival
-        (`window_outputs` expected outputs' steps) that it will be there: the KV this request will share the worker with
-        early in its life, not at one instant (one arriving just after counts almost whole, one arriving past the window
-        not at all). Without the feed, requests leave at the rate their expected lifetime says: the reported KV grown
-        and decayed from the report to the arrival, plus the assigned requests that get there first. On the Mooncake
-        conversation trace the feed's reading balances better (decode efficiency 0.948 against 0.935 at --load-basis
-        prompt; docs/balancer.md): exact KV beats a decay model of it. The window took one worker per H800 node from
-        0.850 to 0.878 and units from 0.952 to 0.956 (docs/balancer.md)."""
+        report less the requests that left since. From then on every request grows a token per step (up to the
+        expected output, learned from finished requests), and every request assigned since counts from when it gets
+        there, with the tokens it has made by then; the prediction is the mean of that KV over a window after this
+        request's arrival (`window_outputs` expected outputs' steps, `window_kv`): the KV this request will share the
+        worker with early in its life, not at one instant. Without the feed, requests leave at the rate their
+        expected lifetime says: the reported KV grown and decayed from the report to the arrival, plus the assigned
+        requests that get there first. On the Mooncake conversation trace the feed's reading balances better
+        (decode efficiency 0.948 against 0.935 at --load-basis prompt; docs/balancer.md): exact KV beats a decay
+        model of it. The window took one worker per H800 node from 0.850 to 0.875, its growth to 0.879
+        (docs/balancer.md)."""
         step_s = view.cost.decode_step_s(worker.num_kv_tokens)
         if view.hears_finishes:
-            known_s = max(now_s, worker.reported_s)
-            num_finished, freed = view.num_finished(worker.worker_id)
-            running = max(worker.num_running - num_finished, 0)
-            grown_steps = min((max(arrival_s, known_s) - worker.reported_s) / step_s, self.expected_output_tokens)
-            kv = max(worker.num_kv_tokens - freed, 0) + running * grown_steps
-            window_s = self.window_outputs * self.expected_output_tokens * step_s
-            start_s = max(arrival_s, now_s)
-            for entry in view.pending(worker.worker_id):
-                kv += entry.num_tokens * max(1.0 - max(entry.visible_s - start_s, 0.0) / window_s, 0.0)
-            return kv
+            kvs = self.window_kv(worker, view, now_s, arrival_s, step_s)
+            return sum(kvs) / len(kvs)
         lifetime_s = max(self.expected_output_tokens * step_s, 1e-3)
         elapsed_s = max(arrival_s - worker.reported_s, 0.0)
         grown = worker.num_kv_tokens + worker.num_running * min(elapsed_s / step_s, self.expected_output_tokens)
@@ -147,6 +183,29 @@ class KvmeshDecode:
                 break
             kv += entry.num_tokens * math.exp(-(arrival_s - entry.visible_s) / lifetime_s)
         return kv
+
+    def window_kv(
+        self, worker: WorkerState, view: LoadView, now_s: float, arrival_s: float, step_s: float
+    ) -> list[float]:
+        """With the feed: the worker's KV at `num_samples + 1` evenly spaced moments from this request's arrival to
+        the window's end. The requests it runs grow a token per step from the report on; those assigned since join
+        when their KV gets there, with what they have grown by then (expected outputs cap every growth)."""
+        num_finished, freed = view.num_finished(worker.worker_id)
+        running = max(worker.num_running - num_finished, 0)
+        known = max(worker.num_kv_tokens - freed, 0)
+        start_s = max(arrival_s, now_s)
+        window_s = self.window_outputs * self.expected_output_tokens * step_s
+        cap = self.expected_output_tokens
+        kvs = []
+        for j in range(self.num_samples + 1):
+            at_s = start_s + window_s * j / self.num_samples
+            kv = known + running * min((at_s - worker.reported_s) / step_s, cap)
+            for entry in view.pending(worker.worker_id):  # by visible_s
+                if entry.visible_s > at_s:
+                    break
+                kv += entry.num_tokens + min((at_s - entry.visible_s) / step_s, cap)
+            kvs.append(kv)
+        return kvs
 
     def pick(
         self, request: RouteRequest, workers: Sequence[WorkerState], view: LoadView, now_s: float, arrival_s: float
