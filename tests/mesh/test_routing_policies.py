@@ -179,7 +179,7 @@ def test_a_hot_prefix_spills_to_a_second_worker_instead_of_piling_up() -> None:
     hot = [request(136, *range(1, 9), 100 + n, request_id=f"r{n}") for n in range(200)]
     for tail_quantile, first, counts in ((0.0, 96, {"p-a": 96, "p-b": 23, "p-c": 81}), (0.99, 23, None)):
         router = Router("kvmesh", index, COST)
-        router.prefill_policy = KvmeshPrefill(tail_quantile=tail_quantile)
+        policy = router.prefill_policy = KvmeshPrefill(tail_quantile=tail_quantile)
         chosen = [router.route(r, pool, DECODE, 0.0)[0] for r in hot]
         first_elsewhere = next(n for n, r in enumerate(chosen) if r.prefill_worker_id != "p-a")
         assert first_elsewhere == first
@@ -196,7 +196,7 @@ def test_a_hot_prefix_spills_to_a_second_worker_instead_of_piling_up() -> None:
     # that costs the pool only 0.5 x that (one worker in three busy: 0.5 requests queued behind it, M/M/1): the
     # prefix is copied to an idle worker at once, and the three queues end within 0.009 s of each other.
     assert max(waits) - min(waits) == pytest.approx(0.697664 - 0.688608, abs=1e-6)
-    assert router.prefill_policy.tail_ttft_s == pytest.approx(0.698543, abs=1e-6)
+    assert policy.tail_ttft_s == pytest.approx(0.698543, abs=1e-6)
 
 
 def test_a_cached_turn_does_not_wait_behind_a_long_prompt_past_some_typical_prefills() -> None:
