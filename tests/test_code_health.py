@@ -5,8 +5,9 @@ The checker reads the source with `ast` and imports nothing, so it runs in a fra
 - no `from module import _private` across modules;
 - no module under services/<a> imports services/<b>, and libs/ imports services/ only under libs/kvmesh
   (the CLI, `kvmesh up` and the benchmarks drive whole services);
-- the engine (engine_core, devices) imports nothing of the service layer but the KV block format it shares
-  with the store (mesh.kv_blocks): the engine runs alone (`kvmesh generate`, the parity tests);
+- the engine (engine_core, devices) imports nothing of the service layer but what it shares with the store: the KV
+  block format (mesh.kv_blocks) and the eviction policies (mesh.eviction):
+  the engine runs alone (`kvmesh generate`, the parity tests);
 - no two classes share a name.
 Generated protobuf code (libs/mesh/pb) is left out. The checker is tested on a tiny tree first, so the checks
 on the real tree cannot pass vacuously.
@@ -28,7 +29,8 @@ EXCLUDED = ("mesh.pb",)
 # libs/ may import services/ only here: the CLI, `kvmesh up` and the benchmarks start and drive services.
 LIBS_MAY_IMPORT_SERVICES = ("kvmesh",)
 ENGINE = ("engine_core", "devices")
-ENGINE_MAY_IMPORT = ("mesh.kv_blocks", "mesh.pb")  # the block format (torch-free, so a store node needs no torch)
+ENGINE_MAY_IMPORT = ("mesh.kv_blocks", "mesh.pb", "mesh.eviction")  # what the engine shares with the store:
+# the block format and the eviction policies (torch-free, so a store node needs no torch)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from mesh.eviction.policies import POLICIES
+
 SUPPORTED_MODEL_TYPES = ("llama", "deepseek_v3", "deepseek_v4")
 QUANTIZATION_MODES = ("none", "int8")  # engine_core.quantization implements them
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -405,6 +407,7 @@ class EngineConfig:
     # while requests decode, a prefill computes at most this many prompt tokens a step (0: no cap), so that a long
     # prompt arriving cannot stall the running streams (vLLM's long_prefill_token_threshold)
     long_prefill_token_threshold: int = 256
+    device_cache_policy: str = "lru"  # which free cached block goes first: a mesh.eviction policy (POLICIES)
 
     def __post_init__(self) -> None:
         for name in (
@@ -432,6 +435,10 @@ class EngineConfig:
             raise ConfigError(f"long_prefill_token_threshold must be a non-negative integer, got {threshold!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device_cache_policy not in POLICIES:
+            raise ConfigError(
+                f"device_cache_policy must be one of {', '.join(POLICIES)}, got {self.device_cache_policy!r}"
+            )
 
     def torch_dtype(self, device_name: str) -> torch.dtype:
         if self.dtype == "auto":

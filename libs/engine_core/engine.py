@@ -96,7 +96,9 @@ class LLMEngine:
             model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size
         )
         self.experts = ExpertParallel.attach(model, self.model_config, config)  # None without MoE layers
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, config.device_cache_policy
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
             self.kv,

@@ -61,20 +61,6 @@ class Block:
         return replace(self, data=b"")
 
 
-@dataclass(frozen=True, slots=True)
-class BlockHint:
-    """What the store tells a tier's eviction policy about a block as it enters: the features a predicting policy
-    (`reuse`) classes blocks by. Filled by `BlockStore.put` from the Put itself, with no state of its own."""
-
-    position: int = 0  # the block's place in the chain run of its Put (0: the run's first block)
-    run_blocks: int = 1  # how many blocks that run carries: a whole document's prompt, or one turn's new part
-    continues: bool = False  # the run's first block extends a chain this store holds (the prompt hit a prefix)
-    traffic_class: str = ""  # the block's class ("" is the store's default)
-
-
-NO_HINT = BlockHint()
-
-
 def rejection(block: Block, capacity_bytes: int) -> str | None:
     """Why the store cannot take `block`, or None."""
     if not block.block_hash:

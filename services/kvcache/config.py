@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mesh.config import LaneSettings, ServiceSettings, check_lane_settings, require, require_data_port, setting
-from services.kvcache.policy import POLICIES
+from mesh.eviction.policies import POLICIES
 from services.kvcache.store import DAY_S, StoreConfig
 
 

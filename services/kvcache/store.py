@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from mesh.eviction.hint import NO_HINT, BlockHint
+from mesh.eviction.policies import DEFAULT_POLICY, make_policy
 from services.kvcache.blocks import (
-    NO_HINT,
     WHOLE,
     Block,
     BlockError,
-    BlockHint,
     BlocksRemoved,
     BlocksStored,
     Fragment,
@@ -36,7 +36,6 @@ from services.kvcache.blocks import (
     append_stored,
     rejection,
 )
-from services.kvcache.policy import DEFAULT_POLICY, make_policy
 from services.kvcache.tiers import FileTier, MemoryTier
 
 DAY_S = 86_400.0

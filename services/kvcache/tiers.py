@@ -17,11 +17,11 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from mesh.eviction.policies import EvictionPolicy
 from mesh.kv_blocks import checksum
 from mesh.pb import kvcache_pb2
 from services.kvcache import codec
 from services.kvcache.blocks import Block
-from services.kvcache.policy import EvictionPolicy
 
 MAGIC = b"KVMB"
 SUFFIX = ".blk"

@@ -15,12 +15,12 @@ from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import subjects
 from mesh.access import PREFILL
 from mesh.bus import Bus
+from mesh.eviction.policies import LFUDAPolicy, LRUPolicy, S3FIFOPolicy
 from mesh.kv_blocks import KVLayout, checksum, layout_to_proto
 from mesh.pb import common_pb2, events_pb2, kvcache_pb2, kvcache_pb2_grpc
 from services.kvcache.blocks import Fragment
 from services.kvcache.codec import block_to_pb
 from services.kvcache.config import KVCacheSettings
-from services.kvcache.policy import LFUDAPolicy, LRUPolicy, S3FIFOPolicy
 from services.kvcache.server import serve
 from services.kvcache.store import (
     DAY_S,

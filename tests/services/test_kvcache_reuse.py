@@ -3,10 +3,10 @@ eviction orders (no service, no NATS)."""
 
 from __future__ import annotations
 
-from services.kvcache.blocks import NO_HINT, BlockHint
-from services.kvcache.policy import make_policy
-from services.kvcache.reuse import ReusePolicy, class_of, run_bucket
-from services.kvcache.sketch import FrequencySketch
+from mesh.eviction.hint import NO_HINT, BlockHint
+from mesh.eviction.policies import make_policy
+from mesh.eviction.reuse import ReusePolicy, class_of, run_bucket
+from mesh.eviction.sketch import FrequencySketch
 from services.kvcache.store import Block, BlockStore, StoreConfig
 from tests.services.test_kvcache import BLOCK_BYTES, LAYOUT, ROOT, chain, key
 

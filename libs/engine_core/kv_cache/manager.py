@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from engine_core.kv_cache.block_hash import hash_token_blocks
 from engine_core.kv_cache.block_pool import BlockPool, KVBlock
 from engine_core.request import Request
+from mesh.eviction.policies import make_policy
 
 
 def cdiv(a: int, b: int) -> int:
@@ -19,10 +20,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, eviction_policy: str = "lru"
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        # `lru` keeps the pool's own free queue (least recently freed first); another name orders the free cached
+        # blocks by that mesh.eviction policy, counted in blocks. An unknown name raises ValueError.
+        eviction = None if eviction_policy == "lru" else make_policy(eviction_policy, num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching, eviction)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of the request already in the cache
 

@@ -28,6 +28,11 @@ def add_parsers(bench_commands: Any) -> None:
         help="also sweep capacities x policies over these traces (and --trace)",
     )
     kvcache.add_argument("--plot", default=None, metavar="PNG", help="with --sweep: draw hit rate vs capacity")
+    kvcache.add_argument(
+        "--device",
+        action="store_true",
+        help="replay a worker's device prefix cache (engine_core's BlockPool, KVMESH_DEVICE_CACHE_POLICY) instead",
+    )
     kvcache.add_argument("--json", action="store_true", help="one line of JSON")
 
     protection = bench_commands.add_parser(
@@ -92,11 +97,13 @@ def run(args: argparse.Namespace) -> int:
     result: Any
     if args.bench_command == "kvcache":
         from kvmesh.bench.kvcache import plot, run_kvcache_bench, sweep
-        from services.kvcache.policy import POLICIES
+        from mesh.eviction.policies import POLICIES
 
-        result = run_kvcache_bench(args.trace, args.capacity_blocks, args.policy)
+        result = run_kvcache_bench(args.trace, args.capacity_blocks, args.policy, device=args.device)
         if args.sweep is not None:
-            rows = sweep([args.trace, *args.sweep], (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75), POLICIES)
+            rows = sweep(
+                [args.trace, *args.sweep], (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75), POLICIES, device=args.device
+            )
             if args.plot:
                 plot(rows, args.plot)
             result = {"result": result, "sweep": rows}

@@ -17,11 +17,12 @@ from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine_core.kv_cache.block_pool import BlockPool
 from kvmesh.bench import kvcache_trace
+from mesh.eviction.policies import POLICIES, make_policy
+from mesh.eviction.reuse import run_bucket
 from mesh.kv_blocks import KVLayout, checksum
 from services.kvcache.blocks import Block
-from services.kvcache.policy import POLICIES
-from services.kvcache.reuse import run_bucket
 from services.kvcache.store import BlockStore, StoreConfig
 
 LAYOUT = KVLayout(model="trace", dtype="float32", block_size=512, num_layers=1, layer_shape=(1,), block_axis=0)
@@ -195,12 +196,37 @@ def replay(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int, po
     return hits / max(total, 1)
 
 
+def replay_device(requests: Sequence[tuple[float, list[int]]], capacity_blocks: int, policy: str) -> float:
+    """The hit rate of a worker's device prefix cache (engine_core's BlockPool, as `KVCacheManager` builds it for
+    `policy`) with `capacity_blocks` blocks, one request at a time: its leading cached blocks are taken back, the
+    rest allocated and cached, and all freed last block first when it ends, as the engine frees them. A request
+    longer than the cache keeps its first blocks only."""
+    pool = BlockPool(capacity_blocks, eviction=None if policy == "lru" else make_policy(policy, capacity_blocks))
+    hits = total = 0
+    for _, ids in requests:
+        keys = [key_of(i) for i in ids[:capacity_blocks]]
+        cached = []
+        for key in keys:
+            block = pool.get_cached_block(key)
+            if block is None:
+                break
+            cached.append(block)
+        pool.touch(cached)
+        computed = pool.allocate(len(keys) - len(cached))
+        pool.cache_blocks(computed, keys[len(cached) :], keys[len(cached) - 1] if cached else ROOT, (), 1)
+        pool.take_events()
+        pool.free(reversed([*cached, *computed]))
+        hits += len(cached)
+        total += len(ids)
+    return hits / max(total, 1)
+
+
 def run_kvcache_bench(
-    trace: str, capacity_blocks: int | None, policy: str, capacity_fraction: float | None = None
+    trace: str, capacity_blocks: int | None, policy: str, capacity_fraction: float | None = None, device: bool = False
 ) -> dict[str, Any]:
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
-    return _rows(trace, load_trace(trace), capacity_blocks, capacity_fraction, [policy])[0]
+    return _rows(trace, load_trace(trace), capacity_blocks, capacity_fraction, [policy], device)[0]
 
 
 def _rows(
@@ -209,6 +235,7 @@ def _rows(
     capacity_blocks: int | None,
     capacity_fraction: float | None,
     policies: Sequence[str],
+    device: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per policy at one capacity; the bounds (ideal, Belady, reuse oracle) are computed once."""
     unique = len({i for _, ids in requests for i in ids})
@@ -224,11 +251,12 @@ def _rows(
     rows = []
     for policy in policies:
         started = time.perf_counter()
-        hit_rate = replay(requests, capacity_blocks, policy)
+        hit_rate = (replay_device if device else replay)(requests, capacity_blocks, policy)
         rows.append(
             {
                 "trace": Path(trace).name,  # "generated" for kvcache_trace's
                 "policy": policy,
+                "cache": "device" if device else "store",
                 "capacity_blocks": capacity_blocks,
                 "unique_blocks": unique,
                 "capacity_fraction": round(capacity_blocks / unique, 4),
@@ -242,12 +270,14 @@ def _rows(
     return rows
 
 
-def sweep(traces: Sequence[str], fractions: Sequence[float], policies: Sequence[str]) -> list[dict[str, Any]]:
+def sweep(
+    traces: Sequence[str], fractions: Sequence[float], policies: Sequence[str], device: bool = False
+) -> list[dict[str, Any]]:
     rows = []
     for trace in traces:
         requests = load_trace(trace)
         for fraction in fractions:
-            rows += _rows(trace, requests, None, fraction, policies)
+            rows += _rows(trace, requests, None, fraction, policies, device)
     return rows
 
 

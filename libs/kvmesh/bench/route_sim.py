@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.bench.route_trace import TraceRequest
+from mesh.eviction.policies import make_policy
 from mesh.kv_index import GlobalKVIndex
 from mesh.routing import CostModel, Router, RouteRequest, WorkerState
-from services.kvcache.policy import make_policy
 
 ARRIVE, PREFILL_DONE, DECODE_JOIN, STEP_DONE, HEARTBEAT, PEER, FINISHED = range(7)
 

@@ -8,6 +8,7 @@ from engine_core import EngineConfig
 from engine_core.config import QUANTIZATION_MODES
 from mesh.compute.faults import Faults
 from mesh.config import ServiceSettings, require, setting
+from mesh.eviction.policies import POLICIES
 from mesh.logging import get_logger
 
 DEVICES = ("auto", "cpu", "cuda", "ascend")
@@ -35,6 +36,11 @@ class WorkerSettings(ServiceSettings):
     torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
     prefix_caching_enabled: bool = setting(
         True, "reuse the KV of a prompt's leading blocks this worker already holds (off: every prompt computed in full)"
+    )
+    device_cache_policy: str = setting(
+        "lru",
+        "which cached block the device prefix cache gives up first: lru, s3fifo, lfuda or reuse (mesh.eviction, "
+        "as the KV store's KVMESH_EVICTION_POLICY; docs/kvcache.md)",
     )
     block_size: int = setting(
         16,
@@ -75,6 +81,12 @@ class WorkerSettings(ServiceSettings):
         ):
             value = getattr(self, name)
             require(value > 0, name, value, "must be positive")
+        require(
+            self.device_cache_policy in POLICIES,
+            "device_cache_policy",
+            self.device_cache_policy,
+            f"must be one of {', '.join(POLICIES)}",
+        )
         require(
             self.quantization in QUANTIZATION_MODES,
             "quantization",
@@ -117,6 +129,7 @@ class WorkerSettings(ServiceSettings):
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             quantization=self.quantization,
             enable_prefix_caching=self.prefix_caching_enabled,
+            device_cache_policy=self.device_cache_policy,
             served_name=model,
             expert_parallel_size=self.expert_parallel_size,
             num_redundant_experts=self.num_redundant_experts,

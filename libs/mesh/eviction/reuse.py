@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from services.kvcache.aging import AgingHeap
-from services.kvcache.blocks import NO_HINT, BlockHint
-from services.kvcache.sketch import FrequencySketch
+from mesh.eviction.aging import AgingHeap
+from mesh.eviction.hint import NO_HINT, BlockHint
+from mesh.eviction.sketch import FrequencySketch
 
 MAX_FREQ = 4
 GHOST_FACTOR = 2  # first sightings remembered, as a multiple of the blocks held
@@ -50,12 +50,14 @@ def class_of(hint: BlockHint) -> Class:
 
 
 class ReusePolicy:
-    def __init__(self, capacity_bytes: int = 0) -> None:
+    def __init__(self, capacity_bytes: int = 0, admission: bool = True, max_freq: int = MAX_FREQ) -> None:
+        self.admission = admission  # filter first-seen blocks by class (False: admit every block); see duel.py
+        self.max_freq = max_freq  # the priority cap: 1 orders as LRU does, MAX_FREQ as lfuda; see duel.py
         self.window_target_bytes = int(capacity_bytes * WINDOW_FRACTION)
         self._window: OrderedDict[bytes, int] = OrderedDict()  # not admitted: key -> size, oldest first
         self._window_bytes = 0
         self._heap = AgingHeap()  # the admitted keys, in lfuda's order
-        self._hits: dict[bytes, int] = {}  # key -> 1 + hits while held, capped at MAX_FREQ
+        self._hits: dict[bytes, int] = {}  # key -> 1 + hits while held, capped at max_freq
         self._sketch = FrequencySketch()
         self._first_seen: OrderedDict[bytes, Class] = OrderedDict()  # recent first sightings, oldest first
         self._num_seen: dict[Class, float] = {}  # class -> first sightings
@@ -69,7 +71,7 @@ class ReusePolicy:
         self._seen(key)
         self._hits[key] = 1
         klass = class_of(hint)
-        is_admitted = is_known or self.admits(klass)
+        is_admitted = is_known or not self.admission or self.admits(klass)
         if not is_known:
             self._first_sighting(key, klass)
         if is_admitted:
@@ -83,12 +85,12 @@ class ReusePolicy:
         if size is not None:  # a hit in the window: admitted after all
             self._window_bytes -= size
             self._seen(key)
-            self._hits[key] = 2
-            self._heap.push(key, self._heap.floor + 2)
+            self._hits[key] = min(2, self.max_freq)
+            self._heap.push(key, self._heap.floor + self._hits[key])
             return
         if key in self._hits:
             self._seen(key)
-            self._hits[key] = min(self._hits[key] + 1, MAX_FREQ)
+            self._hits[key] = min(self._hits[key] + 1, self.max_freq)
             self._heap.push(key, self._heap.floor + self._hits[key])
 
     def remove(self, key: bytes) -> None:

@@ -1,8 +1,10 @@
-"""Eviction policies: which block a tier gives up when it needs room. Pluggable by name (`make_policy`).
+"""Eviction policies: which block a cache gives up when it needs room. Pluggable by name (`make_policy`): the KV
+store's tiers (KVMESH_EVICTION_POLICY) and the workers' device prefix caches (KVMESH_DEVICE_CACHE_POLICY).
 
-A policy tracks keys and their sizes, never the data. The tier that owns it is its only writer: `insert` a new
-key, `touch` a hit, `remove` a key that left for another reason (TTL, a pin), `victim` to pop the next key to
-evict. Pinned keys are simply not in the policy while pinned, so they are never victims.
+A policy tracks keys and their sizes, never the data. The cache that owns it is its only writer: `insert` a new
+key, `touch` a hit, `remove` a key that left for another reason (TTL, a pin, a device block taken by a request),
+`victim` to pop the next key to evict. Pinned keys are simply not in the policy while pinned, so they are never
+victims.
 
 - `lru`: least recently used first.
 - `s3fifo`: S3-FIFO (Yang et al., SOSP'23): a small FIFO (10% of the bytes) that new keys enter, a main FIFO
@@ -15,6 +17,7 @@ evict. Pinned keys are simply not in the policy while pinned, so they are never 
   priority goes first, the oldest among equals. Recency ages frequency out, so hot shared prefixes stay while
   a conversation's latest turn is still kept long enough to be reused. On both Mooncake traces at 25% of the
   unique blocks it is at or above LRU and S3-FIFO (see `kvmesh bench kvcache`): the default.
+- `reuse`: an admission filter that predicts reuse in front of lfuda's order (`reuse.py`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from services.kvcache.aging import AgingHeap
-from services.kvcache.blocks import NO_HINT, BlockHint
-from services.kvcache.reuse import ReusePolicy
+from mesh.eviction.aging import AgingHeap
+from mesh.eviction.hint import NO_HINT, BlockHint
+from mesh.eviction.reuse import ReusePolicy
 
 POLICIES = ("lru", "s3fifo", "lfuda", "reuse")
 DEFAULT_POLICY = "lfuda"
