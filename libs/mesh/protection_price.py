@@ -15,14 +15,16 @@ same price: blocks with more parity (the writer priced them higher) are repaired
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mesh.erasure import Protection
 from mesh.routing.cost import CostModel
 
-# what the writer's settings will be called (prefill writes blocks; wiring it there is still to do)
+# the writer's settings (prefill writes blocks: services/prefill/config.py)
 SETTING_NAMES = ("KVMESH_KV_PROTECTION_LEVELS", "KVMESH_KV_PROTECTION_BUDGET")
+MAX_USES = 8  # uses counted per key: reuse likelihood is learned by uses up to this
 
 
 def overhead(protection: Protection) -> float:
@@ -103,3 +105,51 @@ def assign(prices: Sequence[float], plan: PricedProtection) -> list[Protection]:
 def repair_rank(protection: Protection) -> tuple[int, float]:
     """Sort key for repair, most valuable first: more parity (priced higher by its writer), then more bytes."""
     return (-protection.num_parity, -overhead(protection))
+
+
+@dataclass
+class _Seen:
+    depth: int  # blocks before the key in the first prompt that held it
+    chain_end: int  # the deepest block position of any prompt that held it
+    num_uses: int  # prompts that held it, capped at MAX_USES
+
+
+class ReuseBook:
+    """What a writer learns of its blocks from the prompts it sees, to price them (`price`): each key's depth, the
+    deepest prompt it was part of (the chain that loses its use with it) and how many prompts used it; and, over
+    all keys, the share of keys used u times that were used once more (the reuse likelihood of a key used u times,
+    as `kvmesh bench kv-protection` learns it). Bounded: the `max_keys` keys seen last. Written only by its owner
+    (prefill's StoreClient, on the event loop)."""
+
+    def __init__(self, cost: CostModel | None = None, max_keys: int = 1 << 16) -> None:
+        self.cost = cost or CostModel()
+        self.max_keys = max_keys
+        self._keys: OrderedDict[bytes, _Seen] = OrderedDict()
+        self._num_reached: Counter[int] = Counter()  # u -> keys that reached u uses (u capped at MAX_USES)
+
+    def note_prompt(self, keys: Sequence[bytes]) -> None:
+        """A prompt's block keys in chain order (the first at depth 0)."""
+        for depth, key in enumerate(keys):
+            seen = self._keys.get(key)
+            if seen is None:
+                seen = self._keys[key] = _Seen(depth, len(keys) - 1, 0)
+            seen.chain_end = max(seen.chain_end, len(keys) - 1)
+            seen.num_uses = min(seen.num_uses + 1, MAX_USES)
+            self._num_reached[seen.num_uses] += 1
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
+
+    def reuse_likelihood(self, num_uses: int) -> float:
+        """The share of keys used `num_uses` times that were used again (0.5 before anything is known)."""
+        reached = self._num_reached[num_uses]
+        if num_uses >= MAX_USES:
+            return (reached + 1) / (reached + 2)
+        return (self._num_reached[num_uses + 1] + 1) / (reached + 2)
+
+    def price(self, key: bytes, block_tokens: int) -> float:
+        """`recompute_price` of the key's block: its tokens and its chain's below it, after its depth's, times the
+        reuse likelihood of its uses. A key no prompt showed is priced as a lone block at depth 0, used once."""
+        seen = self._keys.get(key) or _Seen(0, 0, 1)
+        num_tokens = (seen.chain_end - seen.depth + 1) * block_tokens
+        return recompute_price(num_tokens, seen.depth * block_tokens, self.reuse_likelihood(seen.num_uses), self.cost)

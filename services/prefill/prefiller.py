@@ -80,8 +80,8 @@ class StoreReader(Protocol):
 
     def is_available(self) -> bool: ...
 
-    def note_traffic_class(self, block_hashes: Sequence[bytes], traffic_class: str) -> None:
-        """The request's class, for the TTL of these blocks when they are written."""
+    def note_prompt(self, block_hashes: Sequence[bytes], traffic_class: str) -> None:
+        """A prompt's block keys in order and its request's class: the TTL and price of these blocks when written."""
         ...
 
     async def fetch(self, model: str, block_hashes: Sequence[bytes]) -> list[StoreBlock]:
@@ -377,7 +377,7 @@ class Prefiller:
         hashes = engine.prompt_block_hashes(
             job.prompt_token_ids, job.cache_salt, [image.key_span for image in job.images]
         )
-        self.store.note_traffic_class(hashes, job.traffic_class)
+        self.store.note_prompt(hashes, job.traffic_class)
         # The last prompt token is always computed (its logits give the first token), so its block never helps.
         hashes = hashes[: (len(job.prompt_token_ids) - 1) // block_size]
         return _Lookup(hashes, self.store.stored(hashes))

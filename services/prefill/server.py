@@ -204,6 +204,7 @@ class PrefillService:
                 stream_layers=settings.kv_stream_layers,
                 use_lanes=settings.kv_store_lanes,
                 lane_tls=lane.client_tls(runtime.credentials),
+                priced=settings.priced_protection(),
             )
             await store.start(bus)
             writer = StoreWriter(store, settings.store_write_queue_bytes)

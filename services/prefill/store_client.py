@@ -30,6 +30,7 @@ from mesh.lane import BufferPool, LanePool
 from mesh.logging import get_logger
 from mesh.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
 from mesh.placement import rank_nodes
+from mesh.protection_price import PricedProtection, ReuseBook, assign
 from mesh.tasks import cancel_until_done
 from services.prefill.prefiller import StoreBlock
 from services.prefill.store_reads import Fetched, Source, assemble, is_complete, plan_reads, store_failed
@@ -101,11 +102,16 @@ class StoreClient:
         use_lanes: bool = True,
         read_buffer_bytes: int = 512 * 2**20,
         lane_tls: ssl.SSLContext | None = None,
+        priced: PricedProtection | None = None,
     ) -> None:
         self.registry = registry
         self.channels = channels
         self.timeout_s = timeout_s
-        self.protection = protection
+        self.protection = protection  # every block's level, unless priced
+        # each block's level from its recompute price, within the plan's budget over each batch written (priced
+        # protection, mesh.protection_price); None: `protection` for all
+        self.priced = priced
+        self.prices = ReuseBook()  # written only by note_prompt
         self.index = GlobalKVIndex()  # written only by the follower
         self.follower: KVEventFollower | None = None
         self._starting: asyncio.Task[None] | None = None  # the follower's start while the stream does not exist
@@ -158,8 +164,10 @@ class StoreClient:
     def is_available(self) -> bool:
         return bool(self.nodes())
 
-    def note_traffic_class(self, keys: Sequence[bytes], traffic_class: str) -> None:
-        """The class of the request these prompt blocks belong to: it sets their TTL when they are written."""
+    def note_prompt(self, keys: Sequence[bytes], traffic_class: str) -> None:
+        """A prompt's block keys in order and its request's class: when the blocks are written, the class sets
+        their TTL and the prompt their price (depth, the chain below, uses)."""
+        self.prices.note_prompt(keys)
         if not traffic_class:
             return
         for key in keys:
@@ -239,7 +247,8 @@ class StoreClient:
         self, model: str, keys: Sequence[bytes], nodes: dict[str, str]
     ) -> tuple[list[list[Source]], list[int]]:
         """Ask each key's first k+m rendezvous nodes which fragment they hold."""
-        n = min(self.protection.num_total, len(nodes))
+        levels = self.priced.levels if self.priced is not None else (self.protection,)
+        n = min(max(level.num_total for level in levels), len(nodes))
         asked: dict[str, list[int]] = {}
         for position, key in enumerate(keys):
             for node in rank_nodes(key, list(nodes))[:n]:
@@ -252,7 +261,7 @@ class StoreClient:
             for position, index in zip(positions, indices, strict=False):  # a node's extra answers: ignored
                 if index >= 0:
                     sources[position].append(Source(node, index, False))
-        k = self.protection.num_data
+        k = min(level.num_data for level in levels)  # too few for a wider block: its assembly fails, a miss
         num_data = [1 if [s.fragment_index for s in found] == [0] else k for found in sources]
         return sources, num_data
 
@@ -334,11 +343,16 @@ class StoreClient:
     async def put(self, blocks: Sequence[StoreBlock]) -> None:
         """Each block's fragments to its first k+m nodes, one Put stream per node, in parallel. Never raises."""
         nodes = self.nodes()
-        if len(nodes) < self.protection.num_data:
-            if nodes:
-                metrics.PREFILL_STORE_DROPPED_BLOCKS.inc(len(blocks))  # too few nodes to hold k fragments
+        if not nodes:
             return
-        fragments = await asyncio.to_thread(self._encode, blocks, list(nodes))
+        leveled = [
+            (b, level) for b, level in zip(blocks, self.levels(blocks), strict=True) if level.num_data <= len(nodes)
+        ]
+        if len(leveled) < len(blocks):
+            metrics.PREFILL_STORE_DROPPED_BLOCKS.inc(len(blocks) - len(leveled))  # too few nodes to hold k fragments
+        if not leveled:
+            return
+        fragments = await asyncio.to_thread(self._encode, leveled, list(nodes))
         lanes = self.lane_addresses()
         await asyncio.gather(
             *(
@@ -347,10 +361,19 @@ class StoreClient:
             )
         )
 
-    def _encode(self, blocks: Sequence[StoreBlock], nodes: list[str]) -> dict[str, list[PutFragment]]:
+    def levels(self, blocks: Sequence[StoreBlock]) -> list[erasure.Protection]:
+        """Each block's k+m: priced within the budget over these blocks, or `protection` for all."""
+        if self.priced is None:
+            return [self.protection] * len(blocks)
+        prices = [self.prices.price(block.block_hash, block.layout.block_size) for block in blocks]
+        return assign(prices, self.priced)
+
+    def _encode(
+        self, blocks: Sequence[tuple[StoreBlock, erasure.Protection]], nodes: list[str]
+    ) -> dict[str, list[PutFragment]]:
         by_node: dict[str, list[PutFragment]] = {}
-        for block in blocks:
-            fragments = fragments_of(block, self.protection, self._classes.get(block.block_hash, ""))
+        for block, level in blocks:
+            fragments = fragments_of(block, level, self._classes.get(block.block_hash, ""))
             for node, fragment in zip(rank_nodes(block.block_hash, nodes), fragments, strict=False):
                 by_node.setdefault(node, []).append(fragment)  # fewer nodes than k+m: repair adds the rest later
         return by_node

@@ -7,7 +7,7 @@ import pytest
 
 from kvmesh.bench.kv_protection import lost_seconds, reuse_rates
 from mesh.erasure import Protection
-from mesh.protection_price import PricedProtection, assign, parse_levels, recompute_price, repair_rank
+from mesh.protection_price import PricedProtection, ReuseBook, assign, parse_levels, recompute_price, repair_rank
 from mesh.routing.cost import CostModel
 
 P = Protection.parse
@@ -67,3 +67,32 @@ def test_reuse_rates_by_uses_so_far() -> None:
     rates = reuse_rates([(0.0, [1, 2]), (1.0, [1, 2, 3]), (2.0, [1])])
     assert rates[1] == pytest.approx(2 / 3)
     assert rates[2] == pytest.approx(1 / 2)
+
+
+def test_the_writer_prices_a_block_by_its_depth_its_chain_and_its_uses() -> None:
+    cost = CostModel()
+    book = ReuseBook(cost, max_keys=4)
+    book.note_prompt([b"a", b"b", b"c"])
+    book.note_prompt([b"a", b"x"])  # `a` used twice; one key of two used once was used again
+    assert book.reuse_likelihood(1) == (1 + 1) / (4 + 2)  # 4 keys reached 1 use, 1 of them 2
+    assert book.reuse_likelihood(2) == (0 + 1) / (1 + 2)
+    # `b`: 2 blocks (itself and `c` below it) after 16 tokens, used once
+    assert book.price(b"b", 16) == recompute_price(32, 16, book.reuse_likelihood(1), cost)
+    assert book.price(b"a", 16) == recompute_price(48, 0, book.reuse_likelihood(2), cost)  # the longest chain
+    assert book.price(b"a", 16) > book.price(b"b", 16) > book.price(b"c", 16)
+    book.note_prompt([b"y"])  # a fifth key: the one noted longest ago (`b`) is forgotten, priced as a lone block
+    assert book.price(b"b", 16) == recompute_price(16, 0, book.reuse_likelihood(1), cost)
+
+
+def test_prefill_refuses_a_budget_below_its_cheapest_level_naming_the_setting() -> None:
+    from mesh.config import SettingError, load_settings
+    from services.prefill.config import PrefillSettings
+
+    env = {"KVMESH_KV_PROTECTION_LEVELS": "1+1,1+2", "KVMESH_KV_PROTECTION_BUDGET": "1.5"}
+    with pytest.raises(SettingError, match=r"KVMESH_KV_PROTECTION_BUDGET=1.5: cannot hold the 2 fragments of the "):
+        load_settings(PrefillSettings, env=env)
+    with pytest.raises(SettingError, match=r"KVMESH_KV_PROTECTION_LEVELS='1\+x'"):
+        load_settings(PrefillSettings, env={"KVMESH_KV_PROTECTION_LEVELS": "1+x"})
+    assert load_settings(PrefillSettings, env={}).priced_protection() is None  # one level for all
+    plan = load_settings(PrefillSettings, env={**env, "KVMESH_KV_PROTECTION_BUDGET": "2.5"}).priced_protection()
+    assert plan == PricedProtection((P("1+1"), P("1+2")), 2.5)

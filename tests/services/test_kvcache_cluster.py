@@ -20,9 +20,10 @@ from mesh.bus import Bus
 from mesh.discovery import WorkerRegistry
 from mesh.erasure import Protection
 from mesh.kv_blocks import KVLayout, checksum, layout_to_proto
-from mesh.kv_index import GlobalKVIndex
+from mesh.kv_index import Coding, GlobalKVIndex
 from mesh.kv_stream import KVEventFollower
 from mesh.pb import common_pb2, kvcache_pb2
+from mesh.protection_price import PricedProtection
 from services.kvcache.config import KVCacheSettings
 from services.kvcache.server import serve
 from services.prefill.prefiller import StoreBlock
@@ -310,3 +311,18 @@ def test_a_read_plan_takes_data_fragments_then_host_memory_and_ends_at_the_first
     ]
     assert plan_reads(sources, [2, 2, 2, 2]) == [[a_host, a_ssd], [Source("d", 1, True), b_parity]]
     assert plan_reads([[b_parity, a_ssd]], [1]) == [[a_ssd]]  # data on SSD before parity in host memory: no decoding
+
+
+async def test_priced_protection_codes_dearer_blocks_with_more_parity_on_the_real_store(cluster) -> None:
+    _, nodes, client, _ = cluster
+    client.priced = PricedProtection.parse("1+0,2+1,1+2", 1.25)  # room for 2+1 on half the blocks
+    blocks = chain_blocks(8, seed=3)
+    keys = [b.block_hash for b in blocks]
+    client.note_prompt(keys, "")  # one prompt: a block's price counts the chain below it, so the head is dearest
+    assert client.levels(blocks) == [Protection(2, 1)] * 4 + [Protection(1, 0)] * 4
+    await client.put(blocks)
+    every = set(nodes)
+    expected = [[0, 1, 2]] * 4 + [[0]] * 4  # the fragments each block has on the nodes, by the nodes' own events
+    await wait_until(_async(lambda: [sorted(fragments_on(client, k, every).values()) for k in keys] == expected))
+    assert [client.index.coding(k) for k in keys] == [Coding(2, 3)] * 4 + [Coding(1, 1)] * 4
+    assert await client.fetch("m", keys) == blocks
