@@ -8,8 +8,8 @@ Cost: sampling must stay a small share of a model step for any settings (`kvmesh
 here sorts the vocabulary or draws noise over it:
 - a draw is one uniform number per row and an inverse-CDF pick (a cumulative sum and a binary search);
 - top-k takes the k largest logits (`topk`, a partial selection) and the rest works on those k candidates;
-- top-p and min-p without top-k keep only the tokens that can survive them (`sampling_candidates.py`) and sort
-  those few;
+- top-p and min-p without top-k gather only the tokens down to where a histogram of the row's mass shows the
+  kept set ends (`sampling_candidates.py`) and sort those few;
 - penalties touch only the tokens that occurred, for all rows in one gather and scatter.
 Rows that need the same work (greedy; the whole distribution; top-k of one k; top-p/min-p candidates) run as one
 batched op per group.

@@ -6,9 +6,9 @@ tempered distribution, zero-padded to the group's widest row. Three ways to buil
 - top-k: the k largest logits (`topk`, a partial selection, already in descending order); probabilities
   relative to those k, as top-k renormalizes before top-p.
 - top-p and/or min-p without top-k: the NUCLEUS_WIDTH most likely tokens, when the kept set provably ends inside
-  them (nearly every row of real text); for a flatter row, every token that can survive (`_survivors`), sorted.
-  The exact top-p and min-p then run on the candidates. Probabilities stay relative to the whole vocabulary, as
-  top-p's mass is.
+  them (most rows of real text); the flatter rows, together, take the tokens down to where a histogram of the
+  row's mass over its log-probabilities shows the kept set ends (one scatter-add), sorted. The exact top-p and
+  min-p then run on the candidates. Probabilities stay relative to the whole vocabulary, as top-p's mass is.
 - neither: the whole distribution, in vocabulary order (the inverse-CDF draw needs no order).
 
 Every operation is row-wise and padding only appends zeros, so a row's candidates do not depend on its batch.
@@ -16,18 +16,25 @@ Every operation is row-wise and padding only appends zeros, so a row's candidate
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 # Top-p/min-p candidates first tried per row: the most likely tokens that one partial selection finds cheaply
-# (`topk` slows sharply above a few hundred); nearly every row of real text keeps fewer.
+# (`topk` slows sharply above a few hundred); most rows of real text keep fewer.
 NUCLEUS_WIDTH = 256
 
-# The survivors' cut is loosened by this many nats so that rounding never drops a token the exact top-p (run
-# on the candidates in float32) would keep; a few extra candidates cost nothing.
-_CUT_MARGIN = 1e-3
+# A row whose kept set is wider: its probability mass in buckets of BUCKET_NATS nats of log-probability below
+# its best token (the last bucket also holds everything lower). Its candidates are its tokens down to the bucket
+# where the kept set provably ends, so their number exceeds the kept set's by about two buckets' worth.
+BUCKET_NATS = 1.0 / 16.0
+NUM_BUCKETS = 256
+
+# The top-p bound uses the buckets' mass loosened by this share, so that rounding (the buckets sum in another
+# order than the exact top-p on the candidates) never leaves out a token the exact top-p keeps.
+_MASS_MARGIN = 1e-3
+
+_MIN_P_FLOOR = 1e-30  # min_p 0 (no min-p) maps to a cut below every bucket
 
 
 @dataclass(frozen=True)
@@ -52,38 +59,66 @@ def nucleus_candidates(
 ) -> Candidates:
     """logits (b, V) float32; temperature, top_p, min_p (b,). The tokens that top-p and min-p may keep, sorted.
 
-    First the NUCLEUS_WIDTH most likely tokens of every row (a partial selection); a row whose kept set provably
-    ends inside them is done. The others (a flat distribution) keep every token that can survive, sorted."""
+    First the NUCLEUS_WIDTH most likely tokens of every row (one partial selection); a row whose kept set provably
+    ends inside them is done. The others (flatter rows) take the histogram's bound (`_histogram_candidates`)."""
     scaled = logits / temperature[:, None]  # (b, V)
-    log_norm = scaled.logsumexp(dim=-1)  # (b,)
-    values, token_ids = scaled.topk(min(NUCLEUS_WIDTH, scaled.shape[-1]), dim=-1)  # (b, W) descending
-    probs = (values - log_norm[:, None]).exp()  # (b, W) relative to the whole vocabulary, as top-p's mass is
-    # top-p ends inside once the candidates' mass reaches top_p; min-p once the last one falls below its cut
-    covered = (probs.cumsum(dim=-1)[:, -1] >= top_p) | (probs[:, -1] < probs[:, 0] * min_p)
-    if values.shape[-1] == scaled.shape[-1] or bool(covered.all()):  # the whole vocabulary, or every row done
-        return Candidates(probs, token_ids, is_sorted=True)
-    rows = [int(i) for i in (~covered).nonzero()[:, 0]]
-    survivors = [_survivors(scaled[i], log_norm[i], float(top_p[i]), float(min_p[i])) for i in rows]
-    width = max(probs.shape[-1], *(ids.numel() for _, ids in survivors))
-    probs, token_ids = _pad(probs, width, 0.0), _pad(token_ids, width, 0)
-    for i, (row_probs, row_ids) in zip(rows, survivors, strict=True):
-        probs[i], token_ids[i] = _pad(row_probs[None], width, 0.0)[0], _pad(row_ids[None], width, 0)[0]
-    return Candidates(probs, token_ids, is_sorted=True)
+    probs = scaled.softmax(dim=-1)  # (b, V)
+    values, token_ids = probs.topk(min(NUCLEUS_WIDTH, probs.shape[-1]), dim=-1)  # (b, W) descending
+    # top-p ends inside once the candidates' mass reaches top_p (the cumulative sum the exact top-p takes);
+    # min-p once the last candidate falls below its cut
+    covered = (values.cumsum(dim=-1)[:, -1] >= top_p) | (values[:, -1] < values[:, 0] * min_p)  # (b,)
+    if values.shape[-1] == probs.shape[-1] or bool(covered.all()):  # the whole vocabulary, or every row done
+        return Candidates(values, token_ids, is_sorted=True)
+    rows = (~covered).nonzero()[:, 0]  # (r,)
+    wide_probs, wide_ids = _histogram_candidates(scaled[rows], probs[rows], top_p[rows], min_p[rows])  # (r, K)
+    width = max(values.shape[-1], wide_probs.shape[-1])
+    values, token_ids = _pad(values, width, 0.0), _pad(token_ids, width, 0)
+    values[rows], token_ids[rows] = _pad(wide_probs, width, 0.0), _pad(wide_ids, width, 0)
+    return Candidates(values, token_ids, is_sorted=True)
 
 
-def _survivors(scaled: torch.Tensor, log_norm: torch.Tensor, top_p: float, min_p: float) -> tuple[torch.Tensor, ...]:
-    """One row's tokens that top-p and min-p may keep, most likely first: (probs, token ids), each (n,).
+def _histogram_candidates(
+    scaled: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """scaled, probs (r, V); top_p, min_p (r,). Each row's tokens down to the bucket where its kept set provably
+    ends, most likely first, as (probs, token ids), each (r, K): one scatter-add and one sort of those tokens,
+    however flat the row."""
+    below = scaled - scaled.amax(dim=-1, keepdim=True)  # (r, V) <= 0: log-probability relative to the best
+    buckets = below.mul_(-1.0 / BUCKET_NATS).clamp_(max=NUM_BUCKETS - 1).long()  # (r, V) non-decreasing in rank
+    last = _last_buckets(buckets, probs, top_p, min_p)  # (r,)
+    return _sorted(probs, buckets <= last[:, None])
 
-    A token whose probability is at most (1 - top_p) / V never enters the nucleus: the tokens from it on (in
-    descending order) would hold more than 1 - top_p, so the ones before it already reach top_p. Min-p's cut
-    (p >= min_p x the best p) is exact. Both are compared in logit space, loosened by _CUT_MARGIN."""
-    cut = max(
-        float(log_norm) + math.log((1.0 - top_p) / scaled.shape[-1]) if top_p < 1.0 else -math.inf,
-        float(scaled.max()) + math.log(min_p) if min_p > 0.0 else -math.inf,
-    )
-    token_ids = (scaled >= cut - _CUT_MARGIN).nonzero()[:, 0]  # (n,) in vocabulary order
-    values, order = scaled[token_ids].sort(descending=True, stable=True)  # ties stay in vocabulary order
-    return (values - log_norm).exp(), token_ids[order]
+
+def _last_buckets(buckets: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """(b,): per row, the last bucket that may hold a token top-p and min-p keep.
+
+    Top-p: the buckets up to the first one whose cumulative weight reaches top_p (loosened by _MASS_MARGIN) hold
+    a prefix, in descending order, whose mass reaches top_p, so the smallest such prefix lies inside them.
+    Min-p: a kept token is at most -log(min_p) nats below the best. Each bound takes one more bucket, as the
+    exact filters (run on the candidates in float32) round differently."""
+    num_rows = buckets.shape[0]
+    last = torch.full((num_rows,), NUM_BUCKETS - 1, dtype=torch.long, device=buckets.device)
+    if bool((top_p < 1.0).any()):
+        mass = probs.new_zeros(num_rows, NUM_BUCKETS).scatter_add_(1, buckets, probs)  # (b, NB)
+        reached = (mass.cumsum(dim=-1) < top_p[:, None] * (1.0 + _MASS_MARGIN)).sum(dim=-1) + 1  # (b,) + margin
+        last = torch.where(top_p < 1.0, reached, last)
+    if bool((min_p > 0.0).any()):
+        nats = -min_p.clamp(min=_MIN_P_FLOOR).log()  # (b,); min_p 0 keeps every bucket
+        last = torch.minimum(last, (nats / BUCKET_NATS).clamp(max=NUM_BUCKETS).long() + 1)
+    return last.clamp_(max=NUM_BUCKETS - 1)
+
+
+def _sorted(probs: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept tokens of each row (keep (r, V) bool), most likely first, padded with zero probability."""
+    rows, token_ids = keep.nonzero(as_tuple=True)  # (N,) each; row-major, so vocabulary order within a row
+    counts = torch.bincount(rows, minlength=keep.shape[0])  # (r,)
+    slots = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[rows]  # (N,)
+    values = probs.new_zeros((keep.shape[0], int(counts.max())))  # (r, K)
+    values[rows, slots] = probs[rows, token_ids]
+    ids = token_ids.new_zeros(values.shape)  # (r, K)
+    ids[rows, slots] = token_ids
+    values, order = values.sort(dim=-1, descending=True, stable=True)  # ties stay in vocabulary order
+    return values, ids.gather(-1, order)
 
 
 def _pad(values: torch.Tensor, width: int, fill: float) -> torch.Tensor:

@@ -149,7 +149,7 @@ def test_invalid_parameters_name_the_parameter(kwargs, param):
 
 # -- the sampler's pieces, against a full sort of the vocabulary -------------------------------------------------
 
-WIDE_VOCAB = 1000  # above NUCLEUS_WIDTH: flat rows take the survivors' path
+WIDE_VOCAB = 1000  # flat rows of this width keep hundreds of tokens under top-p
 
 
 def wide_rows() -> torch.Tensor:
@@ -183,8 +183,9 @@ def reference_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         SamplingParams(temperature=1.0, top_p=0.9),
         SamplingParams(temperature=0.7, min_p=0.1),
         SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05),
+        SamplingParams(temperature=1.0, top_p=0.9995),
     ],
-    ids=["temperature", "top_k", "top_k_top_p", "top_p", "min_p", "top_p_min_p"],
+    ids=["temperature", "top_k", "top_k_top_p", "top_p", "min_p", "top_p_min_p", "top_p_near_1"],
 )
 def test_the_candidates_hold_exactly_the_distribution_a_full_sort_defines(params: SamplingParams) -> None:
     from engine_core.sampler import _candidates, filtered_probs
@@ -200,7 +201,24 @@ def test_the_candidates_hold_exactly_the_distribution_a_full_sort_defines(params
         assert torch.equal(dense > 0, expected > 0), "the kept tokens differ"
         torch.testing.assert_close(dense / dense.sum(), expected, atol=1e-6, rtol=1e-5)
     if params.top_p < 1.0 and not params.top_k:
-        assert probs.shape[-1] > 256  # the flat rows did not fit the first selection
+        assert probs.shape[-1] > 256  # the flat rows' kept sets are wide
+
+
+def test_wide_top_p_rows_get_candidates_only_two_buckets_past_the_kept_set() -> None:
+    from engine_core.sampler import _candidates, filtered_probs
+    from engine_core.sampling_candidates import BUCKET_NATS, NUCLEUS_WIDTH
+
+    # the flat rows and a row 0.004 nats a step: all keep more than NUCLEUS_WIDTH tokens
+    rows = torch.cat([wide_rows()[2:], torch.linspace(0.0, 4.0, WIDE_VOCAB)[None]])
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * len(rows)
+    candidates = _candidates(rows, params)
+    assert candidates.token_ids is not None
+    kept = filtered_probs(candidates, params) > 0  # (3, K)
+    assert int(kept[2].sum()) == int((reference_probs(rows[2], params[2]) > 0).sum()) > NUCLEUS_WIDTH
+    for i, row in enumerate(rows):
+        last_kept = float(row[candidates.token_ids[i, kept[i]]].min())
+        within = int((row >= last_kept - 2 * BUCKET_NATS).sum())  # the tokens of two more buckets, at most
+        assert NUCLEUS_WIDTH < int(kept[i].sum()) <= int((candidates.probs[i] > 0).sum()) <= within
 
 
 def test_the_pick_is_the_inverse_cdf_and_never_a_zero_weight_token() -> None:
@@ -230,7 +248,7 @@ def test_a_seeded_row_is_the_same_whatever_groups_share_its_batch() -> None:
     others = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.9, top_k=5),
-        SamplingParams(temperature=1.0, top_p=0.9),  # on a flat row: the survivors' path widens the group
+        SamplingParams(temperature=1.0, top_p=0.9),  # on a flat row: hundreds of candidates widen the group
         SamplingParams(temperature=0.5, min_p=0.2),
     ]
     for seed in range(10):

@@ -5,11 +5,13 @@ are slices of the engine bench's English paragraph, and a recording sampler keep
 last decode step. The model step's own time is measured on the same steps (the median decode step, sampling
 excluded). Then the engine's `Sampler` runs on those logits under each setting below, `repeats` times each,
 interleaved so that load elsewhere on the machine hits every setting alike; the median is reported with its
-share of the median model step (the goal: under 5% for every setting).
+share of the median model step (the goal: under 5% for every setting). Each is timed twice: wall clock (the
+goal's measure) and this process's CPU time, steadier where other jobs share the cores.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -53,10 +55,13 @@ class _RecordingSampler:
         return self.sampler(logits, requests)
 
 
+Timing = tuple[float, float]  # (wall seconds, process CPU seconds)
+
+
 def capture_decode_batch(
     llm: LLM, batch: int, prompt_tokens: int, decode_steps: int
-) -> tuple[torch.Tensor, list[Request], list[float]]:
-    """(logits (batch, V), their requests, each decode step's model seconds): `batch` requests that each hold
+) -> tuple[torch.Tensor, list[Request], list[Timing]]:
+    """(logits (batch, V), their requests, each decode step's model time): `batch` requests that each hold
     their first token decode `decode_steps` steps together; the last step's logits are kept."""
     engine = llm.engine
     tokenizer = llm.tokenizer
@@ -80,22 +85,23 @@ def capture_decode_batch(
     return recorder.logits, recorder.requests, step_seconds
 
 
-def _model_seconds(engine: Any) -> float:
+def _model_seconds(engine: Any) -> Timing:
     """One engine step's time without its sampling (the sampler's time is what this bench measures apart)."""
     sampler = engine.sampler
-    sampled = [0.0]
+    sampled = [0.0, 0.0]
 
     def timed(logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = sampler(logits, requests)
         sampled[0] += time.perf_counter() - start
+        sampled[1] += time.process_time() - cpu_start
         return out
 
     engine.sampler = timed
     try:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         engine.step()
-        return time.perf_counter() - start - sampled[0]
+        return time.perf_counter() - start - sampled[0], time.process_time() - cpu_start - sampled[1]
     finally:
         engine.sampler = sampler
 
@@ -111,19 +117,19 @@ def requests_with(requests: Sequence[Request], setting: str) -> list[Request]:
 
 def time_settings(
     logits: torch.Tensor, requests: Sequence[Request], settings: Sequence[str], repeats: int
-) -> dict[str, list[float]]:
-    """Seconds of each sampler call, per setting, interleaved round by round after one warm-up call each."""
+) -> dict[str, list[Timing]]:
+    """Time of each sampler call, per setting, interleaved round by round after one warm-up call each."""
     sampler = Sampler(seed=0)
     batches = {name: requests_with(requests, name) for name in settings}
     for batch in batches.values():
         sampler(logits, batch)
-    seconds: dict[str, list[float]] = {name: [] for name in settings}
+    timings: dict[str, list[Timing]] = {name: [] for name in settings}
     for _ in range(repeats):
         for name, batch in batches.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             sampler(logits, batch)
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
+            timings[name].append((time.perf_counter() - start, time.process_time() - cpu_start))
+    return timings
 
 
 def run_sampler_bench(
@@ -134,15 +140,22 @@ def run_sampler_bench(
     decode_steps: int = 8,
     settings: Sequence[str] = (*SETTINGS, "mixed"),
 ) -> dict[str, Any]:
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     llm = LLM(model, device="cpu", enable_prefix_caching=False)
-    logits, requests, step_seconds = capture_decode_batch(llm, batch, prompt_tokens, decode_steps)
-    seconds = time_settings(logits, requests, settings, repeats)
-    step_ms = statistics.median(step_seconds) * 1e3
+    logits, requests, step_timings = capture_decode_batch(llm, batch, prompt_tokens, decode_steps)
+    timings = time_settings(logits, requests, settings, repeats)
+    step_ms = statistics.median(wall for wall, _ in step_timings) * 1e3
+    step_cpu_ms = statistics.median(cpu for _, cpu in step_timings) * 1e3
     results = {}
     for name in settings:
-        ms = statistics.median(seconds[name]) * 1e3
-        results[name] = {"median_ms": round(ms, 3), "fraction_of_step": round(ms / step_ms, 4)}
+        ms = statistics.median(wall for wall, _ in timings[name]) * 1e3
+        cpu_ms = statistics.median(cpu for _, cpu in timings[name]) * 1e3
+        results[name] = {
+            "median_ms": round(ms, 3),
+            "fraction_of_step": round(ms / step_ms, 4),
+            "median_cpu_ms": round(cpu_ms, 3),
+            "cpu_fraction_of_step": round(cpu_ms / step_cpu_ms, 4),
+        }
     worst = max(r["fraction_of_step"] for r in results.values())
     return {
         "model": model,
@@ -150,12 +163,14 @@ def run_sampler_bench(
         "vocab_size": int(logits.shape[-1]),
         "torch_threads": torch.get_num_threads(),
         "model_step_ms": round(step_ms, 2),
-        "model_step_ms_all": [round(s * 1e3, 2) for s in step_seconds],
+        "model_step_ms_all": [round(wall * 1e3, 2) for wall, _ in step_timings],
+        "model_step_cpu_ms": round(step_cpu_ms, 2),
         "results": results,
         "settings": {name: _describe(SETTINGS[name]) if name in SETTINGS else MIXED for name in settings},
         "goal": f"every setting under {GOAL_FRACTION:.0%} of the model step",
         "goal_met": worst < GOAL_FRACTION,
         "repeats": repeats,
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
