@@ -17,7 +17,9 @@ victims.
   priority goes first, the oldest among equals. Recency ages frequency out, so hot shared prefixes stay while
   a conversation's latest turn is still kept long enough to be reused. On both Mooncake traces at 25% of the
   unique blocks it is at or above LRU and S3-FIFO (see `kvmesh bench kvcache`): the default.
-- `reuse`: an admission filter that predicts reuse in front of lfuda's order (`reuse.py`).
+- `reuse`: an admission filter that predicts reuse in front of lfuda's order (`reuse.py`), whether to filter and
+  whether to order by frequency chosen by miniature caches that replay a sample of the keys under each choice
+  (`duel.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from collections import OrderedDict
 from typing import Protocol
 
 from mesh.eviction.aging import AgingHeap
+from mesh.eviction.duel import DuelingReusePolicy
 from mesh.eviction.hint import NO_HINT, BlockHint
-from mesh.eviction.reuse import ReusePolicy
 
 POLICIES = ("lru", "s3fifo", "lfuda", "reuse")
 DEFAULT_POLICY = "lfuda"
@@ -187,5 +189,5 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
     if name == "s3fifo":
         return S3FIFOPolicy(capacity_bytes)
     if name == "reuse":
-        return ReusePolicy(capacity_bytes)
+        return DuelingReusePolicy(capacity_bytes)
     raise ValueError(f"unknown eviction policy {name!r}: expected one of {', '.join(POLICIES)}")

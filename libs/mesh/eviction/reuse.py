@@ -14,6 +14,9 @@ Eviction. An admitted block's priority is the floor plus its hits while held plu
 lowest goes first, the oldest among equals, and the floor becomes each victim's priority (GreedyDual aging), so
 recency still ages frequency out.
 
+Both halves can be switched off (`admission`, `max_freq`: 1 orders as LRU does); `reuse` as `make_policy` builds it
+(`duel.py`) switches them by what miniature caches of each choice would have hit.
+
 Work per operation: a heap push (O(log n)), four sketch counters and a dict update; `victim` pops stale heap
 entries lazily. Memory per held block, keys not counted: 64 sketch bytes (`SKETCH_WIDTH` counters in each of 4
 rows, the width rounded up to a power of two), dict and heap entries and up to `GHOST_FACTOR` first-sighting
