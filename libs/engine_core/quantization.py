@@ -1,13 +1,14 @@
 """Weight quantization, applied once after the weights load: `EngineConfig.quantization` (KVMESH_QUANTIZATION).
 
 `int8` runs every linear layer (attention projections, the MLP, the LM head) with int8 weights, one scale per
-output channel, and int8 activations quantized on the fly at each call (one scale per call, from the activations'
-range): PyTorch's own dynamic-quantization kernels (`torch.ops.quantized.linear_dynamic`, fbgemm or oneDNN under
-the `x86` backend). The weights take a quarter of the bytes and the multiplies run on int8 dot products, which is
-where a CPU decode step spends most of its time. Norms, embeddings, rope, attention and the KV cache stay float32.
+output channel, and int8 activations quantized on the fly at each call (one scale per token, from its own
+range; see `Int8Linear`): PyTorch's own dynamic-quantization kernels (`torch.ops.quantized.linear_dynamic`,
+fbgemm or oneDNN under the `x86` backend). The weights take a quarter of the bytes and the multiplies run on
+int8 dot products, which is where a CPU decode step spends most of its time. Norms, embeddings, rope,
+attention and the KV cache stay float32.
 
-One scale for a whole activation tensor is coarse when a few channels carry outliers (they do in LLMs: the inputs
-of `down_proj` most): their range sets the step for every other channel. So each linear layer is first smoothed,
+One scale per token is still coarse when a few channels carry outliers (they do in LLMs: the inputs of
+`down_proj` most): their range sets the step for every other channel. So each linear layer is first smoothed,
 as SmoothQuant does: input channel j is divided by s_j and the weight's column j multiplied by it (the product is
 unchanged), s_j = sqrt(max|x_j| / max|W_j|), which moves outlier range from the activations into the per-channel
 weights. max|x_j| comes from one float32 forward pass over a fixed calibration text at load, so every worker
@@ -130,18 +131,30 @@ def prefill_logits(model: nn.Module, token_ids: list[int], num_layers: int) -> t
 
 
 class Int8Linear(nn.Module):
-    """y = (x / s) @ (W * s).T + b, the weight int8 per output channel and (x / s) quantized per call.
+    """y = r * ((x / s / r) @ (W * s).T) + b: the weight int8 per output channel, each row of activations
+    quantized with its own range r (per token) at each call.
+
+    PyTorch's dynamic kernel takes one range for the whole input, from its min and max; dividing each row by its
+    own max |x| puts every row in [-1, 1], and two extra input channels of zero weight holding 1 and -1 make the
+    input's range exactly [-1, 1] at every call. So each token gets its full 8 bits whatever else is in the
+    batch (one outlier token no longer coarsens the others' steps), and a row's result depends only on the row:
+    int8 outputs are as independent of the batch as float32's.
 
     `reduce_range` (7-bit activations) is off: on this project's machines (AVX-512 VNNI) 8 bits measured better
     (docs/engine.md); fbgemm's AVX2-only kernels can saturate 16-bit pair sums with it off."""
 
     input_scale: torch.Tensor
+    range_channels: torch.Tensor
 
-    def __init__(self, packed: torch.Tensor, input_scale: torch.Tensor, in_features: int, out_features: int) -> None:
+    def __init__(
+        self, packed: torch.Tensor, input_scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> None:
         super().__init__()
-        self.packed = packed  # torch.ops.quantized.linear_prepack's opaque packed weight and bias
+        self.packed = packed  # torch.ops.quantized.linear_prepack's opaque packed weight (I + 2 input channels)
         self.register_buffer("input_scale", input_scale)  # (I,): 1 / s, applied to x before quantizing
-        self.in_features = in_features
+        self.register_buffer("range_channels", torch.tensor([1.0, -1.0]))  # (2,): pin the input's range
+        self.bias = bias  # (O,) or None, added in float32
+        self.in_features = input_scale.shape[0]
         self.out_features = out_features
         self.reduce_range = False
 
@@ -153,17 +166,22 @@ class Int8Linear(nn.Module):
         smooth = (input_range.float().clamp(min=1e-5) / weight_range).sqrt()  # (I,): s_j
         weight = weight * smooth  # (O, I)
         scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (O,): symmetric, so zero points are 0
+        weight = torch.cat([weight, weight.new_zeros(weight.shape[0], 2)], dim=1)  # (O, I + 2)
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-        bias = None if linear.bias is None else linear.bias.detach().float()
         with warnings.catch_warnings():
             # PyTorch 2.10+ deprecates creating quantized tensors; prepacking still needs one, once, at load.
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
             qweight = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(qweight, bias)
-        return cls(packed, 1.0 / smooth, linear.in_features, linear.out_features)
+        packed = torch.ops.quantized.linear_prepack(qweight, None)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls(packed, 1.0 / smooth, bias, linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic((x * self.input_scale).contiguous(), self.packed, self.reduce_range)
+        x = x * self.input_scale  # (..., I)
+        row_range = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)  # (..., 1)
+        pinned = torch.cat([x / row_range, self.range_channels.expand(*x.shape[:-1], 2)], dim=-1)  # (..., I + 2)
+        y = torch.ops.quantized.linear_dynamic(pinned, self.packed, self.reduce_range) * row_range  # (..., O)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, reduce_range={self.reduce_range}"
