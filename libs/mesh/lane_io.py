@@ -22,10 +22,11 @@ reused scratch buffer (its bytes are the store's blocks, never changed) and writ
 the socket's copy plus the cipher and the checksum run on cached bytes, with one thread handoff per payload. (A
 cipher thread beside the worker, opening batch n while batch n + 1 came in, cost the reader 15-20% more CPU per
 byte, its handoffs and a trip through the shared cache per 2 MiB batch; where both ends share two cores, it only
-moved work onto the core the other end needs.) The cipher, CRC-32C and the socket calls run without the GIL. A worker waits at most
-IO_PATIENCE_S for the socket: past that the event loop waits (under the stall limit) and a worker resumes, so a
-peer that stalls holds no thread. A smaller payload takes the same steps on the event loop. A payload nobody reads
-on its way in (the plain lane without a `landed` hook) is received in batches of MAX_BATCH_BYTES.
+moved work onto the core the other end needs.) The cipher, CRC-32C and the socket calls run without the GIL. A
+worker waits at most IO_PATIENCE_S for the socket: past that the event loop waits (under the stall limit) and a
+worker resumes, so a peer that stalls holds no thread. A smaller payload takes the same steps on the event loop. A
+payload nobody reads on its way in (the plain lane without a `landed` hook) is received in batches of
+MAX_BATCH_BYTES.
 
 Memory follows the bytes: `recv_bytes` grows its buffers as bytes arrive (each new piece at most the size of what
 already came), so a peer that declares a size and sends nothing holds 64 KiB, not the size it declared. A wait for
@@ -57,6 +58,7 @@ from cryptography.hazmat.primitives.ciphers import (
     algorithms,
     modes,
 )
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from mesh.tls import PeerIdentity
 
@@ -145,10 +147,25 @@ class SealedSocket(socket.socket):
         self.peer_cert = peer_cert  # the certificate the handshake checked
         self.send_key = algorithms.AES(send_key)
         self.receive_key = algorithms.AES(receive_key)
+        self.send_aead = AESGCM(send_key)  # frames: sealed and opened whole, one call each
+        self.receive_aead = AESGCM(receive_key)
         self.num_sent = 0  # segments sealed: each frame, each payload; the nonce of the next
         self.num_received = 0
         self.payload: AEADDecryptionContext | None = None  # the payload being received, opened as it lands
         self.num_payload_left = 0
+
+    def seal_frame(self, header: bytes, encoded: bytes) -> bytes:
+        """An encoded frame encrypted, its tag after it (the same bytes `sealer` would give, in one call)."""
+        self.num_sent += 1
+        return self.send_aead.encrypt(self.num_sent.to_bytes(12, "big"), encoded, header)
+
+    def open_frame(self, header: bytes, sealed: bytes) -> bytes:
+        """A sealed frame (its tag after it) opened and checked; LaneError when it fails its tag."""
+        self.num_received += 1
+        try:
+            return self.receive_aead.decrypt(self.num_received.to_bytes(12, "big"), sealed, header)
+        except InvalidTag:
+            raise LaneError("a sealed frame failed its tag: altered, replayed or cut") from None
 
     def sealer(self, header: bytes) -> AEADEncryptionContext:
         self.num_sent += 1
@@ -165,12 +182,13 @@ class SealedSocket(socket.socket):
 
 def _consume(pending: list[memoryview], num_bytes: int) -> None:
     """Drop `num_bytes` from the front of the pending views (what one sendmsg or recvmsg_into moved)."""
-    while num_bytes:
-        taken = min(num_bytes, len(pending[0]))
-        num_bytes -= taken
-        pending[0] = pending[0][taken:]
-        if not pending[0]:
-            pending.pop(0)
+    num_done = 0  # views moved whole
+    while num_bytes and num_bytes >= len(pending[num_done]):
+        num_bytes -= len(pending[num_done])
+        num_done += 1
+    del pending[:num_done]
+    if num_bytes:
+        pending[0] = pending[0][num_bytes:]
 
 
 async def recv_raw_into(sock: socket.socket, *views: memoryview) -> None:
@@ -203,7 +221,7 @@ async def recv_exactly_into(sock: socket.socket, *views: memoryview, landed: Lan
     """Fill the views in order with the current frame's payload (on a sealed lane: opened in place, and its tag
     checked before the read that completes the payload returns). `landed` is called (on the thread that moved them)
     with each view's bytes as soon as they are in place and opened, in order."""
-    num_bytes = sum(len(v) for v in views)
+    num_bytes = sum(map(len, views))
     opener: AEADDecryptionContext | None = None
     tag: bytearray | None = None
     if isinstance(sock, SealedSocket):
@@ -348,9 +366,11 @@ async def _drive(sock: socket.socket, step: Callable[[socket.socket], bool], wri
 
 
 async def _in_worker(sock: socket.socket, step: Callable[[socket.socket], bool]) -> bool:
-    job = WORKERS.submit(_blocking_step, sock, step)
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[bool] = loop.create_future()
+    job = WORKERS.submit(_blocking_step, sock, step, loop, finished)
     try:
-        return await asyncio.wrap_future(job)
+        return await finished
     except asyncio.CancelledError:
         with contextlib.suppress(OSError):  # a cancelled exchange's connection is never reused: end the worker's wait
             sock.shutdown(socket.SHUT_RDWR)
@@ -358,15 +378,37 @@ async def _in_worker(sock: socket.socket, step: Callable[[socket.socket], bool])
         raise
 
 
-def _blocking_step(sock: socket.socket, step: Callable[[socket.socket], bool]) -> bool:
-    """`step` with the socket blocking, each call bounded by IO_PATIENCE_S without progress (in a worker)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _PATIENCE)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _PATIENCE)
-    sock.setblocking(True)
+def _blocking_step(
+    sock: socket.socket, step: Callable[[socket.socket], bool], loop: asyncio.AbstractEventLoop, finished: Any
+) -> None:
+    """`step` with the socket blocking, each call bounded by IO_PATIENCE_S without progress (in a worker); its
+    outcome is handed to the event loop's `finished` once the socket is non-blocking again (one wake-up, where
+    a concurrent future wrapped by asyncio takes a lock and a callback chain)."""
     try:
-        return step(sock)
-    finally:
-        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _PATIENCE)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _PATIENCE)
+        sock.setblocking(True)
+        try:
+            outcome = step(sock)
+        finally:
+            sock.setblocking(False)
+    except BaseException as exc:  # the awaiting task raises it
+        _hand_back(loop, finished, False, exc)
+    else:
+        _hand_back(loop, finished, outcome, None)
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, finished: Any, outcome: bool, error: BaseException | None) -> None:
+    def resolve() -> None:
+        if finished.done():  # the task was cancelled
+            return
+        if error is not None:
+            finished.set_exception(error)
+        else:
+            finished.set_result(outcome)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+        loop.call_soon_threadsafe(resolve)
 
 
 async def _settle(job: Future[Any] | None) -> None:
@@ -416,8 +458,10 @@ def _batches(views: Sequence[memoryview], max_bytes: int) -> Iterator[list[tuple
     batch: list[tuple[int, memoryview]] = []
     num_bytes = 0
     for n, view in enumerate(views):
-        for start in range(0, len(view), max_bytes):
-            part = view[start : start + max_bytes]
+        parts = (
+            (view,) if len(view) <= max_bytes else (view[at : at + max_bytes] for at in range(0, len(view), max_bytes))
+        )
+        for part in parts:
             if num_bytes + len(part) > max_bytes:
                 yield batch
                 batch, num_bytes = [], 0
@@ -425,12 +469,6 @@ def _batches(views: Sequence[memoryview], max_bytes: int) -> Iterator[list[tuple
             num_bytes += len(part)
     if batch:
         yield batch
-
-
-async def _check_tag(sock: SealedSocket, opener: AEADDecryptionContext) -> None:
-    tag = bytearray(TAG_BYTES)
-    await recv_raw_into(sock, memoryview(tag))
-    _finalize(opener, tag)
 
 
 async def _recv_pieces(sock: socket.socket, num_bytes: int, read: Any = recv_raw_into) -> bytes:
@@ -459,28 +497,21 @@ async def recv_frame_bytes(sock: socket.socket, header: bytes, frame_bytes: int,
         return await _recv_pieces(sock, frame_bytes)
     if sock.payload is not None:
         raise LaneError("a frame read before the last one's payload")
-    sealed = bytearray(await _recv_pieces(sock, frame_bytes))
-    opener = sock.opener(header)
-    opener.update_into(sealed, sealed)
-    await _check_tag(sock, opener)
+    encoded = sock.open_frame(header, await _recv_pieces(sock, frame_bytes + TAG_BYTES))
     if payload_bytes:
         sock.payload, sock.num_payload_left = sock.opener(header), payload_bytes
-    return bytes(sealed)
+    return encoded
 
 
 async def send_frame_bytes(sock: socket.socket, header: bytes, encoded: bytes, payload: Sequence[Buffer]) -> None:
     """The header, the encoded frame and the payload's pieces (on a sealed lane: each sealed on its way out)."""
     views = [memoryview(p).cast("B") for p in payload if len(p)]
-    num_bytes = sum(len(v) for v in views)
+    num_bytes = sum(map(len, views))
     in_worker = num_bytes >= THREAD_BYTES
     if not isinstance(sock, SealedSocket):  # one gather write of it all
         outgoing = _Outgoing([memoryview(header), memoryview(encoded), *views], [], None, False)
     else:
-        framer = sock.sealer(header)
-        sealed = bytearray(encoded)
-        framer.update_into(encoded, sealed)
-        framer.finalize()
-        first = [memoryview(header), memoryview(sealed), memoryview(framer.tag)]
+        first = [memoryview(header), memoryview(sock.seal_frame(header, encoded))]
         sealer = sock.sealer(header) if views else None
         outgoing = _Outgoing(first, list(_batches(views, SEAL_SLICE_BYTES)), sealer, sock.encrypt)
     try:
