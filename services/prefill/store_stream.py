@@ -40,7 +40,7 @@ def slice_bytes_for(layout: KVLayout, num_blocks: int) -> int:
 
 
 @dataclass
-class _Buffers:
+class StreamBuffers:
     """Every block's bytes as they arrive. Written only by the stream's tasks (one event loop)."""
 
     layout: KVLayout
@@ -100,12 +100,11 @@ class _Buffers:
         size = self.layer_bytes
         return [memoryview(data)[layer * size : (layer + 1) * size] for data in self.data]
 
-    def sum_landed(self, index: int, offset: int, data: memoryview) -> None:
-        """Add bytes of block `index` that just landed at `offset` to its running checksum: only a whole block (one
-        data fragment) whose bytes land in order is summed; any other is read again by `is_checked`."""
+    def running_sum(self, index: int, offset: int) -> int | None:
+        """The running checksum that bytes of block `index` landing at `offset` continue: only a whole block (one
+        data fragment) whose bytes land in order is summed (None for any other: `is_checked` reads it again)."""
         value, num_bytes = self.running.get(index, (0, 0))
-        if self.num_data[index] == 1 and num_bytes == offset:
-            self.running[index] = (checksum_more(data, value), num_bytes + len(data))
+        return value if self.num_data[index] == 1 and num_bytes == offset else None
 
     def is_checked(self, index: int) -> bool:
         expected = self.block_checksums.get(index)
@@ -117,18 +116,28 @@ class _Buffers:
         return value == expected
 
 
-class _Landed:
-    """A chunk's slices summed into their blocks' running checksums as they land (called by the thread that received
-    them, in order: mesh.lane_io's `landed`)."""
+class LandingSums:
+    """A chunk's slices summed as they land: called by the thread that received them, in order (mesh.lane_io's
+    `landed`), it writes only its own sums (one C call per slice while the bytes are in cache); `commit` adds them
+    to the blocks' running checksums once the whole chunk is in (the stream's task)."""
 
-    def __init__(self, buffers: _Buffers, indices: list[int], offset: int) -> None:
+    def __init__(self, buffers: StreamBuffers, indices: list[int], offset: int) -> None:
         self.buffers = buffers
         self.indices = indices  # the block of each slice
-        self.offsets = [offset] * len(indices)  # where each slice's next bytes lie in its block
+        self.offset = offset  # where every slice lies in its block
+        self.sums = [buffers.running_sum(index, offset) for index in indices]  # None: a slice not summed
+        self.num_bytes = [0] * len(indices)
 
     def __call__(self, n: int, data: memoryview) -> None:
-        self.buffers.sum_landed(self.indices[n], self.offsets[n], data)
-        self.offsets[n] += len(data)
+        value = self.sums[n]
+        if value is not None:
+            self.sums[n] = checksum_more(data, value)
+            self.num_bytes[n] += len(data)
+
+    def commit(self) -> None:
+        for index, value, num_bytes in zip(self.indices, self.sums, self.num_bytes, strict=True):
+            if value is not None:
+                self.buffers.running[index] = (value, self.offset + num_bytes)
 
 
 class LayerStream:
@@ -151,12 +160,14 @@ class LayerStream:
     async def run(self, layout: KVLayout, num_blocks: int, write_layer: WriteLayer) -> bool:
         """Stream, writing layers as they complete; True once every layer of every block is written."""
         keys = self.block_hashes[:num_blocks]
-        buffers = _Buffers(layout, self.num_data[:num_blocks], self.client.read_buffers)
+        buffers = StreamBuffers(layout, self.num_data[:num_blocks], self.client.read_buffers)
         done = await self._stream(layout, keys, buffers, write_layer)
         self.client.read_buffers.give(buffers.data)  # not after an exception: a pull may not have stopped yet
         return done
 
-    async def _stream(self, layout: KVLayout, keys: list[bytes], buffers: _Buffers, write_layer: WriteLayer) -> bool:
+    async def _stream(
+        self, layout: KVLayout, keys: list[bytes], buffers: StreamBuffers, write_layer: WriteLayer
+    ) -> bool:
         num_blocks = len(keys)
         written = 0
 
@@ -215,7 +226,7 @@ class LayerStream:
         keys: list[bytes],
         items: list[tuple[int, int]],
         slice_bytes: int,
-        buffers: _Buffers,
+        buffers: StreamBuffers,
         expected: object,
         on_data: Callable[[], None],
     ) -> bool:
@@ -255,7 +266,7 @@ class LayerStream:
         keys: list[bytes],
         items: list[tuple[int, int]],
         slice_bytes: int,
-        buffers: _Buffers,
+        buffers: StreamBuffers,
         expected: object,
         on_data: Callable[[], None],
     ) -> bool:
@@ -284,11 +295,13 @@ class LayerStream:
                         remaining -= size
                     if remaining:
                         raise lane.LaneError("a chunk holds more than its blocks' slices")
+                    landed = LandingSums(buffers, [i for i, _, _ in regions], block.offset)
                     await lane.recv_exactly_into(
                         sock,
                         *(buffers.region(i, f, block.offset, end - block.offset) for i, f, end in regions),
-                        landed=_Landed(buffers, [i for i, _, _ in regions], block.offset),
+                        landed=landed,
                     )
+                    landed.commit()
                     for index, fragment, end in regions:
                         buffers.mark(index, fragment, end)
                     metrics.KV_TRANSFER_BYTES.labels(direction="store_get").inc(payload_bytes)
@@ -299,7 +312,7 @@ class LayerStream:
             return False
         return len(headers) == len(items)
 
-    async def _fill_whole(self, keys: list[bytes], missing: list[int], buffers: _Buffers) -> bool:
+    async def _fill_whole(self, keys: list[bytes], missing: list[int], buffers: StreamBuffers) -> bool:
         """The detour: read the missing blocks whole from any live holders (decoding parity), then check them."""
         nodes = self.client.nodes()
         wanted = [keys[i] for i in missing]
