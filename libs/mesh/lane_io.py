@@ -379,7 +379,10 @@ async def _in_worker(sock: socket.socket, step: Callable[[socket.socket], bool])
 
 
 def _blocking_step(
-    sock: socket.socket, step: Callable[[socket.socket], bool], loop: asyncio.AbstractEventLoop, finished: Any
+    sock: socket.socket,
+    step: Callable[[socket.socket], bool],
+    loop: asyncio.AbstractEventLoop,
+    finished: asyncio.Future[bool],
 ) -> None:
     """`step` with the socket blocking, each call bounded by IO_PATIENCE_S without progress (in a worker); its
     outcome is handed to the event loop's `finished` once the socket is non-blocking again (one wake-up, where
@@ -398,7 +401,9 @@ def _blocking_step(
         _hand_back(loop, finished, outcome, None)
 
 
-def _hand_back(loop: asyncio.AbstractEventLoop, finished: Any, outcome: bool, error: BaseException | None) -> None:
+def _hand_back(
+    loop: asyncio.AbstractEventLoop, finished: asyncio.Future[bool], outcome: bool, error: BaseException | None
+) -> None:
     def resolve() -> None:
         if finished.done():  # the task was cancelled
             return
