@@ -31,15 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 
-from kvmesh.bench.kv_transfer import MODEL, bench_layout, cpu_s_of  # noqa: E402
+from kvmesh.bench.kv_transfer import MODEL, bench_layout, cpu_s_of, store_client  # noqa: E402
 from kvmesh.certs import ProcessCertificates  # noqa: E402
 from kvmesh.nats_server import EmbeddedNats, free_port  # noqa: E402
-from mesh import lane, rpc  # noqa: E402
-from mesh.bus import Bus  # noqa: E402
-from mesh.discovery import WorkerRegistry  # noqa: E402
-from mesh.pb import common_pb2  # noqa: E402
 from services.prefill.prefiller import StoreBlock  # noqa: E402
-from services.prefill.store_client import StoreClient  # noqa: E402
 
 
 def loop_cpu_s(pid: int) -> float:
@@ -71,42 +66,28 @@ async def measure(protection: str, num_reads: int) -> dict[str, object]:
             **certs.env("kvcache", "lane-cpu"),
         }
         node = subprocess.Popen([sys.executable, "-m", "services.kvcache"], env=env)
-        bus = await Bus.connect(nats.url, "lane-cpu")
-        registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], 0.2)
-        credentials = certs.credentials("prefill", "lane-cpu-client")
-        channels = rpc.Channels(credentials)
-        client = StoreClient(registry, channels, timeout_s=120.0, lane_tls=lane.client_tls(credentials))
         try:
-            await registry.start()
-            await client.start(bus)
-            while not client.is_available():
-                if node.poll() is not None:
-                    raise RuntimeError("the kvcache node exited")
-                await asyncio.sleep(0.05)
-            await client.put(blocks)
-            while client.index.num_leading_hits("lane-cpu", keys) < len(keys):
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(1.0)  # the put's events handled
-            for n in range(num_reads + 1):
-                stream = client.plan_stream(MODEL, keys)
-                assert stream is not None
-                own, node_s = time.process_time(), cpu_s_of(node.pid)
-                own_loop, node_loop = loop_cpu_s(os.getpid()), loop_cpu_s(node.pid)
-                assert await stream.run(layout, len(keys), lambda layer, pieces: None)
-                if n:  # the first read fills the reader's buffer pool
-                    rows.append(
-                        {
-                            "reader_s": time.process_time() - own,
-                            "node_s": cpu_s_of(node.pid) - node_s,
-                            "reader_loop_s": loop_cpu_s(os.getpid()) - own_loop,
-                            "node_loop_s": loop_cpu_s(node.pid) - node_loop,
-                        }
-                    )
+            async with store_client(nats.url, "lane-cpu", certs, node) as client:
+                await client.put(blocks)
+                while client.index.num_leading_hits("lane-cpu", keys) < len(keys):
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(1.0)  # the put's events handled
+                for n in range(num_reads + 1):
+                    stream = client.plan_stream(MODEL, keys)
+                    assert stream is not None
+                    own, node_s = time.process_time(), cpu_s_of(node.pid)
+                    own_loop, node_loop = loop_cpu_s(os.getpid()), loop_cpu_s(node.pid)
+                    assert await stream.run(layout, len(keys), lambda layer, pieces: None)
+                    if n:  # the first read fills the reader's buffer pool
+                        rows.append(
+                            {
+                                "reader_s": time.process_time() - own,
+                                "node_s": cpu_s_of(node.pid) - node_s,
+                                "reader_loop_s": loop_cpu_s(os.getpid()) - own_loop,
+                                "node_loop_s": loop_cpu_s(node.pid) - node_loop,
+                            }
+                        )
         finally:
-            await client.stop()
-            await registry.stop()
-            await channels.close()
-            await bus.close()
             node.terminate()
             node.wait(10)
             shutil.rmtree(certs.directory, ignore_errors=True)

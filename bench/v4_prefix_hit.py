@@ -21,28 +21,7 @@ import torch
 from engine_core import LLM, SamplingParams
 from engine_core.config import ModelConfig
 from engine_core.models.deepseek_v4.block_layout import BlockLayout
-
-V4_FLASH = dict(  # the released config's shape, for bytes per token
-    model_type="deepseek_v4",
-    vocab_size=129280,
-    hidden_size=4096,
-    num_hidden_layers=43,
-    num_attention_heads=64,
-    head_dim=512,
-    q_lora_rank=1024,
-    o_groups=8,
-    o_lora_rank=1024,
-    sliding_window=128,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=512,
-    n_routed_experts=256,
-    num_experts_per_tok=6,
-    moe_intermediate_size=2048,
-    max_position_embeddings=1048576,
-    compress_ratios=[0, 0] + [4, 128] * 20 + [4],
-    qk_rope_head_dim=64,
-)
+from engine_core.models.deepseek_v4.shapes import V4_FLASH
 
 
 def bytes_per_token(model_config: ModelConfig, block_size: int, itemsize: int) -> dict[str, float]:

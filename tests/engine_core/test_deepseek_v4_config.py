@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_core.config import ConfigError, ModelConfig
+from engine_core.models.deepseek_v4.shapes import V4_FLASH
 from engine_core.models.deepseek_v4.state import bytes_per_sequence, bytes_per_token
 
 V4_TEST_CONFIG = dict(
@@ -86,30 +87,6 @@ def test_legacy_field_names_read_as_the_new_ones():
 def test_unsupported_fields_fail_naming_them(change, named):
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_hf({**legacy_config(), **change})
-
-
-# The released V4-Flash's shape (its config.json, legacy names): 2 window-only, 21 CSA and 20 HCA layers.
-V4_FLASH = dict(
-    model_type="deepseek_v4",
-    vocab_size=129280,
-    hidden_size=4096,
-    num_hidden_layers=43,
-    num_attention_heads=64,
-    head_dim=512,
-    q_lora_rank=1024,
-    o_groups=8,
-    o_lora_rank=1024,
-    sliding_window=128,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=512,
-    n_routed_experts=256,
-    num_experts_per_tok=6,
-    moe_intermediate_size=2048,
-    max_position_embeddings=1048576,
-    compress_ratios=[0, 0] + [4, 128] * 20 + [4],
-    qk_rope_head_dim=64,
-)
 
 
 def test_kv_bytes_of_v4_flash_against_v3():

@@ -17,8 +17,8 @@ from engine_core.config import ConfigError, EngineConfig, ModelConfig
 from engine_core.engine import LLMEngine
 from engine_core.kv_cache.block_hash import root_hash
 from engine_core.models.deepseek_v4.block_layout import BlockLayout
+from engine_core.models.deepseek_v4.shapes import V4_FLASH
 from engine_core.models.deepseek_v4.state import CompressorState, SequenceState
-from tests.engine_core.test_deepseek_v4_config import V4_FLASH
 from tests.engine_core.test_engine import handoff
 from tests.engine_core.test_parity import random_prompts
 from tests.engine_core.v4_helpers import write_small_v4

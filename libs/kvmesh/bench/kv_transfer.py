@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,32 @@ def _raw_tls_client(certs: ProcessCertificates) -> ssl.SSLContext:
     return client_ssl_context(credentials)
 
 
+@contextlib.asynccontextmanager
+async def store_client(
+    nats_url: str, name: str, certs: ProcessCertificates, node: subprocess.Popen[bytes]
+) -> AsyncIterator[StoreClient]:
+    """A prefill worker's StoreClient (its own bus connection and mutual-TLS identity `<name>-client`), once the
+    kvcache `node` (a process) is in its pool; everything it opened is closed on the way out."""
+    bus = await Bus.connect(nats_url, name)
+    registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], 0.2)
+    credentials = certs.credentials("prefill", f"{name}-client")
+    channels = rpc.Channels(credentials)
+    client = StoreClient(registry, channels, timeout_s=120.0, lane_tls=lane.client_tls(credentials))
+    try:
+        await registry.start()
+        await client.start(bus)
+        while not client.is_available():
+            if node.poll() is not None:
+                raise RuntimeError("the kvcache node exited")
+            await asyncio.sleep(0.05)
+        yield client
+    finally:
+        await client.stop()
+        await registry.stop()
+        await channels.close()
+        await bus.close()
+
+
 async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) -> dict[str, Any]:
     layout = bench_layout(block_kib)
     num_block_bytes = layout.num_layers * layout.chunk_bytes(1)
@@ -233,48 +259,38 @@ async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) ->
             )
             sinks[-1].start()
             ready.wait(10)
-        bus = await Bus.connect(nats.url, "bench-kv-transfer")
-        registry = WorkerRegistry(bus, [common_pb2.ROLE_KVCACHE], 0.2)
-        credentials = certs.credentials("prefill", "kv-bench-client")
-        channels = rpc.Channels(credentials)
-        client = StoreClient(registry, channels, timeout_s=120.0, lane_tls=lane.client_tls(credentials))
         try:
-            await registry.start()
-            await client.start(bus)
-            while not client.is_available():
-                if node.poll() is not None:
-                    raise RuntimeError("the kvcache node exited")
-                await asyncio.sleep(0.05)
-            sink_pids = [sink.pid for sink in sinks]
-            assert None not in sink_pids
-            raw = socket.create_connection(("127.0.0.1", ports[0]))
-            raw_tls = _raw_tls_client(certs).wrap_socket(socket.create_connection(("127.0.0.1", ports[1])))
-            raw_same = socket.create_connection(("127.0.0.1", ports[2]))
-            same_memory = [bytearray(b.data) for b in blocks]  # distinct copies, as the node holds its blocks
-            datas = [b.data for b in blocks]
-            _tcp_push(raw, datas[:2])  # warm up every path
-            _tcp_push(raw_tls, datas[:2])
-            _tcp_push(raw_same, same_memory)
-            await _store_round(client, blocks[:2], 0)
-            put_s, fetch_s, stream_s, grpc_stream_s, tcp_s, tls_s, same_s = [], [], [], [], [], [], []
-            store_cpu, raw_cpu, same_cpu = CpuMeter(node.pid), CpuMeter(sink_pids[0] or 0), CpuMeter(sink_pids[2] or 0)
-            for round_id in range(1, repeats + 1):
-                put, fetch, streamed, grpc_streamed = await _store_round(client, blocks, round_id, store_cpu)
-                put_s.append(put)
-                fetch_s.append(fetch)
-                stream_s.append(streamed)
-                grpc_stream_s.append(grpc_streamed)
-                tcp_s.append(_tcp_push(raw, datas, raw_cpu))
-                tls_s.append(_tcp_push(raw_tls, datas))
-                same_s.append(_tcp_push(raw_same, same_memory, same_cpu))
-            raw.close()
-            raw_tls.close()
-            raw_same.close()
+            async with store_client(nats.url, "kv-bench", certs, node) as client:
+                sink_pids = [sink.pid for sink in sinks]
+                assert None not in sink_pids
+                raw = socket.create_connection(("127.0.0.1", ports[0]))
+                raw_tls = _raw_tls_client(certs).wrap_socket(socket.create_connection(("127.0.0.1", ports[1])))
+                raw_same = socket.create_connection(("127.0.0.1", ports[2]))
+                same_memory = [bytearray(b.data) for b in blocks]  # distinct copies, as the node holds its blocks
+                datas = [b.data for b in blocks]
+                _tcp_push(raw, datas[:2])  # warm up every path
+                _tcp_push(raw_tls, datas[:2])
+                _tcp_push(raw_same, same_memory)
+                await _store_round(client, blocks[:2], 0)
+                put_s, fetch_s, stream_s, grpc_stream_s, tcp_s, tls_s, same_s = [], [], [], [], [], [], []
+                store_cpu, raw_cpu, same_cpu = (
+                    CpuMeter(node.pid),
+                    CpuMeter(sink_pids[0] or 0),
+                    CpuMeter(sink_pids[2] or 0),
+                )
+                for round_id in range(1, repeats + 1):
+                    put, fetch, streamed, grpc_streamed = await _store_round(client, blocks, round_id, store_cpu)
+                    put_s.append(put)
+                    fetch_s.append(fetch)
+                    stream_s.append(streamed)
+                    grpc_stream_s.append(grpc_streamed)
+                    tcp_s.append(_tcp_push(raw, datas, raw_cpu))
+                    tls_s.append(_tcp_push(raw_tls, datas))
+                    same_s.append(_tcp_push(raw_same, same_memory, same_cpu))
+                raw.close()
+                raw_tls.close()
+                raw_same.close()
         finally:
-            await client.stop()
-            await registry.stop()
-            await channels.close()
-            await bus.close()
             node.terminate()
             node.wait(10)
             for sink in sinks:
