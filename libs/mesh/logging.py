@@ -17,10 +17,23 @@ from mesh.tracing import add_trace_ids
 
 REQUEST_ID_KEY = "x-request-id"
 
+
+class _CurrentStderr:
+    """sys.stderr as it is at each write. A logger made (and cached) while something else stood in for stderr
+    (pytest's capture, a test's StringIO) would otherwise write to that stand-in after it was closed."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+STDERR = _CurrentStderr()
+
 if not structlog.is_configured():
-    # before a service configures logging (or where none does), structlog's default prints to stdout; the stream
-    # is looked up when a logger is made, as the default does (tests swap sys.stderr)
-    structlog.configure(logger_factory=lambda *args: structlog.PrintLogger(sys.stderr))
+    # before a service configures logging (or where none does), structlog's default prints to stdout
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(STDERR))  # type: ignore[arg-type]
 
 
 def configure_logging(level: str = "info", fmt: str = "auto", **context: Any) -> None:
@@ -37,7 +50,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", **context: Any) ->
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(STDERR),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
