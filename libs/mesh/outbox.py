@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -42,6 +42,7 @@ class Envelope:
     subject: str
     payload: bytes
     msg_id: str  # unique per message of this process: the stream's dedupe key
+    headers: Mapping[str, str] | None = None  # sent with it (a request id, the sender's traceparent)
 
 
 class Outbox:
@@ -152,7 +153,7 @@ class Outbox:
             self.num_sent += 1
 
     async def _send(self, envelope: Envelope) -> None:
-        headers = {MSG_ID: envelope.msg_id}
+        headers = {**(envelope.headers or {}), MSG_ID: envelope.msg_id}
         if self.jetstream and await self._stream_exists():
             await self.bus.client.jetstream().publish(
                 envelope.subject, envelope.payload, timeout=self.ack_timeout_s, headers=headers

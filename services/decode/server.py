@@ -18,7 +18,7 @@ from mesh.compute.engines import ModelEngines
 from mesh.compute.errors import abort, status_on_error
 from mesh.discovery import now_ms
 from mesh.lane import server_tls
-from mesh.logging import bind_request_id, get_logger
+from mesh.logging import REQUEST_ID_KEY, bind_request_id, get_logger
 from mesh.outbox import Envelope, Outbox
 from mesh.outbox import export_metrics as export_outbox_metrics
 from mesh.pb import common_pb2, decode_pb2, decode_pb2_grpc, events_pb2
@@ -146,7 +146,8 @@ class FinishedFeed:
     def publish(self, message: events_pb2.RequestFinished) -> None:
         self.seq += 1
         msg_id = f"{self.worker_id}.{self._epoch}.{self.seq}"
-        self.outbox.put(Envelope(subjects.REQUESTS_FINISHED, message.SerializeToString(), msg_id))
+        headers = {REQUEST_ID_KEY: message.request_id, **tracing.headers()}  # the request's trace, as bus.publish
+        self.outbox.put(Envelope(subjects.REQUESTS_FINISHED, message.SerializeToString(), msg_id, headers))
 
 
 class DecodeService:

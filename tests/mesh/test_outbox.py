@@ -138,3 +138,18 @@ async def test_until_its_stream_is_made_an_outbox_publishes_plain_then_acknowled
     assert (outbox.num_sent, outbox.num_unacked, outbox.max_len) == (7, 1, 3)
     await asyncio.sleep(0.2)
     assert heard[0] == (b"0", "d.1.0") and heard[-1] == (b"5", "d.1.5")
+
+
+async def test_an_envelopes_headers_travel_beside_its_message_id(nats_and_bus) -> None:
+    """A request's id and trace context go with its event (decode's finished requests), as bus.publish sends them;
+    the outbox's own Nats-Msg-Id wins over a header of that name."""
+    _, bus = nats_and_bus
+    outbox = Outbox(bus, capacity=10)
+    outbox.start()
+    headers = {"x-request-id": "req-1", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01", MSG_ID: "not-this"}
+    outbox.put(Envelope("test.outbox.0", b"finished", "w.1.0", headers))
+    assert await outbox.flush(5.0)
+    await outbox.stop()
+    message = await bus.client.jetstream().get_msg(STREAM, 1)
+    assert message.data == b"finished"
+    assert message.headers == {**headers, MSG_ID: "w.1.0"}
