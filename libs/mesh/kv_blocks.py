@@ -14,6 +14,7 @@ these bytes live in engine_core.kv_transfer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import crc32c
@@ -79,13 +80,7 @@ class StateSections:
         return out
 
     def layer_bytes(self, layer: int, num_tokens: int, dtype: str) -> int:
-        total = 0
-        for _, shape, tensor_dtype in self.tensors(layer, num_tokens, dtype):
-            numel = 1
-            for size in shape:
-                numel *= size
-            total += numel * DTYPE_BYTES[tensor_dtype]
-        return total
+        return sum(math.prod(shape) * DTYPE_BYTES[kind] for _, shape, kind in self.tensors(layer, num_tokens, dtype))
 
 
 def _compressor_tensors(
