@@ -34,11 +34,16 @@ class MeshView:
         registry: Registry,
         slow_decode: LatencyRule = NO_LATENCY_RULE,
         clock: Callable[[], float] = time.monotonic,
+        unrouted_stall_s: float | None = None,
     ) -> None:
+        """`unrouted_stall_s`: how long a stream waits for its next token from a decode worker that has left the
+        routes (failed health checks: a stopped or dead process; or gone) when the pool has no latency of its
+        own to compare with (too few streams on the others); None: it waits for that worker."""
         self._registry = registry
         self._next_balancer = 0  # round-robin start; only `balancers()` writes it
         self.latency = LatencyOutlierDetector(slow_decode, self.decode_ids)
         self._clock = clock
+        self.unrouted_stall_s = unrouted_stall_s
 
     def decode_ids(self, model: str) -> list[str]:
         """The decode workers that may serve `model` now: known, and not ejected for failures."""
@@ -47,7 +52,7 @@ class MeshView:
     def record_token_gap(self, model: str, decode_worker: str, gap_s: float, num_tokens: int) -> None:
         """`num_tokens` arrived from `decode_worker` `gap_s` after the stream's previous ones: one ITL sample,
         which may eject the worker for being slow (logged, counted, and an event on the request's span)."""
-        ejection = self.latency.record(model, decode_worker, gap_s / num_tokens, self._clock())
+        ejection = self.latency.record(model, decode_worker, gap_s, self._clock(), num_tokens)
         if ejection is not None:
             report_ejection(ejection)
 
@@ -60,17 +65,26 @@ class MeshView:
         left = set(self.decode_ids(model)) - set(excluded) - set(slow)
         return slow if left else []
 
+    @property
+    def watches_stalls(self) -> bool:
+        """Whether streams look at `stall_limit_s` at all."""
+        return self.latency.rule.is_enabled or self.unrouted_stall_s is not None
+
     def stall_limit_s(self, model: str, decode_worker: str) -> float | None:
-        """How long a stream on `decode_worker` may wait for its next token before it migrates: slow_decode_factor
-        x the pool's others' ITL, once the worker is out of routing (slow, or failing its checks); None while it
-        is in, or when nothing to compare with is known."""
+        """How long a stream on `decode_worker` may wait for its next token before it migrates, once the worker
+        is out of routing (slow, or failing its checks: stopped, starved; or gone); None while it is in.
+        slow_decode_factor x the pool's others' ITL where that is known, else, for a worker out for failed
+        checks or gone (not merely slow), `unrouted_stall_s`."""
         rule = self.latency.rule
         now_s = self._clock()
-        if not rule.is_enabled:
+        is_unrouted = decode_worker not in self.decode_ids(model)
+        is_slow = rule.is_enabled and self.latency.is_ejected(model, decode_worker, now_s)
+        if not (is_unrouted or is_slow):
             return None
-        is_out = self.latency.is_ejected(model, decode_worker, now_s) or decode_worker not in self.decode_ids(model)
-        reference_s = self.latency.reference_s(model, decode_worker, now_s) if is_out else None
-        return None if reference_s is None else rule.factor * max(reference_s, rule.min_itl_s)
+        reference_s = self.latency.reference_s(model, decode_worker, now_s) if rule.is_enabled else None
+        if reference_s is not None:
+            return rule.factor * max(reference_s, rule.min_itl_s)
+        return self.unrouted_stall_s if is_unrouted else None
 
     def balancers(self) -> list[KnownWorker]:
         """Live balancers, starting with a different one each call so the load spreads."""

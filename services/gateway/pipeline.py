@@ -366,7 +366,7 @@ class GenerationStream:
         its checks) and a migration is left, waiting longer than MeshView.stall_limit_s for the next token raises
         DecodeStalled: the output goes on on another pair rather than at the slow worker's pace."""
         mesh, model = self._pipeline.mesh, self._generation.model.name
-        if not mesh.latency.rule.is_enabled:
+        if not mesh.watches_stalls:
             async for batch in call:
                 yield batch
             return
@@ -400,8 +400,8 @@ class GenerationStream:
         limit_s = self._pipeline.mesh.stall_limit_s(self._generation.model.name, decode_worker)
         if limit_s is not None and waited_s > limit_s:
             raise DecodeStalled(
-                f"the decode worker is out of routing and slow: no token for {waited_s * 1000:.0f} ms "
-                f"(its pool's inter-token latency x slow_decode_factor: {limit_s * 1000:.0f} ms)"
+                f"the decode worker is out of routing (slow, failing its checks, or gone): no token for "
+                f"{waited_s * 1000:.0f} ms, over its stall limit of {limit_s * 1000:.0f} ms"
             )
 
     async def _wait_for_push(self, attempt: Attempt) -> None:

@@ -112,7 +112,11 @@ class GatewayServer:
         self.limiter.start()
         self.probes = RolloutProbes(RolloutStore(bus.client), QualityProbe(self.registry, self.runtime.channels))
         await self.probes.start()
-        mesh = MeshView(self.registry, settings.slow_decode)
+        # a stream on a worker out for failed checks, with no token for as long as those checks took, moves
+        check_round_s = settings.health_check_timeout_s + settings.health_check_interval_s
+        mesh = MeshView(
+            self.registry, settings.slow_decode, unrouted_stall_s=settings.eject_after_failures * check_round_s
+        )
         self.core = GatewayCore(
             keys=KeyRing(settings.api_keys),
             key_store=key_store,

@@ -88,14 +88,16 @@ def test_a_throttled_decode_worker_fails_no_request(suite: FaultSuite) -> None:
 
 def test_a_stopped_decode_worker_is_ejected_by_health_checks_and_fails_no_request(suite: FaultSuite) -> None:
     """A decode worker SIGSTOPped under load gives no token gaps to judge: every balancer's health checks eject
-    it within 3 rounds of their deadline, the gateway's too, and its streams move to the other worker (same
-    output); no request fails. SIGCONT, and it is back in every balancer's pool (its next passing check)."""
+    it within 3 rounds of their deadline, the gateway's too, and its streams, silent that long, move to the other
+    worker (same output); no request fails. SIGCONT, and it is back in every balancer's pool (its next passing
+    check)."""
     result = suite.stopped_decode()
     print(json.dumps(result.figures()))
     assert result.num_failed == 0, result.details
     assert result.num_requests >= 3 and result.notes["streams_on_victim"] >= 1, result.figures()
     assert result.notes["ejected_after_s"] < STOPPED_EJECTION_S + 1.0, result.notes  # + a scrape of the pools
     assert result.notes["num_migrated"] >= 1, result.notes  # its streams moved (whole: none failed)
+    assert result.notes["migrated_after_s"] < STOPPED_EJECTION_S + 2.0, result.notes  # not when it woke up
 
 
 def test_a_client_that_hangs_up_has_its_kv_freed_on_every_worker_within_a_second(suite: FaultSuite) -> None:

@@ -88,12 +88,31 @@ def test_a_stream_waits_factor_times_the_pools_latency_once_its_worker_is_out() 
     assert view.stall_limit_s(MODEL, "d0") == pytest.approx(0.3)  # out for failed checks (a stopped process)
 
 
+def test_a_stream_on_a_worker_out_for_failed_checks_waits_the_unrouted_limit_when_nothing_compares() -> None:
+    """A stopped decode worker sends no token to judge, and the pool's other workers may have too few samples to
+    give a latency (little traffic): its streams then wait `unrouted_stall_s`, not until it wakes up."""
+    workers, clock = Workers("d0", "d1"), Clock()
+    rule = LatencyRule(factor=3.0, window_s=5.0, min_samples=4, ejection_s=10.0)
+    view = MeshView(workers, rule, clock, unrouted_stall_s=7.5)
+    assert view.stall_limit_s(MODEL, "d1") is None  # in the routes
+    workers.failing.add("d1")
+    assert view.stall_limit_s(MODEL, "d1") == 7.5  # d0 has no samples
+    report(view, clock, {"d0": 0.1})
+    assert view.stall_limit_s(MODEL, "d1") == pytest.approx(0.3)  # d0's latency known: 3 x 0.1 s
+    workers.worker_ids.remove("d1")  # gone from the registry (left, or pruned once ejected)
+    assert view.stall_limit_s(MODEL, "d1") == pytest.approx(0.3)
+    clock.now_s += 10.0  # d0's samples out of the window
+    assert view.stall_limit_s(MODEL, "d1") == 7.5
+    off = MeshView(workers, clock=clock, unrouted_stall_s=7.5)  # no latency rule: the health checks still count
+    assert (off.watches_stalls, off.stall_limit_s(MODEL, "d1"), off.stall_limit_s(MODEL, "d0")) == (True, 7.5, None)
+
+
 def test_off_no_worker_is_slow_and_no_stream_leaves() -> None:
     workers, clock = Workers("d0", "d1"), Clock()
     view = MeshView(workers, clock=clock)
     report(view, clock, {"d1": 0.1, "d0": 5.0})
     workers.failing.add("d0")
-    assert (view.slow_decode_ids(MODEL), view.stall_limit_s(MODEL, "d0")) == ([], None)
+    assert (view.slow_decode_ids(MODEL), view.stall_limit_s(MODEL, "d0"), view.watches_stalls) == ([], None, False)
 
 
 def test_a_bad_slow_decode_setting_names_its_variable() -> None:

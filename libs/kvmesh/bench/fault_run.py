@@ -136,6 +136,8 @@ class FaultSuite:
         stream's drain is all that is asked), and it is not started again."""
         needed = sorted({"decode", "prefill", "balancer", role})  # the probe passes through these
         wait_for(lambda: all(self.num_serving(r) > 0 for r in needed), 180, "a worker of each role", 0.25)
+        # and the gateway routes to them (a replica started again is in its pools a heartbeat after it serves)
+        wait_for(lambda: is_ready(self.mesh.child("gateway-0").http_port), 30, "the gateway ready", 0.25)
         if under_load:
             self.wait_role_serving(role)
         else:
@@ -254,8 +256,9 @@ class FaultSuite:
         """A decode worker stopped outright (SIGSTOP) under load until `observe_s` after every balancer ejected
         it, then continued (SIGCONT). It sends no token, so the gateway's latency rule has nothing to judge: only
         failed health checks (no answer within KVMESH_HEALTH_CHECK_TIMEOUT_S, mesh.health) eject it, from every
-        balancer's pool and the gateway's, and its streams, by then overdue, move to the other worker. Notes: the
-        victim and the streams it held, seconds until every balancer's pool left it out, how long it was stopped,
+        balancer's pool and the gateway's, and its streams, once silent for as long as those checks took (the
+        gateway's unrouted stall limit), move to the other worker. Notes: the victim and the streams it held,
+        seconds until every balancer's pool left it out and until the first migration, how long it was stopped,
         seconds from SIGCONT until every pool had it back, and the gateway's migrations meanwhile."""
         self.wait_role_serving("decode")
         for replica in self.replicas("decode"):  # every one in the routes: none still out for an earlier fault
@@ -281,6 +284,10 @@ class FaultSuite:
             stopped_at_s = time.monotonic()
             ejected_after_s = wait_for(lambda: self.decode_pool_sizes() == smaller, 30, f"{name} ejected")
             notes["ejected_after_s"] = round(ejected_after_s, 2)
+            if num_streams:  # its streams move once silent for as long as the checks took (STOPPED_EJECTION_S)
+                with contextlib.suppress(TimeoutError):
+                    wait_for(lambda: self.num_migrations() > num_migrations, 2 * STOPPED_EJECTION_S, "a migration")
+                    notes["migrated_after_s"] = round(time.monotonic() - stopped_at_s, 2)
             threading.Timer(self.observe_s, resume).start()  # what it held is moved by then, or waits for it
 
         try:

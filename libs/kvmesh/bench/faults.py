@@ -15,6 +15,7 @@ import json
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
@@ -205,6 +206,8 @@ class ProbeStream:
                             self.error = f"error frame: {json.dumps(chunk['error'])[:300]}"
                         if chunk.get("usage"):
                             self.num_completion_tokens = chunk["usage"]["completion_tokens"]
+        except urllib.error.HTTPError as refused:  # the body names the cause (which pool was empty, ...)
+            self.error = f"HTTPError {refused.code}: {refused.read()[:300].decode(errors='replace')}"
         except Exception as exc:  # the probe's verdict: the caller asserts on it
             if not self._closed.is_set():
                 self.error = f"{type(exc).__name__}: {exc}"
