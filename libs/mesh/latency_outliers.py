@@ -9,7 +9,10 @@ heartbeats stall with it.
 
 The rule, per pool (the decode workers of one model):
 
-- a worker's ITL is the median of its samples of the last `window_s` seconds, once it has `min_samples` of them;
+- a worker's ITL is its streams' time per token over the last `window_s` seconds: the gaps' sum over the tokens'
+  sum (a mean weighted by tokens, which is what TPOT is), once it has `min_samples` samples. Not their median: a
+  throttled worker (runs 50 ms, stopped 150 ms) gives quick gaps and long ones in nearly equal numbers, and their
+  median falls on either side by chance, while its streams really are 4x slower;
 - its reference is the median of the ITLs of the pool's *other* workers that are live, not ejected and have
   enough samples. Comparing with the others keeps a slow worker from raising its own bar: with two workers, a
   median over the whole pool would sit halfway to the slow one;
@@ -29,11 +32,11 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 MAX_EJECTION_MULTIPLE = 10  # a worker ejected again and again stays out at most this many ejection_s
-MAX_SAMPLES = 512  # per worker and pool: the window's newest; bounds the memory and each median's cost
+MAX_SAMPLES = 512  # per worker and pool: the window's newest; bounds the memory and each mean's cost
 CHECK_INTERVAL_S = 0.05  # a worker is judged at most this often (its samples may come thousands a second)
 
 
@@ -69,7 +72,7 @@ class Ejection:
 
     pool: str
     worker_id: str
-    itl_s: float  # its median over the window
+    itl_s: float  # its time per token over the window
     reference_s: float  # the median of the other workers'
     until_s: float  # monotonic
     num_in_a_row: int
@@ -83,19 +86,21 @@ class LatencyOutlierDetector:
     def __init__(self, rule: LatencyRule, live_workers: Callable[[str], Collection[str]]) -> None:
         self.rule = rule
         self.live_workers = live_workers
-        self._samples: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # -> (at_s, itl_s), oldest first
+        # -> (at_s, gap_s, num_tokens), oldest first
+        self._samples: dict[tuple[str, str], deque[tuple[float, float, int]]] = {}
         self._ejected_until: dict[tuple[str, str], float] = {}  # monotonic; expired entries are dropped when read
         self._num_in_a_row: dict[tuple[str, str], int] = {}
         self._next_check_s: dict[tuple[str, str], float] = {}
         self.num_ejections = 0  # since start
 
-    def record(self, pool: str, worker_id: str, itl_s: float, now_s: float) -> Ejection | None:
-        """One ITL sample of `worker_id`; the Ejection when it made the worker an outlier."""
+    def record(self, pool: str, worker_id: str, gap_s: float, now_s: float, num_tokens: int = 1) -> Ejection | None:
+        """`num_tokens` of `worker_id` arrived `gap_s` after their stream's previous ones (one sample); the
+        Ejection when it made the worker an outlier."""
         key = (pool, worker_id)
         if not self.rule.is_enabled or self.is_ejected(pool, worker_id, now_s):
             return None
         samples = self._samples.setdefault(key, deque(maxlen=MAX_SAMPLES))
-        samples.append((now_s, itl_s))
+        samples.append((now_s, gap_s, num_tokens))
         if now_s < self._next_check_s.get(key, 0.0):
             return None
         self._next_check_s[key] = now_s + CHECK_INTERVAL_S
@@ -125,13 +130,13 @@ class LatencyOutlierDetector:
         """Slow in each half of the window, on at least half of min_samples in each (the caller trimmed it)."""
         middle_s = now_s - self.rule.window_s / 2
         samples = self._samples[key]
-        halves = ([itl for at, itl in samples if at < middle_s], [itl for at, itl in samples if at >= middle_s])
+        halves = ([s for s in samples if s[0] < middle_s], [s for s in samples if s[0] >= middle_s])
         bar_s = max(self.rule.factor * reference_s, self.rule.min_itl_s)
         need = (self.rule.min_samples + 1) // 2
-        return all(len(half) >= need and statistics.median(half) > bar_s for half in halves)
+        return all(len(half) >= need and time_per_token(half) > bar_s for half in halves)
 
     def itl_s(self, pool: str, worker_id: str, now_s: float) -> float | None:
-        """The worker's median ITL over the window; None with fewer than min_samples."""
+        """The worker's time per token over the window; None with fewer than min_samples samples."""
         samples = self._samples.get((pool, worker_id))
         if samples is None:
             return None
@@ -139,7 +144,7 @@ class LatencyOutlierDetector:
             samples.popleft()
         if len(samples) < self.rule.min_samples:
             return None
-        return statistics.median(itl for _, itl in samples)
+        return time_per_token(samples)
 
     def reference_s(self, pool: str, worker_id: str, now_s: float) -> float | None:
         """The median ITL of the pool's other live, admitted workers with enough samples; None if there is none."""
@@ -171,3 +176,12 @@ class LatencyOutlierDetector:
         for table in (self._samples, self._ejected_until, self._num_in_a_row, self._next_check_s):
             for key in [k for k in table if k[1] == worker_id]:
                 del table[key]
+
+
+def time_per_token(samples: Iterable[tuple[float, float, int]]) -> float:
+    """The gaps' sum over the tokens' sum of (at_s, gap_s, num_tokens) samples."""
+    total_s = num_tokens = 0.0
+    for _, gap_s, n in samples:
+        total_s += gap_s
+        num_tokens += n
+    return total_s / num_tokens

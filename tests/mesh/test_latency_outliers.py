@@ -1,5 +1,5 @@
-"""Latency-based outlier ejection (mesh.latency_outliers): a decode worker whose median inter-token latency is over
-factor x its pool's others' is ejected for a while, never the pool's last one, and judged again on fresh samples."""
+"""Latency-based outlier ejection (mesh.latency_outliers): a decode worker whose time per token is over factor x
+its pool's others' is ejected for a while, never the pool's last one, and judged again on fresh samples."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_a_worker_slower_than_the_other_throughout_the_window_is_ejected() -> No
     # d0's 4th sample: enough, but all but one in the newer half of its window; the 5th: two in the older
     outcomes = rounds(outliers, [0.1, 0.1, 0.2, 0.1, 0.1], [0.5, 0.4, 0.6, 0.5, 0.5])
     assert outcomes[:4] == [None] * 4
-    assert outcomes[4] == Ejection(POOL, "d0", itl_s=0.5, reference_s=0.1, until_s=14.5, num_in_a_row=1)
+    # d1's time per token: 0.6 s over 5 tokens
+    assert outcomes[4] == Ejection(POOL, "d0", 0.5, reference_s=pytest.approx(0.12), until_s=14.5, num_in_a_row=1)
     assert (outliers.ejected_ids(POOL, 4.5), outliers.num_ejections) == (["d0"], 1)
     assert outliers.itl_s(POOL, "d0", 4.5) is None  # its samples went with the ejection
     assert outliers.reference_s(POOL, "d1", 4.5) is None  # and an ejected worker is no one's reference
@@ -53,7 +54,8 @@ def test_a_burst_shorter_than_half_the_window_ejects_nobody() -> None:
     feed(outliers, "d1", [0.1, 0.1], 6.0)
     burst = feed(outliers, "d0", [1.0] * 6, 6.0, step_s=0.25)  # 6-7.25 s: most of the window's samples
     assert burst == [None] * 6
-    assert outliers.itl_s(POOL, "d0", 7.25) == 1.0  # slow over the window, but not in its older half
+    # slow over the window (4 x 0.1 s and 6 x 1.0 s over 10 tokens), but not in its older half
+    assert outliers.itl_s(POOL, "d0", 7.25) == pytest.approx(0.64)
 
 
 def test_within_factor_or_under_the_floor_is_not_slow() -> None:
@@ -91,7 +93,8 @@ def test_ejected_again_in_a_row_stays_out_longer_and_a_healthy_judgement_starts_
     assert rounds(outliers, [0.1] * 4, [1.0] * 4, 14.0)[-1] == Ejection(POOL, "d0", 1.0, 0.1, 37.5, 2)  # 2x as long
     # back, and judged healthy: the count starts over (the healthy samples delay the next ejection by a round)
     assert rounds(outliers, [0.1] * 3, [0.1] * 3, 38.0) == [None] * 3
-    assert rounds(outliers, [0.1] * 4, [1.0] * 4, 41.0)[-1] == Ejection(POOL, "d0", 1.0, 0.1, 54.5, 1)
+    ejection = Ejection(POOL, "d0", pytest.approx(0.82), 0.1, 54.5, 1)  # one healthy sample left in the window
+    assert rounds(outliers, [0.1] * 4, [1.0] * 4, 41.0)[-1] == ejection
 
 
 def test_pools_are_judged_apart_and_a_departed_worker_is_forgotten() -> None:
@@ -111,6 +114,27 @@ def test_a_worker_is_judged_at_most_every_50_ms() -> None:
     assert [outliers.record(POOL, "d0", 1.0, t) for t in times] == [None] * 4 + [
         Ejection(POOL, "d0", 1.0, 0.1, 14.0625, 1)
     ]
+
+
+def test_a_throttled_worker_is_judged_on_its_time_per_token_not_the_median_gap() -> None:
+    """Running 60 ms of every 300 ms: two quick gaps (20 ms a token while it runs) and a long one (the stop) in
+    turn. The median gap is a quick one; its streams take 0.1 s a token, 5x the other worker's."""
+    outliers = detector({"d0", "d1"})
+    outcomes = []
+    for i, gap_s in enumerate([0.02, 0.02, 0.26] * 8):  # a sample of d1 every 0.2 s, one of d0 0.1 s after it
+        outliers.record(POOL, "d1", 0.02, 0.2 * i)
+        outcomes.append(outliers.record(POOL, "d0", gap_s, 0.2 * i + 0.1))
+    # judged slow once the window's older half (before now - 2.5 s) holds a whole cycle: at 3.1 s, on 16 samples
+    # (5 cycles and a quick gap: 1.52 s over 16 tokens)
+    ejection = Ejection(POOL, "d0", pytest.approx(0.095), pytest.approx(0.02), pytest.approx(13.1), 1)
+    assert [(i, o) for i, o in enumerate(outcomes) if o is not None] == [(15, ejection)]
+
+
+def test_tokens_weigh_a_sample() -> None:
+    outliers = detector({"d0"})
+    feed(outliers, "d0", [0.1, 0.1, 0.1], 0.0)
+    outliers.record(POOL, "d0", 0.9, 3.0, num_tokens=9)  # 9 tokens in one batch, 0.1 s each
+    assert outliers.itl_s(POOL, "d0", 3.0) == pytest.approx(0.1)
 
 
 def test_off_records_nothing() -> None:
