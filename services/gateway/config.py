@@ -37,8 +37,8 @@ class GatewaySettings(ServiceSettings):
     # a slow decode worker (mesh/latency_outliers.py): ejected from routing for a while, its late streams migrated
     slow_decode_factor: float = setting(
         3.0,
-        "a decode worker whose median inter-token latency is over this many times its pool's others' is ejected "
-        "from routing, and its streams whose next token is this late migrate (0: never)",
+        "a decode worker whose time per token (its streams' gaps over their tokens) is over this many times its "
+        "pool's others' is ejected from routing, and its streams whose next token is this late migrate (0: never)",
     )
     slow_decode_window_s: float = setting(5.0, "seconds of inter-token latency samples a decode worker is judged on")
     slow_decode_min_samples: int = setting(
@@ -48,7 +48,7 @@ class GatewaySettings(ServiceSettings):
         10.0, "seconds a slow decode worker stays out of routing; each ejection in a row adds as much (up to 10x)"
     )
     slow_decode_min_itl_s: float = setting(
-        0.005, "a median inter-token latency below this (seconds) is never slow: the gateway's own loop jitter"
+        0.005, "a time per token below this (seconds) is never slow: the gateway's own loop jitter"
     )
     request_timeout_s: float = setting(600.0, "arrival to last token, in seconds; past it the request fails with 504")
     # output length (services/gateway/output_limits.py), for every API: N, model=N, or both (N for the others)
