@@ -44,7 +44,7 @@ def loop_cpu_s(pid: int) -> float:
 
 async def measure(protection: str, num_reads: int) -> dict[str, object]:
     layout = bench_layout(2048)
-    block_bytes = layout.num_layers * layout.chunk_bytes(1)
+    block_bytes = layout.num_block_bytes
     payload = os.urandom(block_bytes)
     blocks = [StoreBlock(n.to_bytes(32, "big"), b"\0" * 32, layout, payload) for n in range(2**28 // block_bytes)]
     keys = [b.block_hash for b in blocks]

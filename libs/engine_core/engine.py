@@ -32,6 +32,7 @@ from engine_core.kv_transfer import (
     KVLayout,
     KVLayoutError,
     block_bytes_to_tensor,
+    block_to_bytes,
     bytes_to_tensor,
     dtype_name,
     tensor_to_bytes,
@@ -40,7 +41,7 @@ from engine_core.loader.checkpoint import open_checkpoint
 from engine_core.model_runner import ModelRunner
 from engine_core.models import build_model
 from engine_core.models.deepseek_v4.state import SequenceState
-from engine_core.models.deepseek_v4.transfer import layer_from_bytes, layer_to_bytes, state_sections
+from engine_core.models.deepseek_v4.transfer import block_sections, layer_from_bytes, layer_to_bytes, state_sections
 from engine_core.quantization import calibration_ids, check_quantization, quantize_model
 from engine_core.request import EmbeddingSpan, Request, RequestStatus
 from engine_core.sampler import Sampler
@@ -103,7 +104,9 @@ class LLMEngine:
             SchedulerConfig(self.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
             self.kv,
         )
-        self.loads = LayerLoads(self.kv.pool, self.runner.kv_caches, self.kv_layout, self.runner.block_axis)
+        self.loads = LayerLoads(
+            self.kv.pool, self.runner.kv_caches, self.kv_layout, self.row_shape, self.runner.block_axis
+        )
         self.sampler = Sampler(config.seed)
         model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings
@@ -174,24 +177,38 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     @property
+    def row_shape(self) -> tuple[int, ...]:
+        """One layer's row of the cache for ONE block (the block axis has size 1)."""
+        return tuple(self.runner.model.kv_cache_shape(1, self.config.block_size))  # type: ignore[operator]
+
+    @property
     def kv_layout(self) -> KVLayout:
-        shape = self.runner.model.kv_cache_shape(1, self.config.block_size)  # type: ignore[operator]
+        """The format of this engine's blocks, as the prefix cache's reads and writes and the KV store carry them
+        (mesh.kv_blocks): format 1, the cache's rows; DeepSeek-V4, format 2, each layer's sections by its kind."""
+        layout = self._row_layout
+        if self.model_config.v4 is None:
+            return layout
+        sections = block_sections(self.model_config.v4, self.config.block_size)
+        return dataclasses.replace(layout, layer_shape=(), block_axis=0, block_format=2, block_sections=sections)
+
+    @property
+    def _row_layout(self) -> KVLayout:
         return KVLayout(
             self.served_name,
             dtype_name(self.dtype),
             self.config.block_size,
             self.model_config.num_layers,
-            tuple(shape),
+            self.row_shape,
             self.runner.block_axis,
         )
 
     @property
     def transfer_layout(self) -> KVLayout:
         """How a request's KV travels to another engine (export_kv, begin_kv_import): its blocks (`kv_layout`),
-        or for a model with per-sequence state (DeepSeek-V4) that state, in per-layer sections (format 2)."""
+        or for a model with per-sequence state (DeepSeek-V4) that state, in per-layer sections (`sections`)."""
         if self.model_config.v4 is None:
             return self.kv_layout
-        return dataclasses.replace(self.kv_layout, sections=state_sections(self.model_config.v4))
+        return dataclasses.replace(self._row_layout, sections=state_sections(self.model_config.v4))
 
     # -- requests -----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -414,9 +431,10 @@ class LLMEngine:
     def read_cached_blocks(self, block_hashes: list[bytes]) -> list[bytes | None]:
         """Each cached block's KV, every layer (layer-major), or None for a key not cached."""
         out: list[bytes | None] = []
+        layout = self.kv_layout
         for block_hash in block_hashes:
             block = self.kv.pool.get_cached_block(block_hash)
-            out.append(None if block is None else tensor_to_bytes(self.runner.read_all_layers(block.block_id)))
+            out.append(None if block is None else block_to_bytes(self.runner.read_all_layers(block.block_id), layout))
         return out
 
     def inject_cached_blocks(
@@ -429,8 +447,9 @@ class LLMEngine:
         """
         count = min(len(block_hashes), len(blocks_data), self.kv.pool.num_free_blocks)
         blocks = self.kv.pool.allocate(count)
+        layout, row_shape = self.kv_layout, self.row_shape
         for block, data in zip(blocks, blocks_data[:count], strict=True):
-            self.runner.write_all_layers(block.block_id, block_bytes_to_tensor(data, self.kv_layout))
+            self.runner.write_all_layers(block.block_id, block_bytes_to_tensor(data, layout, row_shape))
         size = self.config.block_size
         # a key already cached here stays with its block; the duplicate becomes a plain free block
         self.kv.pool.cache_blocks(blocks, block_hashes[:count], parent_hash, token_ids[: count * size], size)
@@ -510,7 +529,7 @@ class LLMEngine:
         if not 0 <= layer < self.model_config.num_layers:
             raise KVLayoutError(f"layer {layer} out of range [0, {self.model_config.num_layers})")
         layout = self.transfer_layout
-        if layout.sections is not None:  # format 2: the layer's whole section, whatever first_block says
+        if layout.sections is not None:  # state sections: the layer's whole section, whatever first_block says
             state: SequenceState = self.runner.sequence_states[request_id][1]  # type: ignore[assignment]
             num_tokens, device = request.num_computed_tokens, self.ops.torch_device
             state.layers[layer] = layer_from_bytes(data, layout.sections, layer, num_tokens, layout.dtype, device)

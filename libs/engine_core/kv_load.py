@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from engine_core.kv_cache.block_pool import BlockPool, KVBlock
-from engine_core.kv_transfer import KVLayout, torch_dtype
+from engine_core.kv_transfer import KVLayout, layer_bytes_to_tensor
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -62,12 +61,14 @@ class LayerLoads:
         pool: BlockPool,
         kv_caches: torch.Tensor,
         layout: KVLayout,
+        row_shape: tuple[int, ...],
         block_axis: int,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.pool = pool
-        self.kv_caches = kv_caches  # (num_layers, *layer_shape): loads write their blocks' layers into it
-        self.layout = layout
+        self.kv_caches = kv_caches  # (num_layers, *layer rows): loads write their blocks' layers into it
+        self.layout = layout  # the blocks' format (engine_core.kv_transfer: how a block's bytes fill its rows)
+        self.row_shape = row_shape  # one layer's row for one block
         self.block_axis = block_axis
         self.timeout_s = timeout_s
         self._pending: list[LayerLoad] = []  # engine thread only
@@ -125,16 +126,13 @@ class LayerLoads:
 
     # -- any thread (the loader) ----------------------------------------------------------------------------
     def write_layer(self, load: LayerLoad, layer: int, pieces: Sequence[bytes | bytearray | memoryview]) -> None:
-        """Write one layer of every block of the load: `pieces[i]` is block i's bytes of that layer (its
-        layout.layer_shape), as a KV store block holds them (layer-major within the block)."""
+        """Write one layer of every block of the load: `pieces[i]` is block i's bytes of that layer, as a KV store
+        block holds them (layer-major within the block: layout.layer_offsets())."""
         assert layer == load.num_layers_done, f"layer {layer} written out of order (next is {load.num_layers_done})"
         assert len(pieces) == load.num_blocks
         if load.failed:
             return
-        dtype, shape = torch_dtype(self.layout), self.layout.layer_shape
-        with warnings.catch_warnings():  # read-only buffers are fine: cat copies them
-            warnings.simplefilter("ignore", UserWarning)
-            values = torch.cat([torch.frombuffer(piece, dtype=dtype).view(shape) for piece in pieces], self.block_axis)
+        values = layer_bytes_to_tensor(pieces, self.layout, self.row_shape, self.block_axis)
         index = torch.tensor([b.block_id for b in load.blocks], dtype=torch.long, device=self.kv_caches.device)
         self.kv_caches[layer].index_copy_(self.block_axis, index, values.to(self.kv_caches.device))
         with self._changed:

@@ -7,22 +7,28 @@ restricted to the request's blocks, in the engine's own block format: the descri
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mesh.kv_blocks import KVLayout, KVLayoutError, StateSections
+from mesh.kv_blocks import BlockSections, KVLayout, KVLayoutError, Section, StateSections
 
 __all__ = [
+    "BlockSections",
     "KVChunk",
     "KVExport",
     "KVLayout",
     "KVLayoutError",
+    "Section",
     "StateSections",
     "block_bytes_to_tensor",
+    "block_to_bytes",
     "bytes_to_tensor",
     "dtype_name",
+    "layer_bytes_to_tensor",
     "named_dtype",
     "tensor_to_bytes",
     "torch_dtype",
@@ -67,12 +73,57 @@ def bytes_to_tensor(data: bytes | bytearray | memoryview, layout: KVLayout, num_
     return uint8_view(data).view(torch_dtype(layout)).view(layout.chunk_shape(num_blocks))
 
 
-def block_bytes_to_tensor(data: bytes, layout: KVLayout) -> torch.Tensor:
-    """One block's KV across every layer (as a KV store holds it): (num_layers, *layer_shape)."""
-    expected = layout.num_layers * layout.chunk_bytes(1)
+# A block's bytes (`layout.block_format`) and the engine's cache rows: in format 1 the same thing; in format 2 each
+# layer's sections lead its row in the cache (a row is as wide as the widest layer's, and blocks sit on axis 0), so
+# a stored block is each row's first `layer_numel` elements and the rest of a row is padding, written as zeros.
+
+
+def block_to_bytes(block: torch.Tensor, layout: KVLayout) -> bytes:
+    """One block across every layer as the cache holds it, (num_layers, *row) on the CPU -> its stored bytes."""
+    if layout.block_sections is None:
+        return tensor_to_bytes(block)
+    rows = block.reshape(layout.num_layers, -1)  # (L, F)
+    sections = layout.block_sections
+    return b"".join(tensor_to_bytes(rows[i, : sections.layer_numel(i)]) for i in range(layout.num_layers))
+
+
+def block_bytes_to_tensor(
+    data: bytes | bytearray | memoryview, layout: KVLayout, row_shape: tuple[int, ...]
+) -> torch.Tensor:
+    """One block's stored bytes -> (num_layers, *row_shape) as the cache holds it (row_shape: one layer's row for
+    one block). KVLayoutError when the bytes are not the layout's block size."""
+    expected = layout.num_block_bytes
     if len(data) != expected:
         raise KVLayoutError(f"KV block has {len(data)} bytes, expected {expected}")
-    return uint8_view(data).view(torch_dtype(layout)).view(layout.num_layers, *layout.layer_shape)
+    values = uint8_view(data).view(torch_dtype(layout))
+    if layout.block_sections is None:
+        return values.view(layout.num_layers, *layout.layer_shape)
+    offsets = [offset // values.element_size() for offset in layout.layer_offsets()]
+    pieces = [values[offsets[i] : offsets[i + 1]] for i in range(layout.num_layers)]
+    return _padded_rows(pieces, row_shape)
+
+
+def layer_bytes_to_tensor(
+    pieces: Sequence[bytes | bytearray | memoryview], layout: KVLayout, row_shape: tuple[int, ...], block_axis: int
+) -> torch.Tensor:
+    """One layer of several blocks, each block's bytes of it as a stored block holds them -> that layer's rows of
+    those blocks as the cache holds them, blocks along `block_axis` (read-only buffers are copied)."""
+    dtype = torch_dtype(layout)
+    with warnings.catch_warnings():  # read-only buffers are fine: cat and the padding copy them
+        warnings.simplefilter("ignore", UserWarning)
+        values = [torch.frombuffer(piece, dtype=dtype) for piece in pieces]
+        if layout.block_sections is None:
+            return torch.cat([value.view(layout.layer_shape) for value in values], block_axis)
+    assert block_axis == 0, "block format 2 reads caches whose blocks sit on axis 0"
+    return _padded_rows(values, row_shape).flatten(0, 1)
+
+
+def _padded_rows(pieces: Sequence[torch.Tensor], row_shape: tuple[int, ...]) -> torch.Tensor:
+    """Flat pieces, each at most one row -> (len(pieces), *row_shape), each row its piece then zeros."""
+    rows = torch.zeros(len(pieces), math.prod(row_shape), dtype=pieces[0].dtype if pieces else torch.float32)
+    for i, piece in enumerate(pieces):
+        rows[i, : piece.numel()] = piece
+    return rows.view(len(pieces), *row_shape)
 
 
 @dataclass(frozen=True)
@@ -98,8 +149,8 @@ class KVExport:
     _read: Callable[[int, int, int], bytes]  # (layer, first_block, num_blocks) -> bytes
 
     def chunks(self, max_bytes: int | None = None) -> Iterator[KVChunk]:
-        """Layer-major chunks, layer 0 first; a layer larger than `max_bytes` comes in several (format 1; in
-        format 2 a chunk is a layer's whole section: `_read(layer, 0, num_blocks)`)."""
+        """Layer-major chunks, layer 0 first; a layer larger than `max_bytes` comes in several (blocks; a
+        state's chunk is a layer's whole section: `_read(layer, 0, num_blocks)`)."""
         if self.layout.sections is not None:
             for layer in range(self.layout.num_layers):
                 yield KVChunk(layer, 0, self.num_blocks, self._read(layer, 0, self.num_blocks))

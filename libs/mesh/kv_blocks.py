@@ -1,12 +1,21 @@
 """The KV block format that the engines, prefill, decode and the KV store share: how to read a block's bytes
 (`KVLayout`), its checksum, and the layout's protobuf form (common.proto's KVLayout).
 
-Two formats. Format 1, paged blocks (Llama, DeepSeek-V3): every layer's KV of a block has the same shape
-(`layer_shape`), a transfer chunk is some blocks of one layer. Format 2, per-layer-type sections (DeepSeek-V4,
-`KVLayout.sections` set): a request's KV is its per-sequence state, one section per layer whose contents depend on
-the layer's type (window-only, CSA, HCA) and on the request's token count (`StateSections`); a transfer chunk is
-one layer's whole section. A layout of one format never equals one of the other, so KV of one is never read as
-the other: a reader finds a layout mismatch (a miss), not bytes to misread.
+A block (the prefix cache's unit, what a KV store holds) comes in a versioned format, `KVLayout.block_format`:
+- Format 1, uniform layers (Llama, DeepSeek-V3): every layer's KV of a block has the same shape (`layer_shape`);
+  a block is its layers' chunks, layer 0 first. Its bytes and its layout's protobuf are as before formats had
+  numbers.
+- Format 2, per-layer-type sections (DeepSeek-V4, `BlockSections`): a layer's bytes in a block are its kind's
+  sections back to back (window vectors, compressed entries, indexer keys, overlaps), so layers differ in size
+  and a block holds no padding; layer 0 first.
+A layout of one format never equals one of the other, and a reader compares layouts before it reads, so a block of
+one is a miss for an engine of the other, never bytes to misread; an unknown format number is unreadable
+(`KVLayout.block_problem`): the store refuses it and a reader treats it as a miss.
+
+Moving a request between engines (P/D handoff) uses the same layout: format 1 sends blocks; a model with
+per-sequence state (DeepSeek-V4, `KVLayout.sections` set) sends that state instead, one section per layer whose
+contents depend on the layer's type and the request's token count (`StateSections`); a transfer chunk is then one
+layer's whole section.
 
 No torch here, so that a store node can use it without the engine's dependencies: the engine's tensor views of
 these bytes live in engine_core.kv_transfer.
@@ -22,7 +31,8 @@ import crc32c
 from mesh.pb import common_pb2
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes a KV block may hold, and their sizes
-LAYER_KINDS = ("window", "csa", "hca")  # format 2: window-only, compressed sparse, heavily compressed attention
+LAYER_KINDS = ("window", "csa", "hca")  # V4: window-only, compressed sparse, heavily compressed attention
+BLOCK_FORMATS = (1, 2)  # the block formats this code reads (module docstring)
 
 
 class KVLayoutError(ValueError):
@@ -46,7 +56,8 @@ def checksum_more(data: bytes | bytearray | memoryview, value: int) -> int:
 
 @dataclass(frozen=True)
 class StateSections:
-    """Format 2: what one layer's section of a request's state holds after `num_tokens` tokens, in order.
+    """A handoff of per-sequence state (V4): what one layer's section of a request's state holds after
+    `num_tokens` tokens, in order.
 
     Every layer: `window`, the latest min(n, sliding_window - 1) tokens' KV vectors (n x D). CSA and HCA layers
     then their compressor's state: `tail_kv` and `tail_gate` (the n % m tokens of the open window, c x D wide,
@@ -97,6 +108,40 @@ def _compressor_tensors(
     return out
 
 
+Section = tuple[str, int, int]  # (name, rows, width): rows x width elements of the layout's dtype
+
+
+@dataclass(frozen=True)
+class BlockSections:
+    """Block format 2: what each layer of a block holds, by the layer's kind. A layer's bytes are its kind's
+    sections back to back; the block is its layers' bytes, layer 0 first."""
+
+    kinds: tuple[tuple[str, tuple[Section, ...]], ...]  # (kind, its sections in order), each kind once
+    layer_kinds: tuple[str, ...]  # per layer: one of the kinds' names
+
+    def sections(self, layer: int) -> tuple[Section, ...]:
+        return dict(self.kinds)[self.layer_kinds[layer]]
+
+    def layer_numel(self, layer: int) -> int:
+        """Elements of `layer` in one block."""
+        return sum(rows * width for _, rows, width in self.sections(layer))
+
+    def problem(self, num_layers: int) -> str | None:
+        """Why blocks of these sections cannot be sized, or None."""
+        names = [name for name, _ in self.kinds]
+        if len(set(names)) != len(names):
+            return f"block sections name a layer kind twice: {names}"
+        if len(self.layer_kinds) != num_layers:
+            return f"block sections give {len(self.layer_kinds)} layer kinds for {num_layers} layers"
+        unknown = sorted(set(self.layer_kinds) - set(names))
+        if unknown:
+            return f"block sections have layers of undescribed kinds {unknown}"
+        for name, sections in self.kinds:
+            if not sections or any(rows < 0 or width < 0 for _, rows, width in sections):
+                return f"block sections of kind {name!r} are empty or negative: {sections}"
+        return None
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """How to read KV bytes: the engine's block format, as the wire's KVLayout carries it. A block holds every
@@ -108,7 +153,9 @@ class KVLayout:
     num_layers: int
     layer_shape: tuple[int, ...]  # one layer's chunk for ONE block (the block axis has size 1)
     block_axis: int  # which axis of layer_shape counts blocks
-    sections: StateSections | None = None  # format 2 (per-sequence state); None: format 1 (paged blocks)
+    sections: StateSections | None = None  # a handoff of per-sequence state (V4); None: blocks
+    block_format: int = 1  # 1: uniform layers (`layer_shape`); 2: per-layer-type sections (`block_sections`)
+    block_sections: BlockSections | None = None  # format 2 only
 
     def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
         shape = list(self.layer_shape)
@@ -122,18 +169,46 @@ class KVLayout:
             numel *= size
         return numel * DTYPE_BYTES[self.dtype]
 
+    def block_problem(self) -> str | None:
+        """Why blocks of this layout cannot be read or sized, or None: an unknown format, dtype or sections."""
+        if self.block_format not in BLOCK_FORMATS:
+            return f"block format {self.block_format} is not one of {BLOCK_FORMATS}"
+        if self.dtype not in DTYPE_BYTES:
+            return f"unknown dtype {self.dtype!r}"
+        if (self.block_format == 2) != (self.block_sections is not None):
+            return f"block format {self.block_format} {'needs' if self.block_format == 2 else 'takes no'} sections"
+        if self.block_sections is not None:
+            return self.block_sections.problem(self.num_layers)
+        return None
+
+    def layer_bytes(self, layer: int) -> int:
+        """Bytes of `layer` in one block (every layer alike in format 1)."""
+        if self.block_sections is None:
+            return math.prod(self.layer_shape) * DTYPE_BYTES[self.dtype]
+        return self.block_sections.layer_numel(layer) * DTYPE_BYTES[self.dtype]
+
+    def layer_offsets(self) -> tuple[int, ...]:
+        """Where each layer starts in a block's bytes, and (last) where the block ends: num_layers + 1 offsets."""
+        offsets = [0]
+        for layer in range(self.num_layers):
+            offsets.append(offsets[-1] + self.layer_bytes(layer))
+        return tuple(offsets)
+
     @property
     def num_block_bytes(self) -> int:
-        """Bytes of one block across every layer: num_layers * chunk_bytes(1) for a well-formed layout, computed
-        without block_axis so that a store can size a block from the wire before trusting the axis."""
-        numel = 1
-        for size in self.layer_shape:
-            numel *= size
-        return self.num_layers * numel * DTYPE_BYTES[self.dtype]
+        """Bytes of one block across every layer: num_layers * chunk_bytes(1) for a well-formed format 1 layout,
+        computed without block_axis so that a store can size a block from the wire before trusting the axis.
+        KVLayoutError for a layout whose blocks cannot be sized (`block_problem`)."""
+        problem = self.block_problem()
+        if problem is not None:
+            raise KVLayoutError(f"unreadable KV block layout: {problem}")
+        if self.block_sections is None:
+            return self.num_layers * self.layer_bytes(0)
+        return sum(self.layer_bytes(layer) for layer in range(self.num_layers))
 
     def transfer_chunk_bytes(self, layer: int, num_blocks: int, num_tokens: int) -> int:
-        """Bytes of one transfer chunk of a request of `num_tokens` tokens: format 1, `num_blocks` blocks of one
-        layer; format 2, the whole section of `layer` (KVLayoutError for a layer out of range)."""
+        """Bytes of one transfer chunk of a request of `num_tokens` tokens: `num_blocks` blocks of one layer, or with
+        state sections the whole section of `layer` (KVLayoutError for a layer out of range)."""
         if self.sections is None:
             return self.chunk_bytes(num_blocks)
         if not 0 <= layer < self.num_layers:
@@ -158,6 +233,11 @@ def layout_from_proto(layout: common_pb2.KVLayout) -> KVLayout:
         sections = StateSections(
             tuple(s.layer_kinds), s.head_dim, s.index_head_dim, s.sliding_window, s.csa_ratio, s.hca_ratio
         )
+    block_sections = None
+    if layout.HasField("block_sections"):
+        b = layout.block_sections
+        kinds = tuple((k.name, tuple((s.name, s.rows, s.width) for s in k.sections)) for k in b.kinds)
+        block_sections = BlockSections(kinds, tuple(b.layer_kinds))
     return KVLayout(
         model=layout.model,
         dtype=layout.dtype,
@@ -166,11 +246,13 @@ def layout_from_proto(layout: common_pb2.KVLayout) -> KVLayout:
         layer_shape=tuple(layout.layer_shape),
         block_axis=layout.block_axis,
         sections=sections,
+        block_format=layout.block_format or 1,  # unset on the wire: format 1
+        block_sections=block_sections,
     )
 
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
-    """Format 1 layouts are written exactly as before format 2 existed (no `sections` field)."""
+    """Format 1 layouts are written exactly as before formats had numbers (fields 1-6 only)."""
     proto = common_pb2.KVLayout(
         model=layout.model,
         dtype=layout.dtype,
@@ -190,5 +272,17 @@ def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
                 csa_ratio=s.csa_ratio,
                 hca_ratio=s.hca_ratio,
             )
+        )
+    if layout.block_format != 1:
+        proto.block_format = layout.block_format
+    if layout.block_sections is not None:
+        kinds = [
+            common_pb2.KVLayerKind(
+                name=name, sections=[common_pb2.KVSection(name=n, rows=r, width=w) for n, r, w in sections]
+            )
+            for name, sections in layout.block_sections.kinds
+        ]
+        proto.block_sections.CopyFrom(
+            common_pb2.KVBlockSections(kinds=kinds, layer_kinds=layout.block_sections.layer_kinds)
         )
     return proto

@@ -70,6 +70,9 @@ def rejection(block: Block, capacity_bytes: int) -> str | None:
         return f"block {name} has no data"
     if block.layout.dtype not in DTYPE_BYTES:
         return f"block {name} has an unknown dtype {block.layout.dtype!r}"
+    problem = block.layout.block_problem()  # a block format this store cannot size (a newer writer's, or bad)
+    if problem is not None:
+        return f"block {name}: {problem}"
     fragment = block.fragment
     if not 0 <= fragment.index < fragment.num_total or not 1 <= fragment.num_data <= fragment.num_total:
         return (

@@ -171,6 +171,6 @@ def _read_header(path: Path) -> tuple[Block, int, float] | None:
     except (OSError, ValueError, struct.error, DecodeError):
         return None
     num_bytes = stat.st_size - 8 - len(header)
-    if meta.checksum is None or meta.block_hash.hex() + SUFFIX != path.name:
-        return None
+    if meta.checksum is None or meta.block_hash.hex() + SUFFIX != path.name or meta.layout.block_problem():
+        return None  # not ours, or a block format this version cannot size
     return meta, num_bytes, stat.st_mtime

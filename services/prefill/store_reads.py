@@ -72,8 +72,8 @@ def assemble(keys: Sequence[bytes], fetched: dict[bytes, Fetched]) -> list[Store
         meta = entry.meta
         layout = layout_from_proto(meta.layout)
         k, n = max(meta.num_data_fragments, 1), max(meta.num_fragments, 1)
-        try:
-            data = erasure.decode(entry.pieces, k, n, layout.num_layers * layout.chunk_bytes(1))
+        try:  # KVLayoutError (a ValueError) for a block format this code cannot read: a miss
+            data = erasure.decode(entry.pieces, k, n, layout.num_block_bytes)
         except (ValueError, KeyError):
             break
         if checksum(data) != meta.block_checksum:

@@ -33,8 +33,10 @@ WriteLayer = Callable[[int, list[memoryview]], None]  # (layer, each block's byt
 
 
 def slice_bytes_for(layout: KVLayout, num_blocks: int) -> int:
-    """Whole layers per slice, as many as keep a chunk (a slice of every block) near MAX_CHUNK_BYTES."""
-    layer_bytes = layout.chunk_bytes(1)
+    """Whole layers per slice, as many as keep a chunk (a slice of every block) near MAX_CHUNK_BYTES (block format
+    2: layers of the largest size, so a slice still ends on a layer boundary for uniform layers and holds at
+    least one whole layer's worth otherwise)."""
+    layer_bytes = max(layout.layer_bytes(layer) for layer in range(layout.num_layers))
     layers = max(1, min(MAX_LAYERS_PER_SLICE, MAX_CHUNK_BYTES // max(layer_bytes * num_blocks, 1)))
     return layers * layer_bytes
 
@@ -48,7 +50,7 @@ class StreamBuffers:
     pool: lane.BufferPool
     data: list[bytearray] = field(init=False)
     filled: list[list[int]] = field(init=False)  # per block, per data fragment: bytes arrived (in order)
-    layer_bytes: int = field(init=False)
+    layer_offsets: tuple[int, ...] = field(init=False)  # where each layer starts in a block, then the block's end
     block_bytes: int = field(init=False)
     _fragment_bytes: list[int] = field(init=False)
     block_checksums: dict[int, int] = field(default_factory=dict)
@@ -57,8 +59,8 @@ class StreamBuffers:
     running: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.layer_bytes = self.layout.chunk_bytes(1)
-        self.block_bytes = self.layout.num_layers * self.layer_bytes
+        self.layer_offsets = self.layout.layer_offsets()
+        self.block_bytes = self.layer_offsets[-1]
         self._fragment_bytes = [-(-self.block_bytes // k) for k in self.num_data]
         self.data = [self.pool.take(self._fragment_bytes[i] * k) for i, k in enumerate(self.num_data)]
         self.filled = [[0] * k for k in self.num_data]
@@ -93,12 +95,12 @@ class StreamBuffers:
 
     def is_layer_ready(self, layer: int) -> bool:
         """Layer `layer` has arrived in every block (slices arrive in block order, so a miss is found early)."""
-        end = (layer + 1) * self.layer_bytes
+        end = self.layer_offsets[layer + 1]
         return all(self.prefix(i) >= end for i in range(len(self.data)))
 
     def layer(self, layer: int) -> list[memoryview]:
-        size = self.layer_bytes
-        return [memoryview(data)[layer * size : (layer + 1) * size] for data in self.data]
+        start, end = self.layer_offsets[layer], self.layer_offsets[layer + 1]
+        return [memoryview(data)[start:end] for data in self.data]
 
     def running_sum(self, index: int, offset: int) -> int | None:
         """The running checksum that bytes of block `index` landing at `offset` continue: only a whole block (one
@@ -313,7 +315,8 @@ class LayerStream:
         return len(headers) == len(items)
 
     async def _fill_whole(self, keys: list[bytes], missing: list[int], buffers: StreamBuffers) -> bool:
-        """The detour: read the missing blocks whole from any live holders (decoding parity), then check them."""
+        """The detour: read the missing blocks whole from any live holders (decoding parity), then check them; a
+        block in another layout (another model's or block format's bytes under the key) fails it."""
         nodes = self.client.nodes()
         wanted = [keys[i] for i in missing]
         sources, _ = self.client.sources_from_index(wanted, nodes)
@@ -322,7 +325,7 @@ class LayerStream:
         fetched: dict[bytes, Fetched] = await self.client.read_planned(self.model, wanted, sources, nodes)
         for index, key in zip(missing, wanted, strict=True):
             blocks = await asyncio.to_thread(assemble, [key], fetched)
-            if not blocks:
+            if not blocks or blocks[0].layout != buffers.layout:
                 return False
             buffers.put_whole(index, blocks[0].data)
             buffers.block_checksums[index] = checksum(blocks[0].data)

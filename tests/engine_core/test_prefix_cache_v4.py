@@ -124,6 +124,8 @@ def test_blocks_read_from_one_engine_serve_as_hits_in_another(v4_path):
     assert len(hashes) == 2 and source.engine.num_cached_blocks(hashes) == 2
     target = LLM(str(path), device="cpu", num_kv_blocks=32, served_name="m")
     data = source.engine.read_cached_blocks(hashes)
+    # block format 2: each layer's sections (window 512, CSA 1088, HCA 576, CSA 1088 floats), not 4 rows of 1088
+    assert [len(block) for block in data] == [source.engine.kv_layout.num_block_bytes] * 2 == [13_056] * 2  # type: ignore[arg-type]
     assert target.engine.inject_cached_blocks(root_hash("m"), hashes, prompt[:32], data) == 2  # type: ignore[arg-type]
     out = target.generate([prompt], params)[0]
     assert out.num_cached_tokens == 32 and out.token_ids == expected

@@ -1,5 +1,5 @@
 """DeepSeek-V4 KV between engines: a request's whole state (windows, compressor tails and entries, the indexer's
-keys) in per-layer sections (mesh.kv_blocks format 2). After a handoff, decode goes on exactly as one engine would;
+keys) in per-layer sections (mesh.kv_blocks.StateSections). After a handoff, decode goes on exactly as one engine would;
 V4 KV offered to a V3 engine, or the reverse, is refused as a layout mismatch (a miss), never misread."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from engine_core import EngineConfig, LLMEngine, SamplingParams
 from engine_core.kv_cache.block_hash import root_hash
-from engine_core.kv_transfer import KVLayoutError
+from engine_core.kv_transfer import KVLayoutError, tensor_to_bytes
 from mesh.kv_blocks import KVLayout, layout_from_proto, layout_to_proto
 from tests.engine_core.test_engine import handoff, run_to_completion
 from tests.engine_core.v4_helpers import write_small_v4
@@ -79,10 +79,16 @@ def test_v3_kv_is_a_miss_for_v4_and_the_reverse(v4_path, deepseek_reference):
         source.release("r")
     # the block layouts differ too: a store block of one is never entered into the other's cache
     assert v4.kv_layout != v3.kv_layout and v4.kv_layout.sections is None
+    assert (v3.kv_layout.block_format, v4.kv_layout.block_format) == (1, 2)
+    # V3's stored block is its cache rows, as before block formats had numbers
+    (key,) = v3.prompt_block_hashes(list(range(3, 23)))
+    block = v3.kv.pool.get_cached_block(key)
+    assert block is not None
+    assert v3.read_cached_blocks([key]) == [tensor_to_bytes(v3.runner.read_all_layers(block.block_id))]
 
 
 def test_a_format_1_layout_is_written_as_before_sections_existed():
-    """V3/Llama layouts: the same protobuf bytes as before format 2 (fields 1-6 only)."""
+    """V3/Llama layouts: the same protobuf bytes as before block formats had numbers (fields 1-6 only)."""
     layout = KVLayout("deepseek-tiny", "float32", 16, 4, (1, 16, 80), 0)
     data = layout_to_proto(layout).SerializeToString()
     assert data == bytes.fromhex("0a0d646565707365656b2d74696e791207666c6f61743332181020042a03011050")
@@ -118,7 +124,7 @@ def test_blocks_streamed_in_layer_by_layer_give_a_cold_runs_tokens(v4_path):
     expected = run_to_completion(cold)["cold"]
     keys = cold.prompt_block_hashes(prompt)
     blocks, layout = cold.read_cached_blocks(keys), cold.kv_layout
-    size = layout.chunk_bytes(1)
+    offsets = layout.layer_offsets()  # block format 2: layers differ in size
     warm = engine(v4_path, served_name="m")
     load = warm.loads.begin(root_hash("m"), keys, prompt[: 16 * len(keys)])
     warm.add_request("warm", prompt, greedy)
@@ -126,7 +132,7 @@ def test_blocks_streamed_in_layer_by_layer_give_a_cold_runs_tokens(v4_path):
     def loader() -> None:  # the layers arrive after the step has started
         for layer in range(layout.num_layers):
             time.sleep(0.2)
-            warm.loads.write_layer(load, layer, [block[layer * size : (layer + 1) * size] for block in blocks])  # type: ignore[index]
+            warm.loads.write_layer(load, layer, [block[offsets[layer] : offsets[layer + 1]] for block in blocks])  # type: ignore[index]
 
     thread = threading.Thread(target=loader)
     thread.start()

@@ -13,6 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine_core.config import ModelConfig
+from engine_core.models.deepseek_v4.transfer import block_sections
+from engine_core.tiny_v4 import DEEPSEEK_V4_TINY_CONFIG
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh import lane, rpc, tls
 from mesh.access import PREFILL
@@ -189,6 +192,40 @@ async def test_a_layer_stream_writes_each_layer_once_complete_and_the_last_after
     await wait_until(_async(lambda: "kv-1" not in client.nodes()))
     assert client.plan_stream("m", keys) is None  # now some blocks need parity: fetch decodes them instead
     assert await client.fetch("m", keys) == blocks
+
+
+async def test_v4_blocks_stream_layer_by_layer_and_are_a_miss_in_another_layout(cluster) -> None:
+    """Block format 2 (deepseek-v4-tiny's sections, fp32: layers of 4096, 8704, 4352 and 8704 bytes) coded 2+1 on
+    the real nodes: read whole, or streamed with each layer's sections written once complete. A reader expecting
+    another layout (a V3 worker under the same keys) finds a layout mismatch and writes nothing: a miss."""
+    _, _, client, _ = cluster
+    config = ModelConfig.from_hf(DEEPSEEK_V4_TINY_CONFIG)
+    assert config.v4 is not None
+    v4 = KVLayout("m", "float32", 16, 4, (), 0, block_format=2, block_sections=block_sections(config.v4, 16))
+    keys = [bytes([4, i]) * 16 for i in range(3)]
+    blocks = [StoreBlock(key, keys[i - 1] if i else ROOT, v4, os.urandom(25_856)) for i, key in enumerate(keys)]
+    await client.put(blocks)
+    every = {"kv-0", "kv-1", "kv-2"}
+    await wait_until(_async(lambda: all(sorted(fragments_on(client, k, every).values()) == [0, 1, 2] for k in keys)))
+    assert await client.fetch("m", keys) == blocks
+    offsets = v4.layer_offsets()
+    written: list[tuple[int, list[bytes]]] = []
+    for over_lanes in (True, False):
+        client.use_lanes = over_lanes
+        stream = client.plan_stream("m", keys)
+        assert stream is not None
+        written.clear()
+        assert await stream.run(v4, 3, lambda layer, pieces: written.append((layer, [bytes(p) for p in pieces])))
+        assert [(layer, [len(p) for p in pieces]) for layer, pieces in written] == [
+            (layer, [offsets[layer + 1] - offsets[layer]] * 3) for layer in range(4)
+        ]
+        assert all(pieces == [b.data[offsets[i] : offsets[i + 1]] for b in blocks] for i, pieces in written)
+        v3 = LAYOUT  # format 1, the same model name: the headers' layout is not the one expected
+        stream = client.plan_stream("m", keys)
+        assert stream is not None
+        written.clear()
+        assert not await stream.run(v3, 3, lambda layer, pieces: written.append((layer, [])))
+        assert written == []
 
 
 async def test_the_bulk_lane_answers_a_bad_request_with_its_error_and_goes_on_serving(cluster) -> None:

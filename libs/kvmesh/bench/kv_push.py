@@ -142,7 +142,7 @@ def run_push_bench(
     model: str = "smollm2-135m", sizes: tuple[int, ...] = (2000, 8000), repeats: int = 5
 ) -> dict[str, Any]:
     layout = model_layout(model)
-    kv_bytes = max(sizes) * layout.num_layers * layout.chunk_bytes(1) // layout.block_size
+    kv_bytes = max(sizes) * layout.num_block_bytes // layout.block_size
     certs = ProcessCertificates(Path(tempfile.mkdtemp(prefix="kvmesh-bench-certs-")))  # mutual TLS, as deployed
     with EmbeddedNats() as nats:
         env = {

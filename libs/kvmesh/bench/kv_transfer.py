@@ -224,7 +224,7 @@ async def store_client(
 
 async def _run(megabytes: int, block_kib: int, repeats: int, protection: str) -> dict[str, Any]:
     layout = bench_layout(block_kib)
-    num_block_bytes = layout.num_layers * layout.chunk_bytes(1)
+    num_block_bytes = layout.num_block_bytes
     num_blocks = max(1, megabytes * 2**20 // num_block_bytes)
     payload = os.urandom(num_block_bytes)
     blocks = [StoreBlock(n.to_bytes(32, "big"), b"\0" * 32, layout, payload) for n in range(num_blocks)]  # distinct

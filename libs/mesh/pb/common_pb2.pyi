@@ -98,7 +98,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "layer_shape", "block_axis", "sections")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "layer_shape", "block_axis", "sections", "block_format", "block_sections")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,8 @@ class KVLayout(_message.Message):
     LAYER_SHAPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_AXIS_FIELD_NUMBER: _ClassVar[int]
     SECTIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SECTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -113,7 +115,35 @@ class KVLayout(_message.Message):
     layer_shape: _containers.RepeatedScalarFieldContainer[int]
     block_axis: int
     sections: KVStateSections
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_shape: _Optional[_Iterable[int]] = ..., block_axis: _Optional[int] = ..., sections: _Optional[_Union[KVStateSections, _Mapping]] = ...) -> None: ...
+    block_format: int
+    block_sections: KVBlockSections
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_shape: _Optional[_Iterable[int]] = ..., block_axis: _Optional[int] = ..., sections: _Optional[_Union[KVStateSections, _Mapping]] = ..., block_format: _Optional[int] = ..., block_sections: _Optional[_Union[KVBlockSections, _Mapping]] = ...) -> None: ...
+
+class KVBlockSections(_message.Message):
+    __slots__ = ("kinds", "layer_kinds")
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_KINDS_FIELD_NUMBER: _ClassVar[int]
+    kinds: _containers.RepeatedCompositeFieldContainer[KVLayerKind]
+    layer_kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kinds: _Optional[_Iterable[_Union[KVLayerKind, _Mapping]]] = ..., layer_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KVLayerKind(_message.Message):
+    __slots__ = ("name", "sections")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SECTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sections: _containers.RepeatedCompositeFieldContainer[KVSection]
+    def __init__(self, name: _Optional[str] = ..., sections: _Optional[_Iterable[_Union[KVSection, _Mapping]]] = ...) -> None: ...
+
+class KVSection(_message.Message):
+    __slots__ = ("name", "rows", "width")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    width: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
 
 class KVStateSections(_message.Message):
     __slots__ = ("layer_kinds", "head_dim", "index_head_dim", "sliding_window", "csa_ratio", "hca_ratio")

@@ -1,8 +1,9 @@
-"""A DeepSeek-V4 request's state as KV bytes: format 2 of mesh.kv_blocks, one section per layer.
+"""A DeepSeek-V4 request's state as KV bytes for a handoff: mesh.kv_blocks.StateSections, one section per layer.
 
     sections = state_sections(v4)                                          # the layout's description of them
     data = layer_to_bytes(state.layers[i], sections, i, num_tokens, "float32")              # export (prefill)
     state.layers[i] = layer_from_bytes(data, sections, i, num_tokens, "float32", device)    # import (decode)
+    block_sections(v4, block_size)        # a block's contents (store, prefix cache): mesh.kv_blocks format 2
 
 A section holds everything the layer's next step reads (the window, the compressors' tails, entries and kept
 half-window, the indexer's keys), so a request imported after `num_tokens` tokens decodes exactly as it would have
@@ -15,7 +16,16 @@ from __future__ import annotations
 import torch
 
 from engine_core.config import V4Config
-from engine_core.kv_transfer import KVLayoutError, StateSections, named_dtype, tensor_to_bytes, uint8_view
+from engine_core.kv_transfer import (
+    BlockSections,
+    KVLayoutError,
+    Section,
+    StateSections,
+    named_dtype,
+    tensor_to_bytes,
+    uint8_view,
+)
+from engine_core.models.deepseek_v4.block_layout import BlockLayout
 from engine_core.models.deepseek_v4.state import CompressorState, LayerState
 
 
@@ -28,6 +38,22 @@ def state_sections(v4: V4Config) -> StateSections:
         csa_ratio=v4.csa_ratio,
         hca_ratio=v4.hca_ratio,
     )
+
+
+def block_sections(v4: V4Config, block_size: int) -> BlockSections:
+    """Block format 2 for blocks of `block_size` tokens: each layer kind's sections, as `block_layout` places them
+    in a row. They lead the row back to back, so a layer's bytes in a block are the first `layer_numel` elements of
+    its row; the rest of a row (as wide as the widest layer's) is padding that a stored block never holds."""
+    kinds: dict[str, tuple[Section, ...]] = {}
+    for layer, kind in enumerate(v4.attention_types):
+        placed = sorted(BlockLayout.of_layer(v4, layer, block_size).sections.items(), key=lambda item: item[1][0])
+        sections, end = [], 0
+        for name, (offset, rows, width) in placed:
+            assert offset == end, f"layer {layer}'s section {name} does not follow the one before it"
+            sections.append((name, rows, width))
+            end += rows * width
+        assert kinds.setdefault(kind, tuple(sections)) == tuple(sections), f"layers of kind {kind} differ"
+    return BlockSections(tuple(kinds.items()), tuple(v4.attention_types))
 
 
 def _named_tensors(state: LayerState) -> dict[str, torch.Tensor]:
