@@ -44,6 +44,9 @@ KNOWN_MODELS = {
     "deepseek-tiny": KnownModel("deepseek-tiny", "DeepSeek-V3 architecture, tiny, random weights (seed 0)", "."),
     "deepseek-v4-tiny": KnownModel("deepseek-v4-tiny", "DeepSeek-V4 architecture, tiny, random weights (seed 0)", "."),
 }
+# What every role serves when KVMESH_MODELS is unset (`kvmesh up`, docker-compose.yml, deploy/kubernetes): the
+# one list, which the roles' settings, `kvmesh up` and its --models default all read
+DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny", "deepseek-v4-tiny")
 # The models kvmesh writes itself: name -> (version written into config.json, writer)
 _WRITTEN = {
     "deepseek-tiny": (DEEPSEEK_TINY_VERSION, write_deepseek_tiny),

@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--balancer", type=int, default=2, help="balancer replicas (they share their decisions)")
     up.add_argument("--gateway", type=int, default=1, help="gateway processes sharing --port (SO_REUSEPORT)")
     up.add_argument("--encoder", type=int, default=1, help="vision encoder workers (0: images are refused)")
-    up.add_argument("--models", nargs="+", default=["smollm2-135m", "deepseek-tiny", "deepseek-v4-tiny"])
+    up.add_argument("--models", nargs="+", default=list(model_store.DEFAULT_MODELS))
     up.add_argument("--port", type=int, default=8080, help="the gateway's HTTP port")
     up.add_argument("--grpc-port", type=int, default=50050, help="the gateway's gRPC port")
     up.add_argument("--nats", default=None, metavar="URL", help="use this NATS instead of an embedded one")

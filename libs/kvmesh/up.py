@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from engine_core import model_store
 from kvmesh.certs import NATS_DIR, ProcessCertificates
 from kvmesh.nats_cluster import MIN_SIZE as MIN_CLUSTER_SIZE
 from kvmesh.nats_cluster import NatsCluster
@@ -43,7 +44,6 @@ from kvmesh.supervisor import Child, RestartPolicy, Supervisor
 from mesh.config import ServiceSettings, SettingError, TLSSettings, load_settings
 from mesh.tls import CA_FILE, client_ssl_context, load_credentials
 
-DEFAULT_MODELS = ("smollm2-135m", "deepseek-tiny", "deepseek-v4-tiny")
 STOP_MARGIN_S = 10.0  # past the drain timeout, for a drained child to close its servers and exit
 START_ORDER = ("kvcache", "balancer", "expert_lb", "encoder", "prefill", "decode", "gateway")
 
@@ -56,7 +56,7 @@ class MeshPlan:
     balancer: int = 2  # replicas sharing their decisions: one can die without a pause in routing
     gateway: int = 1  # processes sharing http_port and grpc_port (SO_REUSEPORT: the kernel spreads connections)
     encoder: int = 1  # vision encoder workers (0: the gateway refuses images)
-    models: tuple[str, ...] = DEFAULT_MODELS
+    models: tuple[str, ...] = model_store.DEFAULT_MODELS
     http_port: int = 8080
     grpc_port: int = 50050
     nats_url: str | None = None  # None: start an embedded server

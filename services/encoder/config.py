@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_core import model_store
 from engine_core.images import ImageLimits
 from engine_core.vision import EMBEDDING_DTYPES
 from mesh.config import ServiceSettings, require, setting
@@ -14,7 +15,7 @@ DEVICES = ("cpu", "cuda")
 @dataclass(frozen=True)
 class EncoderSettings(ServiceSettings):
     models: tuple[str, ...] = setting(
-        ("smollm2-135m", "deepseek-tiny"),
+        model_store.DEFAULT_MODELS,
         "the language models whose hidden size it projects into (those without a vision_config are skipped)",
     )
     device: str = setting("cpu", "cpu or cuda")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_core import model_store
 from engine_core.images import ImageLimits
 from mesh.config import ServiceSettings, require, setting
 from mesh.latency_outliers import LatencyRule
@@ -26,7 +27,7 @@ class GatewaySettings(ServiceSettings):
     api_keys: tuple[str, ...] = setting(
         (), "accepted API keys, comma-separated (`kvmesh up` generates one when unset)", secret=True
     )
-    models: tuple[str, ...] = setting(("smollm2-135m", "deepseek-tiny"), "served models, whose tokenizers it loads")
+    models: tuple[str, ...] = setting(model_store.DEFAULT_MODELS, "served models, whose tokenizers it loads")
     block_size: int = setting(
         16,
         "tokens per KV block: the gateway, prefill and decode must agree (the KV layout says so; routing hits need it)",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+
+from engine_core import model_store
+from kvmesh.config_docs import role_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
@@ -139,6 +143,19 @@ def test_settings_reach_every_role_and_the_host_api_keys_are_required(compose):
         assert "KVMESH_MODELS" in env and env["KVMESH_MODELS"] is None  # passed through from the host when set
         assert "KVMESH_WORKER_ID" not in env  # the default names each container apart (its hostname)
     assert services["gateway"]["environment"]["KVMESH_API_KEYS"].startswith("${KVMESH_API_KEYS:?")
+
+
+def test_the_roles_serve_the_three_default_models_and_the_models_service_pulls_them(compose):
+    """KVMESH_MODELS passes through unset, so every role serves its settings' default: deepseek-v4-tiny beside
+    smollm2-135m and deepseek-tiny. `models pull` with it unset pulls every known model: those three among them."""
+    assert model_store.DEFAULT_MODELS == ("smollm2-135m", "deepseek-tiny", "deepseek-v4-tiny")
+    assert set(model_store.DEFAULT_MODELS) <= set(model_store.KNOWN_MODELS)
+    fields = {role: {f.name: f for f in dataclasses.fields(cls)} for role, cls in role_settings().items()}
+    served = {role: own["models"].default for role, own in fields.items() if "models" in own}
+    assert served == dict.fromkeys(("decode", "encoder", "gateway", "prefill"), model_store.DEFAULT_MODELS)
+    assert compose["x-kvmesh-settings"]["KVMESH_MODELS"] is None
+    assert compose["services"]["models"]["command"] == ["models", "pull"]  # no names: KVMESH_MODELS, else all
+    assert compose["services"]["models"]["volumes"] == ["models:/models"]  # the volume every model role reads
 
 
 def test_every_long_running_service_restarts_and_two_balancers_share_the_routing(compose):

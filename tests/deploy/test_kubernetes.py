@@ -21,6 +21,7 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
+from engine_core import model_store
 from kvmesh.kube import render
 from mesh import metrics
 from mesh.access import ALLOWED_CALLERS, ROLES
@@ -207,6 +208,9 @@ def test_every_role_runs_as_compose_runs_it(cpu: list[dict[str, Any]], compose: 
     assert grace == {int(compose["services"]["gateway"]["stop_grace_period"].removesuffix("s"))}
     (pull,) = [c for name, _, c in containers(cpu) if name == "models-pull"]
     assert pull["args"] == compose["services"]["models"]["command"]
+    # KVMESH_MODELS unset in kvmesh-settings, as in compose: the job pulls every known model and the roles serve
+    # their default three, deepseek-v4-tiny among them (tests/containers/test_compose_schema.py)
+    assert "KVMESH_MODELS" not in settings_map(cpu) and "deepseek-v4-tiny" in model_store.DEFAULT_MODELS
 
 
 def test_images_match_compose(rendered: dict[str, list[dict[str, Any]]], compose: dict[str, Any]) -> None:

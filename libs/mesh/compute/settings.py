@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_core import EngineConfig
+from engine_core import EngineConfig, model_store
 from engine_core.config import QUANTIZATION_MODES
 from mesh.compute.faults import Faults
 from mesh.config import ServiceSettings, require, setting
@@ -18,7 +18,7 @@ log = get_logger(__name__)
 @dataclass(frozen=True)
 class WorkerSettings(ServiceSettings):
     models: tuple[str, ...] = setting(
-        ("smollm2-135m", "deepseek-tiny"), "served models: known names or paths, each served under that name"
+        model_store.DEFAULT_MODELS, "served models: known names or paths, each served under that name"
     )
     device: str = setting("cpu", "auto, cpu, cuda or ascend")
     kv_cache_memory_bytes: int = setting(256 * 2**20, "the KV cache of each model, sized once and never exceeded")
