@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.bench.route import FIELDS, BenchConfig, LoadScale, run_route_bench
-from kvmesh.bench.route_sim import SimConfig, simulate
+from kvmesh.bench.route_sim import SimConfig, Simulation, simulate
 from kvmesh.bench.route_trace import TraceRequest, block_key, ideal_hit_rate, load_trace, spread_bursts
 from kvmesh.cli import main
 from mesh.routing import POLICIES, CostModel
@@ -108,6 +108,29 @@ def test_replicas_that_share_assignments_do_not_herd() -> None:
     alone = simulate(requests, "least_load", SimConfig(**{**config.__dict__, "share": False}))
     assert shared.prefill_busy_s == [pytest.approx(2.048)] * 2
     assert alone.prefill_busy_s == [pytest.approx(4.096), 0.0]  # both picked the worker idle at the last report
+
+
+def test_a_seed_draws_the_heartbeat_phases_and_nothing_else() -> None:
+    requests = load_trace(CONVERSATION, limit=120)
+    even = Simulation(requests, "kvmesh", SimConfig(num_prefill=2, num_decode=2))
+    assert even.heartbeat_phases() == [0.25, 0.5, 0.75, 1.0]  # seed 0: evenly staggered in worker order
+    drawn = Simulation(requests, "kvmesh", SimConfig(num_prefill=2, num_decode=2, seed=1))
+    drawn_phases = [0.8656357558875988, 0.15256626306276733, 0.23622538102338597, 0.7449309742605783]
+    assert drawn.heartbeat_phases() == drawn_phases  # 1 - random.Random(1).random(), four times: each in (0, 1]
+    loaded = CostModel(prefill_tokens_per_s=20_000.0)  # both prefill workers queue: reports go stale between beats
+
+    def run(policy: str, seed: int) -> tuple[float, float]:
+        result = simulate(requests, policy, SimConfig(num_prefill=2, num_decode=2, cost=loaded, seed=seed))
+        return round(sum(result.ttft_s), 3), round(result.decode_efficiency, 4)
+
+    # least_load counts reported queues as they were at the report: where reports fall moves its picks
+    assert (run("least_load", 0), run("least_load", 1), run("least_load", 1)) == (
+        (2469.08, 0.8298),
+        (2502.263, 0.8642),
+        (2502.263, 0.8642),  # a seed repeats
+    )
+    assert run("kvmesh", 0) == run("kvmesh", 1) == (2436.941, 0.9263)  # its predictions bridge the reports here
+    assert run("round_robin", 0) == run("round_robin", 1)  # it reads no report
 
 
 def test_every_policy_side_by_side(tmp_path: Path) -> None:

@@ -56,6 +56,9 @@ def add_parser(bench_commands: Any) -> None:
     route.add_argument("--no-share", action="store_true", help="replicas do not share their assignments")
     route.add_argument("--share-delay-s", type=float, default=0.005, help="how late a peer's assignment is heard")
     route.add_argument("--heartbeat-s", type=float, default=1.0, help="how often workers report their load")
+    route.add_argument(
+        "--seed", type=int, default=0, help="0: heartbeats evenly staggered; else each worker's phase drawn from it"
+    )
     route.add_argument("--ttft-slo-s", type=float, default=2.0, help="TTFT target for goodput")
     route.add_argument("--tpot-slo-s", type=float, default=0.1, help="TPOT target for goodput")
     route.add_argument(
@@ -114,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         num_replicas=args.replicas,
         share=not args.no_share,
         share_delay_s=args.share_delay_s,
+        seed=args.seed,
         cost=cost_model(args),
     )
     config = BenchConfig(

@@ -12,11 +12,14 @@
   replicas in turn, as gateways spread them.
 - A request that leaves a decode worker is heard by every router `share_delay_s` later (the decode workers'
   finished-request feed on NATS), unless `finish_feed` is off; routers then learn only output lengths.
+- `seed` 0 staggers the heartbeats evenly in worker order; any other seed draws each worker's phase at random from
+  it. The simulation is otherwise deterministic, so seeds show how much a figure owes to where reports fall.
 """
 
 from __future__ import annotations
 
 import heapq
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +48,7 @@ class SimConfig:
     decode_kv_tokens: int = 8_000_000  # per decode worker: what normalised decode policies divide by
     cost: CostModel = field(default_factory=CostModel)
     record_series: bool = False
+    seed: int = 0  # 0: heartbeats evenly staggered in worker order; else each worker's phase drawn from the seed
 
 
 @dataclass
@@ -153,9 +157,8 @@ class Simulation:
             self._push(request.arrival_s, ARRIVE, n, None)
         for worker_id in self._all_ids():
             self._report(worker_id, 0.0)
-        num_workers = len(self.prefill) + len(self.decode)
-        for n, worker_id in enumerate(self._all_ids()):
-            self._push(self.config.heartbeat_s * (n + 1) / num_workers, HEARTBEAT, 0, worker_id)
+        for worker_id, phase in zip(self._all_ids(), self.heartbeat_phases(), strict=True):
+            self._push(self.config.heartbeat_s * phase, HEARTBEAT, 0, worker_id)
         handlers = {
             ARRIVE: self._arrive,
             PREFILL_DONE: self._prefill_done,
@@ -180,6 +183,14 @@ class Simulation:
             waits,
             kvs,
         )
+
+    def heartbeat_phases(self) -> list[float]:
+        """Each worker's first heartbeat, in heartbeat intervals: (n + 1) / workers, or drawn from the seed."""
+        num_workers = len(self.prefill) + len(self.decode)
+        if self.config.seed == 0:
+            return [(n + 1) / num_workers for n in range(num_workers)]
+        draw = random.Random(self.config.seed)
+        return [1.0 - draw.random() for _ in range(num_workers)]  # in (0, 1]
 
     def _push(self, at_s: float, kind: int, a: int, b: object) -> None:
         self._seq += 1
