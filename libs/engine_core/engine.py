@@ -91,14 +91,15 @@ class LLMEngine:
             self.model_config.num_layers,
         )
         self.config = config = self._model_block_size(config, model)
-        self.max_num_seqs, state_bytes = self._sequence_state_budget(model)
-        num_blocks = self._num_blocks(model, state_bytes)
+        self.max_num_seqs, slot_bytes = self._state_slots(model)
+        num_slots = self.max_num_seqs if slot_bytes else 0
+        num_blocks = self._num_blocks(model, num_slots * slot_bytes)
         self.runner = ModelRunner(
-            model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size
+            model, self.ops, self.dtype, self.model_config.num_layers, num_blocks, config.block_size, num_slots
         )
         self.experts = ExpertParallel.attach(model, self.model_config, config)  # None without MoE layers
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.device_cache_policy
+            num_blocks, config.block_size, config.enable_prefix_caching, config.device_cache_policy, num_slots
         )
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
@@ -117,12 +118,14 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
         log.info(
-            "engine ready: %s on %s (quantization %s), %d KV blocks (%d MiB), context %d",
+            "engine ready: %s on %s (quantization %s), %d KV blocks (%d MiB), %d state slots (%d MiB), context %d",
             self.served_name,
             self.ops.name,
             config.quantization,
             num_blocks,
             self.runner.kv_cache_bytes >> 20,
+            num_slots,
+            self.runner.state_pool_bytes >> 20,
             self.max_model_len,
         )
 
@@ -136,33 +139,32 @@ class LLMEngine:
         log.info("block_size %d -> %d: the model's blocks hold whole compressed windows", config.block_size, block_size)
         return dataclasses.replace(config, block_size=block_size)
 
-    def _sequence_state_budget(self, model: torch.nn.Module) -> tuple[int, tuple[int, int]]:
-        """(requests that may run at once, (bytes each reserves, bytes each gains per block)) for models that keep
-        per-sequence state beside the paged cache (DeepSeek-V4): at most half of kv_cache_memory_bytes goes to
-        the running requests' fixed state, so max_num_seqs may shrink; (max_num_seqs, (0, 0)) for the others."""
-        state_bytes = getattr(model, "sequence_state_bytes", None)
-        if state_bytes is None:
-            return self.config.max_num_seqs, (0, 0)
-        fixed, per_block = state_bytes(self.config.block_size)
+    def _state_slots(self, model: torch.nn.Module) -> tuple[int, int]:
+        """(requests that may run at once, bytes of each one's state slot) for models that keep a fixed-size state
+        per sequence in pools beside the paged cache (DeepSeek-V4: models.deepseek_v4.pools): one slot per
+        request, and at most half of kv_cache_memory_bytes goes to the slots, so max_num_seqs may shrink;
+        (max_num_seqs, 0) for the others."""
+        slot_bytes = getattr(model, "state_slot_bytes", None)
+        if slot_bytes is None:
+            return self.config.max_num_seqs, 0
+        size = slot_bytes()
         if self.config.num_kv_blocks is not None:  # no byte budget
-            return self.config.max_num_seqs, (fixed, per_block)
-        max_num_seqs = min(self.config.max_num_seqs, self.config.kv_cache_memory_bytes // 2 // max(fixed, 1))
+            return self.config.max_num_seqs, size
+        max_num_seqs = min(self.config.max_num_seqs, self.config.kv_cache_memory_bytes // 2 // size)
         if max_num_seqs < 1:
             raise ConfigError(
-                f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no request: its state needs "
-                f"{fixed} bytes, and at most half the budget goes to request states"
+                f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no request: its state slot "
+                f"needs {size} bytes, and at most half the budget goes to state slots"
             )
-        return max_num_seqs, (fixed, per_block)
+        return max_num_seqs, size
 
-    def _num_blocks(self, model: torch.nn.Module, state_bytes: tuple[int, int]) -> int:
-        """Blocks that fit kv_cache_memory_bytes beside `max_num_seqs` requests' fixed state; each block also
-        counts the entries a running request's state gains per block (`_sequence_state_budget`)."""
+    def _num_blocks(self, model: torch.nn.Module, pool_bytes: int) -> int:
+        """Blocks that fit kv_cache_memory_bytes beside the state pools (`pool_bytes`, `_state_slots`)."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         shape = model.kv_cache_shape(1, self.config.block_size)  # type: ignore[operator]
         bytes_per_block = self.model_config.num_layers * self.dtype.itemsize * int(torch.tensor(shape).prod())
-        bytes_per_block += state_bytes[1]
-        num_blocks = (self.config.kv_cache_memory_bytes - self.max_num_seqs * state_bytes[0]) // bytes_per_block
+        num_blocks = (self.config.kv_cache_memory_bytes - pool_bytes) // bytes_per_block
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no block: "
@@ -465,10 +467,12 @@ class LLMEngine:
         num_tokens = request.num_computed_tokens
         block_ids = self.kv.block_ids(request_id)[: cdiv(num_tokens, self.config.block_size)]
         layout = self.transfer_layout
+        # the request's whole state (views of its slot, which it holds until released), one section per layer
+        state: SequenceState | None = self.runner.sequence_state(request_id) if layout.sections else None  # type: ignore[assignment]
 
         def read(layer: int, first: int, count: int) -> bytes:
-            if layout.sections is not None:  # the request's whole state, one layer's section at a time
-                state: SequenceState = self.runner.sequence_states[request_id][1]  # type: ignore[assignment]
+            if layout.sections is not None:
+                assert state is not None
                 return layer_to_bytes(state.layers[layer], layout.sections, layer, num_tokens, layout.dtype)
             return tensor_to_bytes(self.runner.read_blocks(layer, block_ids[first : first + count]))
 
@@ -513,10 +517,9 @@ class LLMEngine:
         if self.kv.allocate_slots(request, num_tokens) is None:
             return False
         request.num_computed_tokens = num_tokens
-        if layout.sections is not None:  # filled layer by layer by import_kv_chunk
-            state = self.runner.model.new_sequence_state()  # type: ignore[operator]
-            state.num_tokens = num_tokens
-            self.runner.put_sequence_state(request, state)
+        if layout.sections is not None:  # filled layer by layer by import_kv_chunk, into its slot and blocks
+            block_ids = tuple(self.kv.block_ids(request_id))
+            self.runner.begin_import(request, self.kv.state_slot(request_id), block_ids, num_tokens)
             self.kv.skip_caching(request, num_tokens)  # its blocks' rows stay unwritten: never a prefix hit
         self.scheduler.add_request(request)
         return True
@@ -530,9 +533,9 @@ class LLMEngine:
             raise KVLayoutError(f"layer {layer} out of range [0, {self.model_config.num_layers})")
         layout = self.transfer_layout
         if layout.sections is not None:  # state sections: the layer's whole section, whatever first_block says
-            state: SequenceState = self.runner.sequence_states[request_id][1]  # type: ignore[assignment]
             num_tokens, device = request.num_computed_tokens, self.ops.torch_device
-            state.layers[layer] = layer_from_bytes(data, layout.sections, layer, num_tokens, layout.dtype, device)
+            state = layer_from_bytes(data, layout.sections, layer, num_tokens, layout.dtype, device)
+            self.runner.import_layer(request_id, layer, state)
             return
         block_ids = self.kv.block_ids(request_id)[: cdiv(request.num_computed_tokens, self.config.block_size)]
         num_blocks = len(data) // max(self.kv_layout.chunk_bytes(1), 1)
@@ -555,9 +558,8 @@ class LLMEngine:
         self.scheduler.start_running(request)
 
     def _check_imported_state(self, request: Request) -> None:
-        """KVLayoutError unless every layer's section arrived (each holds at least one window row)."""
-        state: SequenceState = self.runner.sequence_states[request.request_id][1]  # type: ignore[assignment]
-        missing = [i for i, layer in enumerate(state.layers) if layer.window.shape[0] == 0]
+        """KVLayoutError unless every layer's section arrived."""
+        missing = self.runner.missing_layers(request.request_id)
         if missing:
             raise KVLayoutError(f"imported state lacks layers {missing}")
 

@@ -8,6 +8,7 @@ the layers of blocks they hold, each before any forward pass reads it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,7 +21,14 @@ from engine_core.scheduler import ScheduledRequest, SchedulerOutput
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, ops: DeviceOps, dtype: torch.dtype, num_layers: int, num_blocks: int, block_size: int
+        self,
+        model: nn.Module,
+        ops: DeviceOps,
+        dtype: torch.dtype,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_state_slots: int = 0,
     ):
         self.model = model
         self.ops = ops
@@ -28,12 +36,30 @@ class ModelRunner:
         layer_shape = model.kv_cache_shape(num_blocks, block_size)  # type: ignore[operator]
         self.kv_caches = torch.zeros((num_layers, *layer_shape), dtype=dtype, device=ops.torch_device)
         self.block_axis: int = model.kv_block_axis  # type: ignore[assignment]  # where blocks sit in a layer's cache
-        # Models that keep a cache per sequence beside the paged tensor (DeepSeek-V4): request id -> (request,
-        # state). Created here when a request computes its first token, or rebuilt from its first blocks when it
-        # starts after a prefix-cache hit; dropped once it finished or went back to waiting (preempted: it
-        # restarts from its cached blocks or its first token). The model writes the states' contents.
+        # Models that keep a cache per sequence beside the paged tensor (DeepSeek-V4): its fixed part lives in
+        # preallocated pools, one slot per request (the KV cache manager hands slots out with blocks), its growing
+        # part in the request's blocks. Per request: its slot and how far it has computed, from its first token,
+        # from its first blocks after a prefix-cache hit, or from an import; dropped once it finished or went back
+        # to waiting (preempted: it restarts from its cached blocks or its first token). The model writes the slots.
         self.keeps_sequence_state: bool = getattr(model, "keeps_sequence_state", False)
-        self.sequence_states: dict[str, tuple[Request, object]] = {}
+        self.pools = model.new_state_pools(num_state_slots) if self.keeps_sequence_state else None  # type: ignore[operator]
+        self._slots: dict[str, _SlotState] = {}
+
+    @property
+    def state_pool_bytes(self) -> int:
+        """Bytes of the per-sequence state pools (0 for models without them)."""
+        return self.pools.num_bytes if self.pools is not None else 0
+
+    @property
+    def sequence_states(self) -> dict[str, tuple[Request, object]]:
+        """Every live request's state as the model sees it (views of its slot, entries read from its blocks)."""
+        return {rid: (entry.request, self.sequence_state(rid)) for rid, entry in self._slots.items()}
+
+    def sequence_state(self, request_id: str) -> object:
+        entry = self._slots[request_id]
+        return self.model.load_sequence_state(  # type: ignore[operator]
+            self.pools, entry.slot, self.kv_caches, entry.block_ids, self.block_size, entry.num_tokens
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -54,6 +80,7 @@ class ModelRunner:
         rows = _StepRows(self.block_size)
         sequences: list[SequenceRows] = []
         segments: list[PrefillSegment] = []
+        loaded: list[tuple[str, object]] = []  # (request id, state) of each request, for models that keep one
         for item in [*decodes, *prefills]:
             first_row = len(rows.input_ids)
             if item.num_new_tokens == 1:
@@ -61,7 +88,8 @@ class ModelRunner:
             else:
                 segments.append(rows.add_prefill(item, device))
             if self.keeps_sequence_state:
-                state = self._sequence_state(item.request, item.request.num_computed_tokens, item.block_ids)
+                state = self._load_state(item)
+                loaded.append((item.request.request_id, state))
                 sequences.append(SequenceRows(first_row, first_row + item.num_new_tokens, state))
         batch = ForwardBatch(
             positions=torch.tensor(rows.positions, dtype=torch.long).to(device),
@@ -76,46 +104,71 @@ class ModelRunner:
             block_size=self.block_size,
         )
         hidden = self.model(torch.tensor(rows.input_ids, dtype=torch.long).to(device), batch, self.kv_caches)
+        for request_id, state in loaded:  # the states moved on: their fixed part back into the slots
+            entry = self._slots.get(request_id)
+            if entry is None:  # aborted while the step ran (its slot may be another request's already)
+                continue
+            entry.num_tokens = state.num_tokens  # type: ignore[attr-defined]
+            self.model.store_sequence_state(self.pools, entry.slot, state)  # type: ignore[operator]
         sample_rows = [rows.last_row[id(item)] for item in output.scheduled if item.needs_sample]
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])  # type: ignore[operator]
 
-    def _sequence_state(self, request: Request, start: int, block_ids: tuple[int, ...]) -> object:
-        """The request's state; a new one when it computes from its first token (first time or recompute), one
-        rebuilt from its first blocks when it starts after a prefix-cache hit (at a block boundary)."""
-        entry = self.sequence_states.get(request.request_id)
+    def _load_state(self, item: ScheduledRequest) -> object:
+        """The request's state for this step; from its first token when it computes from there (first time or
+        recompute), rebuilt from its first blocks into its slot when it starts after a prefix-cache hit (at a block
+        boundary)."""
+        request, start = item.request, item.request.num_computed_tokens
+        entry = self._slots.get(request.request_id)
         if start == 0 or entry is None:
-            if start == 0:
-                state = self.model.new_sequence_state()  # type: ignore[operator]
-            elif start % self.block_size == 0:
-                blocks = list(block_ids[: start // self.block_size])
-                state = self.model.sequence_state_from_blocks(self.kv_caches, blocks, self.block_size)  # type: ignore[operator]
-            else:
+            assert self.pools is not None and 0 <= item.state_slot < self.pools.num_slots, "no state slot"
+            entry = _SlotState(request, item.state_slot, item.block_ids)
+            if start % self.block_size:
                 raise RuntimeError(
                     f"request {request.request_id} resumes at token {start} with no sequence state: this model "
                     "resumes only at a block boundary (KV import is not written for it)"
                 )
-            entry = (request, state)
-            self.sequence_states[request.request_id] = entry
-        return entry[1]
+            if start:
+                blocks = list(item.block_ids[: start // self.block_size])
+                rebuilt = self.model.sequence_state_from_blocks(self.kv_caches, blocks, self.block_size)  # type: ignore[operator]
+                self.model.store_sequence_state(self.pools, entry.slot, rebuilt)  # type: ignore[operator]
+                entry.num_tokens = start
+            self._slots[request.request_id] = entry
+        assert entry.slot == item.state_slot, f"request {request.request_id} moved from slot {entry.slot}"
+        entry.block_ids = item.block_ids
+        return self.sequence_state(request.request_id)
 
     def drop_finished_states(self) -> None:
-        """Forget the sequence states of requests that finished or went back to waiting; a request kept for KV
-        export keeps its state (what the export sends) until `forget_sequence_state`."""
-        for request_id, (request, _) in list(self.sequence_states.items()):
+        """Forget the states of requests that finished or went back to waiting (their slots are free again once the
+        KV cache manager freed them); a request kept for KV export keeps its state (what the export sends) until
+        `forget_sequence_state`."""
+        for request_id, entry in list(self._slots.items()):
+            request = entry.request
             is_kept = request.keep_kv and request.status in (
                 RequestStatus.FINISHED_STOPPED,
                 RequestStatus.FINISHED_LENGTH,
             )
             if (request.status.is_finished and not is_kept) or request.status is RequestStatus.WAITING:
-                del self.sequence_states[request_id]
+                del self._slots[request_id]
 
-    def put_sequence_state(self, request: Request, state: object) -> None:
-        """A state built elsewhere (a KV import): the request resumes from it."""
-        self.sequence_states[request.request_id] = (request, state)
+    def begin_import(self, request: Request, slot: int, block_ids: tuple[int, ...], num_tokens: int) -> None:
+        """A request whose state arrives layer by layer (`import_layer`) into `slot` and its blocks."""
+        missing = set(range(self.kv_caches.shape[0]))
+        self._slots[request.request_id] = _SlotState(request, slot, block_ids, num_tokens, missing)
+
+    def import_layer(self, request_id: str, layer: int, state: object) -> None:
+        entry = self._slots[request_id]
+        self.model.store_imported_layer(  # type: ignore[operator]
+            self.pools, entry.slot, layer, state, self.kv_caches, entry.block_ids, self.block_size
+        )
+        entry.missing_layers.discard(layer)
+
+    def missing_layers(self, request_id: str) -> list[int]:
+        """The layers of an import that have not arrived."""
+        return sorted(self._slots[request_id].missing_layers)
 
     def forget_sequence_state(self, request_id: str) -> None:
         """The kept request was released."""
-        self.sequence_states.pop(request_id, None)
+        self._slots.pop(request_id, None)
 
     def _prepare_decode(self, decodes: list[ScheduledRequest]) -> DecodeBatch | None:
         if not decodes:
@@ -214,3 +267,14 @@ def _given_embeddings(
         if first < last:
             rows.append(torch.arange(row + first - start, row + last - start))
             values.append(span.embeddings[first - span.offset : last - span.offset])
+
+
+@dataclass
+class _SlotState:
+    """A request's place in the state pools: its slot, its blocks (where its entries are), its computed tokens."""
+
+    request: Request
+    slot: int
+    block_ids: tuple[int, ...]
+    num_tokens: int = 0
+    missing_layers: set[int] = field(default_factory=set)  # an import's layers still to arrive

@@ -33,6 +33,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed for it this step, starting at request.num_computed_tokens
     block_ids: tuple[int, ...]  # its whole block table after this step's allocation
+    state_slot: int = -1  # its slot in the model's per-sequence state pools (-1: the model keeps none)
 
     @property
     def needs_sample(self) -> bool:
@@ -228,7 +229,8 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------------------
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, tuple(self.kv.block_ids(request.request_id)))
+        request_id = request.request_id
+        return ScheduledRequest(request, num_new, tuple(self.kv.block_ids(request_id)), self.kv.state_slot(request_id))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -1,5 +1,5 @@
 """DeepSeek-V4's prefix cache and memory budget: a hit resumes exactly where a cold run is, and the paged cache plus
-the running requests' states never exceed kv_cache_memory_bytes.
+the state pools (one slot per running request) never exceed kv_cache_memory_bytes.
 
 The model is a small random V4 with every layer type (v4_helpers: window 8, CSA ratio 4, HCA ratio 8): blocks of 8
 tokens close two CSA windows and one HCA window each, and the sliding window (7 kept tokens) spans a block boundary.
@@ -17,8 +17,9 @@ from engine_core.config import ConfigError, EngineConfig, ModelConfig
 from engine_core.engine import LLMEngine
 from engine_core.kv_cache.block_hash import root_hash
 from engine_core.models.deepseek_v4.block_layout import BlockLayout
+from engine_core.models.deepseek_v4.pools import bytes_per_slot
 from engine_core.models.deepseek_v4.shapes import V4_FLASH
-from engine_core.models.deepseek_v4.state import CompressorState, SequenceState
+from engine_core.models.deepseek_v4.state import CompressorState, SequenceState, bytes_per_sequence
 from tests.engine_core.test_engine import handoff
 from tests.engine_core.test_parity import random_prompts
 from tests.engine_core.v4_helpers import write_small_v4
@@ -141,30 +142,72 @@ def test_block_size_is_a_multiple_of_every_compress_ratio(v4_path):
         model.kv_cache_shape(3, 12)
 
 
-def test_the_memory_budget_holds_the_states_too(v4_path):
-    """kv_cache_memory_bytes bounds the paged cache plus every live sequence state, under a load of mixed
-    lengths that preempts; the running requests' fixed state takes at most half the budget (max_num_seqs shrinks)."""
+def test_the_memory_budget_holds_the_state_pools_too(v4_path):
+    """kv_cache_memory_bytes bounds the paged cache plus the preallocated state pools: at most half the budget goes
+    to state slots (max_num_seqs shrinks to the slots), the rest to blocks; under a load of mixed lengths that
+    preempts, every request holding blocks holds exactly one slot and nothing else is allocated."""
     path = v4_path
     budget = 400_000
     engine = LLMEngine(EngineConfig(str(path), device="cpu", kv_cache_memory_bytes=budget))
-    fixed, per_block = engine.runner.model.sequence_state_bytes(16)
-    assert (fixed, per_block) == (13_056, 1_792)  # see the arithmetic in docs/engine.md
-    assert engine.max_num_seqs == budget // 2 // fixed == 15
+    slot = engine.runner.model.state_slot_bytes()  # type: ignore[operator]
+    assert slot == 13_056  # see the arithmetic in docs/engine.md
+    assert engine.max_num_seqs == engine.kv.num_state_slots == budget // 2 // slot == 15
+    assert engine.runner.state_pool_bytes == 15 * slot
     row_bytes = 4 * (16 * 32 + 4 * 32 + 2 * 4 * 32 + 4 * 16 + 2 * 4 * 16) * 4  # layers * CSA row * fp32
-    assert engine.kv.num_blocks == (budget - 15 * fixed) // (row_bytes + per_block) == 10
+    assert engine.kv.num_blocks == (budget - 15 * slot) // row_bytes == 11  # 10 when entries were held twice
+    assert engine.runner.kv_cache_bytes + engine.runner.state_pool_bytes == 11 * row_bytes + 15 * slot <= budget
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(512, (20, 45, 7, 60, 33, 12, 50, 26))):
         engine.add_request(f"r{i}", prompt, params)
-    peak = 0
+    most = 0
     while engine.has_unfinished_requests():
         engine.step()
-        states = [state for _, state in engine.runner.sequence_states.values()]
-        used = engine.runner.kv_cache_bytes + sum(state.num_bytes for state in states)
-        peak = max(peak, used)
-        assert used <= budget
-    assert engine.stats().num_preemptions > 0 and peak > engine.runner.kv_cache_bytes
+        running = [r.request_id for r in engine.scheduler.running]
+        slots = sorted(engine.kv.state_slot(request_id) for request_id in running)
+        assert len(set(slots)) == len(slots) and all(0 <= s < 15 for s in slots)
+        assert engine.kv.num_free_state_slots == 15 - len(running)
+        most = max(most, len(running))
+    assert engine.stats().num_preemptions > 0 and most > 1
+    engine.runner.drop_finished_states()  # as the next step would
+    assert engine.kv.num_free_state_slots == 15 and engine.runner.sequence_states == {}
     with pytest.raises(ConfigError, match="holds no request"):
-        LLMEngine(EngineConfig(str(path), device="cpu", kv_cache_memory_bytes=2 * fixed - 1))
+        LLMEngine(EngineConfig(str(path), device="cpu", kv_cache_memory_bytes=2 * slot - 1))
+
+
+def test_admission_waits_for_a_free_state_slot(v4_path):
+    """Two slots: a finished request kept for KV export holds its slot until released, so of two new requests
+    one runs and one waits although the batch has room; a preempted request gives its slot back."""
+    engine = LLMEngine(EngineConfig(str(v4_path), device="cpu", num_kv_blocks=64, max_num_seqs=2))
+    assert (engine.kv.num_state_slots, engine.runner.state_pool_bytes) == (2, 2 * 13_056)
+    prompt = random_prompts(512, (20,))[0]
+    engine.add_request("kept", prompt, SamplingParams(max_tokens=1), keep_kv=True)
+    engine.step()
+    assert engine.kv.state_slot("kept") == 0 and engine.kv.num_free_state_slots == 1
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    engine.add_request("b", prompt, params)
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, engine.kv.num_free_state_slots) == (1, 1, 0)
+    assert engine.kv.state_slot("a") == 1 and engine.kv.state_slot("b") == -1
+    engine.release("kept")
+    engine.step()
+    assert engine.kv.state_slot("b") == 0 and engine.stats().num_waiting == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.num_free_state_slots == 2
+
+    tight = LLMEngine(EngineConfig(str(v4_path), device="cpu", num_kv_blocks=6, block_size=8, max_num_seqs=2))
+    for i, prompt in enumerate(random_prompts(512, (14, 15))):
+        tight.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    seen = set()
+    while tight.has_unfinished_requests():
+        tight.step()
+        holding = {r: tight.kv.state_slot(r) for r in ("r0", "r1")}
+        seen.add(tuple(sorted(holding.items())))
+        assert tight.kv.num_free_state_slots == sum(1 for s in holding.values() if s < 0)
+    assert tight.stats().num_preemptions == 1
+    assert (("r0", 0), ("r1", -1)) in seen  # r1 preempted: its slot is free while it waits
 
 
 def test_an_imported_state_is_never_a_prefix_hit(v4_path):
@@ -190,3 +233,28 @@ def test_v4_flash_block_rows():
     assert widths == {128 * 512, 128 * 512 + 512, 128 * 512 + 32 * 512 + 8 * 512 + 32 * 128 + 8 * 128}
     assert sum(layout.row_width for layout in layouts) * 2 // 128 == 52_592
     assert len(layouts) * max(widths) * 2 // 128 == 61_232
+
+
+def test_v4_flash_state_slot():
+    """docs/engine.md's bytes of one V4-Flash state slot in bf16, pool by pool: the window of every layer, CSA's open
+    windows (two series, kv and gates) and kept half-windows (gates in fp32) for the compressor and the indexer, HCA's
+    open windows; the same total as state.bytes_per_sequence summed over the layers."""
+    config = ModelConfig.from_hf(V4_FLASH)
+    v4 = config.v4
+    assert v4 is not None
+    per_pool = bytes_per_slot(v4, 2)
+    assert per_pool == {
+        "window": 43 * 127 * 512 * 2,
+        "csa.tail_kv": 21 * 3 * 1024 * 2,
+        "csa.tail_gate": 21 * 3 * 1024 * 2,
+        "csa.overlap_kv": 21 * 4 * 512 * 2,
+        "csa.overlap_gate": 21 * 4 * 512 * 4,
+        "csa.index_tail_kv": 21 * 3 * 256 * 2,
+        "csa.index_tail_gate": 21 * 3 * 256 * 2,
+        "csa.index_overlap_kv": 21 * 4 * 128 * 2,
+        "csa.index_overlap_gate": 21 * 4 * 128 * 4,
+        "hca.tail_kv": 20 * 127 * 512 * 2,
+        "hca.tail_gate": 20 * 127 * 512 * 2,
+    }
+    per_sequence = bytes_per_sequence(v4, 2)
+    assert sum(per_pool.values()) == sum(per_sequence[kind] for kind in v4.attention_types) == 11_439_104

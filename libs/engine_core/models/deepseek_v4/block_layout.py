@@ -122,3 +122,33 @@ def read_layer_state(
         elif "overlap" in name:
             out[name] = layout.view(cache, name)[block_ids[-1]].clone()  # (m, W)
     return out
+
+
+def read_entries(
+    cache: torch.Tensor, layout: BlockLayout, block_ids: torch.Tensor, num_tokens: int
+) -> dict[str, torch.Tensor]:
+    """The entries (CSA: and the indexer's keys) of a sequence after `num_tokens` tokens, from its blocks
+    `block_ids` (at least those holding the tokens): name -> (num_tokens // m, W), new tensors. Empty for a
+    window-only layer."""
+    if not layout.ratio:
+        return {}
+    num_blocks = -(-num_tokens // layout.block_size)
+    index = block_ids[:num_blocks]
+    count = num_tokens // layout.ratio
+    return {
+        name: layout.view(cache, name)[index].flatten(0, 1)[:count]
+        for name in layout.sections
+        if name.endswith("entries")
+    }
+
+
+def write_entries(
+    cache: torch.Tensor, layout: BlockLayout, block_ids: torch.Tensor, name: str, entries: torch.Tensor
+) -> None:
+    """Put a sequence's entries (E, W) (from its first) into section `name` of its blocks `block_ids`, where the
+    model's forward would have written them (a state that arrived whole: a KV import)."""
+    if entries.shape[0] == 0:
+        return
+    first = torch.arange(entries.shape[0], device=cache.device) * layout.ratio  # each entry's first token
+    at = (block_ids[first // layout.block_size], (first % layout.block_size) // layout.ratio)
+    layout.view(cache, name)[at] = entries.to(cache.dtype)

@@ -1,7 +1,8 @@
 """DeepSeek-V4 as a causal LM for the engine: embed -> N residual streams -> layers -> collapse -> norm -> head.
 
-A running sequence's cache (window + compressors) is a `SequenceState` that the runner creates per request
-(`new_sequence_state`) and hands in through `ForwardBatch.sequences`. The paged cache tensor (`kv_cache_shape`) holds,
+A running sequence's cache (window + compressors) is a `SequenceState` that the runner loads from the request's
+slot of the state pools and its blocks (`load_sequence_state`, `pools`), hands in through `ForwardBatch.sequences`
+and stores back after the step (`store_sequence_state`). The paged cache tensor (`kv_cache_shape`) holds,
 per block, what resumes a sequence exactly at the block's end (`block_layout`): the forward writes it as tokens are
 computed, and `sequence_state_from_blocks` rebuilds a state from a prefix-cache hit. Blocks hold a multiple of every
 compress ratio (`kv_block_size`).
@@ -14,7 +15,7 @@ Multi-token-prediction layers (`mtp.*`) are skipped: serving does not use them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -23,10 +24,17 @@ from devices.base import DeviceOps
 from engine_core.config import ModelConfig, V4Config
 from engine_core.models.batch import ForwardBatch
 from engine_core.models.deepseek_v4.attention import V4Attention
-from engine_core.models.deepseek_v4.block_layout import BlockLayout, LayerBlocks, block_size_for
+from engine_core.models.deepseek_v4.block_layout import (
+    BlockLayout,
+    LayerBlocks,
+    block_size_for,
+    read_entries,
+    write_entries,
+)
 from engine_core.models.deepseek_v4.blocks import HyperConnection, HyperHead, V4MoE, mix_streams
 from engine_core.models.deepseek_v4.functional import Fp32RMSNorm
-from engine_core.models.deepseek_v4.state import LayerState, SequenceState, bytes_per_sequence
+from engine_core.models.deepseek_v4.pools import StatePools, bytes_per_slot
+from engine_core.models.deepseek_v4.state import LayerState, SequenceState
 from engine_core.models.loading import Target, load_weights
 from engine_core.models.rope import RotaryEmbedding
 
@@ -103,17 +111,57 @@ class DeepseekV4ForCausalLM(nn.Module):
             self._layouts[block_size] = [BlockLayout.of_layer(self.v4, layer, block_size) for layer in layers]
         return self._layouts[block_size]
 
-    def sequence_state_bytes(self, block_size: int) -> tuple[int, int]:
-        """(bytes of a running sequence's state at its largest besides its entries, bytes of the entries it gains
-        per block): what the engine counts against the memory budget beside the paged cache."""
-        itemsize = self.model.embed.weight.element_size()
-        fixed, per_block = 0, 0
-        for layer in range(self.config.num_layers):
-            kind, ratio = self.v4.attention_types[layer], self.v4.compress_ratio(layer)
-            fixed += bytes_per_sequence(self.v4, itemsize)[kind]
-            width = self.v4.head_dim + (self.v4.index_head_dim if kind == "csa" else 0)
-            per_block += block_size // ratio * width * itemsize if ratio else 0
-        return fixed, per_block
+    def state_slot_bytes(self) -> int:
+        """Bytes of one sequence's slot in the state pools (pools.bytes_per_slot): what the engine counts per
+        running request against the memory budget beside the paged cache."""
+        return sum(bytes_per_slot(self.v4, self.model.embed.weight.element_size()).values())
+
+    def new_state_pools(self, num_slots: int) -> StatePools:
+        weight = self.model.embed.weight
+        return StatePools(self.v4, num_slots, weight.dtype, weight.device)
+
+    def load_sequence_state(
+        self,
+        pools: StatePools,
+        slot: int,
+        kv_caches: torch.Tensor,
+        block_ids: Sequence[int],
+        block_size: int,
+        num_tokens: int,
+    ) -> SequenceState:
+        """The state of the sequence in `slot` after `num_tokens` tokens: its window, tails and overlaps as views of
+        the slot, its entries read from its blocks `block_ids` (pools)."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches.device)
+        layouts = self.block_layouts(block_size)
+        layers = [
+            pools.load(slot, i, num_tokens, read_entries(kv_caches[i], layouts[i], index, num_tokens))
+            for i in range(self.config.num_layers)
+        ]
+        return SequenceState(layers, num_tokens)
+
+    def store_sequence_state(self, pools: StatePools, slot: int, state: SequenceState) -> None:
+        """Write a state's fixed part back into `slot` (its entries are in the blocks already)."""
+        for i, layer in enumerate(state.layers):
+            pools.store(slot, i, layer)
+
+    def store_imported_layer(
+        self,
+        pools: StatePools,
+        slot: int,
+        layer: int,
+        state: LayerState,
+        kv_caches: torch.Tensor,
+        block_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        """A layer's state that arrived whole (a KV import): its fixed part into `slot`, its entries into the
+        sequence's blocks, where the forward reads them."""
+        pools.store(slot, layer, state)
+        layout = self.block_layouts(block_size)[layer]
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches.device)
+        for prefix, compressor in (("", state.compressor), ("index_", state.indexer)):
+            if compressor is not None:
+                write_entries(kv_caches[layer], layout, index, prefix + "entries", compressor.entries)
 
     def sequence_state_from_blocks(
         self, kv_caches: torch.Tensor, block_ids: list[int], block_size: int

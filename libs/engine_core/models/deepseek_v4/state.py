@@ -1,12 +1,13 @@
-"""What DeepSeek-V4 keeps per sequence between steps, outside the paged KV cache.
+"""What DeepSeek-V4 keeps per sequence between steps, as the model's forward sees it.
 
 Per layer: the window (the latest `sliding_window - 1` tokens' KV vectors: the next query sees them plus itself),
 and on CSA/HCA layers each compressor's state: the entries emitted so far, the tokens of the window not yet
-closed (the tail) and, for CSA's overlapping windows, the first half of the last closed window. The runner
-creates a `SequenceState` when a request starts from its first token, or has the model rebuild one from the
-request's first blocks when it starts after a prefix-cache hit (`block_layout`: blocks end where every tail is
-empty), and drops it when the request finishes or is preempted; the model's forward is the only writer. Tensors are
-never views of larger ones, so `num_bytes` is what a state holds (the engine counts it against its memory budget).
+closed (the tail) and, for CSA's overlapping windows, the first half of the last closed window. Between steps
+these live in the request's slot of the state pools and, for the entries, in its blocks (`pools`); for a step the
+runner hands the model a `SequenceState` of views of the slot and entries read from the blocks, and writes the
+state's fixed part back after the forward (the forward replaces tensors, it does not write into them). A state is
+rebuilt from a request's first blocks when it starts after a prefix-cache hit (`block_layout`: blocks end where
+every tail is empty). `num_bytes` is what the state's tensors span.
 
 Shapes: D the head size (the one KV vector per token), W a compressor's entry width (D, or the indexer's),
 c = 2 for overlapping (CSA) compressors and 1 otherwise, m the compress ratio.
