@@ -39,7 +39,7 @@ class WorkerSettings(ServiceSettings):
     )
     device_cache_policy: str = setting(
         "lru",
-        "which cached block the device prefix cache gives up first: lru, s3fifo, lfuda or reuse (mesh.eviction, "
+        "which cached block the device prefix cache gives up first: lru, s3fifo, lfuda, reuse or admit (mesh.eviction, "
         "as the KV store's KVMESH_EVICTION_POLICY; docs/kvcache.md)",
     )
     block_size: int = setting(

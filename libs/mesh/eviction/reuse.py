@@ -15,7 +15,10 @@ lowest goes first, the oldest among equals, and the floor becomes each victim's 
 recency still ages frequency out.
 
 Both halves can be switched off (`admission`, `max_freq`: 1 orders as LRU does); `reuse` as `make_policy` builds it
-(`duel.py`) switches them by what miniature caches of each choice would have hit.
+(`duel.py`) switches them by what miniature caches of each choice would have hit. `admit` is the filter alone in
+front of LRU's order, holding back only classes reused at less than `ADMIT_LRU_RATIO` times the average: it gains
+less where one-off prompts flush the cache, and never fell below LRU on a trace or capacity of `kvmesh bench kvcache
+--sweep` (docs/kvcache.md).
 
 Work per operation: a heap push (O(log n)), four sketch counters and a dict update; `victim` pops stale heap
 entries lazily. Memory per held block, keys not counted: 64 sketch bytes (`SKETCH_WIDTH` counters in each of 4
@@ -35,6 +38,7 @@ from mesh.eviction.sketch import FrequencySketch
 MAX_FREQ = 4
 GHOST_FACTOR = 2  # first sightings remembered, as a multiple of the blocks held
 ADMIT_RATIO = 0.9  # admit a first-seen block when its class is reused at least this times the average
+ADMIT_LRU_RATIO = 0.6  # `admit`'s: hold back only the clearly worse classes (0.7 lost to LRU on the conversation trace)
 WINDOW_FRACTION = 0.01  # bytes for blocks not admitted (W-TinyLFU's window): a hit there admits them
 SKETCH_WIDTH = 16  # sketch counters per row per held block: few false "seen before" (4 rows: 64 bytes a block)
 PRIOR_BLOCKS = 8.0  # a class starts as if this many of its blocks had been reused at the average rate
@@ -53,9 +57,16 @@ def class_of(hint: BlockHint) -> Class:
 
 
 class ReusePolicy:
-    def __init__(self, capacity_bytes: int = 0, admission: bool = True, max_freq: int = MAX_FREQ) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int = 0,
+        admission: bool = True,
+        max_freq: int = MAX_FREQ,
+        admit_ratio: float = ADMIT_RATIO,
+    ) -> None:
         self.admission = admission  # filter first-seen blocks by class (False: admit every block); see duel.py
         self.max_freq = max_freq  # the priority cap: 1 orders as LRU does, MAX_FREQ as lfuda; see duel.py
+        self.admit_ratio = admit_ratio  # a class is admitted when reused at least this times the average
         self.window_target_bytes = int(capacity_bytes * WINDOW_FRACTION)
         self._window: OrderedDict[bytes, int] = OrderedDict()  # not admitted: key -> size, oldest first
         self._window_bytes = 0
@@ -125,7 +136,7 @@ class ReusePolicy:
         return (reused + average * PRIOR_BLOCKS) / (seen + PRIOR_BLOCKS)
 
     def admits(self, klass: Class) -> bool:
-        return self.reuse_rate(klass) >= ADMIT_RATIO * self._average_rate()
+        return self.reuse_rate(klass) >= self.admit_ratio * self._average_rate()
 
     def _average_rate(self) -> float:
         seen = sum(self._num_seen.values())
