@@ -152,6 +152,12 @@ class Announcer:
         await self.bus.publish(subjects.worker_heartbeat(ROLE_NAMES[self.info.role], self.info.worker_id), beat)
 
 
+def model_block_size(info: common_pb2.WorkerInfo, model: str) -> int:
+    """Tokens per block of `model` on this worker: its engine's, as reported; a worker of an older build reports
+    none per model, so its one `block_size`."""
+    return info.model_block_sizes.get(model) or info.block_size
+
+
 @dataclass
 class KnownWorker:
     info: common_pb2.WorkerInfo

@@ -162,7 +162,14 @@ class KVStateSections(_message.Message):
     def __init__(self, layer_kinds: _Optional[_Iterable[str]] = ..., head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., sliding_window: _Optional[int] = ..., csa_ratio: _Optional[int] = ..., hca_ratio: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "models", "max_num_seqs", "num_kv_blocks", "block_size", "data_address", "started_at_ms", "version")
+    __slots__ = ("worker_id", "role", "address", "models", "max_num_seqs", "num_kv_blocks", "block_size", "data_address", "started_at_ms", "version", "model_block_sizes")
+    class ModelBlockSizesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +180,7 @@ class WorkerInfo(_message.Message):
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BLOCK_SIZES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     address: str
@@ -183,7 +191,8 @@ class WorkerInfo(_message.Message):
     data_address: str
     started_at_ms: int
     version: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., data_address: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    model_block_sizes: _containers.ScalarMap[str, int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., data_address: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., version: _Optional[str] = ..., model_block_sizes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class LaneEnd(_message.Message):
     __slots__ = ("error", "code")
