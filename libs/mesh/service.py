@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 
 import grpc
 import grpc.aio
@@ -129,6 +129,7 @@ class ServiceRuntime:
         max_num_seqs: int = 0,
         num_kv_blocks: int = 0,
         block_size: int = 0,
+        model_block_sizes: Mapping[str, int] | None = None,
         serve_status: bool = True,
         data_port: int = 0,
         public_grpc: bool = False,
@@ -138,6 +139,7 @@ class ServiceRuntime:
         serve_status=False: the role serves /healthz, /readyz and /metrics itself (the gateway's REST app).
         data_port: the port of a bulk lane the role already listens on (mesh.lane), announced beside gRPC's.
         public_grpc: the gRPC server is for clients (the gateway's API): no client certificates, no role checks.
+        model_block_sizes: each served model's engine block size (the routing keys' block size for that model).
         """
         if self.bus is None:
             await self.connect_bus()
@@ -165,6 +167,7 @@ class ServiceRuntime:
             max_num_seqs=max_num_seqs,
             num_kv_blocks=num_kv_blocks,
             block_size=block_size,
+            model_block_sizes=model_block_sizes or {},
             data_address=self.data_address,
             started_at_ms=self.started_at_ms,
             version=self.settings.version,

@@ -237,6 +237,7 @@ class PrefillService:
                 max_num_seqs=settings.max_num_seqs,
                 num_kv_blocks=engines.num_kv_blocks,
                 block_size=settings.block_size,
+                model_block_sizes=engines.block_sizes,
             )
             await engines.start_expert_sync(runtime.bus, runtime.worker_id, settings.expert_report_steps)
         except BaseException:

@@ -80,6 +80,12 @@ class ModelEngines:
     def layout(self, model: str) -> KVLayout:
         return self.get(model).kv_layout
 
+    @property
+    def block_sizes(self) -> dict[str, int]:
+        """Each model's tokens per block, its engine's (the model's own: DeepSeek-V4's a multiple of its compress
+        ratios), announced so routing keys are hashed by it."""
+        return {model: engine.kv_layout.block_size for model, engine in self._engines.items()}
+
     def max_model_len(self, model: str) -> int:
         return self.get(model).max_model_len
 
