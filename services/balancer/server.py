@@ -24,7 +24,7 @@ import grpc.aio
 
 from mesh import metrics, rpc, subjects
 from mesh.bus import Bus
-from mesh.discovery import KnownWorker, WorkerRegistry, now_ms
+from mesh.discovery import KnownWorker, WorkerRegistry, model_block_size, now_ms
 from mesh.kv_index import GlobalKVIndex
 from mesh.kv_stream import KVEventFollower, KVIndexCompactor
 from mesh.logging import get_logger
@@ -46,12 +46,13 @@ log = get_logger(__name__)
 
 
 # -- conversions ----------------------------------------------------------------------------------------------------
-def worker_state(worker: KnownWorker) -> WorkerState:
+def worker_state(worker: KnownWorker, model: str | None = None) -> WorkerState:
+    """`model`: the pool's model, whose block size (the worker's engine's for it) its token figures use."""
     info, load = worker.info, worker.load
     return WorkerState(
         worker_id=info.worker_id,
         reported_s=worker.last_seen_ms / 1000.0,
-        block_size=info.block_size,
+        block_size=info.block_size if model is None else model_block_size(info, model),
         max_num_seqs=info.max_num_seqs,
         num_kv_blocks=info.num_kv_blocks,
         num_running=load.num_running,
@@ -143,7 +144,7 @@ class Pools:
         self.planner = planner
 
     def states(self, pool: str, model: str | None = None) -> list[WorkerState]:
-        return [worker_state(w) for w in self.registry.workers(POOL_ROLES[pool], model)]
+        return [worker_state(w, model) for w in self.registry.workers(POOL_ROLES[pool], model)]
 
     def observe(self, now_s: float) -> None:
         for pool in POOL_ROLES:
@@ -183,7 +184,7 @@ class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
         except rpc.ServiceError as error:
             await abort(context, error)
         if self.bus is not None:
-            num_cached_blocks = route.num_cached_tokens // max(response.prefill.block_size, 1)
+            num_cached_blocks = route.num_cached_tokens // max(model_block_size(response.prefill, request.model), 1)
             try:
                 await self.bus.publish(subjects.BALANCER_ASSIGN, assignment_to_pb(assignment, num_cached_blocks))
             except Exception:  # NATS briefly away: peers miss one decision until the next heartbeats

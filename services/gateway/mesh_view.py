@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from mesh import tracing
-from mesh.discovery import KnownWorker
+from mesh.discovery import KnownWorker, model_block_size
 from mesh.latency_outliers import Ejection, LatencyOutlierDetector, LatencyRule
 from mesh.logging import get_logger
 from mesh.metrics import GATEWAY_DECODE_EJECTIONS
@@ -44,6 +44,7 @@ class MeshView:
         self.latency = LatencyOutlierDetector(slow_decode, self.decode_ids)
         self._clock = clock
         self.unrouted_stall_s = unrouted_stall_s
+        self._block_size_conflicts: dict[str, list[tuple[str, int]]] = {}  # model -> the sizes last logged
 
     def decode_ids(self, model: str) -> list[str]:
         """The decode workers that may serve `model` now: known, and not ejected for failures."""
@@ -85,6 +86,30 @@ class MeshView:
         if reference_s is not None:
             return rule.factor * max(reference_s, rule.min_itl_s)
         return self.unrouted_stall_s if is_unrouted else None
+
+    def block_size(self, model: str, default: int) -> int | None:
+        """The tokens per block `model`'s prefill and decode workers report (their engines' block size, what the
+        workers' block keys are hashed by): `default` while none is known; None when they disagree (an error,
+        logged once per disagreement: the request is routed without cache affinity, never by wrong keys)."""
+        workers = [
+            *self._registry.workers(common_pb2.ROLE_PREFILL, model),
+            *self._registry.workers(common_pb2.ROLE_DECODE, model),
+        ]
+        sizes = sorted({(w.worker_id, model_block_size(w.info, model)) for w in workers})
+        distinct = {size for _, size in sizes}
+        if not distinct:
+            return default
+        if len(distinct) == 1:
+            self._block_size_conflicts.pop(model, None)
+            return distinct.pop()
+        if self._block_size_conflicts.get(model) != sizes:
+            self._block_size_conflicts[model] = sizes
+            log.error(
+                "workers disagree on a model's block size: routing it without cache affinity",
+                model=model,
+                block_sizes=dict(sizes),
+            )
+        return None
 
     def balancers(self) -> list[KnownWorker]:
         """Live balancers, starting with a different one each call so the load spreads."""

@@ -144,9 +144,8 @@ class Pipeline:
 
     async def attempt(self, generation: Generation, deadline: Deadline, excluded: Sequence[str] = ()) -> Attempt:
         """Route and prefill until the first token is known, re-routing around failed workers (and `excluded`)."""
-        root = root_hash(generation.model.name, generation.cache_salt or None)
-        block_hashes = hash_token_blocks(
-            root, generation.prompt_token_ids, self.block_size, key_spans=key_spans(generation.images)
+        block_hashes = self.block_keys(
+            generation.model.name, generation.prompt_token_ids, generation.cache_salt, generation.images
         )
         excluded = list(excluded)
         last_error: grpc.aio.AioRpcError | None = None
@@ -187,6 +186,22 @@ class Pipeline:
             placement = Placement(attempt_id, route.prefill.worker_id, route.decode.worker_id, route.decode.address)
             return Attempt(placement, first, call)
         raise AssertionError("unreachable: the last attempt raises")
+
+    def block_keys(
+        self,
+        model: str,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str = "",
+        images: Sequence[encoder_pb2.PromptImage] = (),
+    ) -> list[bytes]:
+        """The prompt's chained block keys, hashed by the block size the model's workers report (the gateway's
+        `block_size` until one does), so they equal the keys of the blocks those workers cache. When the
+        workers disagree: no keys, so the balancer routes by load alone."""
+        block_size = self.mesh.block_size(model, self.block_size)
+        if block_size is None:
+            return []
+        root = root_hash(model, cache_salt or None)
+        return hash_token_blocks(root, prompt_token_ids, block_size, key_spans=key_spans(images))
 
     async def _route(
         self,
