@@ -30,7 +30,7 @@ class GatewaySettings(ServiceSettings):
     models: tuple[str, ...] = setting(model_store.DEFAULT_MODELS, "served models, whose tokenizers it loads")
     block_size: int = setting(
         16,
-        "tokens per KV block: the gateway, prefill and decode must agree (the KV layout says so; routing hits need it)",
+        "tokens per block of a model's routing keys until its workers announce that model's own (its engine's)",
     )
     max_retries: int = setting(
         2, "re-routes (and migrations) after a worker fails with UNAVAILABLE or RESOURCE_EXHAUSTED"

@@ -44,7 +44,8 @@ class WorkerSettings(ServiceSettings):
     )
     block_size: int = setting(
         16,
-        "tokens per KV block: the gateway, prefill and decode must agree (the KV layout says so; routing hits need it)",
+        "tokens per KV block of a model whose engine takes it (Llama, DeepSeek-V3; DeepSeek-V4 rounds it up to a "
+        "multiple of its compress ratios: 128 for V4-Flash); each model's own is announced, and routing keys use it",
     )
     # MoE models: expert parallelism simulated in the worker
     expert_parallel_size: int = setting(1, "MoE models: expert-parallel ranks")
