@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 import grpc
 import grpc.aio
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACEPARENT = "traceparent"
 PROTOCOLS = ("grpc", "http/protobuf")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _INVALID = trace.INVALID_SPAN
+_HEX_DIGITS = frozenset("0123456789abcdef")
+_EMPTY = otel_context.Context()  # immutable: a parent with no span in it starts a trace
 
 # The OpenTelemetry GenAI semantic conventions, and kvmesh's own attributes beside them.
 GEN_AI_OPERATION = "gen_ai.operation.name"
@@ -52,6 +54,7 @@ class _State:
     tracer: trace.Tracer | None = None
     provider: Any = None  # opentelemetry.sdk.trace.TracerProvider, imported only when on
     worker_id = ""
+    worker_attributes: Mapping[str, str] = {}  # {WORKER_ID: worker_id}, for spans started without attributes
 
 
 def is_enabled() -> bool:
@@ -89,14 +92,31 @@ def configure_tracing(role: str, worker_id: str) -> bool:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
-    resource = Resource.create({"service.name": f"kvmesh-{role}", "service.instance.id": worker_id})
+    resource = _hashed_once(Resource.create({"service.name": f"kvmesh-{role}", "service.instance.id": worker_id}))
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     shutdown_tracing()
     _State.provider = provider
     _State.tracer = provider.get_tracer("kvmesh")
     _State.worker_id = worker_id
+    _State.worker_attributes = {WORKER_ID: worker_id}
     return True
+
+
+def _hashed_once(resource: Any) -> Any:
+    """The resource, its hash computed once: the OTLP encoder groups every exported span by its resource, and
+    the SDK's Resource hashes by dumping its attributes to JSON each time (a tenth of the export's CPU)."""
+    from opentelemetry.sdk.resources import Resource
+
+    class HashedOnce(Resource):
+        def __init__(self, attributes: Any, schema_url: str | None = None) -> None:
+            super().__init__(attributes, schema_url)
+            self._hash = super().__hash__()
+
+        def __hash__(self) -> int:
+            return self._hash
+
+    return HashedOnce(resource.attributes, resource.schema_url)
 
 
 def shutdown_tracing() -> None:
@@ -115,11 +135,31 @@ def current_span() -> Span:
 
 
 def context_from(carrier: Mapping[str, str] | None) -> otel_context.Context | None:
-    """The caller's trace context from headers that may hold a `traceparent` (None: a root span; so is a
-    malformed one, which the propagator ignores). Off: always None, the headers unread."""
+    """The caller's trace context from headers that may hold a `traceparent` (None: a root span; a malformed
+    one is ignored, so an empty context: a root span too). Off: always None, the headers unread."""
     if _State.tracer is None or not carrier or TRACEPARENT not in carrier:
         return None
-    return _PROPAGATOR.extract(carrier)
+    if "tracestate" in carrier:  # a client's vendor state: the propagator keeps it
+        return _PROPAGATOR.extract(carrier)
+    remote = _parse(carrier[TRACEPARENT])
+    return trace.set_span_in_context(trace.NonRecordingSpan(remote), _EMPTY) if remote is not None else _EMPTY
+
+
+def _parse(value: str) -> SpanContext | None:
+    """A W3C traceparent as the SDK's propagator reads it (the version's fields; a later version may append
+    more), without its regular expression and context copies: this runs at every hop of every request."""
+    if len(value) > _PROPAGATOR._TRACEPARENT_MAXIMUM_LENGTH:
+        return None
+    parts = value.strip(" \t").split("-")
+    if len(parts) < 4 or (len(parts) > 4 and parts[0] == "00"):
+        return None
+    version, trace_id, span_id, flags = parts[:4]
+    if (len(version), len(trace_id), len(span_id), len(flags)) != (2, 32, 16, 2) or version == "ff":
+        return None
+    if not _HEX_DIGITS.issuperset(version + trace_id + span_id + flags):  # lower-case hex, as the W3C's
+        return None
+    context = SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(int(flags, 16)))
+    return context if context.is_valid else None
 
 
 def context_of(traceparent: str) -> otel_context.Context | None:
@@ -127,30 +167,56 @@ def context_of(traceparent: str) -> otel_context.Context | None:
     return context_from({TRACEPARENT: traceparent} if traceparent else None)
 
 
-@contextlib.contextmanager
-def span(
-    name: str,
-    kind: SpanKind = SpanKind.INTERNAL,
-    attributes: Mapping[str, Any] | None = None,
-    parent: otel_context.Context | None = None,
-) -> Iterator[Span]:
-    """A span, current inside; with `parent` (a caller's context) a child of that instead of the current one."""
-    tracer = _State.tracer
-    if tracer is None:
-        yield _INVALID
-        return
-    with tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes) as started:
-        started.set_attribute(WORKER_ID, _State.worker_id)
-        yield started
+class span:  # lower case: used as the function it replaced, `with span(...) as s`
+    """A span, current inside; with `parent` (a caller's context) a child of that instead of the current one.
+    An exception leaving it is recorded on it and marks it an error (as the SDK's `start_as_current_span`).
+
+    A class, not generator context managers nested three deep as the SDK's is: every hop of every request
+    opens several, and the worker id goes in with the attributes it starts with, not as a second call."""
+
+    __slots__ = ("_span", "_token")
+
+    def __init__(
+        self,
+        name: str,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: Mapping[str, Any] | None = None,
+        parent: otel_context.Context | None = None,
+    ) -> None:
+        tracer = _State.tracer
+        if tracer is None:
+            self._span: Span = _INVALID
+            self._token: object = None
+            return
+        with_worker = {**attributes, WORKER_ID: _State.worker_id} if attributes else _State.worker_attributes
+        self._span = tracer.start_span(name, context=parent, kind=kind, attributes=with_worker)
+        self._token = None
+
+    def __enter__(self) -> Span:
+        if self._span is not _INVALID:
+            self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        return self._span
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
+        if self._span is _INVALID:
+            return
+        otel_context.detach(self._token)  # type: ignore[arg-type]
+        # as the SDK: Exception only (GeneratorExit, CancelledError and the like are no errors)
+        if isinstance(error, Exception) and self._span.is_recording():
+            self._span.record_exception(error)
+            self._span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        self._span.end()
 
 
 def traceparent() -> str:
-    """The current span as a W3C traceparent ("" when off or outside any span)."""
+    """The current span as a W3C traceparent ("" when off or outside any span), formatted as the propagator
+    does, without its carrier."""
     if _State.tracer is None:
         return ""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier)
-    return carrier.get(TRACEPARENT, "")
+    context = trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return ""
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
 
 
 def headers() -> dict[str, str]:
@@ -175,6 +241,7 @@ class ServerTracing(grpc.aio.ServerInterceptor):
 
     def __init__(self, is_public: bool) -> None:
         self.is_public = is_public
+        self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, that handler traced)
 
     async def intercept_service(
         self,
@@ -184,7 +251,13 @@ class ServerTracing(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        return _traced(handler, handler_call_details.method, self.is_public)  # type: ignore[attr-defined]
+        method = handler_call_details.method  # type: ignore[attr-defined]
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:  # a server's handlers are made once: wrapped once
+            return cached[1]
+        traced = _traced(handler, method, self.is_public)
+        self._wrapped[method] = (handler, traced)
+        return traced
 
 
 def _traced(handler: Any, method: str, is_public: bool) -> Any:
@@ -204,8 +277,12 @@ def _traced(handler: Any, method: str, is_public: bool) -> Any:
 
         async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             with server_span(context):
-                async for response in inner(request, context):
-                    yield response
+                responses = inner(request, context)
+                try:
+                    async for response in responses:
+                        yield response
+                finally:  # a cancelled call: the handler's own cleanup (its last attributes) inside the span
+                    await responses.aclose()
 
         return handler._replace(**{kind: streaming})
 

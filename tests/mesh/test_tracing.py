@@ -11,6 +11,8 @@ import grpc
 import grpc.aio
 import pytest
 import structlog
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvmesh.bench.otlp_sink import OTLPSink
 from mesh import rpc, tracing
@@ -134,3 +136,48 @@ async def test_a_malformed_traceparent_starts_a_new_trace(monkeypatch, receiver)
     tracing.shutdown_tracing()
     (received,) = receiver.spans(trace_id)
     assert (received.name, received.parent_id) == ("root", "")
+
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        f"00-{TRACE}-{PARENT}-01",
+        f"00-{TRACE}-{PARENT}-00",
+        f" \t00-{TRACE}-{PARENT}-01 ",
+        f"cc-{TRACE}-{PARENT}-01-what-a-later-version-adds",
+        f"00-{TRACE}-{PARENT}-01-more",  # version 00 has exactly four fields
+        f"ff-{TRACE}-{PARENT}-01",
+        f"00-{TRACE.upper()}-{PARENT}-01",
+        f"00-{'0' * 32}-{PARENT}-01",
+        f"00-{TRACE}-{'0' * 16}-01",
+        f"00-{TRACE[:-1]}+-{PARENT}-01",
+        f"00-{TRACE[:-1]}_-{PARENT}-01",
+        f"00-{TRACE}-{PARENT}-1",
+        f"00-{TRACE}-{PARENT}-01x",
+        "00-not-a-trace-01",
+        "",
+        f"cc-{TRACE}-{PARENT}-01-{'x' * 512}",
+    ],
+)
+def test_a_traceparent_is_read_as_the_sdks_propagator_reads_it(monkeypatch, receiver, value):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}")
+    assert tracing.configure_tracing("gateway", "gateway-0")
+    expected = trace.get_current_span(TraceContextTextMapPropagator().extract({"traceparent": value}))
+    got = trace.get_current_span(tracing.context_from({"traceparent": value}))
+    assert got.get_span_context() == expected.get_span_context()
+    assert got.get_span_context().trace_flags == expected.get_span_context().trace_flags
+
+
+def test_the_traceparent_sent_is_the_propagators(monkeypatch, receiver):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}")
+    assert tracing.configure_tracing("gateway", "gateway-0")
+    with tracing.span("root", parent=tracing.context_of(f"00-{TRACE}-{PARENT}-01")) as root:
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier)
+        span_id = format(root.get_span_context().span_id, "016x")
+        assert tracing.traceparent() == carrier["traceparent"] == f"00-{TRACE}-{span_id}-01"
+    assert tracing.traceparent() == ""
