@@ -85,15 +85,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> AsyncIterator[decode_pb2.TokenBatch]:
         with bind_request_id(request.request_id):
             span = tracing.current_span()
+            last: TokenBatch | None = None
             try:
                 with self.lifecycle.track(), status_on_error():
-                    is_first = True
                     async for batch in self.decoder.follow(request.request_id):
-                        trace_batch(span, batch, is_first)
-                        is_first = False
+                        trace_batch(span, batch, is_first=last is None)
+                        last = batch
                         yield token_batch_to_proto(batch)
             except ServiceError as error:
                 await abort(context, error)
+            finally:
+                trace_end(span, last)
 
     async def Abort(
         self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -104,14 +106,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 
 def trace_batch(span: tracing.Span, batch: TokenBatch, is_first: bool) -> None:
-    """The stream's span: an event at its first tokens, the output count and finish reason as they come."""
-    if not span.is_recording():
-        return
-    if is_first:
+    """The stream's span: an event at its first tokens. Nothing per later batch: attributes cost CPU on the
+    token path, so the count and finish reason go on once, at the end (`trace_end`)."""
+    if is_first and span.is_recording():
         span.add_event("first token", {"kvmesh.num_tokens": len(batch.token_ids)})
-    span.set_attribute(tracing.GEN_AI_OUTPUT_TOKENS, batch.num_output_tokens)
-    if batch.finish_reason is not None:
-        span.set_attribute(tracing.GEN_AI_FINISH_REASONS, [batch.finish_reason])
+
+
+def trace_end(span: tracing.Span, last: TokenBatch | None) -> None:
+    """The stream's span as it ends (finished, cut or failed): the output tokens so far, the finish reason if any."""
+    if last is None or not span.is_recording():
+        return
+    attributes: dict[str, int | list[str]] = {tracing.GEN_AI_OUTPUT_TOKENS: last.num_output_tokens}
+    if last.finish_reason is not None:
+        attributes[tracing.GEN_AI_FINISH_REASONS] = [last.finish_reason]
+    span.set_attributes(attributes)
 
 
 def export_metrics(stats: dict[str, EngineStats]) -> None:

@@ -124,15 +124,14 @@ class RequestRecord:
         if self._span.is_recording():
             operation = OPERATIONS.get(self.api, "chat")
             self._span.update_name(f"{operation} {model}")
-            self._span.set_attributes(
-                {
-                    tracing.GEN_AI_OPERATION: operation,
-                    tracing.GEN_AI_SYSTEM: tracing.SYSTEM,
-                    tracing.GEN_AI_MODEL: model,
-                }
-            )
+            attributes = {
+                tracing.GEN_AI_OPERATION: operation,
+                tracing.GEN_AI_SYSTEM: tracing.SYSTEM,
+                tracing.GEN_AI_MODEL: model,
+            }
             if self.principal is not None:
-                self._span.set_attribute(tracing.TENANT, self.principal.tenant_name)
+                attributes[tracing.TENANT] = self.principal.tenant_name
+            self._span.set_attributes(attributes)
 
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens <= 0:

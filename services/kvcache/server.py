@@ -145,10 +145,10 @@ def trace_read(num_asked: int, blocks: Sequence[tuple[Block, str]]) -> None:
     span = tracing.current_span()
     if not span.is_recording():
         return
-    span.set_attribute("kvmesh.kv.num_blocks_asked", num_asked)
-    for tier, count in Counter(tier for _, tier in blocks).items():
-        span.set_attribute(f"kvmesh.kv.num_blocks.{tier}", count)
-    span.set_attribute(tracing.BYTES_MOVED, sum(len(block.data) for block, _ in blocks))
+    attributes = {f"kvmesh.kv.num_blocks.{tier}": count for tier, count in Counter(t for _, t in blocks).items()}
+    attributes["kvmesh.kv.num_blocks_asked"] = num_asked
+    attributes[tracing.BYTES_MOVED] = sum(len(block.data) for block, _ in blocks)
+    span.set_attributes(attributes)  # one call: each takes the span's lock and checks every value
 
 
 def count_lookup(num_asked: int, num_hits: int) -> None:
