@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import grpc
@@ -201,7 +201,27 @@ class span:  # lower case: used as the function it replaced, `with span(...) as 
         if self._span is _INVALID:
             return
         otel_context.detach(self._token)  # type: ignore[arg-type]
-        # as the SDK: Exception only (GeneratorExit, CancelledError and the like are no errors)
+        self.finish(error)
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[Span]:
+        """The span current for one step only, attached and detached in the same task: for an async generator,
+        which may be resumed or closed from another task's context, where a token attached across its yields
+        could not be detached."""
+        if self._span is _INVALID:
+            yield self._span
+            return
+        token = otel_context.attach(trace.set_span_in_context(self._span))
+        try:
+            yield self._span
+        finally:
+            otel_context.detach(token)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """End the span; an Exception (not GeneratorExit, CancelledError and the like, as the SDK) is recorded on
+        it and marks it an error."""
+        if self._span is _INVALID:
+            return
         if isinstance(error, Exception) and self._span.is_recording():
             self._span.record_exception(error)
             self._span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
@@ -267,22 +287,35 @@ def _traced(handler: Any, method: str, is_public: bool) -> Any:
     kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
     inner = getattr(handler, kind)
 
-    def server_span(context: grpc.aio.ServicerContext) -> contextlib.AbstractContextManager[Span]:
+    def server_span(context: grpc.aio.ServicerContext) -> span:
         caller = {key: value for key, value in context.invocation_metadata() or () if key == TRACEPARENT}
         if not caller and not is_public:
-            return contextlib.nullcontext(_INVALID)
+            return _NO_SPAN
         return span(name, SpanKind.SERVER, attributes, context_from(caller))  # type: ignore[arg-type]
 
     if kind.endswith("_stream"):
 
         async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            with server_span(context):
-                responses = inner(request, context)
-                try:
-                    async for response in responses:
-                        yield response
-                finally:  # a cancelled call: the handler's own cleanup (its last attributes) inside the span
+            # the span is current only while the handler runs (each step, and its cleanup), never across a
+            # yield: a cancelled call's generator is closed from another task's context
+            scope = server_span(context)
+            responses = inner(request, context)
+            error: BaseException | None = None
+            try:
+                while True:
+                    with scope.current():
+                        try:
+                            response = await anext(responses)
+                        except StopAsyncIteration:
+                            break
+                    yield response
+            except BaseException as failed:
+                error = failed
+                raise
+            finally:  # a cancelled call: the handler's own cleanup (its last attributes) inside the span
+                with scope.current():
                     await responses.aclose()
+                scope.finish(error)
 
         return handler._replace(**{kind: streaming})
 
@@ -291,6 +324,11 @@ def _traced(handler: Any, method: str, is_public: bool) -> Any:
             return await inner(request, context)
 
     return handler._replace(**{kind: single})
+
+
+_NO_SPAN = span.__new__(span)  # no caller's trace on an internal call: nothing is recorded
+_NO_SPAN._span = _INVALID
+_NO_SPAN._token = None
 
 
 def server_interceptors(is_public: bool = False) -> list[grpc.aio.ServerInterceptor]:

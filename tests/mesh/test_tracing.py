@@ -3,9 +3,11 @@ through gRPC metadata, resources name the role and worker, log lines carry the i
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import sys
+from collections.abc import AsyncIterator
 
 import grpc
 import grpc.aio
@@ -112,6 +114,47 @@ async def test_between_roles_only_calls_inside_a_trace_are_traced_the_public_api
     tracing.shutdown_tracing()
     (root,) = receiver.spans()
     assert (root.name, root.kind, root.parent_id) == ("kvmesh.v1.Test/Echo", "SERVER", "")
+
+
+class Invocation:
+    """What the server hook reads of a call's context: its metadata (a caller's traceparent)."""
+
+    def __init__(self, traceparent: str) -> None:
+        self.metadata = ((tracing.TRACEPARENT, traceparent),)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+
+async def test_a_stream_closed_from_another_task_ends_its_span_inside_its_cleanup_without_a_detach_error(
+    monkeypatch, receiver, caplog
+):
+    """gRPC may close a server stream's generator from a task other than the one that ran it (a call that ends
+    early). The span is current only while the handler runs, never across a yield, so closing it elsewhere
+    detaches nothing foreign (OpenTelemetry logs "Failed to detach context" otherwise), and the handler's cleanup
+    still runs inside the span."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    assert tracing.configure_tracing("decode", "decode-0")
+
+    async def tokens(request: bytes, context: object) -> AsyncIterator[bytes]:
+        try:
+            for i in range(1000):
+                yield b"%d" % i
+        finally:
+            trace.get_current_span().set_attribute("cleaned_up", True)
+
+    handler = tracing._traced(grpc.unary_stream_rpc_method_handler(tokens), "/kvmesh.v1.Test/Tokens", False)
+    with tracing.span("caller") as caller:
+        trace_id = format(caller.get_span_context().trace_id, "032x")
+        stream = handler.unary_stream(b"", Invocation(tracing.traceparent()))
+    assert [await anext(stream) for _ in range(3)] == [b"0", b"1", b"2"]
+    await asyncio.create_task(stream.aclose())  # another task: another Context
+    tracing.shutdown_tracing()
+    spans = {s.name: s for s in receiver.spans(trace_id)}
+    assert spans["kvmesh.v1.Test/Tokens"].attributes["cleaned_up"] is True
+    assert spans["kvmesh.v1.Test/Tokens"].parent_id == spans["caller"].span_id
+    assert [r.getMessage() for r in caplog.records if "detach" in r.getMessage()] == []
 
 
 async def test_a_callers_traceparent_is_honoured_and_errors_mark_the_span(monkeypatch, receiver):
