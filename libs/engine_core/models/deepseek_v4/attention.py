@@ -8,14 +8,16 @@ a learned per-head sink logit in the softmax. The output's rotated dims are rota
 then heads are projected in groups to a low rank and mixed to the hidden size.
 
 The window and the compressors' state live in each sequence's `LayerState`; projections run over the whole
-batch, the attention itself sequence by sequence. Shapes: T tokens, L one sequence's new tokens, H heads, D head
-size, K keys a query may see (window + entries), G output groups.
+batch, the window and compressors sequence by sequence, the attention over every sequence at once (padded).
+Shapes: T tokens, L one sequence's new tokens, H heads, D head size, K keys a query may see (window + entries),
+G output groups.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from engine_core.config import ModelConfig, V4Config
 from engine_core.models.deepseek_v4.block_layout import BlockLayout, LayerBlocks, read_layer_state
@@ -91,7 +93,7 @@ class V4Attention(nn.Module):
         index_q = self.indexer.queries(q_residual, x, cos_sin) if self.indexer is not None else None
         if blocks is not None:
             blocks.write_window(kv)
-        out = x.new_empty(t, self.num_heads, d)
+        attended = []  # per sequence: its rows, keys (K, D) and mask (L, K)
         for start, end, state in sequences:
             rows = slice(start, end)
             keys, mask = self._window(state, kv[rows], positions[rows])
@@ -102,7 +104,8 @@ class V4Attention(nn.Module):
                 entry_mask = self._entry_mask(state, x[rows], positions[rows], rope, index_q, rows, blocks)
                 keys = torch.cat([keys, state.compressor.entries])
                 mask = torch.cat([mask, entry_mask], dim=1)
-            out[rows] = self._attend(q[rows], keys, mask)
+            attended.append((rows, keys, mask))
+        out = self._attend(q, attended)
         out = rotate_tail(out, cos_sin[0], -cos_sin[1])  # undo the keys' rotation carried into the values
         return self.wo_b(self._grouped_output(out))
 
@@ -141,15 +144,33 @@ class V4Attention(nn.Module):
         picked = torch.zeros(positions.shape[0], num_entries + 1, dtype=torch.bool, device=x.device)
         return picked.scatter_(1, chosen, True)[:, :num_entries]
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q (L, H, D) over keys = values (K, D), mask (L, K), with one sink logit per head -> (L, H, D)."""
-        scores = torch.matmul(q.transpose(0, 1), keys.T) * self.v4.head_dim**-0.5  # (H, L, K)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        sinks = self.attn_sink.to(scores.dtype)[:, None, None].expand(-1, q.shape[0], 1)  # (H, L, 1)
+    def _attend(self, q: torch.Tensor, sequences: list[tuple[slice, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """q (T, H, D); per sequence its rows, keys = values (K, D) and mask (L, K), with one sink logit per head ->
+        (T, H, D). Every sequence at once: queries, keys and masks padded to the longest (S, L, K); a padded key is
+        masked out, a padded query's row is dropped."""
+        if len(sequences) == 1:
+            (rows, keys, mask), width = sequences[0], None
+            q_pad, keys_pad, mask_pad = q[rows][None], keys[None], mask[None]
+        else:
+            width = max(keys.shape[0] for _, keys, _ in sequences)
+            q_pad = pad_sequence([q[rows] for rows, _, _ in sequences], batch_first=True)  # (S, L, H, D)
+            keys_pad = pad_sequence([keys for _, keys, _ in sequences], batch_first=True)  # (S, K, D)
+            mask_pad = q.new_zeros((len(sequences), q_pad.shape[1], width), dtype=torch.bool)
+            for i, (_, _, mask) in enumerate(sequences):
+                mask_pad[i, : mask.shape[0], : mask.shape[1]] = mask
+        scores = torch.matmul(q_pad.transpose(1, 2), keys_pad.transpose(1, 2)[:, None]) * self.v4.head_dim**-0.5
+        scores = scores.masked_fill(~mask_pad[:, None], float("-inf"))  # (S, H, L, K)
+        sinks = self.attn_sink.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)  # (S, H, L, 1)
         logits = torch.cat([scores, sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = logits.softmax(dim=-1, dtype=logits.dtype)[..., :-1]  # the sink takes its share, gives nothing
-        return torch.matmul(probs.to(keys.dtype), keys).transpose(0, 1)
+        out = torch.matmul(probs.to(keys_pad.dtype), keys_pad[:, None]).transpose(1, 2)  # (S, L, H, D)
+        if width is None:
+            return out[0]
+        result = q.new_empty(q.shape)
+        for i, (rows, _, _) in enumerate(sequences):
+            result[rows] = out[i, : rows.stop - rows.start]
+        return result
 
     def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:
         """(T, H, D) -> (T, G * o_lora): each group of heads projected by its own block of wo_a."""

@@ -135,6 +135,12 @@ class V4MoE(nn.Module):
         expert_ids, weights = self.gate(x, input_ids)  # (T, k) logical
         placement = self.placement
         slot_ids = None if placement is None else placement.dispatch(expert_ids, self.num_routed_tokens)  # (T, k)
+        if placement is None and x.shape[0] * expert_ids.shape[1] >= self.w_gate_up.shape[0]:
+            out = self._all_experts(x, expert_ids, weights)
+            self.num_routed_tokens += x.shape[0]
+            if self.counters is not None:
+                self.counters.record(expert_ids, slot_ids)
+            return out + self.shared_experts(x)
         out = torch.zeros_like(x)
         for expert in expert_ids.unique().tolist():  # logical order whatever the placement: the same sums
             tokens, slot = torch.where(expert_ids == expert)
@@ -150,6 +156,23 @@ class V4MoE(nn.Module):
         if self.counters is not None:
             self.counters.record(expert_ids, slot_ids)
         return out + self.shared_experts(x)
+
+    def _all_experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, then each token's k picked and summed: a handful of large operations in
+        place of a dozen per expert, chosen when the batch routes at least E token-slots (the dense work is then
+        at most E/k times the routed work, on the small expert counts where per-operation cost dominates). Sums
+        run in logical-expert order, as `_add_expert`'s accumulation does."""
+        e, t = self.w_gate_up.shape[0], x.shape[0]
+        gate_up = F.linear(x, self.w_gate_up.flatten(0, 1)).view(t, e, -1).transpose(0, 1)  # (E, T, 2I)
+        routed = torch.bmm(clamped_swiglu(gate_up, self.limit), self.w_down.transpose(1, 2))  # (E, T, Hd)
+        order = expert_ids.argsort(dim=1, stable=True)
+        ids, w = expert_ids.gather(1, order), weights.gather(1, order)  # (T, k), ascending expert ids
+        picked = routed.transpose(0, 1)[torch.arange(t, device=x.device)[:, None], ids]  # (T, k, Hd)
+        picked = (picked * w[..., None]).to(x.dtype)
+        out = picked[:, 0]
+        for slot in range(1, picked.shape[1]):
+            out = out + picked[:, slot]
+        return out
 
     def _add_expert(
         self,
