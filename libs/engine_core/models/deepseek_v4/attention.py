@@ -90,7 +90,9 @@ class V4Attention(nn.Module):
         q = rotate_tail(q, *cos_sin)  # (T, H, D)
         kv = rotate_tail(self.norm(self.wkv(x))[:, None, :], *cos_sin)[:, 0]  # (T, D)
         compressed = self.compressor.project(x) if self.compressor is not None else None
-        index_q = self.indexer.queries(q_residual, x, cos_sin) if self.indexer is not None else None
+        index_q = None
+        if self.indexer is not None:
+            index_q = (*self.indexer.queries(q_residual, x, cos_sin), *self.indexer.compressor.project(x))
         if blocks is not None:
             blocks.write_window(kv)
         attended = []  # per sequence: its rows, keys (K, D) and mask (L, K)
@@ -126,18 +128,19 @@ class V4Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         rope: RotaryEmbedding,
-        index_q: tuple[torch.Tensor, torch.Tensor] | None,
+        index_q: tuple[torch.Tensor, ...] | None,
         rows: slice,
         blocks: LayerBlocks | None,
     ) -> torch.Tensor:
-        """(L, E): the closed entries each query sees; on CSA layers only those the indexer picks."""
+        """(L, E): the closed entries each query sees; on CSA layers only those the indexer picks. `index_q`: the
+        indexer's queries, head weights and its compressor's kv and gate logits, for the whole batch (T, ...)."""
         assert state.compressor is not None and self.compressor is not None
         num_entries = state.compressor.num_entries
         if self.indexer is None or index_q is None:
             visible = (positions + 1) // self.compressor.ratio
             return torch.arange(num_entries, device=x.device)[None, :] < visible[:, None]
         assert state.indexer is not None
-        kv, gate = self.indexer.compressor.project(x)
+        kv, gate = index_q[2][rows], index_q[3][rows]
         _extend(self.indexer.compressor, state.indexer, kv, gate, rope, blocks, "index_", rows, positions)
         chosen = self.indexer.select(state.indexer.entries, index_q[0][rows], index_q[1][rows], positions)
         chosen = torch.where(chosen >= 0, chosen, torch.full_like(chosen, num_entries))  # -1: a spare column
