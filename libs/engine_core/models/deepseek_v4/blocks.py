@@ -22,6 +22,8 @@ from engine_core.config import ModelConfig, V4Config
 from engine_core.models.deepseek_v4.functional import unweighted_rms_norm
 from engine_core.models.experts import ExpertCounters, PhysicalExperts
 
+DENSE_MAX_WORK_RATIO = 4  # V4MoE runs every expert on every token when E <= this * k (V4MoE._all_experts)
+
 
 class HyperConnection(nn.Module):
     def __init__(self, config: ModelConfig, v4: V4Config) -> None:
@@ -135,7 +137,7 @@ class V4MoE(nn.Module):
         expert_ids, weights = self.gate(x, input_ids)  # (T, k) logical
         placement = self.placement
         slot_ids = None if placement is None else placement.dispatch(expert_ids, self.num_routed_tokens)  # (T, k)
-        if placement is None and x.shape[0] * expert_ids.shape[1] >= self.w_gate_up.shape[0]:
+        if placement is None and self.w_gate_up.shape[0] <= DENSE_MAX_WORK_RATIO * expert_ids.shape[1]:
             out = self._all_experts(x, expert_ids, weights)
             self.num_routed_tokens += x.shape[0]
             if self.counters is not None:
@@ -159,9 +161,9 @@ class V4MoE(nn.Module):
 
     def _all_experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, then each token's k picked and summed: a handful of large operations in
-        place of a dozen per expert, chosen when the batch routes at least E token-slots (the dense work is then
-        at most E/k times the routed work, on the small expert counts where per-operation cost dominates). Sums
-        run in logical-expert order, as `_add_expert`'s accumulation does."""
+        place of a dozen per expert used, for models whose E/k is at most DENSE_MAX_WORK_RATIO (the dense work is
+        E/k times the routed work: deepseek-v4-tiny's 16/4, not V4-Flash's 256/6). Sums run in logical-expert
+        order, as `_add_expert`'s accumulation does."""
         e, t = self.w_gate_up.shape[0], x.shape[0]
         gate_up = F.linear(x, self.w_gate_up.flatten(0, 1)).view(t, e, -1).transpose(0, 1)  # (E, T, 2I)
         routed = torch.bmm(clamped_swiglu(gate_up, self.limit), self.w_down.transpose(1, 2))  # (E, T, Hd)
