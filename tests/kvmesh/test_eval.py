@@ -5,6 +5,7 @@ unreachable endpoint fails fast, a baseline from another workload is refused; th
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -19,7 +20,7 @@ from kvmesh.eval.metrics import ModelPrice, percentile, repeat_metrics, summariz
 from kvmesh.eval.prompts import BLOCK_TOKENS, trace_prompt
 from kvmesh.eval.quality import judge
 from kvmesh.eval.report import write_report
-from kvmesh.eval.stats import difference_interval, mean_interval, t_quantile
+from kvmesh.eval.stats import difference_interval, mean_interval, ratio_interval, t_quantile
 from kvmesh.eval.workloads import WorkloadError, WorkloadOptions, load
 from kvmesh.nats_server import free_port
 
@@ -137,6 +138,13 @@ def test_t_intervals_match_the_tables() -> None:
         (3.0, 3.0 - 2.7764 * (2 / 3) ** 0.5, 3.0 + 2.7764 * (2 / 3) ** 0.5), abs=1e-3
     )
     assert difference_interval([1.0, 1.0], [2.0, 2.0]) == (1.0, 1.0, 1.0)
+    # on the logs: e^0, e^1, e^2 against e^3, e^4, e^5 is the first interval above, taken back by exp
+    ratio, low, high = ratio_interval([1.0, math.e, math.e**2], [math.e**3, math.e**4, math.e**5])
+    assert (math.log(ratio), math.log(low), math.log(high)) == pytest.approx(
+        (3.0, 3.0 - 2.7764 * (2 / 3) ** 0.5, 3.0 + 2.7764 * (2 / 3) ** 0.5), abs=1e-3
+    )
+    with pytest.raises(ValueError, match="positive values"):
+        ratio_interval([0.0, 1.0], [1.0, 2.0])
 
 
 def record(**fields: Any) -> RequestOutcome:
@@ -233,6 +241,13 @@ def test_the_gate_needs_a_change_beyond_the_threshold_and_the_noise() -> None:
     assert "REGRESSED" in gate.table(verdicts).splitlines()[1]
     noisy = result("w", {"ttft_p95": [80.0, 170.0, 110.0], "goodput": [2.0] * 3, "golden": [1.0] * 3})
     assert not gate.compare(baseline, noisy, thresholds)[0].is_regressed  # +20% but within the noise
+    # CI, 2026-12-02: an 8x TTFT regression with one repeat 3x the others (a loaded machine): on the values Welch's
+    # interval reached below zero ([-190, +1832] ms) and the gate passed it; on the logs it is wholly above
+    cached = result("w", {"ttft_p50": [105.0, 110.0, 112.0, 115.0, 116.0]}, repeats=5)
+    uncached = result("w", {"ttft_p50": [520.0, 560.0, 600.0, 640.0, 2340.0]}, repeats=5)
+    (verdict,) = gate.compare(cached, uncached, gate.parse_thresholds("ttft_p50=50%"))
+    assert difference_interval([105.0, 110.0, 112.0, 115.0, 116.0], [520.0, 560.0, 600.0, 640.0, 2340.0])[1] < 0
+    assert (verdict.is_regressed, verdict.change, verdict.low > 0) == (True, pytest.approx(820.4), True)
     worse = result("w", {"ttft_p95": [100.0] * 3, "goodput": [1.9] * 3, "golden": [0.5] * 3})
     assert [v.is_regressed for v in gate.compare(baseline, worse, thresholds)] == [False, True, True]
     with pytest.raises(gate.CompareError, match="another workload"):

@@ -2,7 +2,10 @@
 
 A metric regressed when (1) its change for the worse is beyond the threshold and (2) Welch's 95% interval of the
 change lies wholly on the worse side of no change: a difference the repeats cannot tell from noise never fails
-the gate, however large its point estimate. With one repeat on either side only (1) applies (and a warning says
+the gate, however large its point estimate. Latencies are compared on a log scale (the interval of the ratio of
+geometric means, shown as the change it means from the baseline's mean): their noise is multiplicative, and on the
+values themselves one slow repeat (CI: a repeat whose median TTFT was 3x the others' on a loaded machine) widens
+the interval past zero even for an 8x regression. With one repeat on either side only (1) applies (and a warning says
 so). Thresholds: `metric=5%` (relative to the baseline's mean) or `metric=0.01` (absolute, in the metric's unit);
 the sign is ignored, the direction is the metric's own (higher TTFT is worse, lower goodput is worse).
 """
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.eval.metrics import METRICS
-from kvmesh.eval.stats import difference_interval
+from kvmesh.eval.stats import difference_interval, ratio_interval
 
 DEFAULT_THRESHOLDS = "ttft_p95=5%,itl_p95=5%,goodput=-3%,cost_per_1k_output=+2%,golden=0,checks=0"
 EXIT_OK, EXIT_REGRESSED, EXIT_BAD_INPUT = 0, 1, 2
@@ -97,6 +100,9 @@ def compare(baseline: dict[str, Any], result: dict[str, Any], thresholds: list[T
         if before is None or after is None:
             continue  # not measured on this workload (no golden answers, no prices)
         change, low, high = difference_interval(before["values"], after["values"])
+        if METRICS[threshold.metric].is_multiplicative and min(*before["values"], *after["values"]) > 0:
+            _, ratio_low, ratio_high = ratio_interval(before["values"], after["values"])
+            low, high = before["mean"] * (ratio_low - 1), before["mean"] * (ratio_high - 1)
         sign = 1 if not METRICS[threshold.metric].is_higher_better else -1  # worse is +
         worse, worse_low = sign * change, min(sign * low, sign * high)
         is_regressed = worse > threshold.allowed(before["mean"]) and worse_low > 0

@@ -22,10 +22,11 @@ PERCENTILES = (50, 90, 95, 99)
 class Metric:
     unit: str
     is_higher_better: bool
+    is_multiplicative: bool = False  # its noise scales with it (latencies): the gate compares it on a log scale
 
 
 def _latency(name: str) -> dict[str, Metric]:
-    return {f"{name}_{suffix}": Metric("ms", False) for suffix in (*(f"p{q}" for q in PERCENTILES), "mean")}
+    return {f"{name}_{suffix}": Metric("ms", False, True) for suffix in (*(f"p{q}" for q in PERCENTILES), "mean")}
 
 
 METRICS: dict[str, Metric] = {

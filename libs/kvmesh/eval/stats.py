@@ -65,3 +65,15 @@ def difference_interval(
     df = (v_before + v_after) ** 2 / (v_before**2 / (len(before) - 1) + v_after**2 / (len(after) - 1))
     half = t_quantile(0.5 + confidence / 2, df) * math.sqrt(v_before + v_after)
     return difference, difference - half, difference + half
+
+
+def ratio_interval(
+    before: Sequence[float], after: Sequence[float], confidence: float = CONFIDENCE
+) -> tuple[float, float, float]:
+    """(ratio, low, high) of after's geometric mean to before's: Welch's interval of the difference of the logs,
+    taken back. For positive metrics whose noise is multiplicative (a latency on a busy machine: one slow repeat
+    is 3x, not +300 ms), where Welch's interval on the values themselves is as wide as the slowest repeat."""
+    if min(*before, *after) <= 0:
+        raise ValueError("a ratio interval needs positive values")
+    change, low, high = difference_interval([math.log(v) for v in before], [math.log(v) for v in after], confidence)
+    return math.exp(change), math.exp(low), math.exp(high)
