@@ -92,9 +92,13 @@ async def test_roles_speak_over_tls_as_their_users(certs_dir: Path, nats_port: i
     await balancer.flush()
     await decode.publish(subjects.worker_heartbeat("decode", "decode-abc"), events_pb2.WorkerHeartbeat())
     await decode.publish(subjects.worker_heartbeat("balancer", "decode-abc"), events_pb2.WorkerHeartbeat())
+    # one connection's messages arrive in order: once this one is heard, everything before it has been
+    await decode.publish(subjects.worker_heartbeat("decode", "decode-end"), events_pb2.WorkerHeartbeat())
     await decode.flush()
-    await asyncio.sleep(0.3)
-    assert heard == ["kvmesh.workers.decode.decode-abc"]
+    async with asyncio.timeout(10):
+        while len(heard) < 2:
+            await asyncio.sleep(0.02)
+    assert heard == ["kvmesh.workers.decode.decode-abc", "kvmesh.workers.decode.decode-end"]
     await asyncio.gather(balancer.close(), decode.close())
 
 
