@@ -110,6 +110,8 @@ def trace_batch(span: tracing.Span, batch: TokenBatch, is_first: bool) -> None:
     token path, so the count and finish reason go on once, at the end (`trace_end`)."""
     if is_first and span.is_recording():
         span.add_event("first token", {"kvmesh.num_tokens": len(batch.token_ids)})
+    if batch.finish_reason is not None:  # the last: set before it goes out, as the caller may end the call at once
+        trace_end(span, batch)
 
 
 def trace_end(span: tracing.Span, last: TokenBatch | None) -> None:
