@@ -315,7 +315,14 @@ async def test_only_the_owners_create_the_kv_index_streams(server: EmbeddedNats)
         Bus(kvcache), events_pb2.KVEventBatch(worker_id="kvcache-0", seq=1, tier="host", events=[block])
     )
     await asyncio.wait_for(starting, 10)
-    assert await follower.wait_caught_up(5) and follower.index.num_blocks("kvcache-0") == 1
+    assert await follower.wait_caught_up(5)
+    # the follower may have started between the stream's creation and the publish (caught up to an empty
+    # stream, as it should be): then it applies the batch as it follows, a moment later
+    for _ in range(100):
+        if follower.index.num_blocks("kvcache-0") == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert follower.index.num_blocks("kvcache-0") == 1
     with pytest.raises(nats.errors.Error):
         await kvcache.jetstream(timeout=0.5).create_key_value(bucket="KVMESH_KV_SNAPSHOT")
     await asyncio.sleep(SETTLE_S)
