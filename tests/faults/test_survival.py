@@ -20,7 +20,7 @@ from kvmesh.bench.fault_run import ROLES, STOPPED_EJECTION_S, FaultSuite
 from kvmesh.bench.faults import wait_for
 from kvmesh.bench.load import KINDS
 from kvmesh.bench.outboxes import kv_index_agrees
-from kvmesh.bench.soak import run_soak, slope_per_minute
+from kvmesh.bench.soak import by_minute, run_soak, slope_per_minute
 from kvmesh.up import Mesh
 from tests.integration.conftest import API_KEY
 
@@ -32,6 +32,12 @@ def test_slope_is_least_squares_in_mb_per_minute() -> None:
     assert slope_per_minute([(0.0, 100.0), (30.0, 100.5), (60.0, 101.0)]) == 1.0
     assert slope_per_minute([(0.0, 50.0), (10.0, 52.0), (20.0, 50.0), (30.0, 52.0)]) == 2.4
     assert slope_per_minute([(5.0, 80.0)]) is None
+    assert by_minute([(-61.0, 10.0), (-5.0, 11.0), (0.0, 12.0), (59.9, 12.5), (60.0, 13.0)]) == {
+        "-2": 10.0,
+        "-1": 11.0,
+        "0": 12.5,
+        "1": 13.0,
+    }
 
 
 def test_a_short_soak_of_mixed_traffic_has_no_errors(fault_mesh: Mesh) -> None:

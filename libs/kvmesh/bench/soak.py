@@ -108,9 +108,9 @@ def run_soak(
                 processes["nats"] = mesh.nats.process.pid
         sampler = MemorySampler(processes or {}, sample_s)
         load = Load(url, api_key or API_KEY, model, concurrency, kinds=KINDS, max_tokens=max_tokens).start()
+        sampler.start(time.monotonic() + warmup_s)  # sampled through the warm-up too, to show the whole curve
         time.sleep(warmup_s)
         start = time.monotonic()
-        sampler.start()
         time.sleep(seconds)
         sampler.stop()
         load.stop()
@@ -157,7 +157,9 @@ def _start_mesh(stack: contextlib.ExitStack, model: str, out: IO[str]) -> Any:
 
 
 class MemorySampler:
-    """VmRSS of each named process every `interval_s`, in a thread of its own (a process gone is skipped)."""
+    """VmRSS of each named process every `interval_s`, in a thread of its own (a process gone is skipped).
+    Sample times count from the measured run's start: a warm-up's samples are negative, kept for the curve
+    (`rss_mb_by_minute`) and left out of the slope."""
 
     def __init__(self, processes: dict[str, int], interval_s: float) -> None:
         self.processes = processes
@@ -166,8 +168,9 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
 
-    def start(self) -> None:
-        self._start = time.monotonic()
+    def start(self, measured_from: float | None = None) -> None:
+        """`measured_from`: the monotonic time the measured run starts (default now)."""
+        self._start = time.monotonic() if measured_from is None else measured_from
         self._thread.start()
 
     def stop(self) -> None:
@@ -188,15 +191,18 @@ class MemorySampler:
             if mb is not None:
                 self.samples[name].append((now, mb))
 
-    def figures(self) -> dict[str, dict[str, float | int | None]]:
-        figures: dict[str, dict[str, float | int | None]] = {}
-        for name, samples in self.samples.items():
-            slope = slope_per_minute(samples)
+    def figures(self) -> dict[str, dict[str, Any]]:
+        figures: dict[str, dict[str, Any]] = {}
+        for name, every in self.samples.items():
+            samples = [(t, mb) for t, mb in every if t >= 0]
+            slope, whole = slope_per_minute(samples), slope_per_minute(every)
             figures[name] = {
                 "num_samples": len(samples),
                 "rss_first_mb": round(samples[0][1], 1) if samples else None,
                 "rss_last_mb": round(samples[-1][1], 1) if samples else None,
                 "slope_mb_per_min": None if slope is None else round(slope, 3),
+                "slope_with_warmup_mb_per_min": None if whole is None else round(whole, 3),
+                "rss_mb_by_minute": by_minute(every),
             }
         return figures
 
@@ -211,6 +217,14 @@ def rss_mb(pid: int) -> float | None:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024  # kB
     return None
+
+
+def by_minute(samples: list[tuple[float, float]]) -> dict[str, float]:
+    """The last sample of each whole minute, keyed by the minute (negative: the warm-up's), in MB."""
+    last: dict[int, float] = {}
+    for t, mb in samples:
+        last[int(t // 60)] = mb
+    return {str(minute): round(mb, 1) for minute, mb in sorted(last.items())}
 
 
 def slope_per_minute(samples: list[tuple[float, float]]) -> float | None:
