@@ -31,8 +31,6 @@ from engine_core.kv_transfer import (
     KVExport,
     KVLayout,
     KVLayoutError,
-    block_bytes_to_tensor,
-    block_to_bytes,
     bytes_to_tensor,
     dtype_name,
     tensor_to_bytes,
@@ -105,9 +103,7 @@ class LLMEngine:
             SchedulerConfig(self.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
             self.kv,
         )
-        self.loads = LayerLoads(
-            self.kv.pool, self.runner.kv_caches, self.kv_layout, self.row_shape, self.runner.block_axis
-        )
+        self.loads = LayerLoads(self.kv.pool, self.kv_layout, self.runner.write_stored_layer)
         self.sampler = Sampler(config.seed)
         model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings
@@ -159,11 +155,17 @@ class LLMEngine:
         return max_num_seqs, size
 
     def _num_blocks(self, model: torch.nn.Module, pool_bytes: int) -> int:
-        """Blocks that fit kv_cache_memory_bytes beside the state pools (`pool_bytes`, `_state_slots`)."""
+        """Blocks that fit kv_cache_memory_bytes beside the state pools (`pool_bytes`, `_state_slots`). A block
+        costs every layer's row of the one cache tensor, or for a model whose paged cache is per-layer-type pools
+        (DeepSeek-V4: `kv_block_bytes`) the sum over its pools of their bytes per block."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        shape = model.kv_cache_shape(1, self.config.block_size)  # type: ignore[operator]
-        bytes_per_block = self.model_config.num_layers * self.dtype.itemsize * int(torch.tensor(shape).prod())
+        block_bytes = getattr(model, "kv_block_bytes", None)
+        if block_bytes is not None:
+            bytes_per_block = sum(block_bytes(self.config.block_size).values())
+        else:
+            shape = model.kv_cache_shape(1, self.config.block_size)  # type: ignore[operator]
+            bytes_per_block = self.model_config.num_layers * self.dtype.itemsize * int(torch.tensor(shape).prod())
         num_blocks = (self.config.kv_cache_memory_bytes - pool_bytes) // bytes_per_block
         if num_blocks < 1:
             raise ConfigError(
@@ -179,11 +181,6 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     @property
-    def row_shape(self) -> tuple[int, ...]:
-        """One layer's row of the cache for ONE block (the block axis has size 1)."""
-        return tuple(self.runner.model.kv_cache_shape(1, self.config.block_size))  # type: ignore[operator]
-
-    @property
     def kv_layout(self) -> KVLayout:
         """The format of this engine's blocks, as the prefix cache's reads and writes and the KV store carry them
         (mesh.kv_blocks): format 1, the cache's rows; DeepSeek-V4, format 2, each layer's sections by its kind."""
@@ -195,12 +192,22 @@ class LLMEngine:
 
     @property
     def _row_layout(self) -> KVLayout:
+        """Format 1's description of the cache: one layer's row for ONE block (the block axis has size 1). A model
+        whose paged cache is per-layer-type pools (DeepSeek-V4) has no such row; its handoff layout (which sends
+        state sections, not rows) says the widest layer's elements per block, as when its cache was one tensor of
+        rows that wide, so the wire's layout is unchanged."""
+        model = self.runner.model
+        if self.model_config.v4 is not None:
+            layouts = model.block_layouts(self.config.block_size)  # type: ignore[operator]
+            row_shape: tuple[int, ...] = (max(layout.row_width for layout in layouts),)
+        else:
+            row_shape = tuple(model.kv_cache_shape(1, self.config.block_size))  # type: ignore[operator]
         return KVLayout(
             self.served_name,
             dtype_name(self.dtype),
             self.config.block_size,
             self.model_config.num_layers,
-            self.row_shape,
+            row_shape,
             self.runner.block_axis,
         )
 
@@ -433,10 +440,9 @@ class LLMEngine:
     def read_cached_blocks(self, block_hashes: list[bytes]) -> list[bytes | None]:
         """Each cached block's KV, every layer (layer-major), or None for a key not cached."""
         out: list[bytes | None] = []
-        layout = self.kv_layout
         for block_hash in block_hashes:
             block = self.kv.pool.get_cached_block(block_hash)
-            out.append(None if block is None else block_to_bytes(self.runner.read_all_layers(block.block_id), layout))
+            out.append(None if block is None else self.runner.read_stored_block(block.block_id))
         return out
 
     def inject_cached_blocks(
@@ -449,9 +455,9 @@ class LLMEngine:
         """
         count = min(len(block_hashes), len(blocks_data), self.kv.pool.num_free_blocks)
         blocks = self.kv.pool.allocate(count)
-        layout, row_shape = self.kv_layout, self.row_shape
+        layout = self.kv_layout
         for block, data in zip(blocks, blocks_data[:count], strict=True):
-            self.runner.write_all_layers(block.block_id, block_bytes_to_tensor(data, layout, row_shape))
+            self.runner.write_stored_block(block.block_id, data, layout)
         size = self.config.block_size
         # a key already cached here stays with its block; the duplicate becomes a plain free block
         self.kv.pool.cache_blocks(blocks, block_hashes[:count], parent_hash, token_ids[: count * size], size)

@@ -22,10 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from engine_core.kv_cache.block_pool import BlockPool, KVBlock
-from engine_core.kv_transfer import KVLayout, layer_bytes_to_tensor
+from engine_core.kv_transfer import KVLayout
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -55,21 +53,17 @@ class LayerLoad:
         return self.failed or self.num_layers_done >= self.num_layers
 
 
+# (layer, block ids, each block's bytes of the layer, their format): the model runner's write_stored_layer
+WriteLayer = Callable[[int, list[int], Sequence[bytes | bytearray | memoryview], KVLayout], None]
+
+
 class LayerLoads:
     def __init__(
-        self,
-        pool: BlockPool,
-        kv_caches: torch.Tensor,
-        layout: KVLayout,
-        row_shape: tuple[int, ...],
-        block_axis: int,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        self, pool: BlockPool, layout: KVLayout, write_layer: WriteLayer, timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> None:
         self.pool = pool
-        self.kv_caches = kv_caches  # (num_layers, *layer rows): loads write their blocks' layers into it
-        self.layout = layout  # the blocks' format (engine_core.kv_transfer: how a block's bytes fill its rows)
-        self.row_shape = row_shape  # one layer's row for one block
-        self.block_axis = block_axis
+        self.layout = layout  # the blocks' format (engine_core.kv_transfer: how a block's bytes fill the cache)
+        self.write = write_layer  # puts a layer of the loads' blocks into the KV cache (the runner owns it)
         self.timeout_s = timeout_s
         self._pending: list[LayerLoad] = []  # engine thread only
         self._changed = threading.Condition()
@@ -132,9 +126,7 @@ class LayerLoads:
         assert len(pieces) == load.num_blocks
         if load.failed:
             return
-        values = layer_bytes_to_tensor(pieces, self.layout, self.row_shape, self.block_axis)
-        index = torch.tensor([b.block_id for b in load.blocks], dtype=torch.long, device=self.kv_caches.device)
-        self.kv_caches[layer].index_copy_(self.block_axis, index, values.to(self.kv_caches.device))
+        self.write(layer, [b.block_id for b in load.blocks], pieces, self.layout)
         with self._changed:
             load.num_layers_done = layer + 1
             self._changed.notify_all()

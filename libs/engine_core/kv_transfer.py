@@ -7,7 +7,6 @@ restricted to the request's blocks, in the engine's own block format: the descri
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ __all__ = [
     "Section",
     "StateSections",
     "block_bytes_to_tensor",
-    "block_to_bytes",
     "bytes_to_tensor",
     "dtype_name",
     "layer_bytes_to_tensor",
@@ -73,57 +71,36 @@ def bytes_to_tensor(data: bytes | bytearray | memoryview, layout: KVLayout, num_
     return uint8_view(data).view(torch_dtype(layout)).view(layout.chunk_shape(num_blocks))
 
 
-# A block's bytes (`layout.block_format`) and the engine's cache rows: in format 1 the same thing; in format 2 each
-# layer's sections lead its row in the cache (a row is as wide as the widest layer's, and blocks sit on axis 0), so
-# a stored block is each row's first `layer_numel` elements and the rest of a row is padding, written as zeros.
+# A block's bytes (`layout.block_format`) and the engine's cache: in format 1 a block is the cache's rows of it, every
+# layer alike; in format 2 (DeepSeek-V4) a layer's elements are its sections back to back, and the cache's
+# per-layer-type pools place them (models.deepseek_v4.paged_pools), so these functions give them flat.
 
 
-def block_to_bytes(block: torch.Tensor, layout: KVLayout) -> bytes:
-    """One block across every layer as the cache holds it, (num_layers, *row) on the CPU -> its stored bytes."""
-    if layout.block_sections is None:
-        return tensor_to_bytes(block)
-    rows = block.reshape(layout.num_layers, -1)  # (L, F)
-    sections = layout.block_sections
-    return b"".join(tensor_to_bytes(rows[i, : sections.layer_numel(i)]) for i in range(layout.num_layers))
-
-
-def block_bytes_to_tensor(
-    data: bytes | bytearray | memoryview, layout: KVLayout, row_shape: tuple[int, ...]
-) -> torch.Tensor:
-    """One block's stored bytes -> (num_layers, *row_shape) as the cache holds it (row_shape: one layer's row for
-    one block). KVLayoutError when the bytes are not the layout's block size."""
+def block_bytes_to_tensor(data: bytes | bytearray | memoryview, layout: KVLayout) -> torch.Tensor:
+    """One block's stored bytes -> format 1: (num_layers, *layer_shape) as the cache holds it; format 2: its
+    elements, flat. KVLayoutError when the bytes are not the layout's block size."""
     expected = layout.num_block_bytes
     if len(data) != expected:
         raise KVLayoutError(f"KV block has {len(data)} bytes, expected {expected}")
     values = uint8_view(data).view(torch_dtype(layout))
     if layout.block_sections is None:
         return values.view(layout.num_layers, *layout.layer_shape)
-    offsets = [offset // values.element_size() for offset in layout.layer_offsets()]
-    pieces = [values[offsets[i] : offsets[i + 1]] for i in range(layout.num_layers)]
-    return _padded_rows(pieces, row_shape)
+    return values
 
 
 def layer_bytes_to_tensor(
-    pieces: Sequence[bytes | bytearray | memoryview], layout: KVLayout, row_shape: tuple[int, ...], block_axis: int
+    pieces: Sequence[bytes | bytearray | memoryview], layout: KVLayout, block_axis: int
 ) -> torch.Tensor:
-    """One layer of several blocks, each block's bytes of it as a stored block holds them -> that layer's rows of
-    those blocks as the cache holds them, blocks along `block_axis` (read-only buffers are copied)."""
+    """One layer of several blocks, each block's bytes of it as a stored block holds them -> format 1: that layer's
+    rows of those blocks as the cache holds them, blocks along `block_axis`; format 2: (blocks, the layer's
+    elements). Read-only buffers are copied."""
     dtype = torch_dtype(layout)
-    with warnings.catch_warnings():  # read-only buffers are fine: cat and the padding copy them
+    with warnings.catch_warnings():  # read-only buffers are fine: cat and stack copy them
         warnings.simplefilter("ignore", UserWarning)
         values = [torch.frombuffer(piece, dtype=dtype) for piece in pieces]
-        if layout.block_sections is None:
-            return torch.cat([value.view(layout.layer_shape) for value in values], block_axis)
-    assert block_axis == 0, "block format 2 reads caches whose blocks sit on axis 0"
-    return _padded_rows(values, row_shape).flatten(0, 1)
-
-
-def _padded_rows(pieces: Sequence[torch.Tensor], row_shape: tuple[int, ...]) -> torch.Tensor:
-    """Flat pieces, each at most one row -> (len(pieces), *row_shape), each row its piece then zeros."""
-    rows = torch.zeros(len(pieces), math.prod(row_shape), dtype=pieces[0].dtype if pieces else torch.float32)
-    for i, piece in enumerate(pieces):
-        rows[i, : piece.numel()] = piece
-    return rows.view(len(pieces), *row_shape)
+    if layout.block_sections is None:
+        return torch.cat([value.view(layout.layer_shape) for value in values], block_axis)
+    return torch.stack(values)
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,25 @@
-"""Runs the model for one scheduled step: builds the flattened batch, owns the KV cache tensor.
+"""Runs the model for one scheduled step: builds the flattened batch, owns the KV cache.
 
-`ModelRunner` is the only writer of the KV cache tensor (the model writes into it during `execute`,
-KV import writes through `write_blocks`), except for layer-by-layer loads (`engine_core.kv_load`), which write
-the layers of blocks they hold, each before any forward pass reads it.
+The KV cache is one tensor (num_layers, *layer_shape) for models whose layers are alike (Llama, DeepSeek-V3), or
+per-layer-type pools indexed by block id for a model that makes them (DeepSeek-V4's `new_kv_cache`:
+models.deepseek_v4.paged_pools). `ModelRunner` is its only writer: the model writes into it during `execute`, KV
+import through `write_blocks`, the prefix store through `write_stored_block`, layer-by-layer loads
+(`engine_core.kv_load`) through `write_stored_layer` (the layers of blocks they hold, each before any forward pass
+reads it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from devices.base import DecodeBatch, DeviceOps
+from engine_core.kv_transfer import KVLayout, block_bytes_to_tensor, layer_bytes_to_tensor, tensor_to_bytes
 from engine_core.models.batch import ForwardBatch, PrefillSegment, SequenceRows
+from engine_core.models.deepseek_v4.paged_pools import PagedPools
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -33,8 +38,13 @@ class ModelRunner:
         self.model = model
         self.ops = ops
         self.block_size = block_size
-        layer_shape = model.kv_cache_shape(num_blocks, block_size)  # type: ignore[operator]
-        self.kv_caches = torch.zeros((num_layers, *layer_shape), dtype=dtype, device=ops.torch_device)
+        self.num_layers = num_layers
+        self.kv_caches: torch.Tensor | PagedPools
+        if hasattr(model, "new_kv_cache"):  # per-layer-type pools (module docstring)
+            self.kv_caches = model.new_kv_cache(num_blocks, block_size)  # type: ignore[operator]
+        else:
+            layer_shape = model.kv_cache_shape(num_blocks, block_size)  # type: ignore[operator]
+            self.kv_caches = torch.zeros((num_layers, *layer_shape), dtype=dtype, device=ops.torch_device)
         self.block_axis: int = model.kv_block_axis  # type: ignore[assignment]  # where blocks sit in a layer's cache
         # Models that keep a cache per sequence beside the paged tensor (DeepSeek-V4): its fixed part lives in
         # preallocated pools, one slot per request (the KV cache manager hands slots out with blocks), its growing
@@ -63,7 +73,16 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
+        """Bytes of the paged cache (every pool's, for pools)."""
+        if isinstance(self.kv_caches, PagedPools):
+            return self.kv_caches.num_bytes
         return self.kv_caches.numel() * self.kv_caches.element_size()
+
+    @property
+    def _uniform_cache(self) -> torch.Tensor:
+        """The one-tensor cache, for what only models with alike layers do (their block format 1 chunks)."""
+        assert isinstance(self.kv_caches, torch.Tensor), "this model's cache is per-layer-type pools"
+        return self.kv_caches
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, wait_for_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -74,7 +93,7 @@ class ModelRunner:
         if self.keeps_sequence_state and wait_for_layer is not None:
             # a state rebuilt from prefix blocks reads every layer's rows before the forward: the loaded ones must
             # all be there (no overlap of compute and transfer for these models yet)
-            for layer in range(self.kv_caches.shape[0]):
+            for layer in range(self.num_layers):
                 wait_for_layer(layer)
         decodes, prefills = _decode_rows_first(output.scheduled)
         rows = _StepRows(self.block_size)
@@ -152,7 +171,7 @@ class ModelRunner:
 
     def begin_import(self, request: Request, slot: int, block_ids: tuple[int, ...], num_tokens: int) -> None:
         """A request whose state arrives layer by layer (`import_layer`) into `slot` and its blocks."""
-        missing = set(range(self.kv_caches.shape[0]))
+        missing = set(range(self.num_layers))
         self._slots[request.request_id] = _SlotState(request, slot, block_ids, num_tokens, missing)
 
     def import_layer(self, request_id: str, layer: int, state: object) -> None:
@@ -186,21 +205,51 @@ class ModelRunner:
     # -- KV export / import -------------------------------------------------------------------------
     def read_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """One layer's KV of the given blocks, blocks along `block_axis`, as a new contiguous CPU tensor."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches.device)
-        return self.kv_caches[layer].index_select(self.block_axis, index).cpu()
+        cache = self._uniform_cache
+        index = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        return cache[layer].index_select(self.block_axis, index).cpu()
 
     def write_blocks(self, layer: int, block_ids: list[int], values: torch.Tensor) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches.device)
-        self.kv_caches[layer].index_copy_(self.block_axis, index, values.to(self.kv_caches.device))
+        cache = self._uniform_cache
+        index = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        cache[layer].index_copy_(self.block_axis, index, values.to(cache.device))
 
     def read_all_layers(self, block_id: int) -> torch.Tensor:
         """One block across every layer: (num_layers, *layer_shape with a block axis of 1), on the CPU."""
-        index = torch.tensor([block_id], dtype=torch.long, device=self.kv_caches.device)
-        return self.kv_caches.index_select(self.block_axis + 1, index).cpu()
+        cache = self._uniform_cache
+        index = torch.tensor([block_id], dtype=torch.long, device=cache.device)
+        return cache.index_select(self.block_axis + 1, index).cpu()
 
     def write_all_layers(self, block_id: int, values: torch.Tensor) -> None:
-        index = torch.tensor([block_id], dtype=torch.long, device=self.kv_caches.device)
-        self.kv_caches.index_copy_(self.block_axis + 1, index, values.to(self.kv_caches.device))
+        cache = self._uniform_cache
+        index = torch.tensor([block_id], dtype=torch.long, device=cache.device)
+        cache.index_copy_(self.block_axis + 1, index, values.to(cache.device))
+
+    # -- whole blocks as a KV store holds them (`layout`: this engine's block format) --------------------
+    def read_stored_block(self, block_id: int) -> bytes:
+        """One block, every layer, as its stored bytes."""
+        if isinstance(self.kv_caches, PagedPools):
+            return tensor_to_bytes(self.kv_caches.read_block(block_id))
+        return tensor_to_bytes(self.read_all_layers(block_id))
+
+    def write_stored_block(self, block_id: int, data: bytes | bytearray | memoryview, layout: KVLayout) -> None:
+        """Put a block's stored bytes into the cache; KVLayoutError unless they are one block of `layout`."""
+        values = block_bytes_to_tensor(data, layout)
+        if isinstance(self.kv_caches, PagedPools):
+            self.kv_caches.write_block(block_id, values)
+        else:
+            self.write_all_layers(block_id, values)
+
+    def write_stored_layer(
+        self, layer: int, block_ids: list[int], pieces: Sequence[bytes | bytearray | memoryview], layout: KVLayout
+    ) -> None:
+        """One layer of several blocks, `pieces[i]` block i's bytes of it as a stored block holds them. Called
+        from the loader's thread for blocks that no forward pass reads until this layer is written (kv_load)."""
+        values = layer_bytes_to_tensor(pieces, layout, self.block_axis)
+        if isinstance(self.kv_caches, PagedPools):
+            self.kv_caches.write_layer(layer, block_ids, values)
+        else:
+            self.write_blocks(layer, block_ids, values)
 
 
 def _decode_rows_first(

@@ -17,14 +17,16 @@ from engine_core.config import ConfigError, EngineConfig, ModelConfig
 from engine_core.engine import LLMEngine
 from engine_core.kv_cache.block_hash import root_hash
 from engine_core.models.deepseek_v4.block_layout import BlockLayout
+from engine_core.models.deepseek_v4.paged_pools import PagedPools, block_bytes
 from engine_core.models.deepseek_v4.pools import bytes_per_slot
 from engine_core.models.deepseek_v4.shapes import V4_FLASH
 from engine_core.models.deepseek_v4.state import CompressorState, SequenceState, bytes_per_sequence
 from tests.engine_core.test_engine import handoff
 from tests.engine_core.test_parity import random_prompts
-from tests.engine_core.v4_helpers import write_small_v4
+from tests.engine_core.v4_helpers import SMALL_V4_CONFIG, write_small_v4
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+SMALL_V4 = ModelConfig.from_hf(SMALL_V4_CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +139,14 @@ def test_block_size_is_a_multiple_of_every_compress_ratio(v4_path):
     assert LLM(str(path), device="cpu", num_kv_blocks=8, block_size=6).engine.config.block_size == 8
     assert LLM(str(path), device="cpu", num_kv_blocks=8, block_size=16).engine.config.block_size == 16
     model = LLM(str(path), device="cpu", num_kv_blocks=8, block_size=8).engine.runner.model
-    assert model.kv_cache_shape(3, 8) == (3, 8 * 32 + 2 * 32 + 2 * 4 * 32 + 2 * 16 + 2 * 4 * 16)  # a CSA row
+    pools = model.new_kv_cache(3, 8)
+    assert {pool: tuple(tensor.shape) for pool, tensor in pools.tensors.items()} == {
+        "window": (4, 3, 8 * 32),  # every layer: 8 window vectors
+        "csa": (2, 3, 2 * 32 + 2 * 4 * 32 + 2 * 16 + 2 * 4 * 16),  # 2 entries, overlaps; 2 indexer keys, overlaps
+        "hca": (1, 3, 1 * 32),  # 1 entry
+    }
     with pytest.raises(ValueError, match="block_size 12"):
-        model.kv_cache_shape(3, 12)
+        model.new_kv_cache(3, 12)
 
 
 def test_the_memory_budget_holds_the_state_pools_too(v4_path):
@@ -152,10 +159,25 @@ def test_the_memory_budget_holds_the_state_pools_too(v4_path):
     slot = engine.runner.model.state_slot_bytes()  # type: ignore[operator]
     assert slot == 13_056  # see the arithmetic in docs/engine.md
     assert engine.max_num_seqs == engine.kv.num_state_slots == budget // 2 // slot == 15
+    v4, state_pools = SMALL_V4.v4, engine.runner.pools
+    assert v4 is not None and state_pools is not None
+    state_bytes = {name: t.numel() * t.element_size() for name, t in state_pools.tensors.items()}
+    assert state_bytes == {name: 15 * size for name, size in bytes_per_slot(v4, 4).items()}
     assert engine.runner.state_pool_bytes == 15 * slot
-    row_bytes = 4 * (16 * 32 + 4 * 32 + 2 * 4 * 32 + 4 * 16 + 2 * 4 * 16) * 4  # layers * CSA row * fp32
-    assert engine.kv.num_blocks == (budget - 15 * slot) // row_bytes == 11  # 10 when entries were held twice
-    assert engine.runner.kv_cache_bytes + engine.runner.state_pool_bytes == 11 * row_bytes + 15 * slot <= budget
+    # a block of 16 tokens in fp32, pool by pool: every layer's window vectors; 2 CSA layers' 4 entries, overlaps,
+    # 4 indexer keys and overlaps; 1 HCA layer's 2 entries (block format 2's 13,056 bytes, nothing padded)
+    per_block = {
+        "window": 4 * 16 * 32 * 4,
+        "csa": 2 * (4 * 32 + 2 * 4 * 32 + 4 * 16 + 2 * 4 * 16) * 4,
+        "hca": 1 * 2 * 32 * 4,
+    }
+    assert engine.runner.model.kv_block_bytes(16) == per_block  # type: ignore[operator]
+    bytes_per_block = sum(per_block.values())
+    assert bytes_per_block == engine.kv_layout.num_block_bytes == 13_056
+    # 11 when every layer's row was as wide as a CSA layer's (17,408 B a block), 10 when entries were held twice
+    assert engine.kv.num_blocks == (budget - 15 * slot) // bytes_per_block == 15
+    assert engine.runner.kv_caches.bytes_by_pool == {pool: 15 * size for pool, size in per_block.items()}  # type: ignore[union-attr]
+    assert engine.runner.kv_cache_bytes + engine.runner.state_pool_bytes == 15 * bytes_per_block + 15 * slot <= budget
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(512, (20, 45, 7, 60, 33, 12, 50, 26))):
         engine.add_request(f"r{i}", prompt, params)
@@ -229,10 +251,16 @@ def test_v4_flash_block_rows():
     config = ModelConfig.from_hf(V4_FLASH)
     assert config.v4 is not None
     layouts = [BlockLayout.of_layer(config.v4, layer, 128) for layer in range(config.num_layers)]
-    widths = {layout.row_width for layout in layouts}
+    widths = {layout.row_width for layout in layouts}  # a layer's elements per block, all its pools
     assert widths == {128 * 512, 128 * 512 + 512, 128 * 512 + 32 * 512 + 8 * 512 + 32 * 128 + 8 * 128}
     assert sum(layout.row_width for layout in layouts) * 2 // 128 == 52_592
-    assert len(layouts) * max(widths) * 2 // 128 == 61_232
+    assert len(layouts) * max(widths) * 2 // 128 == 61_232  # one tensor, every layer as wide as a CSA layer
+    assert block_bytes(layouts, 2) == {  # the paged pools: exactly the sections, 52,592 B per token
+        "window": 43 * 128 * 512 * 2,
+        "csa": 21 * (32 * 512 + 8 * 512 + 32 * 128 + 8 * 128) * 2,
+        "hca": 20 * 512 * 2,
+    }
+    assert sum(block_bytes(layouts, 2).values()) == 52_592 * 128 == 6_731_776
 
 
 def test_v4_flash_state_slot():
@@ -258,3 +286,29 @@ def test_v4_flash_state_slot():
     }
     per_sequence = bytes_per_sequence(v4, 2)
     assert sum(per_pool.values()) == sum(per_sequence[kind] for kind in v4.attention_types) == 11_439_104
+
+
+def test_a_block_in_the_pools_is_block_format_2():
+    """A block's bytes are its layers' sections back to back (each layer's window row, then its kind's row), so a
+    block read from one set of pools and written, whole or layer by layer, into another lands where it was."""
+    v4 = SMALL_V4.v4
+    assert v4 is not None
+    layouts = [BlockLayout.of_layer(v4, layer, 8) for layer in range(4)]
+    source = PagedPools(layouts, 3, torch.float32, torch.device("cpu"))
+    for tensor in source.tensors.values():
+        tensor.copy_(torch.randn(tensor.shape))
+    rows = [source.layer(layer) for layer in range(4)]
+    expected = [rows[0]["window"][1], rows[1]["window"][1], rows[1]["csa"][1], rows[2]["window"][1]]
+    expected += [rows[2]["hca"][1], rows[3]["window"][1], rows[3]["csa"][1]]
+    block = source.read_block(1)
+    assert torch.equal(block, torch.cat(expected))
+    assert block.numel() == 4 * 8 * 32 + 2 * (2 * 32 + 2 * 4 * 32 + 2 * 16 + 2 * 4 * 16) + 32 == 2_016
+    whole, by_layer = (PagedPools(layouts, 3, torch.float32, torch.device("cpu")) for _ in range(2))
+    whole.write_block(2, block)
+    offset = 0
+    for layer, layout in enumerate(layouts):
+        by_layer.write_layer(layer, [0], block[offset : offset + layout.row_width][None])
+        offset += layout.row_width
+    for pool, tensor in source.tensors.items():
+        assert torch.equal(whole.tensors[pool][:, 2], tensor[:, 1]) and not whole.tensors[pool][:, :2].any()
+        assert torch.equal(by_layer.tensors[pool][:, 0], tensor[:, 1])

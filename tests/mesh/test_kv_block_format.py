@@ -61,7 +61,7 @@ def test_deepseek_v4_tiny_blocks_hold_each_layer_kinds_sections() -> None:
     csa = (16 * 64 + 3 * 4 * 64 + 3 * 4 * 32) * 4
     assert [layout.layer_bytes(i) for i in range(4)] == [4096, csa, (16 * 64 + 64) * 4, csa] == [4096, 8704, 4352, 8704]
     assert layout.layer_offsets() == (0, 4096, 12800, 17152, 25856)
-    assert layout.num_block_bytes == 25_856  # the engine's padded rows: 4 x 8704 = 34,816
+    assert layout.num_block_bytes == 25_856  # = the engine's pools per block; one padded tensor: 4 x 8704 = 34,816
     proto = layout_to_proto(layout)
     assert proto.block_format == 2 and layout_from_proto(proto) == layout
     assert layout != dataclasses.replace(layout, block_format=1, block_sections=None, layer_shape=(1, 2176))

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from engine_core.config import ModelConfig, V4Config
-from engine_core.models.deepseek_v4.block_layout import BlockLayout, LayerBlocks, read_layer_state
+from engine_core.models.deepseek_v4.block_layout import BlockLayout, LayerBlocks, LayerRows, read_layer_state
 from engine_core.models.deepseek_v4.compressor import Compressor, Indexer
 from engine_core.models.deepseek_v4.functional import Fp32RMSNorm, rotate_tail, unweighted_rms_norm
 from engine_core.models.deepseek_v4.state import CompressorState, LayerState
@@ -57,11 +57,11 @@ class V4Attention(nn.Module):
         indexer = self.indexer.compressor.empty_state(dtype, device) if self.indexer is not None else None
         return LayerState(window, compressor, indexer)
 
-    def state_from_blocks(self, cache: torch.Tensor, layout: BlockLayout, block_ids: torch.Tensor) -> LayerState:
-        """The state after the tokens of blocks `block_ids` (k,) of this layer's cache (N, F), at a boundary where
-        every compressor's open window is empty (block_layout)."""
+    def state_from_blocks(self, cache: LayerRows, layout: BlockLayout, block_ids: torch.Tensor) -> LayerState:
+        """The state after the tokens of blocks `block_ids` (k,) of this layer's rows of the paged pools, at a
+        boundary where every compressor's open window is empty (block_layout)."""
         read = read_layer_state(cache, layout, block_ids, self.v4.sliding_window - 1)
-        state = self.empty_state(cache.dtype, cache.device)
+        state = self.empty_state(cache["window"].dtype, cache["window"].device)
         state.window = read["window"]
         parts = [(self.compressor, state.compressor, "")]
         if self.indexer is not None:

@@ -2,10 +2,11 @@
 
 A running sequence's cache (window + compressors) is a `SequenceState` that the runner loads from the request's
 slot of the state pools and its blocks (`load_sequence_state`, `pools`), hands in through `ForwardBatch.sequences`
-and stores back after the step (`store_sequence_state`). The paged cache tensor (`kv_cache_shape`) holds,
-per block, what resumes a sequence exactly at the block's end (`block_layout`): the forward writes it as tokens are
-computed, and `sequence_state_from_blocks` rebuilds a state from a prefix-cache hit. Blocks hold a multiple of every
-compress ratio (`kv_block_size`).
+and stores back after the step (`store_sequence_state`). The paged cache, per-layer-type pools indexed by block id
+(`new_kv_cache`, `paged_pools`), holds per block what resumes a sequence exactly at the block's end
+(`block_layout`): the forward writes it as tokens are computed, and `sequence_state_from_blocks` rebuilds a state
+from a prefix-cache hit. Blocks hold a multiple of every compress ratio (`kv_block_size`); a block costs
+`kv_block_bytes`.
 
 Parameter names are those of DeepSeek's checkpoints, which is how transformers writes V4 directories too
 (`layers.3.attn.wq_a.weight`, `layers.3.ffn.experts.5.w1.weight`...); `_target` maps the few that differ.
@@ -33,6 +34,7 @@ from engine_core.models.deepseek_v4.block_layout import (
 )
 from engine_core.models.deepseek_v4.blocks import HyperConnection, HyperHead, V4MoE, mix_streams
 from engine_core.models.deepseek_v4.functional import Fp32RMSNorm
+from engine_core.models.deepseek_v4.paged_pools import PagedPools, block_bytes
 from engine_core.models.deepseek_v4.pools import StatePools, bytes_per_slot
 from engine_core.models.deepseek_v4.state import LayerState, SequenceState
 from engine_core.models.loading import Target, load_weights
@@ -77,7 +79,7 @@ class V4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    kv_block_axis = 0
+    kv_block_axis = 0  # blocks sit on axis 0 of each layer's rows of the paged pools
     keeps_sequence_state = True  # the runner creates a SequenceState per request, or rebuilds it from blocks
 
     def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
@@ -98,14 +100,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Tokens per block: `requested` rounded up to a multiple of every compress ratio in use."""
         return block_size_for(self.v4, requested)
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's cache: a row per block, as wide as the widest layer's sections (block_layout)."""
-        if block_size != block_size_for(self.v4, block_size):
-            raise ValueError(f"block_size {block_size} is not a multiple of every compress ratio in use")
-        return (num_blocks, max(layout.row_width for layout in self.block_layouts(block_size)))
+    def kv_block_bytes(self, block_size: int) -> dict[str, int]:
+        """Each paged pool's bytes per block of `block_size` tokens (paged_pools.block_bytes): their sum is what
+        the engine counts per block against kv_cache_memory_bytes."""
+        return block_bytes(self.block_layouts(block_size), self.model.embed.weight.element_size())
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedPools:
+        """The paged cache: `num_blocks` blocks of every per-layer-type pool (paged_pools), zeroed."""
+        weight = self.model.embed.weight
+        return PagedPools(self.block_layouts(block_size), num_blocks, weight.dtype, weight.device)
 
     def block_layouts(self, block_size: int) -> list[BlockLayout]:
-        """Each layer's sections of a block row (block_layout), for blocks of `block_size` tokens."""
+        """Each layer's sections of a block (block_layout), for blocks of `block_size` tokens; ValueError unless
+        that is a multiple of every compress ratio in use."""
+        if block_size != block_size_for(self.v4, block_size):
+            raise ValueError(f"block_size {block_size} is not a multiple of every compress ratio in use")
         if block_size not in self._layouts:
             layers = range(self.config.num_layers)
             self._layouts[block_size] = [BlockLayout.of_layer(self.v4, layer, block_size) for layer in layers]
@@ -124,7 +133,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self,
         pools: StatePools,
         slot: int,
-        kv_caches: torch.Tensor,
+        kv_caches: PagedPools,
         block_ids: Sequence[int],
         block_size: int,
         num_tokens: int,
@@ -134,7 +143,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches.device)
         layouts = self.block_layouts(block_size)
         layers = [
-            pools.load(slot, i, num_tokens, read_entries(kv_caches[i], layouts[i], index, num_tokens))
+            pools.load(slot, i, num_tokens, read_entries(kv_caches.layer(i), layouts[i], index, num_tokens))
             for i in range(self.config.num_layers)
         ]
         return SequenceState(layers, num_tokens)
@@ -150,7 +159,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         slot: int,
         layer: int,
         state: LayerState,
-        kv_caches: torch.Tensor,
+        kv_caches: PagedPools,
         block_ids: Sequence[int],
         block_size: int,
     ) -> None:
@@ -161,17 +170,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches.device)
         for prefix, compressor in (("", state.compressor), ("index_", state.indexer)):
             if compressor is not None:
-                write_entries(kv_caches[layer], layout, index, prefix + "entries", compressor.entries)
+                write_entries(kv_caches.layer(layer), layout, index, prefix + "entries", compressor.entries)
 
-    def sequence_state_from_blocks(
-        self, kv_caches: torch.Tensor, block_ids: list[int], block_size: int
-    ) -> SequenceState:
-        """The state of a sequence after the tokens of its first blocks `block_ids`, from the paged cache
-        (num_layers, N, F): a prefix-cache hit resumes exactly where a cold run would be."""
+    def sequence_state_from_blocks(self, kv_caches: PagedPools, block_ids: list[int], block_size: int) -> SequenceState:
+        """The state of a sequence after the tokens of its first blocks `block_ids`, from the paged pools: a
+        prefix-cache hit resumes exactly where a cold run would be."""
         index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches.device)
         layouts = self.block_layouts(block_size)
         layers = [
-            layer.attn.state_from_blocks(kv_caches[i], layouts[i], index)  # type: ignore[union-attr, operator]
+            layer.attn.state_from_blocks(kv_caches.layer(i), layouts[i], index)  # type: ignore[union-attr, operator]
             for i, layer in enumerate(self.model.layers)
         ]
         return SequenceState(layers, num_tokens=len(block_ids) * block_size)
@@ -180,7 +187,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         dtype, device = self.model.embed.weight.dtype, self.model.embed.weight.device
         return SequenceState([layer.attn.empty_state(dtype, device) for layer in self.model.layers])  # type: ignore[union-attr, operator]
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: PagedPools) -> torch.Tensor:
         """input_ids (T,) -> final hidden states (T, Hd). Every row belongs to one of `batch.sequences`."""
         states = self._advance(batch)
         streams = self.model.embed(input_ids)[:, None, :].expand(-1, self.v4.hc_mult, -1).contiguous()  # (T, N, Hd)
@@ -192,7 +199,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         for index, layer in enumerate(self.model.layers):
             rope, cos_sin = ropes["main" if self.v4.attention_types[index] == "window" else "compress"]
             sequences = [(start, end, state.layers[index]) for start, end, state in states]
-            blocks = LayerBlocks(kv_caches[index], layouts[index], batch.slot_mapping) if layouts else None
+            blocks = LayerBlocks(kv_caches.layer(index), layouts[index], batch.slot_mapping) if layouts else None
             streams = layer(streams, input_ids, batch.positions, rope, cos_sin, sequences, blocks)
         return self.model.norm(self.model.hc_head(streams))
 

@@ -25,7 +25,7 @@ from engine_core.kv_transfer import (
     tensor_to_bytes,
     uint8_view,
 )
-from engine_core.models.deepseek_v4.block_layout import BlockLayout
+from engine_core.models.deepseek_v4.block_layout import POOLS, BlockLayout
 from engine_core.models.deepseek_v4.state import CompressorState, LayerState
 
 
@@ -41,17 +41,18 @@ def state_sections(v4: V4Config) -> StateSections:
 
 
 def block_sections(v4: V4Config, block_size: int) -> BlockSections:
-    """Block format 2 for blocks of `block_size` tokens: each layer kind's sections, as `block_layout` places them
-    in a row. They lead the row back to back, so a layer's bytes in a block are the first `layer_numel` elements of
-    its row; the rest of a row (as wide as the widest layer's) is padding that a stored block never holds."""
+    """Block format 2 for blocks of `block_size` tokens: each layer kind's sections, in `block_layout`'s order. A
+    layer's sections lead through the paged pools in that order (its window row, then its kind's row: paged_pools),
+    so a layer's bytes in a block are its pool rows back to back, and a stored block holds no padding."""
     kinds: dict[str, tuple[Section, ...]] = {}
     for layer, kind in enumerate(v4.attention_types):
-        placed = sorted(BlockLayout.of_layer(v4, layer, block_size).sections.items(), key=lambda item: item[1][0])
-        sections, end = [], 0
-        for name, (offset, rows, width) in placed:
-            assert offset == end, f"layer {layer}'s section {name} does not follow the one before it"
+        layout = BlockLayout.of_layer(v4, layer, block_size)
+        sections, ends = [], dict.fromkeys(POOLS, 0)
+        for name, (offset, rows, width) in layout.sections.items():
+            pool = layout.pool_of(name)
+            assert offset == ends[pool], f"layer {layer}'s section {name} does not follow the one before it"
             sections.append((name, rows, width))
-            end += rows * width
+            ends[pool] += rows * width
         assert kinds.setdefault(kind, tuple(sections)) == tuple(sections), f"layers of kind {kind} differ"
     return BlockSections(tuple(kinds.items()), tuple(v4.attention_types))
 
