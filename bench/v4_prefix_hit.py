@@ -21,12 +21,14 @@ import torch
 from engine_core import LLM, SamplingParams
 from engine_core.config import ModelConfig
 from engine_core.models.deepseek_v4.block_layout import BlockLayout
+from engine_core.models.deepseek_v4.paged_pools import block_bytes
 from engine_core.models.deepseek_v4.shapes import V4_FLASH
 
 
 def bytes_per_token(model_config: ModelConfig, block_size: int, itemsize: int) -> dict[str, float]:
-    """Per cached token: the paged row as allocated (every layer as wide as the widest), the sections alone, and
-    the compressed entries alone (what a store keeping no window would hold)."""
+    """Per cached token: the paged pools as allocated (exactly the sections: paged_pools), the one tensor they
+    replaced (every layer's row as wide as the widest), and the compressed entries alone (what a store keeping no
+    window would hold)."""
     v4 = model_config.v4
     assert v4 is not None
     layouts = [BlockLayout.of_layer(v4, i, block_size) for i in range(model_config.num_layers)]
@@ -38,8 +40,8 @@ def bytes_per_token(model_config: ModelConfig, block_size: int, itemsize: int) -
         if name.endswith("entries")
     )
     return {
-        "paged_row": len(layouts) * widest * itemsize / block_size,
-        "sections": sum(layout.row_width for layout in layouts) * itemsize / block_size,
+        "pools": sum(block_bytes(layouts, itemsize).values()) / block_size,
+        "one_tensor_before": len(layouts) * widest * itemsize / block_size,
         "entries_only": entries * itemsize / block_size,
     }
 

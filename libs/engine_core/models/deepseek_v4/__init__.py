@@ -2,7 +2,8 @@
 
 Modules: `attention` (the layer's attention), `compressor` (compressors and the lightning indexer), `blocks`
 (hyper-connections, MoE), `state` (what a sequence keeps between steps), `block_layout` (what a block of the paged
-cache holds, so a prefix-cache hit resumes exactly), `model` (the causal LM and its loading).
+cache holds, so a prefix-cache hit resumes exactly), `paged_pools` (the paged cache: one tensor per layer type,
+indexed by block id), `pools` (each running sequence's fixed-size state), `model` (the causal LM and its loading).
 A later variant (V4.1) is a new module that reuses these pieces and replaces the ones that change.
 """
 
