@@ -407,6 +407,9 @@ class EngineConfig:
     # while requests decode, a prefill computes at most this many prompt tokens a step (0: no cap), so that a long
     # prompt arriving cannot stall the running streams (vLLM's long_prefill_token_threshold)
     long_prefill_token_threshold: int = 256
+    # while requests decode, prefill chunks are also sized from measured step times so that a step with prefill
+    # work takes at most this many times a decode-only step (engine_core.prefill_budget; 0: the token cap alone)
+    long_prefill_step_ratio: float = 1.5
     device_cache_policy: str = "lru"  # which free cached block goes first: a mesh.eviction policy (POLICIES)
 
     def __post_init__(self) -> None:
@@ -433,6 +436,9 @@ class EngineConfig:
         threshold = self.long_prefill_token_threshold
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be a non-negative integer, got {threshold!r}")
+        ratio = self.long_prefill_step_ratio
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not (ratio == 0 or ratio >= 1):
+            raise ConfigError(f"long_prefill_step_ratio must be 0 (off) or at least 1, got {ratio!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.device_cache_policy not in POLICIES:

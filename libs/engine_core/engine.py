@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from engine_core.model_runner import ModelRunner
 from engine_core.models import build_model
 from engine_core.models.deepseek_v4.state import SequenceState
 from engine_core.models.deepseek_v4.transfer import block_sections, layer_from_bytes, layer_to_bytes, state_sections
+from engine_core.prefill_budget import PrefillBudget, model_span
 from engine_core.quantization import calibration_ids, check_quantization, quantize_model
 from engine_core.request import EmbeddingSpan, Request, RequestStatus
 from engine_core.sampler import Sampler
@@ -102,6 +104,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
             self.kv,
+            PrefillBudget(config.long_prefill_step_ratio, model_span(self.model_config))
+            if config.long_prefill_step_ratio
+            else None,
         )
         self.loads = LayerLoads(self.kv.pool, self.kv_layout, self.runner.write_stored_layer)
         self.sampler = Sampler(config.seed)
@@ -340,6 +345,7 @@ class LLMEngine:
             return self.scheduler.update(output, {})
         self.loads.release_done()
         wait_for_layer = self.loads.waiter([s.block_ids for s in output.scheduled])
+        started = time.perf_counter()
         try:
             logits = (
                 self.runner.execute(output) if wait_for_layer is None else self.runner.execute(output, wait_for_layer)
@@ -351,6 +357,8 @@ class LLMEngine:
             self.experts.note_step()
         sampling = [s.request for s in output.scheduled if s.needs_sample]
         sampled = self.sampler(logits, sampling)
+        if wait_for_layer is None:  # a step that waited for KV loads timed the network, not the model
+            self.scheduler.observe_step(output, time.perf_counter() - started)
         self.num_generated_tokens += len(sampling)
         tokens = {r.request_id: t for r, t in zip(sampling, sampled.token_ids, strict=True)}
         logprobs = {r.request_id: lp for r, lp in zip(sampling, sampled.logprobs, strict=True) if lp is not None}

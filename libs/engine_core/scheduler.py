@@ -13,7 +13,10 @@ Decodes come first in the token budget, whatever their arrival order: a prefill 
 decodes leave. While any request decodes, all prefills together compute at most `long_prefill_token_threshold`
 tokens a step (vLLM's knob of that name): a step's time is what every running stream waits between two tokens,
 so a long prompt arriving is prefilled in small chunks beside them instead of stalling them for whole seconds.
-With nothing decoding, a prefill takes the whole budget.
+With a `PrefillBudget` (the engine's default) the chunks are also priced: a step's prefills get the work that keeps
+the step within a multiple of a decode-only step, from measured step times, chunks late in a long prompt costing
+more than early ones (`prefill_budget.py`); the token cap stays their upper bound. With nothing decoding, a prefill
+takes the whole budget.
 
 The scheduler is the only writer of the queues and of each request's status, tokens and progress.
 """
@@ -25,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.prefill_budget import PrefillBudget, StepAllowance
 from engine_core.request import Request, RequestStatus, TokenLogprobs
 
 
@@ -73,9 +77,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, budget: PrefillBudget | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.work_budget = budget  # prices prefill work beside decodes (None: the token cap alone)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # arrival order
         self.requests: dict[str, Request] = {}
@@ -125,6 +130,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_decodes_ahead = sum(1 for r in self.running if _is_decoding(r))  # decodes not yet given their token
         prefill_budget = self._prefill_budget(num_decodes_ahead > 0)
+        allowance = self.work_budget.allowance() if self.work_budget is not None and num_decodes_ahead > 0 else None
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         index = 0
@@ -135,6 +141,8 @@ class Scheduler:
                 num_new = min(
                     request.num_tokens - request.num_computed_tokens, budget - num_decodes_ahead, prefill_budget
                 )
+                if allowance is not None and num_new > 0:
+                    num_new = allowance.take(request.num_computed_tokens, num_new)
                 if num_new <= 0:
                     index += 1
                     continue
@@ -155,7 +163,7 @@ class Scheduler:
                 prefill_budget -= num_new if is_prefill else 0
                 index += 1
         if not preempted:
-            self._admit_waiting(min(budget, prefill_budget), scheduled)
+            self._admit_waiting(min(budget, prefill_budget), scheduled, allowance)
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # stable: decodes first, each group in order
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
@@ -166,11 +174,17 @@ class Scheduler:
             return threshold
         return self.config.max_num_batched_tokens
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _admit_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], allowance: StepAllowance | None = None
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if allowance is not None:
+                num_new = allowance.take(num_hit_tokens, num_new)
+            if num_new <= 0:
+                break
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.popleft()
@@ -184,6 +198,14 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """How long the model took for `output` (forward pass and sampling), for the prefill budget. Call it before
+        `update`, while each request's progress still says where its chunk started."""
+        if self.work_budget is None:
+            return
+        chunks = [(s.request.num_computed_tokens, s.num_new_tokens) for s in output.scheduled if s.num_new_tokens > 1]
+        self.work_budget.observe(len(output.scheduled) - len(chunks), chunks, seconds * 1e3)
 
     def update(
         self,

@@ -251,7 +251,14 @@ def _bench(args: argparse.Namespace) -> int:
         from kvmesh.bench.long_prompt import run_long_prompt_bench
 
         result = run_long_prompt_bench(
-            args.model, args.streams, args.prompt_tokens, args.thresholds, args.max_num_batched_tokens, args.seed
+            args.model,
+            args.streams,
+            args.prompt_tokens,
+            args.thresholds,
+            args.max_num_batched_tokens,
+            args.seed,
+            args.step_ratios,
+            args.rounds,
         )
     elif args.bench_command == "serve" and args.trace_rounds:
         from kvmesh.bench.trace_ab import run_trace_ab
@@ -430,8 +437,16 @@ def build_parser() -> argparse.ArgumentParser:
     long_prompt.add_argument("--streams", type=int, default=8, help="requests decoding when the long prompt comes")
     long_prompt.add_argument("--prompt-tokens", type=int, default=8000, help="the long prompt's length")
     long_prompt.add_argument(
-        "--thresholds", type=int, nargs="+", default=[0, 256, 64], help="long_prefill_token_threshold values (0: off)"
+        "--thresholds", type=int, nargs="+", default=[256], help="long_prefill_token_threshold values (0: off)"
     )
+    long_prompt.add_argument(
+        "--step-ratios",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.5],
+        help="long_prefill_step_ratio values, each run with every threshold (0: off, the token cap alone)",
+    )
+    long_prompt.add_argument("--rounds", type=int, default=1, help="rounds of every arm, alternated; medians kept")
     long_prompt.add_argument("--max-num-batched-tokens", type=int, default=2048)
     long_prompt.add_argument("--seed", type=int, default=0)
     long_prompt.add_argument("--json", action="store_true", help="one line of JSON")

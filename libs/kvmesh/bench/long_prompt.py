@@ -1,11 +1,13 @@
 """`kvmesh bench long-prompt`: what a long prompt arriving does to the streams already decoding.
 
-For each `long_prefill_token_threshold` (0: no cap) a fresh engine starts `streams` requests (short prompts, long
-outputs) and, once all of them decode, steps `baseline_steps` times: each stream's gaps between two tokens are the
-baseline TPOT samples. Then one long prompt arrives (max_tokens 1: it leaves once prefilled, so what is measured
-is its prefill, not the longer decode attention it would add afterwards) and the engine steps until it is done;
-the streams' gaps meanwhile are the TPOT samples under load. Reported per threshold: TPOT p50/p99 in both phases,
-their p99 ratio (the goal: at most 2), and the long prompt's time to first token.
+For each arm, a `long_prefill_token_threshold` (0: no cap) and a `long_prefill_step_ratio` (0: off), a fresh engine
+starts `streams` requests (short prompts, long outputs) and, once all of them decode, steps `baseline_steps` times:
+each stream's gaps between two tokens are the baseline TPOT samples. Then one long prompt arrives (max_tokens 1: it
+leaves once prefilled, so what is measured is its prefill, not the longer decode attention it would add afterwards)
+and the engine steps until it is done; the streams' gaps meanwhile are the TPOT samples under load. Reported per
+arm: TPOT p50/p99 in both phases, their p99 ratio (the goal: at most 2), and the long prompt's time to first token.
+With several rounds the arms alternate round by round, so that load elsewhere on the machine hits each alike, and
+each figure's median over the rounds is reported beside the rounds' own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,18 +31,31 @@ GOAL_RATIO = 2.0
 
 
 def run_long_prompt_bench(
-    model: str, streams: int, prompt_tokens: int, thresholds: list[int], max_num_batched_tokens: int, seed: int
+    model: str,
+    streams: int,
+    prompt_tokens: int,
+    thresholds: list[int],
+    max_num_batched_tokens: int,
+    seed: int,
+    step_ratios: Sequence[float] = (0.0,),
+    rounds: int = 1,
 ) -> dict[str, Any]:
     started, load_before = time.perf_counter(), os.getloadavg()[0]
-    results = {
-        str(t): _one_threshold(model, streams, prompt_tokens, t, max_num_batched_tokens, seed) for t in thresholds
-    }
+    arms = [(t, r) for t in thresholds for r in step_ratios]
+    runs: dict[str, list[dict[str, Any]]] = {_arm_name(t, r): [] for t, r in arms}
+    for _ in range(rounds):
+        for threshold, ratio in arms:
+            runs[_arm_name(threshold, ratio)].append(
+                _one_arm(model, streams, prompt_tokens, threshold, ratio, max_num_batched_tokens, seed)
+            )
+    results = {name: _medians(arm_runs) for name, arm_runs in runs.items()}
     return {
         "model": model,
         "torch_threads": torch.get_num_threads(),
         "streams": streams,
         "long_prompt_tokens": prompt_tokens,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "rounds": rounds,
         "results": results,
         "goal": f"tpot_p99_ratio <= {GOAL_RATIO}",
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -47,8 +63,28 @@ def run_long_prompt_bench(
     }
 
 
-def _one_threshold(
-    model: str, streams: int, prompt_tokens: int, threshold: int, max_num_batched_tokens: int, seed: int
+def _arm_name(threshold: int, ratio: float) -> str:
+    return f"threshold {threshold}, step ratio {ratio:g}"
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """An arm's rounds: the median of each figure, and the rounds themselves."""
+    figures = ("tpot_p99_ratio", "long_prompt_ttft_s")
+    summary: dict[str, Any] = {f: round(statistics.median(run[f] for run in runs), 3) for f in figures}
+    for phase in ("tpot_baseline_ms", "tpot_with_long_prompt_ms"):
+        summary[phase] = {p: round(statistics.median(run[phase][p] for run in runs), 2) for p in ("p50", "p99")}
+    summary["rounds"] = runs
+    return summary
+
+
+def _one_arm(
+    model: str,
+    streams: int,
+    prompt_tokens: int,
+    threshold: int,
+    ratio: float,
+    max_num_batched_tokens: int,
+    seed: int,
 ) -> dict[str, Any]:
     context = prompt_tokens + BLOCK_SIZE
     llm = LLM(
@@ -60,6 +96,7 @@ def _one_threshold(
         max_model_len=context,
         max_num_batched_tokens=max_num_batched_tokens,
         long_prefill_token_threshold=threshold,
+        long_prefill_step_ratio=ratio,
     )
     engine = llm.engine
     rng = random.Random(seed)
@@ -88,6 +125,7 @@ def _one_threshold(
         "tpot_p99_ratio": round(_p99(loaded) / _p99(baseline), 3),
         "long_prompt_ttft_s": round(ttft, 3),
         "num_samples": [len(baseline), len(loaded)],
+        "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
 

@@ -29,6 +29,12 @@ class WorkerSettings(ServiceSettings):
         "while requests decode, prefills compute at most this many prompt tokens a step, so a long prompt cannot "
         "stall running streams (0: no cap; docs/engine.md)",
     )
+    long_prefill_step_ratio: float = setting(
+        1.5,
+        "while requests decode, prefill chunks are also sized from measured step times so that a step with prefill "
+        "work takes at most this many times a decode-only step (0: the token cap alone; at least 1 otherwise; "
+        "docs/engine.md)",
+    )
     quantization: str = setting(
         "none",
         "none, or int8: linear layers with int8 weights and activations on the cpu (llama models; docs/engine.md)",
@@ -97,6 +103,8 @@ class WorkerSettings(ServiceSettings):
         for name in ("num_redundant_experts", "expert_report_steps", "long_prefill_token_threshold"):
             value = getattr(self, name)
             require(value >= 0, name, value, "must not be negative")
+        ratio = self.long_prefill_step_ratio
+        require(ratio == 0 or ratio >= 1, "long_prefill_step_ratio", ratio, "must be 0 (off) or at least 1")
         self._check_faults()
 
     def _check_faults(self) -> None:
@@ -128,6 +136,7 @@ class WorkerSettings(ServiceSettings):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_step_ratio=self.long_prefill_step_ratio,
             quantization=self.quantization,
             enable_prefix_caching=self.prefix_caching_enabled,
             device_cache_policy=self.device_cache_policy,

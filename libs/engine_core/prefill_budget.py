@@ -1,0 +1,130 @@
+"""How many prompt tokens a step may prefill beside running decodes, priced from measured step times.
+
+A step's time is what every decoding stream waits between two tokens, so prefill work beside decodes is paid
+by all of them (Sarathi-Serve's stall-free batching; vLLM's chunked prefill under a token budget). A fixed token
+cap (`long_prefill_token_threshold`) cannot suit every model, machine and context: 256 tokens beside 8 streams of
+SmolLM2 on 2 CPU cores make a step 10x a decode-only one, and a chunk late in an 8k-token prompt costs more than
+an early one, as each of its tokens attends over everything before it.
+
+So the budget prices work, not tokens. A chunk of n tokens after c tokens already in the cache is
+
+    work(c, n) = n + (n * c + n * (n + 1) / 2) / span
+
+token-equivalents: its linear layers, plus its attention pairs (query, key), where `span` (`model_span`) is the
+context at which one token's attention costs as much as its linear layers, from the model's shape. What a unit of
+work costs is measured: a step with decodes and prefill work takes `decode_ms + ms_per_work * work`, where
+decode_ms is the median of recent decode-only steps and ms_per_work the median of (step - decode_ms) / work over
+recent steps with prefill work; medians, so that a noisy neighbour's spike moves neither, and recent, so that the
+price follows the machine's load and whatever the shape leaves out (the CPU path gathers a chunk's whole context
+per layer). A step's prefills together get the work that keeps it within `step_ratio` x decode_ms. The first
+prefill of a step always gets at least MIN_CHUNK_TOKENS, so a long prompt finishes however costly its chunks
+become; until both costs are measured, prefills get only that floor, which measures them cheaply.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+
+from engine_core.config import ModelConfig
+
+MIN_CHUNK_TOKENS = 8  # the floor: prompt tokens the first prefill of a step computes whatever the price
+NUM_DECODE_STEPS = 32  # decode-only step times kept (their median is decode_ms)
+NUM_PREFILL_STEPS = 16  # steps with prefill work kept (the median of their price per unit is ms_per_work)
+
+
+def model_span(config: ModelConfig) -> float:
+    """Context length at which a token's attention (q.k and p.v over every earlier token) costs as much as its
+    linear layers (q, k, v and o projections, the gated MLP), in multiply-adds. SmolLM2-135M: 3,072 tokens.
+    A shape, not a timing: MLA and MoE layers are priced as dense attention and MLP of the same sizes, which the
+    measured price per unit then corrects near the contexts actually seen."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    linear = 2 * hidden * head_dim * (config.num_heads + config.num_kv_heads) + 3 * hidden * config.intermediate_size
+    return linear / (2 * config.num_heads * head_dim)
+
+
+def chunk_work(num_cached: int, num_tokens: int, span: float) -> float:
+    """Token-equivalents of computing `num_tokens` prompt tokens after `num_cached` ones (see the module doc)."""
+    return num_tokens + (num_tokens * num_cached + num_tokens * (num_tokens + 1) / 2) / span
+
+
+class StepAllowance:
+    """One step's prefill work left, handed out to the step's prefills in order. Built by `PrefillBudget` for
+    one `Scheduler.schedule` call, which is its only user."""
+
+    def __init__(self, work: float, span: float) -> None:
+        self.work = work  # token-equivalents left this step (may go negative: the floor overdraws it)
+        self.span = span
+        self.num_takes = 0
+
+    def take(self, num_cached: int, num_tokens: int) -> int:
+        """Tokens (at most `num_tokens`) the next prefill, `num_cached` tokens in, computes this step."""
+        fits = _tokens_within(self.work, num_cached, self.span)
+        if self.num_takes == 0:
+            fits = max(fits, MIN_CHUNK_TOKENS)
+        taken = min(num_tokens, fits)
+        if taken > 0:
+            self.num_takes += 1
+            self.work -= chunk_work(num_cached, taken, self.span)
+        return taken
+
+
+class PrefillBudget:
+    """Measured step costs and the prefill work they allow. The scheduler that owns it is its only writer
+    (`observe` after each step, `allowance` when it schedules one)."""
+
+    def __init__(self, step_ratio: float, span: float) -> None:
+        if step_ratio < 1.0 or span <= 0:
+            raise ValueError(f"step_ratio must be at least 1 and span positive, got {step_ratio!r}, {span!r}")
+        self.step_ratio = step_ratio  # a step with prefill work may take this many decode-only steps
+        self.span = span
+        self._decode_ms: deque[float] = deque(maxlen=NUM_DECODE_STEPS)
+        self._prefill_steps: deque[tuple[float, float]] = deque(maxlen=NUM_PREFILL_STEPS)  # (ms, work)
+
+    def observe(self, num_decodes: int, chunks: Sequence[tuple[int, int]], ms: float) -> None:
+        """One step's time: `num_decodes` single-token rows and the prefill chunks (num_cached, num_tokens)."""
+        if num_decodes == 0:
+            return  # nothing waited on it: prefill alone has the whole budget
+        if not chunks:
+            self._decode_ms.append(ms)
+            return
+        self._prefill_steps.append((ms, sum(chunk_work(c, n, self.span) for c, n in chunks)))
+
+    @property
+    def decode_ms(self) -> float | None:
+        return statistics.median(self._decode_ms) if self._decode_ms else None
+
+    @property
+    def ms_per_work(self) -> float | None:
+        """Median price of one token-equivalent over the recent steps with prefill work (None: none yet)."""
+        decode_ms = self.decode_ms
+        if decode_ms is None or not self._prefill_steps:
+            return None
+        return statistics.median((ms - decode_ms) / work for ms, work in self._prefill_steps)
+
+    def allowance(self) -> StepAllowance:
+        """The prefill work this step may add beside its decodes."""
+        decode_ms, ms_per_work = self.decode_ms, self.ms_per_work
+        if decode_ms is None or ms_per_work is None:
+            work = 0.0  # not measured yet: the floor alone
+        elif ms_per_work <= 0:
+            work = math.inf  # prefill costs nothing measurable here: only the token caps bound it
+        else:
+            work = (self.step_ratio - 1.0) * decode_ms / ms_per_work
+        return StepAllowance(work, self.span)
+
+
+def _tokens_within(work: float, num_cached: int, span: float) -> int:
+    """The most tokens whose chunk_work after num_cached tokens stays within `work` (0 if not even one)."""
+    if work <= 0:
+        return 0
+    if math.isinf(work):
+        return 2**31
+    # chunk_work(c, n) = a n^2 + b n with a = 1 / (2 span), b = 1 + (c + 1/2) / span: the positive root, floored
+    a, b = 1.0 / (2.0 * span), 1.0 + (num_cached + 0.5) / span
+    tokens = int((-b + math.sqrt(b * b + 4.0 * a * work)) / (2.0 * a))
+    while tokens > 0 and chunk_work(num_cached, tokens, span) > work:  # the root's rounding, at most a step
+        tokens -= 1
+    return tokens

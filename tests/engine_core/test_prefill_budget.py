@@ -1,0 +1,138 @@
+"""The prefill budget priced from step times: fed exact step costs, it must hand out exact chunk sizes."""
+
+import pytest
+
+from engine_core.config import ModelConfig
+from engine_core.kv_cache.manager import KVCacheManager
+from engine_core.prefill_budget import (
+    MIN_CHUNK_TOKENS,
+    NUM_PREFILL_STEPS,
+    PrefillBudget,
+    chunk_work,
+    model_span,
+)
+from engine_core.sampling_params import SamplingParams
+from engine_core.scheduler import Scheduler, SchedulerConfig
+
+from .helpers import make_request
+
+SPAN = 1000.0  # context at which a token's attention costs its linear layers: round numbers below
+DECODE_MS = 100.0
+
+
+def measured_budget(ms_per_work: float, ratio: float = 2.0, num_prefill_steps: int = 1) -> PrefillBudget:
+    """A budget that saw decode-only steps of DECODE_MS and prefill steps priced at `ms_per_work`."""
+    budget = PrefillBudget(ratio, SPAN)
+    for _ in range(3):
+        budget.observe(8, [], DECODE_MS)
+    for _ in range(num_prefill_steps):
+        budget.observe(8, [(0, 8)], DECODE_MS + ms_per_work * chunk_work(0, 8, SPAN))
+    return budget
+
+
+def test_the_span_of_smollm2_follows_its_shape():
+    config = ModelConfig.from_hf(
+        {
+            "model_type": "llama",
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "max_position_embeddings": 8192,
+        }
+    )
+    # per layer: q, o (576 x 576 each), k, v (576 x 192 each), gate, up, down (576 x 1536 each) against
+    # q.k and p.v over one more key (9 heads x 64 dims each)
+    assert model_span(config) == (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) / (2 * 9 * 64) == 3072.0
+
+
+def test_work_counts_tokens_and_their_attention_pairs():
+    assert chunk_work(0, 8, SPAN) == 8 + 36 / SPAN  # pairs 1 + 2 + ... + 8
+    assert chunk_work(4000, 8, SPAN) == 8 + (32_000 + 36) / SPAN  # the same chunk late in a long prompt: 5x
+
+
+def test_unmeasured_prefills_get_the_floor_and_only_the_first():
+    allowance = PrefillBudget(2.0, SPAN).allowance()
+    assert allowance.take(0, 500) == MIN_CHUNK_TOKENS == 8
+    assert allowance.take(0, 500) == 0
+    decoded_only = PrefillBudget(2.0, SPAN)
+    decoded_only.observe(8, [], DECODE_MS)  # the decode step is known, the price of prefill not yet
+    assert decoded_only.allowance().take(0, 500) == 8
+
+
+def test_chunks_shrink_as_the_prompt_goes_on():
+    budget = measured_budget(ms_per_work=2.0)  # ratio 2: 100 ms of prefill a step, 50 token-equivalents
+    assert (budget.decode_ms, budget.ms_per_work) == (DECODE_MS, pytest.approx(2.0))
+    # the largest n with n + (n c + n (n + 1) / 2) / 1000 <= 50
+    assert budget.allowance().take(0, 500) == 48  # 49.176; 49 would be 50.225
+    assert budget.allowance().take(2000, 500) == 16  # 3 n: 48.136; 17 would be 51.153
+    assert budget.allowance().take(8000, 500) == 8  # 5 fit (45.015), the floor gives 8
+    assert budget.allowance().take(2000, 10) == 10  # what is left of the prompt
+
+
+def test_the_step_ratio_sets_the_work():
+    assert measured_budget(ms_per_work=2.0, ratio=1.5).allowance().take(0, 500) == 24  # 24.3 <= 25 < 25.325
+
+
+def test_prefills_of_one_step_share_its_work():
+    allowance = measured_budget(ms_per_work=2.0).allowance()
+    assert allowance.take(2000, 10) == 10  # 30.055 of 50
+    assert allowance.take(0, 500) == 19  # 19.19 of the 19.945 left; no floor for the second
+    assert allowance.take(0, 500) == 0
+
+
+def test_the_price_follows_the_machine_and_ignores_a_spike():
+    budget = measured_budget(ms_per_work=2.0, num_prefill_steps=3)
+    budget.observe(8, [(0, 8)], 5_000.0)  # one step of a noisy neighbour
+    assert budget.allowance().take(0, 500) == 48  # the median price did not move
+    for _ in range(NUM_PREFILL_STEPS):  # the machine got twice as slow at prefill
+        budget.observe(8, [(0, 8)], DECODE_MS + 4.0 * chunk_work(0, 8, SPAN))
+    assert budget.ms_per_work == pytest.approx(4.0)
+    assert budget.allowance().take(0, 500) == 24  # 24.3 <= 25 < 25.325
+
+
+def test_steps_without_decodes_are_not_measured():
+    budget = measured_budget(ms_per_work=2.0)
+    budget.observe(0, [(0, 2048)], 9_000.0)  # a prefill alone: no stream waited on it
+    budget.observe(0, [], 1.0)
+    assert (budget.decode_ms, budget.allowance().take(0, 500)) == (DECODE_MS, 48)
+
+
+def test_free_prefill_is_bounded_by_the_token_caps_alone():
+    budget = measured_budget(ms_per_work=0.0)
+    assert budget.allowance().take(0, 500) == 500
+
+
+def test_a_ratio_below_one_is_refused():
+    with pytest.raises(ValueError, match="step_ratio"):
+        PrefillBudget(0.5, SPAN)
+
+
+def plan(output):
+    return [(s.request.request_id, s.num_new_tokens) for s in output.scheduled]
+
+
+def step(scheduler, seconds):
+    output = scheduler.schedule()
+    scheduler.observe_step(output, seconds)
+    scheduler.update(output, {s.request.request_id: 7 for s in output.scheduled if s.needs_sample})
+    return plan(output)
+
+
+def test_the_scheduler_prices_a_long_prompt_beside_decodes():
+    """Before the budget: 64 tokens a step (the token cap) whatever a step cost."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, long_prefill_token_threshold=64),
+        KVCacheManager(128, 16),
+        PrefillBudget(2.0, SPAN),
+    )
+    scheduler.add_request(make_request("a", list(range(3)), SamplingParams(max_tokens=100, ignore_eos=True)))
+    assert step(scheduler, 0.5) == [("a", 3)]  # a prefill alone: the whole budget, and not measured
+    assert step(scheduler, 0.1) == [("a", 1)]  # decode-only: 100 ms
+    scheduler.add_request(make_request("long", list(range(100, 400)), SamplingParams(max_tokens=1)))
+    assert step(scheduler, (DECODE_MS + 2.0 * chunk_work(0, 8, SPAN)) / 1e3) == [("a", 1), ("long", 8)]  # floor
+    # priced at 2 ms per token-equivalent: 50 of them; after 8 tokens 48 fit (49.56), 49 would not (50.617)
+    assert step(scheduler, (DECODE_MS + 2.0 * chunk_work(8, 48, SPAN)) / 1e3) == [("a", 1), ("long", 48)]
+    assert step(scheduler, 0.2) == [("a", 1), ("long", 46)]  # 56 in: 46 (49.657); 47 (50.76) would not
