@@ -130,7 +130,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_decodes_ahead = sum(1 for r in self.running if _is_decoding(r))  # decodes not yet given their token
         prefill_budget = self._prefill_budget(num_decodes_ahead > 0)
-        allowance = self.work_budget.allowance() if self.work_budget is not None and num_decodes_ahead > 0 else None
+        allowance = self.work_budget.allowance() if self.work_budget is not None and self._is_streaming() else None
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         index = 0
@@ -173,6 +173,11 @@ class Scheduler:
         if is_decoding and threshold > 0:
             return threshold
         return self.config.max_num_batched_tokens
+
+    def _is_streaming(self) -> bool:
+        """Whether a running request has streamed a token and waits for its next: the time the budget protects (a
+        prompt whose last token alone is left, all the rest cached, waits for its first)."""
+        return any(r.num_output_tokens > 0 and _is_decoding(r) for r in self.running)
 
     def _admit_waiting(
         self, budget: int, scheduled: list[ScheduledRequest], allowance: StepAllowance | None = None

@@ -1,5 +1,7 @@
 """The prefill budget priced from step times: fed exact step costs, it must hand out exact chunk sizes."""
 
+import dataclasses
+
 import pytest
 
 from engine_core.config import ModelConfig
@@ -136,3 +138,17 @@ def test_the_scheduler_prices_a_long_prompt_beside_decodes():
     # priced at 2 ms per token-equivalent: 50 of them; after 8 tokens 48 fit (49.56), 49 would not (50.617)
     assert step(scheduler, (DECODE_MS + 2.0 * chunk_work(8, 48, SPAN)) / 1e3) == [("a", 1), ("long", 48)]
     assert step(scheduler, 0.2) == [("a", 1), ("long", 46)]  # 56 in: 46 (49.657); 47 (50.76) would not
+
+
+def test_a_prompt_with_only_its_last_token_left_is_no_stream_to_protect():
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2, long_prefill_token_threshold=64),
+        KVCacheManager(128, 16),
+        PrefillBudget(2.0, SPAN),
+    )
+    scheduler.add_request(make_request("a", list(range(3)), SamplingParams(max_tokens=100, ignore_eos=True)))
+    assert step(scheduler, 0.1) == [("a", 2)]  # one token of its prompt left: it waits for its first
+    scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=256)
+    scheduler.add_request(make_request("long", list(range(100, 400)), SamplingParams(max_tokens=1)))
+    assert step(scheduler, 0.1) == [("a", 1), ("long", 64)]  # the token cap, not the unmeasured floor of 8
+    assert step(scheduler, 0.1) == [("a", 1), ("long", 8)]  # "a" streams now: the floor
