@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from engine_core.config import ModelConfig
+from engine_core.config import ConfigError, EngineConfig, ModelConfig
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.prefill_budget import (
     MIN_CHUNK_TOKENS,
@@ -110,6 +110,10 @@ def test_free_prefill_is_bounded_by_the_token_caps_alone():
 def test_a_ratio_below_one_is_refused():
     with pytest.raises(ValueError, match="step_ratio"):
         PrefillBudget(0.5, SPAN)
+    for bad in (0.5, -1.0, True):
+        with pytest.raises(ConfigError, match="long_prefill_step_ratio"):
+            EngineConfig("smollm2-135m", long_prefill_step_ratio=bad)
+    assert EngineConfig("smollm2-135m", long_prefill_step_ratio=0).long_prefill_step_ratio == 0
 
 
 def plan(output):
