@@ -13,7 +13,7 @@ kvmesh serve ROLE                   one role (gateway, encoder, prefill, decode,
 kvmesh bench engine --json          engine throughput against transformers
 kvmesh bench sampler --json         sampling's cost per decode step, per setting, on real logits
 kvmesh bench quant --json           int8 against our float32: greedy agreement, perplexity, tokens/s
-kvmesh bench long-prompt --json     running streams' TPOT p99 while long prompts arrive, prefill cap on and off
+kvmesh bench long-prompt --json     running streams' TPOT p99 while long prompts arrive, fixed and priced caps
 kvmesh bench kvcache --trace F      replay a Mooncake trace through the KV store (also kv-transfer, kv-ttft)
 kvmesh bench expert --json          expert placement on skewed, drifting loads, against DeepSeek EPLB
 kvmesh bench route --trace F --policy all   routing policies side by side in the trace-driven simulator
