@@ -26,7 +26,16 @@ from services.gateway.core import GatewayCore
 from services.gateway.errors import ErrorKind, GatewayError, invalid
 from services.gateway.image_encoding import place_images
 from services.gateway.images import ImagePart, check_accepts_images
-from services.gateway.pipeline import NOT_FINISHED, Delta, Generation, GenerationStream, Placement, Usage
+from services.gateway.pipeline import (
+    NOT_FINISHED,
+    Deadline,
+    Delta,
+    Generation,
+    GenerationStream,
+    Pipeline,
+    Placement,
+    Usage,
+)
 from services.gateway.tenancy.limit_counters import Demand
 from services.gateway.tenancy.limits import Reservation
 from services.gateway.tenancy.principal import Principal
@@ -322,18 +331,35 @@ def traffic_class_of(turn: ChatTurn) -> str:
     return "agent" if turn.tools else "chat"
 
 
+@dataclass(frozen=True)
+class RenderedPrompt:
+    token_ids: list[int]
+    images: tuple[encoder_pb2.PromptImage, ...]  # embeddings at the image placeholders (image_encoding)
+    block_keys: tuple[bytes, ...] | None  # None with images: the pipeline hashes the widened prompt
+
+
+def render_and_hash(
+    model: ServedModel, turn: ChatTurn, hasher: Callable[[Sequence[int]], list[bytes]]
+) -> tuple[list[int], tuple[bytes, ...]]:
+    """The prompt and its block keys, in one trip to a tokenizer thread (each trip is two thread hand-offs)."""
+    prompt = render_prompt(model, turn)
+    return prompt, tuple(hasher(prompt))
+
+
 async def render_with_images(
-    core: GatewayCore, model: ServedModel, turn: ChatTurn, request_id: str
-) -> tuple[list[int], tuple[encoder_pb2.PromptImage, ...]]:
+    core: GatewayCore, model: ServedModel, turn: ChatTurn, request_id: str, cache_salt: str
+) -> RenderedPrompt:
     """The prompt; with images, each one's placeholder widened to its embeddings' length (image_encoding)."""
     if not turn.images:
-        return await off_loop(render_prompt, model, turn), ()
+        hasher = core.pipeline.key_hasher(model.name, cache_salt)
+        prompt, block_keys = await off_loop(render_and_hash, model, turn, hasher)
+        return RenderedPrompt(prompt, (), block_keys)
     if core.images is None:
         raise GatewayError(ErrorKind.UNAVAILABLE, "this gateway does not take images")
     check_accepts_images(model, turn.images)
     prompt = await off_loop(render_prompt, model, turn)
     encoded = await core.images.encode_all(model.name, turn.images, request_id)
-    return place_images(model, prompt, encoded, turn.prompt_param)
+    return RenderedPrompt(*place_images(model, prompt, encoded, turn.prompt_param), None)
 
 
 async def reserve(
@@ -352,6 +378,19 @@ async def reserve(
     return reservation
 
 
+async def start_all(
+    pipeline: Pipeline, generations: list[Generation], deadline: Deadline
+) -> list[GenerationStream | BaseException]:
+    """Each generation's stream, or the exception that stopped it. One generation (n=1, nearly every request) is
+    awaited in place: gathering it would cost a task and a turn of the event loop before routing starts."""
+    if len(generations) == 1:
+        try:
+            return [await pipeline.start(generations[0], deadline)]
+        except Exception as exc:  # as gather's return_exceptions: the caller settles, then raises it
+            return [exc]
+    return await asyncio.gather(*(pipeline.start(g, deadline) for g in generations), return_exceptions=True)
+
+
 async def start_chat(
     core: GatewayCore,
     turn: ChatTurn,
@@ -366,7 +405,9 @@ async def start_chat(
     model = core.catalog.require(turn.model)
     check_tools(turn.tools, turn.tool_choice)
     traffic_class = traffic_class_of(turn)
-    prompt, images = await render_with_images(core, model, turn, request_id)
+    cache_salt = core.cache_salt(principal, turn.cache_salt)
+    rendered = await render_with_images(core, model, turn, request_id, cache_salt)
+    prompt = rendered.token_ids
     grammar = turn_grammar(model, turn)
     generations = [
         core.generation(
@@ -375,12 +416,13 @@ async def start_chat(
             prompt,
             turn_sampling(turn, grammar, i),
             turn.stop,
-            core.cache_salt(principal, turn.cache_salt),
+            cache_salt,
             traffic_class,
             turn.prompt_param,
             turn.max_tokens_param,
-            images,
+            rendered.images,
             turn.api_max_tokens,
+            rendered.block_keys,
         )
         for i in range(turn.n)
     ]
@@ -392,9 +434,8 @@ async def start_chat(
             micros = price.micros(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) if price else 0
             core.limiter.settle_soon(reservation, usage.prompt_tokens + usage.completion_tokens, micros)
 
-    deadline = core.deadline()
     try:
-        results = await asyncio.gather(*(core.pipeline.start(g, deadline) for g in generations), return_exceptions=True)
+        results = await start_all(core.pipeline, generations, core.deadline())
     except BaseException:
         settle(Usage(0, 0, 0))
         raise

@@ -122,6 +122,7 @@ class GatewayCore:
         max_tokens_param: str,
         images: tuple[encoder_pb2.PromptImage, ...] = (),
         api_max_tokens: int | None = None,
+        block_keys: tuple[bytes, ...] | None = None,
     ) -> Generation:
         """The last checks before the mesh: the output length within the server's bounds (a default where the client
         set none), the prompt and max_tokens fit the context, and workers exist."""
@@ -140,4 +141,5 @@ class GatewayCore:
             cache_salt=cache_salt,
             traffic_class=traffic_class,
             images=images,
+            block_keys=block_keys,
         )
