@@ -20,6 +20,7 @@ from services.gateway.api_models.sampling import to_wire
 from services.gateway.chat import (
     ArgsEvent,
     CallStartEvent,
+    ChatEvent,
     ChatRun,
     ChatTurn,
     ChoiceResult,
@@ -241,19 +242,31 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat_chunks(chat: ChatRequest, run: ChatRun, shape: ChunkShape) -> AsyncIterator[bytes]:
-    for choice in run.choices:
-        yield sse(shape.role(choice.index))
+    """The stream's frames. Each choice's role chunk goes out in one write with the first frame after it (the
+    first token's, known before the stream starts): one send and one wake-up of the client, not two."""
+    head = b"".join(sse(shape.role(choice.index)) for choice in run.choices)
     async for event in run.events():
-        if isinstance(event, TextEvent):
-            yield sse(shape.content(event.text, event.choice))
-        elif isinstance(event, TokensEvent) and event.tokens:
-            yield sse(shape.logprobs(event.tokens, event.choice))
-        elif isinstance(event, CallStartEvent):
-            yield sse(shape.tool_call_start(event.call_index, event.call_id, event.name, event.choice))
-        elif isinstance(event, ArgsEvent):
-            yield sse(shape.tool_call_args(event.call_index, event.delta, event.choice))
-        elif isinstance(event, FinishEvent):
-            yield sse(shape.finish(event.finish_reason, event.choice))
+        frame = _event_frame(shape, event)
+        if frame:
+            yield head + frame
+            head = b""
     if chat.include_usage:
-        yield sse(shape.usage(run.usage))
-    yield SSE_DONE
+        yield head + sse(shape.usage(run.usage))
+        head = b""
+    yield head + SSE_DONE
+
+
+def _event_frame(shape: ChunkShape, event: ChatEvent) -> bytes:
+    """The event's chunk; empty for tokens without logprobs (their text is an event of its own) and for a call's
+    end (its arguments went out as deltas)."""
+    if isinstance(event, TextEvent):
+        return sse(shape.content(event.text, event.choice))
+    if isinstance(event, TokensEvent):
+        return sse(shape.logprobs(event.tokens, event.choice)) if event.tokens else b""
+    if isinstance(event, CallStartEvent):
+        return sse(shape.tool_call_start(event.call_index, event.call_id, event.name, event.choice))
+    if isinstance(event, ArgsEvent):
+        return sse(shape.tool_call_args(event.call_index, event.delta, event.choice))
+    if isinstance(event, FinishEvent):
+        return sse(shape.finish(event.finish_reason, event.choice))
+    return b""
