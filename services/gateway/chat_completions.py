@@ -225,7 +225,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 shape = ChunkShape(
                     f"chatcmpl-{request[REQUEST_ID]}", int(time.time()), chat.turn.model, chat.include_usage
                 )
-                return await stream_response(request, run, record, _chat_chunks(chat, run, shape), error_frame)
+                return await stream_response(request, run, record, chat_chunks(chat, run, shape), error_frame)
             results = await collect(run)
             body = completion_body(
                 f"chatcmpl-{request[REQUEST_ID]}",
@@ -241,7 +241,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             run.close()
 
 
-async def _chat_chunks(chat: ChatRequest, run: ChatRun, shape: ChunkShape) -> AsyncIterator[bytes]:
+async def chat_chunks(chat: ChatRequest, run: ChatRun, shape: ChunkShape) -> AsyncIterator[bytes]:
     """The stream's frames. Each choice's role chunk goes out in one write with the first frame after it (the
     first token's, known before the stream starts): one send and one wake-up of the client, not two."""
     head = b"".join(sse(shape.role(choice.index)) for choice in run.choices)
