@@ -6,8 +6,6 @@ weights), then read-only.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -19,18 +17,17 @@ from engine_core.loader.checkpoint import open_checkpoint
 from engine_core.tokenizer import ChatTemplateError, PromptTooLong, Tokenizer, bytes_to_unicode
 from engine_core.vision import image_token_id
 from services.gateway.errors import ErrorKind, GatewayError, invalid
+from services.gateway.tokenizer_threads import TokenizerThreads
 from services.gateway.tool_calls import Tool, ToolSyntax, syntax_for
 
 IMAGE_MARKER = "<|kvmesh:image|>"  # one per image part in the flattened text, until the model is known
 T = TypeVar("T")
-# Tokenizing and template rendering run here, never on the event loop: a few threads, so a burst of long prompts
-# queues instead of taking every core (tokenizers' encode_batch releases the GIL while it works).
-_TOKENIZER_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
+_TOKENIZER_THREADS = TokenizerThreads()  # tokenizing and template rendering: never on the event loop
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) on the tokenizer threads. A cancelled caller stops waiting; a running call ends on its own."""
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREADS, functools.partial(fn, *args))
+    return await _TOKENIZER_THREADS.run(fn, *args)
 
 
 @dataclass(frozen=True)
