@@ -61,7 +61,7 @@ async def test_every_choice_is_routed_by_the_keys_hashed_with_the_prompt(mesh: M
     try:
         expected = hash_token_blocks(root_hash(MODEL), prompt_ids(mesh, LONG), BLOCK_SIZE)
         assert [list(route.block_hashes) for route in script.routes] == [expected, expected]
-        assert [route.request_id for route in script.routes] == ["keys-n2-0", "keys-n2-1"]
+        assert sorted(route.request_id for route in script.routes) == ["keys-n2-0", "keys-n2-1"]  # concurrent
     finally:
         run.close()
 
