@@ -133,6 +133,24 @@ def test_a_seed_draws_the_heartbeat_phases_and_nothing_else() -> None:
     assert run("round_robin", 0) == run("round_robin", 1)  # it reads no report
 
 
+def test_late_binding_chooses_decode_when_the_kv_is_ready() -> None:
+    """The same routers bind the decode worker at prefill's end (Router.bind_decode): prefill's picks and every TTFT
+    are unchanged (no prefill policy reads decode), the decode balance is not; replicas share the bindings too."""
+    requests = load_trace(CONVERSATION, limit=120)
+    loaded = CostModel(prefill_tokens_per_s=20_000.0)
+
+    def run(binding: str, num_replicas: int = 1) -> tuple[float, float]:
+        config = SimConfig(num_prefill=2, num_decode=2, cost=loaded, num_replicas=num_replicas, decode_binding=binding)
+        result = simulate(requests, "kvmesh", config)
+        return round(sum(result.ttft_s), 3), round(result.decode_efficiency, 4)
+
+    assert run("early") == (2436.941, 0.9263)
+    assert run("late") == (2436.941, 0.9448)
+    assert (run("early", 2), run("late", 2)) == ((2456.103, 0.9227), (2456.103, 0.9449))
+    with pytest.raises(ValueError, match="unknown decode binding 'lazy'"):
+        simulate(requests, "kvmesh", SimConfig(decode_binding="lazy"))
+
+
 def test_every_policy_side_by_side(tmp_path: Path) -> None:
     rows = [(n * 200, 2048, 20, [0, 1000 + n % 5, 2000 + n, 3000 + n]) for n in range(40)]
     config = BenchConfig(

@@ -59,6 +59,12 @@ def add_parser(bench_commands: Any) -> None:
     route.add_argument(
         "--seed", type=int, default=0, help="0: heartbeats evenly staggered; else each worker's phase drawn from it"
     )
+    route.add_argument(
+        "--decode-binding",
+        default="early",
+        choices=("early", "late"),
+        help="choose the decode worker at the arrival (early) or when the KV is ready, at prefill's end (late)",
+    )
     route.add_argument("--ttft-slo-s", type=float, default=2.0, help="TTFT target for goodput")
     route.add_argument("--tpot-slo-s", type=float, default=0.1, help="TPOT target for goodput")
     route.add_argument(
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         share=not args.no_share,
         share_delay_s=args.share_delay_s,
         seed=args.seed,
+        decode_binding=args.decode_binding,
         cost=cost_model(args),
     )
     config = BenchConfig(

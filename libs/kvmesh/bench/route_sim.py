@@ -6,7 +6,10 @@
   new blocks enter its cache (evicting by `eviction`, LRU by default, within `cache_tokens`) and the global KV
   index hears it, as it would from the worker's KV events. The first token is out then (TTFT).
 - The KV then travels to the decode worker (`CostModel.transfer_s`) and joins its continuous batch at the next
-  step; a step takes `CostModel.decode_step_s` of the worker's KV and adds one token to every running request.
+  step. The decode worker is the one the router chose at the arrival (`decode_binding` early), or the one the
+  same router's `bind_decode` chooses at prefill's end, when the KV is ready (late: as live prefill asks
+  Balancer.BindDecode, the choice shared with peer replicas like a route's). A step takes
+  `CostModel.decode_step_s` of the worker's KV and adds one token to every running request.
 - Every worker reports (WorkerState) every `heartbeat_s`, at staggered phases; between reports each router counts
   its own assignments at once and its peers' `share_delay_s` later (none when `share` is off). Requests go to
   replicas in turn, as gateways spread them.
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from kvmesh.bench.route_trace import TraceRequest
 from mesh.eviction.policies import make_policy
 from mesh.kv_index import GlobalKVIndex
-from mesh.routing import CostModel, Router, RouteRequest, WorkerState
+from mesh.routing import Assignment, CostModel, Router, RouteRequest, WorkerState
 
 ARRIVE, PREFILL_DONE, DECODE_JOIN, STEP_DONE, HEARTBEAT, PEER, FINISHED = range(7)
 
@@ -49,6 +52,7 @@ class SimConfig:
     cost: CostModel = field(default_factory=CostModel)
     record_series: bool = False
     seed: int = 0  # 0: heartbeats evenly staggered in worker order; else each worker's phase drawn from the seed
+    decode_binding: str = "early"  # early: decode chosen at the arrival; late: at prefill's end (Router.bind_decode)
 
 
 @dataclass
@@ -130,7 +134,8 @@ class Simulation:
         self.prefill_of = {w.worker_id: w for w in self.prefill}
         self.decode_of = {w.worker_id: w for w in self.decode}
         self.routers = [
-            Router(policy, self.index, self.cost, balancer_id=f"balancer-{n}") for n in range(config.num_replicas)
+            Router(policy, self.index, self.cost, f"balancer-{n}", config.decode_binding)
+            for n in range(config.num_replicas)
         ]
         self.events: list[tuple[float, int, int, int, object]] = []
         self._seq = 0
@@ -138,7 +143,7 @@ class Simulation:
         self.ttft_s = [0.0] * n
         self.tpot_s: list[float | None] = [None] * n
         self.first_token_s = [0.0] * n
-        self._decode_for: dict[int, str] = {}  # request -> its decode worker, until it goes there
+        self._decode_for: dict[int, str] = {}  # request -> its decode worker ("": late), until it goes there
         self.num_hit_blocks = 0
         self.num_done = 0
         self._eff_area = self._eff_time = 0.0
@@ -211,16 +216,29 @@ class Simulation:
             [s for s in decode_states if s is not None],
             now_s,
         )
-        if self.config.share:
-            for peer in self.routers:
-                if peer is not router:
-                    self._push(now_s + self.config.share_delay_s, PEER, 0, (peer, assignment))
+        self._share(router, assignment, now_s)
         worker = self.prefill_of[route.prefill_worker_id]
         worker.queue.append(n)
         worker.num_queued_tokens += request.num_prompt_tokens
         self._decode_for[n] = route.decode_worker_id
         if worker.current is None:
             self._start_prefill(worker, now_s)
+
+    def _bind_decode(self, n: int, now_s: float) -> str:
+        """Late binding: the decode worker for request n, whose KV is ready now, chosen by the router that routed it."""
+        router = self.routers[n % len(self.routers)]
+        states = [router.view.report(w.worker_id) for w in self.decode]
+        request = RouteRequest("trace", (), self.requests[n].num_prompt_tokens, request_id=str(n))
+        decode_id, assignment = router.bind_decode(request, [s for s in states if s is not None], now_s)
+        self._share(router, assignment, now_s)
+        return decode_id
+
+    def _share(self, router: Router, assignment: Assignment, now_s: float) -> None:
+        """The peer replicas hear a decision `share_delay_s` later (never, when `share` is off)."""
+        if self.config.share:
+            for peer in self.routers:
+                if peer is not router:
+                    self._push(now_s + self.config.share_delay_s, PEER, 0, (peer, assignment))
 
     def _peer(self, now_s: float, _: int, payload: object) -> None:
         assert isinstance(payload, tuple)
@@ -302,8 +320,9 @@ class Simulation:
             self._start_prefill(worker, now_s)
         if request.num_output_tokens <= 1:
             self._finish(n, None)
-        else:
-            self._push(now_s + self.cost.transfer_s(request.num_prompt_tokens), DECODE_JOIN, n, self._decode_for.pop(n))
+            return
+        decode_id = self._decode_for.pop(n) or self._bind_decode(n, now_s)
+        self._push(now_s + self.cost.transfer_s(request.num_prompt_tokens), DECODE_JOIN, n, decode_id)
 
     # -- decode -------------------------------------------------------------------------------------------------
     def _decode_join(self, now_s: float, n: int, worker_id: object) -> None:

@@ -8,7 +8,7 @@ the trace-driven simulator (`kvmesh bench route`).
     prefill.py   round_robin, least_load, cache_aware (SGLang), kv_aware (Dynamo), deepseek prefill policies
     decode.py    the baselines' decode policies
     kvmesh.py    the default policy: predicted TTFT with bounded imbalance; predicted KV growth
-    router.py    Router (one balancer replica) and POLICIES, the names
+    router.py    Router (one balancer replica), POLICIES (the names), early or late decode binding
     encoder.py   pick_encoder: the encoder pool's policy
     capacity.py  recommended replica counts per pool from observed load
     canary.py    Split: a rollout's share of conversations for a canary version, sticky per conversation
@@ -16,11 +16,12 @@ the trace-driven simulator (`kvmesh bench route`).
 
 from mesh.routing.canary import Split
 from mesh.routing.cost import CostModel
-from mesh.routing.router import DEFAULT_POLICY, POLICIES, Router, check_policy
+from mesh.routing.router import DECODE_BINDINGS, DEFAULT_POLICY, POLICIES, Router, check_decode_binding, check_policy
 from mesh.routing.state import Assignment, NoWorkerError, PrefillPick, Route, RouteRequest, WorkerState
 from mesh.routing.view import LoadView
 
 __all__ = [
+    "DECODE_BINDINGS",
     "DEFAULT_POLICY",
     "POLICIES",
     "Assignment",
@@ -33,5 +34,6 @@ __all__ = [
     "Router",
     "Split",
     "WorkerState",
+    "check_decode_binding",
     "check_policy",
 ]

@@ -61,3 +61,12 @@ def side_of(split: Split, request: RouteRequest, pool: Sequence[WorkerState]) ->
     stable = [w for w in available if w.version != split.canary_version]
     preferred, other = (canary, stable) if is_canary_request(split, request) else (stable, canary)
     return preferred or other
+
+
+def side_of_version(split: Split, version: str, pool: Sequence[WorkerState]) -> list[WorkerState]:
+    """The workers of `pool` on the side a worker of `version` is on (late binding: the decode worker goes with the
+    side of the prefill worker that computed the KV); the other side's when its own has none."""
+    canary = [w for w in pool if w.version == split.canary_version]
+    stable = [w for w in pool if w.version != split.canary_version]
+    preferred, other = (canary, stable) if version == split.canary_version else (stable, canary)
+    return preferred or other

@@ -8,6 +8,14 @@ peers apply when they hear it (`apply`).
     router.update(worker_state)                    # a heartbeat (route() also takes newer reports it is given)
     router.observe_finished(decode_id, request_id, t, kv, n)  # a request left a decode worker
     router.splits[model] = Split(model, "2.0", weight=5)  # a rollout's step: 5% of conversations to version 2.0
+
+Late binding (`decode_binding="late"`): `route` picks the prefill worker only (the Route's and the Assignment's
+decode worker are ""), and `bind_decode` picks the decode worker when the request's KV is ready, with the same
+decode policy and view, as a second Assignment (its prefill worker "") that peers apply like any other:
+
+    router = Router("kvmesh", index, decode_binding="late")
+    route, assignment = router.route(request, prefill_workers, decode_workers, now_s)   # decode_worker_id ""
+    decode_id, bound = router.bind_decode(kv_request, decode_workers, now_s)  # at prefill's end
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mesh.routing.canary import Split, side_of
+from mesh.routing.canary import Split, side_of, side_of_version
 from mesh.routing.context import CacheIndex, PickContext
 from mesh.routing.cost import CostModel
 from mesh.routing.decode import DecodePolicy, DeepSeekDecode, LeastKVDecode, LeastRequestsDecode, RoundRobinDecode
@@ -63,10 +71,27 @@ def check_policy(name: str) -> str:
     return name
 
 
+DECODE_BINDINGS = ("early", "late")  # early: decode chosen with prefill, at the arrival; late: when the KV is ready
+
+
+def check_decode_binding(name: str) -> str:
+    if name not in DECODE_BINDINGS:
+        raise ValueError(f"unknown decode binding {name!r}: expected one of {', '.join(DECODE_BINDINGS)}")
+    return name
+
+
 class Router:
-    def __init__(self, policy: str, index: CacheIndex, cost: CostModel | None = None, balancer_id: str = "") -> None:
+    def __init__(
+        self,
+        policy: str,
+        index: CacheIndex,
+        cost: CostModel | None = None,
+        balancer_id: str = "",
+        decode_binding: str = "early",
+    ) -> None:
         spec = POLICIES[check_policy(policy)]
         self.policy = policy
+        self.decode_binding = check_decode_binding(decode_binding)
         self.index = index  # read only here
         self.balancer_id = balancer_id
         self.view = LoadView(cost or CostModel())
@@ -80,21 +105,20 @@ class Router:
         self, request: RouteRequest, prefill: Sequence[WorkerState], decode: Sequence[WorkerState], now_s: float
     ) -> tuple[Route, Assignment]:
         """The pair for `request` from the pools serving its model (in worker-id order); NoWorkerError when a pool
-        has nobody left."""
+        has nobody left. With late binding the decode worker is "" (`bind_decode` names it when the KV is ready),
+        but the decode pool must still have somebody: a request no decode worker could take is not computed."""
         if request.num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must not be negative, got {request.num_prompt_tokens}")
-        split = self.splits.get(request.model)
-        if split is not None:
-            prefill = side_of(split, request, prefill) or prefill  # empty: _eligible names the pool
-            decode = side_of(split, request, decode) or decode
-        prefill_pool = self._eligible(request, prefill, "prefill")
-        decode_pool = self._eligible(request, decode, "decode")
+        prefill_pool = self._pool(request, prefill, "prefill")
+        decode_pool = self._pool(request, decode, "decode")
         for worker in (*prefill_pool, *decode_pool):
             self.view.update(worker)
         ctx = PickContext(request, now_s, self.view, self.index, include_pending=self.optimistic_cache)
         pick = self.prefill_policy.pick(ctx, prefill_pool)
         arrival_s = now_s + pick.predicted_ttft_s + self.view.cost.transfer_s(request.num_prompt_tokens)
-        decode_id = self.decode_policy.pick(request, decode_pool, self.view, now_s, arrival_s)
+        decode_id = ""
+        if self.decode_binding == "early":
+            decode_id = self.decode_policy.pick(request, decode_pool, self.view, now_s, arrival_s)
         estimate = next(ctx.estimate(w) for w in prefill_pool if w.worker_id == pick.worker_id)
         assignment = Assignment(
             self.balancer_id,
@@ -111,6 +135,31 @@ class Router:
         self._apply(assignment)
         self.num_routes += 1
         return Route(pick.worker_id, decode_id, pick.num_cached_tokens, pick.predicted_ttft_s), assignment
+
+    def bind_decode(
+        self, request: RouteRequest, decode: Sequence[WorkerState], now_s: float, prefill_version: str = ""
+    ) -> tuple[str, Assignment]:
+        """Late binding: the decode worker for a request whose KV is ready now (`request.num_prompt_tokens`: its KV
+        tokens), by the same decode policy `route` uses early, its KV expected there after the transfer. Choosing
+        now, the policy knows every request routed after this one whose KV got there sooner (docs/balancer.md).
+        During a rollout the decode worker is on the side of the prefill worker's version (`prefill_version`).
+        NoWorkerError when the pool has nobody left."""
+        if request.num_prompt_tokens < 0:
+            raise ValueError(f"num_prompt_tokens must not be negative, got {request.num_prompt_tokens}")
+        split = self.splits.get(request.model)
+        if split is not None:
+            available = [w for w in decode if w.worker_id not in request.exclude_worker_ids]
+            decode = side_of_version(split, prefill_version, available) or decode  # empty: _eligible names it
+        pool = self._eligible(request, decode, "decode")
+        for worker in pool:
+            self.view.update(worker)
+        arrival_s = now_s + self.view.cost.transfer_s(request.num_prompt_tokens)
+        decode_id = self.decode_policy.pick(request, pool, self.view, now_s, arrival_s)
+        assignment = Assignment(
+            self.balancer_id, request.request_id, now_s, "", decode_id, request.num_prompt_tokens, 0, 0.0, arrival_s
+        )
+        self._apply(assignment)
+        return decode_id, assignment
 
     def apply(self, assignment: Assignment) -> None:
         """A peer replica's decision; this router's own (same balancer id) were applied when made."""
@@ -138,7 +187,15 @@ class Router:
 
     def _apply(self, assignment: Assignment) -> None:
         self.view.assign(assignment)
-        self.prefill_policy.observe(assignment, self.view.report(assignment.prefill_worker_id))
+        if assignment.prefill_worker_id:  # "": a late binding's decode half
+            self.prefill_policy.observe(assignment, self.view.report(assignment.prefill_worker_id))
+
+    def _pool(self, request: RouteRequest, pool: Sequence[WorkerState], name: str) -> list[WorkerState]:
+        """The workers of `pool` this request may go to: its side of the model's rollout split, less the excluded."""
+        split = self.splits.get(request.model)
+        if split is not None:
+            pool = side_of(split, request, pool) or pool  # empty: _eligible names the pool
+        return self._eligible(request, pool, name)
 
     @staticmethod
     def _eligible(request: RouteRequest, pool: Sequence[WorkerState], name: str) -> list[WorkerState]:

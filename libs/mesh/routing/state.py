@@ -65,8 +65,8 @@ class Assignment:
     balancer_id: str
     request_id: str
     assigned_s: float
-    prefill_worker_id: str
-    decode_worker_id: str
+    prefill_worker_id: str  # "": a late binding's decode half (Router.bind_decode)
+    decode_worker_id: str  # "": a route with late binding (its decode worker is bound when the KV is ready)
     num_prompt_tokens: int
     num_uncached_tokens: int  # what the prefill worker will compute
     prefill_s: float  # its predicted prefill time, in the cost model's seconds (each replica applies its time scale)

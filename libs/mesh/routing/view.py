@@ -103,6 +103,17 @@ class LoadView:
         pending.busy_until_s = busy
 
     def assign(self, assignment: Assignment) -> None:
+        """A decision's load: on its prefill worker and its decode worker, either of which is "" with late
+        binding (the route names prefill only; the binding, decode only)."""
+        if assignment.prefill_worker_id:
+            self._assign_prefill(assignment)
+        if assignment.decode_worker_id:
+            decode = self._pending.setdefault(assignment.decode_worker_id, _Pending())
+            self._add(
+                decode, Entry(assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0, 0, assignment.request_id)
+            )
+
+    def _assign_prefill(self, assignment: Assignment) -> None:
         prefill = self._pending.setdefault(assignment.prefill_worker_id, _Pending())
         self._add(
             prefill,
@@ -116,10 +127,6 @@ class LoadView:
         )
         prefill.busy_until_s = (
             max(prefill.busy_until_s, assignment.assigned_s) + assignment.prefill_s * self.time_scale.value
-        )
-        decode = self._pending.setdefault(assignment.decode_worker_id, _Pending())
-        self._add(
-            decode, Entry(assignment.decode_arrival_s, assignment.num_prompt_tokens, 0.0, 0, assignment.request_id)
         )
         done_s = assignment.decode_arrival_s - self.cost.transfer_s(assignment.num_prompt_tokens)
         self.pending_cache.add(assignment.prefill_worker_id, assignment.block_hashes, done_s)
