@@ -22,6 +22,8 @@ ALLOWED_CALLERS: dict[str, frozenset[str]] = {
     "/kvmesh.v1.Balancer/Route": frozenset({GATEWAY}),
     "/kvmesh.v1.Balancer/RouteEncoder": frozenset({GATEWAY}),
     "/kvmesh.v1.Balancer/ListWorkers": frozenset({GATEWAY}),
+    # late binding: the prefill worker holding a request's KV asks where to push it
+    "/kvmesh.v1.Balancer/BindDecode": frozenset({PREFILL}),
     # generations start at the gateway only
     "/kvmesh.v1.Prefill/Prefill": frozenset({GATEWAY}),
     "/kvmesh.v1.Prefill/PrefillStream": frozenset({GATEWAY}),

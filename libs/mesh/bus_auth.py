@@ -105,7 +105,8 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
         subscribe=(ALL_HEARTBEATS, "kvmesh.tenancy.changed", INBOXES),
     ),
     ENCODER: SubjectPermissions(publish=(_heartbeat(ENCODER),)),
-    # its cache's events, its expert loads; follows the store nodes, expert plans and the KV stream (JetStream)
+    # its cache's events, its expert loads; follows the store nodes, the balancers (late binding asks them where to
+    # push), expert plans and the KV stream (JetStream)
     PREFILL: SubjectPermissions(
         publish=(
             _heartbeat(PREFILL),
@@ -113,7 +114,12 @@ PERMISSIONS: dict[str, SubjectPermissions] = {
             subjects.ALL_EXPERT_LOADS,
             *jetstream_api(*KV_STREAMS, create=()),  # reads the KV index's stream and snapshots, never makes them
         ),
-        subscribe=(subjects.heartbeat(KVCACHE), f"{subjects.EXPERT_PLAN_PREFIX}.>", INBOXES),
+        subscribe=(
+            subjects.heartbeat(KVCACHE),
+            subjects.heartbeat(BALANCER),
+            f"{subjects.EXPERT_PLAN_PREFIX}.>",
+            INBOXES,
+        ),
     ),
     # no balancer assignments, no other role's heartbeats; of JetStream only the acks of its finished requests
     # (publishes the gateways' KVMESH_FINISHED keeps) and whether that stream exists yet (mesh.outbox)

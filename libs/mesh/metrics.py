@@ -370,6 +370,12 @@ OUTBOX_MESSAGES_DROPPED = _gauge(
 BALANCER_ROUTES = _counter(
     "kvmesh_balancer_routes_total", "Requests routed, by pool and worker", ["pool", "worker"], roles="balancer"
 )
+BALANCER_DECODE_BINDINGS = _counter(
+    "kvmesh_balancer_decode_bindings_total",
+    "Decode workers chosen, by when: early (with prefill, at Route) or late (at BindDecode, the request's KV ready)",
+    ["binding"],
+    roles="balancer",
+)
 BALANCER_WORKERS = _gauge("kvmesh_balancer_workers", "Live workers per pool", ["pool"], roles="balancer")
 BALANCER_RECOMMENDED_WORKERS = _gauge(
     "kvmesh_balancer_recommended_workers",

@@ -10,12 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.config import ServiceSettings, require, setting
-from mesh.routing import DEFAULT_POLICY, POLICIES
+from mesh.routing import DECODE_BINDINGS, DEFAULT_POLICY, POLICIES
 
 
 @dataclass(frozen=True)
 class BalancerSettings(ServiceSettings):
     balancer_policy: str = setting(DEFAULT_POLICY, "the routing policy: " + ", ".join(POLICIES))
+    balancer_decode_binding: str = setting(
+        "late",
+        "when the decode worker is chosen: late (Route names prefill only; prefill asks BindDecode when the KV is "
+        "ready) or early (Route names both, at the arrival); docs/balancer.md",
+    )
     balancer_cost_scale: float = setting(
         1.0,
         "multiplies the cost model's compute times (1.0: DeepSeek-V3 units on H800; fitted live from prefill "
@@ -39,6 +44,12 @@ class BalancerSettings(ServiceSettings):
             "balancer_policy",
             self.balancer_policy,
             f"must be one of {', '.join(POLICIES)}",
+        )
+        require(
+            self.balancer_decode_binding in DECODE_BINDINGS,
+            "balancer_decode_binding",
+            self.balancer_decode_binding,
+            f"must be one of {', '.join(DECODE_BINDINGS)}",
         )
         require(self.balancer_cost_scale > 0, "balancer_cost_scale", self.balancer_cost_scale, "must be positive")
         require(

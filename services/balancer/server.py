@@ -3,6 +3,10 @@ KVMESH_KV stream (KVEventFollower: every tier of every worker, replayed at start
 (`mesh.routing.Router`, chosen by KVMESH_BALANCER_POLICY), decisions shared with peer replicas, recommended pool
 sizes, metrics. Conversions between protobuf and the routing library's dataclasses happen here only.
 
+Late binding (KVMESH_BALANCER_DECODE_BINDING=late, the default): Route names the prefill worker only, and the
+prefill worker asks BindDecode for a decode worker once the request's KV is ready (its first token sampled); the
+router's decode policy chooses then, with what it knows of the decode pool at that moment (docs/balancer.md).
+
 Replicas: each publishes every decision on kvmesh.balancer.assign and counts its peers' (until the workers' next
 heartbeats include them), so several balancers behind the gateways do not all pick the same idle worker. Each
 publishes its recommended pool sizes on kvmesh.balancer.replicas once per heartbeat interval (and answers them in
@@ -74,6 +78,19 @@ def route_request_from_pb(request: balancer_pb2.RouteRequest) -> RouteRequest:
         request_id=request.request_id,
         exclude_worker_ids=frozenset(request.exclude_worker_ids),
         tenant=request.tenant,
+    )
+
+
+def bind_request_from_pb(request: balancer_pb2.BindDecodeRequest) -> RouteRequest:
+    """Late binding's question as the router reads it: the KV's tokens stand for the prompt's."""
+    if not request.model:
+        raise ValueError("model is required")
+    return RouteRequest(
+        model=request.model,
+        block_hashes=(),
+        num_prompt_tokens=request.num_kv_tokens,
+        request_id=request.request_id,
+        exclude_worker_ids=frozenset(request.exclude_worker_ids),
     )
 
 
@@ -177,19 +194,44 @@ class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
                 route, assignment = self._route(route_request_from_pb(request))
                 response = balancer_pb2.RouteResponse(
                     prefill=self._info(route.prefill_worker_id),
-                    decode=self._info(route.decode_worker_id),
+                    decode=self._info(route.decode_worker_id) if route.decode_worker_id else None,  # None: late
                     num_cached_tokens=route.num_cached_tokens,
                     predicted_ttft_s=route.predicted_ttft_s,
                 )
         except rpc.ServiceError as error:
             await abort(context, error)
-        if self.bus is not None:
-            num_cached_blocks = route.num_cached_tokens // max(model_block_size(response.prefill, request.model), 1)
-            try:
-                await self.bus.publish(subjects.BALANCER_ASSIGN, assignment_to_pb(assignment, num_cached_blocks))
-            except Exception:  # NATS briefly away: peers miss one decision until the next heartbeats
-                log.warning("assignment not shared", exc_info=True)
+        num_cached_blocks = route.num_cached_tokens // max(model_block_size(response.prefill, request.model), 1)
+        await self._share(assignment, num_cached_blocks)
         return response
+
+    async def BindDecode(
+        self, request: balancer_pb2.BindDecodeRequest, context: grpc.aio.ServicerContext
+    ) -> balancer_pb2.BindDecodeResponse:
+        """Late binding: the decode worker for a request whose KV is ready, shared with peers as a route is."""
+        try:
+            with self.lifecycle.track(), status_codes():
+                prefill = self.pools.registry.get(request.prefill_worker_id)
+                decode_id, assignment = self.router.bind_decode(
+                    bind_request_from_pb(request),
+                    self.pools.states("decode", request.model),
+                    now_s=time.time(),
+                    prefill_version=prefill.info.version if prefill is not None else "",
+                )
+                metrics.BALANCER_ROUTES.labels(pool="decode", worker=decode_id).inc()
+                metrics.BALANCER_DECODE_BINDINGS.labels(binding="late").inc()
+                response = balancer_pb2.BindDecodeResponse(decode=self._info(decode_id))
+        except rpc.ServiceError as error:
+            await abort(context, error)
+        await self._share(assignment, 0)
+        return response
+
+    async def _share(self, assignment: Assignment, num_cached_blocks: int) -> None:
+        if self.bus is None:
+            return
+        try:
+            await self.bus.publish(subjects.BALANCER_ASSIGN, assignment_to_pb(assignment, num_cached_blocks))
+        except Exception:  # NATS briefly away: peers miss one decision until the next heartbeats
+            log.warning("assignment not shared", exc_info=True)
 
     def _route(self, request: RouteRequest) -> tuple[Picked, Assignment]:
         route, assignment = self.router.route(
@@ -199,7 +241,9 @@ class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
             now_s=time.time(),
         )
         metrics.BALANCER_ROUTES.labels(pool="prefill", worker=route.prefill_worker_id).inc()
-        metrics.BALANCER_ROUTES.labels(pool="decode", worker=route.decode_worker_id).inc()
+        if route.decode_worker_id:  # late binding counts it in BindDecode
+            metrics.BALANCER_ROUTES.labels(pool="decode", worker=route.decode_worker_id).inc()
+            metrics.BALANCER_DECODE_BINDINGS.labels(binding="early").inc()
         return route, assignment
 
     def _info(self, worker_id: str) -> common_pb2.WorkerInfo:
@@ -338,9 +382,18 @@ async def serve(settings: BalancerSettings) -> None:
     bus = await runtime.connect_bus()
     index = GlobalKVIndex()
     router = Router(
-        settings.balancer_policy, index, CostModel(scale=settings.balancer_cost_scale), balancer_id=settings.worker_id
+        settings.balancer_policy,
+        index,
+        CostModel(scale=settings.balancer_cost_scale),
+        balancer_id=settings.worker_id,
+        decode_binding=settings.balancer_decode_binding,
     )
-    log.info("routing policy", policy=settings.balancer_policy, share=settings.balancer_share_assignments)
+    log.info(
+        "routing policy",
+        policy=settings.balancer_policy,
+        decode_binding=settings.balancer_decode_binding,
+        share=settings.balancer_share_assignments,
+    )
 
     encoders = EncoderBalancer()
 

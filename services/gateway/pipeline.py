@@ -2,9 +2,11 @@
 
 1. block keys of the prompt (root: model + cache salt), for cache-aware routing;
 2. Balancer.Route on a live balancer (the next one, within the same request, if it errs or cannot be reached:
-   nothing has reached the client yet) -> a (prefill, decode) pair;
+   nothing has reached the client yet) -> a (prefill, decode) pair, or the prefill worker alone (late binding);
 3. Prefill.PrefillStream: prefill answers with the first token as soon as it is sampled, then again once its push
-   of the KV to the decode worker is done. On UNAVAILABLE or RESOURCE_EXHAUSTED before the first answer the
+   of the KV to the decode worker is done. With late binding the first answer names the decode worker, which
+   prefill asked a balancer for (Balancer.BindDecode) when the KV was ready; the decode workers to avoid go with
+   the request (`exclude_decode_worker_ids`). On UNAVAILABLE or RESOURCE_EXHAUSTED before the first answer the
    failed worker (prefill's `kvmesh-failed-worker` trailer names a failed decode worker; without it, the prefill
    worker failed) is excluded and the request re-routed, up to max_retries;
 4. Decode.Stream: the remaining tokens, detokenized as they come, cut at a stop string (then the call is
@@ -159,13 +161,14 @@ class Pipeline:
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(self.max_retries + 1):
             attempt_id = generation.request_id if attempt == 0 else f"{generation.request_id}.{attempt}"
+            avoided = self._avoided(generation, excluded)
             try:
-                route = await self._route(generation, attempt_id, block_hashes, excluded, deadline)
+                route = await self._route(generation, attempt_id, block_hashes, avoided, deadline)
             except GatewayError:
                 if last_error is None:
                     raise
                 raise from_rpc_error(last_error, "prefill") from None  # nothing left to try: say why
-            call = self._prefill(generation, attempt_id, route, deadline)
+            call = self._prefill(generation, attempt_id, route, avoided, deadline)
             try:
                 first = await call.read()
                 if first is grpc.aio.EOF:  # a servicer that ends without answering: treat as unavailable
@@ -189,9 +192,14 @@ class Pipeline:
                 continue
             except asyncio.CancelledError:  # the client left mid-prefill: decode may already hold the KV
                 call.cancel()
-                self.abort_later(route.decode.address, attempt_id)
+                if route.decode.address:  # late binding: cancelling prefill's push makes decode free the KV
+                    self.abort_later(route.decode.address, attempt_id)
                 raise
-            placement = Placement(attempt_id, route.prefill.worker_id, route.decode.worker_id, route.decode.address)
+            if route.HasField("decode"):
+                decode_worker, decode_address = route.decode.worker_id, route.decode.address
+            else:  # late binding: prefill's first answer names the decode worker it bound
+                decode_worker, decode_address = first.decode_worker_id, first.decode_address
+            placement = Placement(attempt_id, route.prefill.worker_id, decode_worker, decode_address)
             return Attempt(placement, first, call)
         raise AssertionError("unreachable: the last attempt raises")
 
@@ -219,24 +227,28 @@ class Pipeline:
         root = root_hash(model, cache_salt or None)
         return functools.partial(hash_token_blocks, root, block_size=block_size, key_spans=key_spans(images))
 
+    def _avoided(self, generation: Generation, excluded: Sequence[str]) -> list[str]:
+        """The workers this attempt avoids: those that failed it, and the decode workers too slow to route to."""
+        slow = self.mesh.slow_decode_ids(generation.model.name, excluded)
+        if slow:
+            tracing.current_span().set_attribute("kvmesh.slow_decode_excluded", slow)
+        return [*excluded, *slow]
+
     async def _route(
         self,
         generation: Generation,
         attempt_id: str,
         block_hashes: Sequence[bytes],
-        excluded: Sequence[str],
+        avoided: Sequence[str],
         deadline: Deadline,
     ) -> balancer_pb2.RouteResponse:
-        slow = self.mesh.slow_decode_ids(generation.model.name, excluded)
-        if slow:
-            tracing.current_span().set_attribute("kvmesh.slow_decode_excluded", slow)
         request = balancer_pb2.RouteRequest(
             request_id=attempt_id,
             model=generation.model.name,
             block_hashes=block_hashes,
             num_prompt_tokens=len(generation.prompt_token_ids) + len(generation.output_token_ids),
             traffic_class=generation.traffic_class,
-            exclude_worker_ids=[*excluded, *slow],
+            exclude_worker_ids=avoided,
         )
         for balancer in self.mesh.balancers():
             stub = balancer_pb2_grpc.BalancerStub(self.channels.get(balancer.info.address))
@@ -258,7 +270,12 @@ class Pipeline:
         )
 
     def _prefill(
-        self, generation: Generation, attempt_id: str, route: balancer_pb2.RouteResponse, deadline: Deadline
+        self,
+        generation: Generation,
+        attempt_id: str,
+        route: balancer_pb2.RouteResponse,
+        avoided: Sequence[str],
+        deadline: Deadline,
     ) -> grpc.aio.UnaryStreamCall:
         request = prefill_pb2.PrefillRequest(
             request_id=attempt_id,
@@ -272,6 +289,7 @@ class Pipeline:
             decode_data_address=route.decode.data_address,
             images=generation.images,
             output_token_ids=generation.output_token_ids,
+            exclude_decode_worker_ids=avoided if not route.HasField("decode") else (),
         )
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(route.prefill.address))
         call: grpc.aio.UnaryStreamCall = stub.PrefillStream(

@@ -5,10 +5,13 @@ One request, in order:
      of those as are predicted to be quicker read than computed again (fetch_decision.py); store blocks enter
      the prefix cache right before the request is admitted (one engine call, so nothing evicts them in between);
   2. the request runs with the user's sampling but one token, kept (keep_kv) so its KV survives finishing;
-  3. unless that token already ends the request, the KV is exported and pushed to the decode worker;
+  3. unless that token already ends the request, the KV is exported and pushed to the decode worker: the one the
+     job names (early binding), or, when it names none (late binding), the one a balancer binds now that the KV is
+     ready (`DecodeBinder`), told to the caller with the first token. The push starts only after the first token
+     (the export reads finished blocks), so binding then delays no push; it adds one balancer call to the TTFT;
   4. the kept request is always released (success, failure or cancellation).
-Talking to decode and to the store is behind two small interfaces (`KVPusher`, `StoreReader`) implemented by
-the gRPC clients; this module holds no gRPC.
+Talking to decode, to the balancers and to the store is behind small interfaces (`KVPusher`, `DecodeBinder`,
+`StoreReader`) implemented by the gRPC clients; this module holds no gRPC.
 """
 
 from __future__ import annotations
@@ -43,12 +46,22 @@ class PrefillJob:
     prompt_token_ids: list[int]
     params: SamplingParams  # the user's
     cache_salt: str | None  # tenant salt: enters every block key
-    decode_address: str
+    decode_address: str  # "": late binding, a balancer names the decode worker once the first token is sampled
     decode_worker_id: str
     decode_data_address: str = ""  # the decode worker's bulk lane: the push goes there when set
     traffic_class: str = ""  # agent | chat | ...: the TTL class of the blocks it writes to the KV store
     images: tuple[EmbeddingSpan, ...] = ()  # embeddings at the prompt's image placeholders (from the encoder)
     output_token_ids: tuple[int, ...] = ()  # a migrated generation's output so far (computed with the prompt)
+    exclude_decode_worker_ids: tuple[str, ...] = ()  # late binding: decode workers the balancer must not pick
+
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    """A decode worker to push a request's KV to (late binding: the one a balancer bound)."""
+
+    worker_id: str
+    address: str  # gRPC
+    data_address: str = ""  # its bulk lane, when it has one
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ class PrefillResult:
     kv_bytes_sent: int
     queue_seconds: float = 0.0  # of prefill_seconds, the wait before the engine first scheduled it
     fetch: FetchDecision | None = None  # fetch or recompute, when the store held blocks past the engine's prefix
+    decode: DecodeTarget | None = None  # late binding: the decode worker bound for the KV (None: early, or nothing)
 
 
 @dataclass(frozen=True)
@@ -128,6 +142,17 @@ class PushError(RuntimeError):
         self.is_exhausted = is_exhausted
 
 
+class BindError(RuntimeError):
+    """No balancer named a decode worker for a request's KV (late binding): none reachable, or none to offer."""
+
+
+class DecodeBinder(Protocol):
+    async def bind(self, job: PrefillJob, num_kv_tokens: int) -> DecodeTarget:
+        """The decode worker for the job's KV, ready now (`num_kv_tokens`: prompt and output so far). Raises
+        BindError."""
+        ...
+
+
 class KVPusher(Protocol):
     async def push(self, job: PrefillJob, export: KVExport, chunks: AsyncIterator[KVChunk]) -> int:
         """Hand the KV to job.decode_address; returns the bytes sent. Raises PushError."""
@@ -174,8 +199,10 @@ class Prefiller:
         max_chunk_bytes: int | None = None,
         critical: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         planner: FetchPlanner | None = None,
+        binder: DecodeBinder | None = None,
     ) -> None:
         self.engines = engines
+        self.binder = binder  # late binding's balancer client (None: every job must name its decode worker)
         self.critical = critical  # wraps each request's path to its first token (background work waits)
         self.pusher = pusher
         self.store = store
@@ -190,6 +217,8 @@ class Prefiller:
         """Raises UnknownModelError, ValueError (bad prompt or parameters), PushError, EngineFailure.
         `on_first` gets the result as soon as the first token is known, before the KV push (kv_bytes_sent 0)."""
         engine = self.engines.get(job.model)
+        if not job.decode_address and self.binder is None:
+            raise ValueError("decode_address is required: this worker has no balancer to bind a decode worker")
         first_params = first_token_params(job.params, len(job.output_token_ids))
         if job.request_id in self._active:  # its stream and its kept KV would collide with the other's
             raise ValueError(f"duplicate request id {job.request_id!r}")
@@ -253,6 +282,11 @@ class Prefiller:
                 self.planner.observe_compute(
                     first.num_prompt_tokens - first.num_cached_tokens, seconds - result.queue_seconds
                 )
+            if finish_reason is None and not job.decode_address:
+                job = await self._bind(job)
+                result = dataclasses.replace(
+                    result, decode=DecodeTarget(job.decode_worker_id, job.decode_address, job.decode_data_address)
+                )
             on_first(result)
             if finish_reason is None:
                 with span("kvmesh.kv.push", attributes={"kvmesh.decode_worker_id": job.decode_worker_id}) as pushing:
@@ -271,6 +305,21 @@ class Prefiller:
             engine.call_soon(lambda e: _discard(e, request_id))
             _settle(feeding)
         return result
+
+    async def _bind(self, job: PrefillJob) -> PrefillJob:
+        """Late binding: the job, now naming the decode worker a balancer bound for its KV (traced, the balancer
+        call carrying the span's traceparent)."""
+        assert self.binder is not None, "checked when the job came"
+        num_kv_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
+        with span("kvmesh.decode.bind", attributes={"kvmesh.num_kv_tokens": num_kv_tokens}) as binding:
+            target = await self.binder.bind(job, num_kv_tokens)
+            binding.set_attribute("kvmesh.decode_worker_id", target.worker_id)
+        return dataclasses.replace(
+            job,
+            decode_address=target.address,
+            decode_worker_id=target.worker_id,
+            decode_data_address=target.data_address,
+        )
 
     async def _admit_unless_stored(
         self, engine: AsyncEngine, job: PrefillJob, params: SamplingParams, lookup: _Lookup | None

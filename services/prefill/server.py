@@ -27,11 +27,12 @@ from mesh.outbox import export_metrics as export_outbox_metrics
 from mesh.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
 from mesh.rpc import ServiceError
 from mesh.service import Lifecycle, ServiceRuntime
+from services.prefill.binder import BalancerBinder
 from services.prefill.config import PrefillSettings
 from services.prefill.decode_client import DecodePusher
 from services.prefill.fetch_decision import FetchPlanner
 from services.prefill.kv_events import KVEventRelay
-from services.prefill.prefiller import Prefiller, PrefillJob, PrefillResult, PushError
+from services.prefill.prefiller import BindError, Prefiller, PrefillJob, PrefillResult, PushError
 from services.prefill.store_client import StoreClient, StoreWriter
 
 log = get_logger(__name__)
@@ -41,8 +42,6 @@ def job_from_proto(r: prefill_pb2.PrefillRequest) -> PrefillJob:
     """Raises ValueError (INVALID_ARGUMENT) for a request that cannot be served as sent."""
     if not r.request_id:
         raise ValueError("request_id is required")
-    if not r.decode_address:
-        raise ValueError("decode_address is required")
     return PrefillJob(
         request_id=r.request_id,
         model=r.model,
@@ -55,6 +54,7 @@ def job_from_proto(r: prefill_pb2.PrefillRequest) -> PrefillJob:
         traffic_class=r.traffic_class,
         images=tuple(image_from_proto(i) for i in r.images),
         output_token_ids=tuple(r.output_token_ids),
+        exclude_decode_worker_ids=tuple(r.exclude_decode_worker_ids),
     )
 
 
@@ -69,6 +69,9 @@ def response_to_proto(result: PrefillResult, worker_id: str) -> prefill_pb2.Pref
         prefill_seconds=result.prefill_seconds,
         kv_bytes_sent=result.kv_bytes_sent,
     )
+    if result.decode is not None:  # late binding: where the gateway attaches
+        response.decode_worker_id = result.decode.worker_id
+        response.decode_address = result.decode.address
     if result.first_logprob is not None:
         response.first_logprob.CopyFrom(logprob_to_proto(result.first_logprob))
     return response
@@ -76,10 +79,13 @@ def response_to_proto(result: PrefillResult, worker_id: str) -> prefill_pb2.Pref
 
 @contextlib.contextmanager
 def prefill_status_on_error() -> Iterator[None]:
-    """The compute roles' mapping, plus a failed push: its code, and the decode worker to route around."""
+    """The compute roles' mapping, plus a failed push: its code, and the decode worker to route around; and a
+    failed late binding (no balancer named a decode worker): UNAVAILABLE."""
     try:
         with status_on_error():
             yield
+    except BindError as exc:
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
     except PushError as exc:
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.is_exhausted else grpc.StatusCode.UNAVAILABLE
         raise ServiceError(code, str(exc), ((rpc.FAILED_WORKER_KEY, exc.decode_worker_id),)) from exc
@@ -177,10 +183,12 @@ class PrefillService:
         registry: WorkerRegistry | None,
         writer: StoreWriter | None,
         relay: KVEventRelay,
+        balancers: WorkerRegistry,
     ) -> None:
         self.settings = settings
         self.runtime = runtime
         self.registry = registry
+        self.balancers = balancers  # late binding asks them for a decode worker
         self.writer = writer
         self.relay = relay
         self.store: StoreClient | None = None
@@ -212,9 +220,11 @@ class PrefillService:
         relay = KVEventRelay(runtime.worker_id, bus, writer, settings.outbox_size)
         relay.start()
         export_outbox_metrics("kv_events", relay.outbox)
-        service = cls(settings, runtime, registry, writer, relay)
+        balancers = WorkerRegistry(bus, [common_pb2.ROLE_BALANCER], settings.heartbeat_interval_s)
+        service = cls(settings, runtime, registry, writer, relay, balancers)
         service.store = store
         try:
+            await balancers.start()
             service.engines = engines = await ModelEngines.load(settings, relay.hook)
             service.pusher = DecodePusher(
                 runtime.channels, use_lanes=settings.kv_push_lanes, lane_tls=lane.client_tls(runtime.credentials)
@@ -227,6 +237,7 @@ class PrefillService:
                 max_chunk_bytes=rpc.KV_CHUNK_BYTES,
                 critical=writer.defer_while if writer is not None else contextlib.nullcontext,
                 planner=FetchPlanner(settings.kv_fetch),
+                binder=BalancerBinder(balancers, runtime.channels, runtime.worker_id),
             )
             service.prefiller = prefiller
             servicer = PrefillServicer(prefiller, runtime.lifecycle, runtime.worker_id, settings.faults())
@@ -263,9 +274,10 @@ class PrefillService:
             await self.writer.stop()
         if self.store is not None:
             await self.store.stop()
-        if self.registry is not None:
-            with contextlib.suppress(Exception):  # the bus is closed by now
-                await self.registry.stop()
+        for registry in (self.registry, self.balancers):
+            if registry is not None:
+                with contextlib.suppress(Exception):  # the bus is closed by now
+                    await registry.stop()
 
 
 async def serve(settings: PrefillSettings) -> None:

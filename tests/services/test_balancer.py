@@ -44,6 +44,9 @@ def test_a_bad_policy_fails_at_start_naming_the_setting() -> None:
     assert load_settings(BalancerSettings, env={"KVMESH_BALANCER_POLICY": "kv_aware"}).balancer_policy == "kv_aware"
     with pytest.raises(SettingError, match=r"^KVMESH_BALANCER_POLICY='fastest': must be one of round_robin, "):
         load_settings(BalancerSettings, env={"KVMESH_BALANCER_POLICY": "fastest"})
+    assert load_settings(BalancerSettings, env={}).balancer_decode_binding == "late"
+    with pytest.raises(SettingError, match=r"^KVMESH_BALANCER_DECODE_BINDING='lazy': must be one of early, late"):
+        load_settings(BalancerSettings, env={"KVMESH_BALANCER_DECODE_BINDING": "lazy"})
     with pytest.raises(SettingError, match="KVMESH_BALANCER_TARGET_UTILIZATION"):
         load_settings(BalancerSettings, env={"KVMESH_BALANCER_TARGET_UTILIZATION": "1.5"})
     with pytest.raises(SettingError, match=r"^KVMESH_KV_SNAPSHOT_EVERY=-1: must be 0 \(never\) or more"):
@@ -79,7 +82,10 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield nats.url
 
 
-def settings(nats_url: str, worker_id: str, policy: str = "kvmesh", interval_s: float = INTERVAL_S) -> BalancerSettings:
+def settings(
+    nats_url: str, worker_id: str, policy: str = "kvmesh", interval_s: float = INTERVAL_S, decode_binding: str = "early"
+) -> BalancerSettings:
+    """Early binding unless asked: these tests read the Route's pair (test_balancer_late_binding.py the other)."""
     return BalancerSettings(
         nats_url=nats_url,
         grpc_port=free_port(),
@@ -88,6 +94,7 @@ def settings(nats_url: str, worker_id: str, policy: str = "kvmesh", interval_s: 
         heartbeat_interval_s=interval_s,
         health_check_interval_s=0,  # the workers here are heartbeats alone, with no gRPC server to check
         balancer_policy=policy,
+        balancer_decode_binding=decode_binding,
     )
 
 

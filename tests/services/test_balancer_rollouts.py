@@ -99,6 +99,7 @@ async def test_the_balancer_routes_by_the_latest_rollout_weight(nats_url: str) -
         worker_id="balancer-r",
         heartbeat_interval_s=INTERVAL_S,
         health_check_interval_s=0,  # the workers here are heartbeats alone, with no gRPC server to check
+        balancer_decode_binding="early",  # the Route's pair shows the split (late: test_routing_late_binding.py)
     )
     conversations = [
         balancer_pb2.RouteRequest(request_id=f"r{i}", model="m", block_hashes=[bytes([i]) * 32], num_prompt_tokens=32)

@@ -246,7 +246,7 @@ def reset_peak() -> None:
 
 async def test_every_internal_method_is_in_the_access_table_and_has_a_server() -> None:
     paths = [method.path for method in internal_methods()]
-    assert len(paths) == 15
+    assert len(paths) == 16
     assert set(paths) == set(ALLOWED_CALLERS)
     assert {method.service for method in internal_methods()} == set(WELL_FORMED)
     assert all(REFUSED_CALLER not in roles for roles in ALLOWED_CALLERS.values())

@@ -34,7 +34,8 @@ mesh, nats_url = pd_harness.mesh, pd_harness.nats_url  # fixtures: each test fil
         (dict(prompt_token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty"),
         (dict(prompt_token_ids=[5, 500]), grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids must be integers"),
         (dict(prompt_token_ids=[-1] * 40), grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids must be integers"),
-        (dict(decode_address=""), grpc.StatusCode.INVALID_ARGUMENT, "decode_address is required"),
+        # late binding with no balancer to ask: computed, then refused before anything is pushed
+        (dict(decode_address=""), grpc.StatusCode.UNAVAILABLE, "no decode worker bound for request 'bad' (no balancer"),
     ],
     ids=["unknown-model", "top-p", "max-tokens", "empty", "out-of-vocabulary", "negative", "no-decode"],
 )

@@ -37,6 +37,26 @@ class RouteResponse(_message.Message):
     predicted_ttft_s: float
     def __init__(self, prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., predicted_ttft_s: _Optional[float] = ...) -> None: ...
 
+class BindDecodeRequest(_message.Message):
+    __slots__ = ("request_id", "model", "num_kv_tokens", "prefill_worker_id", "exclude_worker_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    num_kv_tokens: int
+    prefill_worker_id: str
+    exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_kv_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BindDecodeResponse(_message.Message):
+    __slots__ = ("decode",)
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    decode: _common_pb2.WorkerInfo
+    def __init__(self, decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
 class RouteEncoderRequest(_message.Message):
     __slots__ = ("request_id", "model", "image_hash", "exclude_worker_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

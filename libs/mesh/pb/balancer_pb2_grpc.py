@@ -39,6 +39,11 @@ class BalancerStub:
                 request_serializer=kvmesh_dot_v1_dot_balancer__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_balancer__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.BindDecode = channel.unary_unary(
+                '/kvmesh.v1.Balancer/BindDecode',
+                request_serializer=kvmesh_dot_v1_dot_balancer__pb2.BindDecodeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_balancer__pb2.BindDecodeResponse.FromString,
+                _registered_method=True)
         self.RouteEncoder = channel.unary_unary(
                 '/kvmesh.v1.Balancer/RouteEncoder',
                 request_serializer=kvmesh_dot_v1_dot_balancer__pb2.RouteEncoderRequest.SerializeToString,
@@ -55,7 +60,17 @@ class BalancerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Route(self, request, context):
-        """A (prefill, decode) pair for one request. UNAVAILABLE when a pool serving the model is empty.
+        """A (prefill, decode) pair for one request. UNAVAILABLE when a pool serving the model is empty. With late binding
+        (KVMESH_BALANCER_DECODE_BINDING=late) the decode worker is left unset: prefill binds it when the KV is ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BindDecode(self, request, context):
+        """Late binding: the decode worker for a request whose KV is ready (prefill asks once it has sampled the first
+        token), by the same decode policy Route uses early, the choice shared with peer replicas like a route's. Only
+        prefill may call it. UNAVAILABLE when no decode worker serves the model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +99,11 @@ def add_BalancerServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvmesh_dot_v1_dot_balancer__pb2.RouteRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_balancer__pb2.RouteResponse.SerializeToString,
+            ),
+            'BindDecode': grpc.unary_unary_rpc_method_handler(
+                    servicer.BindDecode,
+                    request_deserializer=kvmesh_dot_v1_dot_balancer__pb2.BindDecodeRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_balancer__pb2.BindDecodeResponse.SerializeToString,
             ),
             'RouteEncoder': grpc.unary_unary_rpc_method_handler(
                     servicer.RouteEncoder,
@@ -123,6 +143,33 @@ class Balancer:
             '/kvmesh.v1.Balancer/Route',
             kvmesh_dot_v1_dot_balancer__pb2.RouteRequest.SerializeToString,
             kvmesh_dot_v1_dot_balancer__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BindDecode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Balancer/BindDecode',
+            kvmesh_dot_v1_dot_balancer__pb2.BindDecodeRequest.SerializeToString,
+            kvmesh_dot_v1_dot_balancer__pb2.BindDecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,7 +51,8 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Compute the prompt (reusing any cached prefix, local or from the KV store), sample the first token,
-        and push the request's KV to `decode_address` (Decode.PushKV), layer by layer. Returns once decode
+        and push the request's KV to `decode_address` (Decode.PushKV), layer by layer; without one (late binding),
+        to the decode worker Balancer.BindDecode names then, told in the answer. Returns once decode
         holds the KV, or with finish_reason set when the first token already ends the request (nothing pushed).
         Errors: INVALID_ARGUMENT (bad prompt or parameters), RESOURCE_EXHAUSTED (decode has no room),
         UNAVAILABLE (decode unreachable). A cancelled call frees everything it held.

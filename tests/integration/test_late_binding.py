@@ -1,0 +1,64 @@
+"""Late binding in a small mesh of real processes (one prefill, two decode, one balancer; no store, no encoder):
+with KVMESH_BALANCER_DECODE_BINDING=late (the default) the balancer's Route names the prefill worker only, prefill
+asks Balancer.BindDecode for a decode worker once the first token is sampled, and the gateway attaches where
+prefill's first answer says. The same greedy request then completes with the exact tokens on a balancer that binds
+early (the balancer restarted with KVMESH_BALANCER_DECODE_BINDING=early)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import openai
+import pytest
+
+from .conftest import API_KEY, ready, scrape, start_mesh, wait_until
+
+MODEL = "smollm2-135m"
+PROMPT = "The three primary colours are"
+BINDINGS = "kvmesh_balancer_decode_bindings_total"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory):
+    log_path = tmp_path_factory.mktemp("late") / "mesh.log"
+    # pushes over Decode.PushKV: with cryptography 51 the bulk lane's in-place decrypt (lane_io, update_into)
+    # refuses its buffer ("data and buf must not overlap"), early and late binding alike
+    env = {"KVMESH_KV_PUSH_LANES": "false"}
+    mesh = start_mesh(log_path, env, prefill=1, decode=2, kvcache=0, balancer=1, encoder=0, models=(MODEL,))
+    yield mesh
+    mesh.stop()
+
+
+def answer(client: openai.OpenAI, max_tokens: int) -> tuple[str, list[str], int]:
+    """The decode worker the gateway attached to, the output's tokens (greedy, logprobs' token strings), and the
+    completion's token count."""
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+    )
+    completion = raw.parse()
+    assert completion.usage is not None and completion.choices[0].logprobs is not None
+    return (
+        raw.headers["x-kvmesh-decode-worker"],
+        list(completion.choices[0].logprobs.tokens or []),
+        completion.usage.completion_tokens,
+    )
+
+
+def test_late_binding_completes_with_the_tokens_of_early_binding(mesh) -> None:
+    client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key=API_KEY, max_retries=0)
+    late = mesh.child("balancer-0")
+    decode_worker, late_tokens, num_tokens = answer(client, 24)
+    assert decode_worker in ("decode-0", "decode-1") and num_tokens == len(late_tokens) == 24
+    assert scrape(late.http_port, BINDINGS) == {'{binding="late"}': 1.0}
+    assert answer(client, 1)[1:] == (late_tokens[:1], 1)  # the first token ends it: nothing to bind
+    assert scrape(late.http_port, BINDINGS) == {'{binding="late"}': 1.0}
+
+    mesh.kill("balancer-0", signal.SIGTERM)  # leaves the pools with a `leaving` heartbeat
+    early = mesh.spawn("balancer", 1, env={"KVMESH_BALANCER_DECODE_BINDING": "early"})
+    wait_until(lambda: ready(early.http_port), 120, "the early-binding balancer ready")
+    time.sleep(1.5)  # three heartbeats: the gateway knows it, and it knows every worker
+    decode_worker, early_tokens, num_tokens = answer(client, 24)
+    assert decode_worker in ("decode-0", "decode-1") and num_tokens == 24
+    assert early_tokens == late_tokens
+    assert scrape(early.http_port, BINDINGS) == {'{binding="early"}': 1.0}
