@@ -77,6 +77,8 @@ class Script:
     push_delays: dict[str, float] = field(default_factory=dict)  # decode worker -> how long a push to it takes
     pushes: list[str] = field(default_factory=list)  # "<request id> finished" | "<request id> cancelled"
     prefill_ends: list[str] = field(default_factory=list)  # "finished" | "cancelled"
+    late_binding: bool = False  # Route names prefill only; prefill binds the first decode worker not excluded
+    bound: dict[str, str] = field(default_factory=dict)  # late binding: request id -> the decode worker bound
     routes: list[balancer_pb2.RouteRequest] = field(default_factory=list)
     prefills: list[prefill_pb2.PrefillRequest] = field(default_factory=list)
     streams: list[str] = field(default_factory=list)  # request ids followed
@@ -130,7 +132,8 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
             await context.abort(grpc.StatusCode.UNAVAILABLE, "every worker is excluded")
         assert prefill is not None and decode is not None
         return balancer_pb2.RouteResponse(
-            prefill=self.info(prefill, common_pb2.ROLE_PREFILL), decode=self.info(decode, common_pb2.ROLE_DECODE)
+            prefill=self.info(prefill, common_pb2.ROLE_PREFILL),
+            decode=None if self.script.late_binding else self.info(decode, common_pb2.ROLE_DECODE),
         )
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
@@ -151,13 +154,18 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
         self.script.offsets[request.request_id] = offset
         ids = self.script.token_ids[offset:]
         finish_reason: Any = self.script.finish_reason if len(ids) == 1 else 0
-        return prefill_pb2.PrefillResponse(
+        response = prefill_pb2.PrefillResponse(
             worker_id="prefill",
             first_token_id=ids[0],
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=NUM_CACHED,
             finish_reason=finish_reason,
         )
+        if not request.decode_address and not finish_reason:  # late binding, as Balancer.BindDecode would
+            decode = next(w for w in DECODES if w not in request.exclude_decode_worker_ids)
+            self.script.bound[request.request_id] = decode
+            response.decode_worker_id, response.decode_address = decode, self.address
+        return response
 
     async def PrefillStream(
         self, request: prefill_pb2.PrefillRequest, context: Any
@@ -166,7 +174,8 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
         first.kv_pending = True
         yield first
         try:
-            await asyncio.sleep(self.script.push_delays.get(request.decode_worker_id, 0.0))
+            decode = request.decode_worker_id or self.script.bound.get(request.request_id, "")
+            await asyncio.sleep(self.script.push_delays.get(decode, 0.0))
         except asyncio.CancelledError:
             self.script.pushes.append(f"{request.request_id} cancelled")
             raise
@@ -178,7 +187,9 @@ class Fakes(balancer_pb2_grpc.BalancerServicer, prefill_pb2_grpc.PrefillServicer
         script.streams.append(request.request_id)
         offset = script.offsets.get(request.request_id, 0)
         rest = script.token_ids[offset + 1 :]
-        worker = next((p.decode_worker_id for p in script.prefills if p.request_id == request.request_id), "")
+        worker = script.bound.get(request.request_id) or next(
+            (p.decode_worker_id for p in script.prefills if p.request_id == request.request_id), ""
+        )
         delay_s = script.decode_delays.get(worker, script.batch_delay_s)
         try:
             for number, start in enumerate(range(0, len(rest), script.batch_size)):

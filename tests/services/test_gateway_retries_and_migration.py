@@ -82,6 +82,26 @@ async def test_a_decode_failure_mid_stream_migrates_and_the_output_goes_on(mesh:
     assert script.prefills[1].request_id == script.prefills[0].request_id + ".m1"
 
 
+async def test_with_late_binding_prefill_names_the_decode_worker_and_a_migration_avoids_it(
+    mesh: Mesh, script: Script
+) -> None:
+    script.late_binding = True
+    script.decode_error_after, script.decode_errors = 1, 1
+    status, headers, raw = await post(
+        mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    )
+    events = sse_events(raw)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
+    first, second = script.prefills
+    # no decode address: prefill bound decode-a (the header says so), then the migration's prefill avoided it
+    assert (first.decode_address, list(first.exclude_decode_worker_ids)) == ("", [])
+    assert (second.decode_address, list(second.exclude_decode_worker_ids)) == ("", ["decode-a"])
+    assert headers["x-kvmesh-decode-worker"] == "decode-a"
+    assert script.bound == {first.request_id: "decode-a", second.request_id: "decode-b"}
+    assert script.streams == [first.request_id, second.request_id]
+
+
 # a slow decode worker (mesh/latency_outliers.py, the gateway's default rule: 3x the pool's others', 8 samples)
 
 
