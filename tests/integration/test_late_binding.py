@@ -30,9 +30,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, receiver: OTLPSink):
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
         "OTEL_BSP_SCHEDULE_DELAY": "200",
-        # pushes over Decode.PushKV: with cryptography 51 the bulk lane's in-place decrypt (lane_io, update_into)
-        # refuses its buffer ("data and buf must not overlap"), early and late binding alike
-        "KVMESH_KV_PUSH_LANES": "false",
     }
     mesh = start_mesh(log_path, env, prefill=1, decode=2, kvcache=0, balancer=1, encoder=0, models=(MODEL,))
     yield mesh
