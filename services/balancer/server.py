@@ -197,6 +197,7 @@ class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
                     decode=self._info(route.decode_worker_id) if route.decode_worker_id else None,  # None: late
                     num_cached_tokens=route.num_cached_tokens,
                     predicted_ttft_s=route.predicted_ttft_s,
+                    canary=route.is_canary,
                 )
         except rpc.ServiceError as error:
             await abort(context, error)
@@ -210,12 +211,11 @@ class BalancerServicer(balancer_pb2_grpc.BalancerServicer):
         """Late binding: the decode worker for a request whose KV is ready, shared with peers as a route is."""
         try:
             with self.lifecycle.track(), status_codes():
-                prefill = self.pools.registry.get(request.prefill_worker_id)
                 decode_id, assignment = self.router.bind_decode(
                     bind_request_from_pb(request),
                     self.pools.states("decode", request.model),
                     now_s=time.time(),
-                    prefill_version=prefill.info.version if prefill is not None else "",
+                    is_canary=request.canary,
                 )
                 metrics.BALANCER_ROUTES.labels(pool="decode", worker=decode_id).inc()
                 metrics.BALANCER_DECODE_BINDINGS.labels(binding="late").inc()

@@ -290,6 +290,7 @@ class Pipeline:
             images=generation.images,
             output_token_ids=generation.output_token_ids,
             exclude_decode_worker_ids=avoided if not route.HasField("decode") else (),
+            canary=route.canary,
         )
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(route.prefill.address))
         call: grpc.aio.UnaryStreamCall = stub.PrefillStream(

@@ -19,11 +19,10 @@ log = get_logger(__name__)
 
 class BalancerBinder:
     def __init__(
-        self, registry: WorkerRegistry, channels: rpc.Channels, worker_id: str, timeout_s: float = rpc.ROUTE_TIMEOUT_S
+        self, registry: WorkerRegistry, channels: rpc.Channels, timeout_s: float = rpc.ROUTE_TIMEOUT_S
     ) -> None:
         self.registry = registry  # read only here: the live balancers
         self.channels = channels
-        self.worker_id = worker_id  # this prefill worker: its version picks a rollout's side
         self.timeout_s = timeout_s
         self._next = 0  # the balancer the next call starts with; written only by `bind`
 
@@ -33,7 +32,7 @@ class BalancerBinder:
             request_id=job.request_id,
             model=job.model,
             num_kv_tokens=num_kv_tokens,
-            prefill_worker_id=self.worker_id,
+            canary=job.canary,
             exclude_worker_ids=job.exclude_decode_worker_ids,
         )
         errors = []

@@ -53,6 +53,7 @@ class PrefillJob:
     images: tuple[EmbeddingSpan, ...] = ()  # embeddings at the prompt's image placeholders (from the encoder)
     output_token_ids: tuple[int, ...] = ()  # a migrated generation's output so far (computed with the prompt)
     exclude_decode_worker_ids: tuple[str, ...] = ()  # late binding: decode workers the balancer must not pick
+    canary: bool = False  # late binding: on a canary rollout's side (the route's), where the decode worker must be
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ def job_from_proto(r: prefill_pb2.PrefillRequest) -> PrefillJob:
         images=tuple(image_from_proto(i) for i in r.images),
         output_token_ids=tuple(r.output_token_ids),
         exclude_decode_worker_ids=tuple(r.exclude_decode_worker_ids),
+        canary=r.canary,
     )
 
 
@@ -237,7 +238,7 @@ class PrefillService:
                 max_chunk_bytes=rpc.KV_CHUNK_BYTES,
                 critical=writer.defer_while if writer is not None else contextlib.nullcontext,
                 planner=FetchPlanner(settings.kv_fetch),
-                binder=BalancerBinder(balancers, runtime.channels, runtime.worker_id),
+                binder=BalancerBinder(balancers, runtime.channels),
             )
             service.prefiller = prefiller
             servicer = PrefillServicer(prefiller, runtime.lifecycle, runtime.worker_id, settings.faults())

@@ -1,6 +1,6 @@
 """Late binding (mesh.routing.Router with decode_binding="late"): Route names the prefill worker only, and
 `bind_decode` picks the decode worker when the KV is ready, with the same decode policy and view; both halves are
-shared with peer replicas as Assignments, and a rollout keeps the decode worker on the prefill worker's side."""
+shared with peer replicas as Assignments, and a rollout's binding keeps the side the route chose."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from mesh.kv_index import GlobalKVIndex
 from mesh.routing import Router, RouteRequest, Split, WorkerState
+from tests.mesh.test_routing_canary import conversation
 from tests.mesh.test_routing_policies import COST, DECODE, PREFILL, request, worker
 
 
@@ -69,18 +70,25 @@ def test_peers_apply_both_halves_of_a_late_decision() -> None:
     assert two.bind_decode(RouteRequest("m", (), 500, "r2"), DECODE, 1.0)[0] == "d-b"  # d-a has r1 coming
 
 
-def test_during_a_rollout_the_decode_worker_is_on_the_prefill_workers_side() -> None:
+def test_during_a_rollout_the_binding_keeps_the_side_the_route_chose() -> None:
+    """A canary of decode workers only (the prefill pool all stable): a canary conversation's route says so, and
+    its binding goes to the canary decode worker though it holds more KV; a stable one's does not."""
+    prefill = [WorkerState("p-a", 0.0, 16, 8, 100, version="1.0")]
     decode = [
         WorkerState("d-new", 0.0, 16, 8, 100, num_kv_tokens=900, version="2.0"),
         WorkerState("d-old", 0.0, 16, 8, 100, version="1.0"),
     ]
     router = late("kv_aware")
-    router.splits["m"] = Split("m", "2.0", weight=5)
+    router.splits["m"] = Split("m", "2.0", weight=50)
+    canary, stable = conversation(0), conversation(1)  # buckets 27 and 77 (test_routing_canary.py)
+    assert [router.route(r, prefill, decode, 0.0)[0].is_canary for r in (canary, stable)] == [True, False]
     kv = RouteRequest("m", (), 100, "r1")
-    assert router.bind_decode(kv, decode, 0.0, prefill_version="2.0")[0] == "d-new"  # though it holds more KV
-    assert router.bind_decode(kv, decode, 0.0, prefill_version="1.0")[0] == "d-old"
+    assert router.bind_decode(kv, decode, 0.0, is_canary=True)[0] == "d-new"
+    assert router.bind_decode(kv, decode, 0.0, is_canary=False)[0] == "d-old"
     only_new = RouteRequest("m", (), 100, "r2", frozenset({"d-old"}))
-    assert router.bind_decode(only_new, decode, 0.0, prefill_version="1.0")[0] == "d-new"  # its side has nobody
+    assert router.bind_decode(only_new, decode, 0.0, is_canary=False)[0] == "d-new"  # its side has nobody
+    del router.splits["m"]
+    assert router.bind_decode(kv, decode, 0.0, is_canary=True)[0] == "d-old"  # no rollout: by KV alone
 
 
 def test_an_unknown_binding_is_refused() -> None:

@@ -33,7 +33,6 @@ def bind_request(
         request_id=request_id,
         model=model,
         num_kv_tokens=num_kv_tokens,
-        prefill_worker_id="p-7",
         exclude_worker_ids=exclude,
     )
 

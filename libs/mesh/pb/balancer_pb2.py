@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mesh.pb import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvmesh/v1/balancer.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xa5\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x15\n\rtraffic_class\x18\x06 \x01(\t\x12\x1a\n\x12\x65xclude_worker_ids\x18\x07 \x03(\t\"\x93\x01\n\rRouteResponse\x12&\n\x07prefill\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12%\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x18\n\x10predicted_ttft_s\x18\x04 \x01(\x01\"\x84\x01\n\x11\x42indDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rnum_kv_tokens\x18\x03 \x01(\x05\x12\x19\n\x11prefill_worker_id\x18\x04 \x01(\t\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\";\n\x12\x42indDecodeResponse\x12%\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\"h\n\x13RouteEncoderRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nimage_hash\x18\x03 \x01(\x0c\x12\x1a\n\x12\x65xclude_worker_ids\x18\x04 \x03(\t\">\n\x14RouteEncoderResponse\x12&\n\x07\x65ncoder\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\"\x14\n\x12ListWorkersRequest\"p\n\x0cWorkerStatus\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x14\n\x0clast_seen_ms\x18\x03 \x01(\x03\"e\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.WorkerStatus\x12$\n\x05pools\x18\x02 \x03(\x0b\x32\x15.kvmesh.v1.PoolStatus\"y\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x17\n\x0fnum_recommended\x18\x03 \x01(\x05\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\x1a\n\x12target_utilization\x18\x05 \x01(\x01\"h\n\x15ReplicaRecommendation\x12\x13\n\x0b\x62\x61lancer_id\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12$\n\x05pools\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.PoolStatus\"\xf9\x01\n\nAssignment\x12\x13\n\x0b\x62\x61lancer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nassigned_s\x18\x03 \x01(\x01\x12\x19\n\x11prefill_worker_id\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x1b\n\x13num_uncached_tokens\x18\x07 \x01(\x05\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_arrival_s\x18\t \x01(\x01\x12\x14\n\x0c\x62lock_hashes\x18\n \x03(\x0c\x32\xb0\x02\n\x08\x42\x61lancer\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12I\n\nBindDecode\x12\x1c.kvmesh.v1.BindDecodeRequest\x1a\x1d.kvmesh.v1.BindDecodeResponse\x12O\n\x0cRouteEncoder\x12\x1e.kvmesh.v1.RouteEncoderRequest\x1a\x1f.kvmesh.v1.RouteEncoderResponse\x12L\n\x0bListWorkers\x12\x1d.kvmesh.v1.ListWorkersRequest\x1a\x1e.kvmesh.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvmesh/v1/balancer.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xa5\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x15\n\rtraffic_class\x18\x06 \x01(\t\x12\x1a\n\x12\x65xclude_worker_ids\x18\x07 \x03(\t\"\xa3\x01\n\rRouteResponse\x12&\n\x07prefill\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12%\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x18\n\x10predicted_ttft_s\x18\x04 \x01(\x01\x12\x0e\n\x06\x63\x61nary\x18\x05 \x01(\x08\"y\n\x11\x42indDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rnum_kv_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06\x63\x61nary\x18\x04 \x01(\x08\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\";\n\x12\x42indDecodeResponse\x12%\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\"h\n\x13RouteEncoderRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nimage_hash\x18\x03 \x01(\x0c\x12\x1a\n\x12\x65xclude_worker_ids\x18\x04 \x03(\t\">\n\x14RouteEncoderResponse\x12&\n\x07\x65ncoder\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\"\x14\n\x12ListWorkersRequest\"p\n\x0cWorkerStatus\x12%\n\x06worker\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.WorkerInfo\x12#\n\x04load\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.WorkerLoad\x12\x14\n\x0clast_seen_ms\x18\x03 \x01(\x03\"e\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.WorkerStatus\x12$\n\x05pools\x18\x02 \x03(\x0b\x32\x15.kvmesh.v1.PoolStatus\"y\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x17\n\x0fnum_recommended\x18\x03 \x01(\x05\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\x1a\n\x12target_utilization\x18\x05 \x01(\x01\"h\n\x15ReplicaRecommendation\x12\x13\n\x0b\x62\x61lancer_id\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12$\n\x05pools\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.PoolStatus\"\xf9\x01\n\nAssignment\x12\x13\n\x0b\x62\x61lancer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nassigned_s\x18\x03 \x01(\x01\x12\x19\n\x11prefill_worker_id\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x1b\n\x13num_uncached_tokens\x18\x07 \x01(\x05\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_arrival_s\x18\t \x01(\x01\x12\x14\n\x0c\x62lock_hashes\x18\n \x03(\x0c\x32\xb0\x02\n\x08\x42\x61lancer\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12I\n\nBindDecode\x12\x1c.kvmesh.v1.BindDecodeRequest\x1a\x1d.kvmesh.v1.BindDecodeResponse\x12O\n\x0cRouteEncoder\x12\x1e.kvmesh.v1.RouteEncoderRequest\x1a\x1f.kvmesh.v1.RouteEncoderResponse\x12L\n\x0bListWorkers\x12\x1d.kvmesh.v1.ListWorkersRequest\x1a\x1e.kvmesh.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTEREQUEST']._serialized_start=64
   _globals['_ROUTEREQUEST']._serialized_end=229
   _globals['_ROUTERESPONSE']._serialized_start=232
-  _globals['_ROUTERESPONSE']._serialized_end=379
-  _globals['_BINDDECODEREQUEST']._serialized_start=382
-  _globals['_BINDDECODEREQUEST']._serialized_end=514
-  _globals['_BINDDECODERESPONSE']._serialized_start=516
-  _globals['_BINDDECODERESPONSE']._serialized_end=575
-  _globals['_ROUTEENCODERREQUEST']._serialized_start=577
-  _globals['_ROUTEENCODERREQUEST']._serialized_end=681
-  _globals['_ROUTEENCODERRESPONSE']._serialized_start=683
-  _globals['_ROUTEENCODERRESPONSE']._serialized_end=745
-  _globals['_LISTWORKERSREQUEST']._serialized_start=747
-  _globals['_LISTWORKERSREQUEST']._serialized_end=767
-  _globals['_WORKERSTATUS']._serialized_start=769
-  _globals['_WORKERSTATUS']._serialized_end=881
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=883
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=984
-  _globals['_POOLSTATUS']._serialized_start=986
-  _globals['_POOLSTATUS']._serialized_end=1107
-  _globals['_REPLICARECOMMENDATION']._serialized_start=1109
-  _globals['_REPLICARECOMMENDATION']._serialized_end=1213
-  _globals['_ASSIGNMENT']._serialized_start=1216
-  _globals['_ASSIGNMENT']._serialized_end=1465
-  _globals['_BALANCER']._serialized_start=1468
-  _globals['_BALANCER']._serialized_end=1772
+  _globals['_ROUTERESPONSE']._serialized_end=395
+  _globals['_BINDDECODEREQUEST']._serialized_start=397
+  _globals['_BINDDECODEREQUEST']._serialized_end=518
+  _globals['_BINDDECODERESPONSE']._serialized_start=520
+  _globals['_BINDDECODERESPONSE']._serialized_end=579
+  _globals['_ROUTEENCODERREQUEST']._serialized_start=581
+  _globals['_ROUTEENCODERREQUEST']._serialized_end=685
+  _globals['_ROUTEENCODERRESPONSE']._serialized_start=687
+  _globals['_ROUTEENCODERRESPONSE']._serialized_end=749
+  _globals['_LISTWORKERSREQUEST']._serialized_start=751
+  _globals['_LISTWORKERSREQUEST']._serialized_end=771
+  _globals['_WORKERSTATUS']._serialized_start=773
+  _globals['_WORKERSTATUS']._serialized_end=885
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=887
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=988
+  _globals['_POOLSTATUS']._serialized_start=990
+  _globals['_POOLSTATUS']._serialized_end=1111
+  _globals['_REPLICARECOMMENDATION']._serialized_start=1113
+  _globals['_REPLICARECOMMENDATION']._serialized_end=1217
+  _globals['_ASSIGNMENT']._serialized_start=1220
+  _globals['_ASSIGNMENT']._serialized_end=1469
+  _globals['_BALANCER']._serialized_start=1472
+  _globals['_BALANCER']._serialized_end=1776
 # @@protoc_insertion_point(module_scope)

@@ -26,30 +26,32 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., traffic_class: _Optional[str] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("prefill", "decode", "num_cached_tokens", "predicted_ttft_s")
+    __slots__ = ("prefill", "decode", "num_cached_tokens", "predicted_ttft_s", "canary")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     prefill: _common_pb2.WorkerInfo
     decode: _common_pb2.WorkerInfo
     num_cached_tokens: int
     predicted_ttft_s: float
-    def __init__(self, prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., predicted_ttft_s: _Optional[float] = ...) -> None: ...
+    canary: bool
+    def __init__(self, prefill: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., decode: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., predicted_ttft_s: _Optional[float] = ..., canary: _Optional[bool] = ...) -> None: ...
 
 class BindDecodeRequest(_message.Message):
-    __slots__ = ("request_id", "model", "num_kv_tokens", "prefill_worker_id", "exclude_worker_ids")
+    __slots__ = ("request_id", "model", "num_kv_tokens", "canary", "exclude_worker_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     num_kv_tokens: int
-    prefill_worker_id: str
+    canary: bool
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_kv_tokens: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_kv_tokens: _Optional[int] = ..., canary: _Optional[bool] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BindDecodeResponse(_message.Message):
     __slots__ = ("decode",)

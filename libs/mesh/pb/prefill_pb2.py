@@ -26,7 +26,7 @@ from mesh.pb import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 from mesh.pb import encoder_pb2 as kvmesh_dot_v1_dot_encoder__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/prefill.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x17kvmesh/v1/encoder.proto\"\xd9\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x15\n\rtraffic_class\x18\x08 \x01(\t\x12&\n\x06images\x18\t \x03(\x0b\x32\x16.kvmesh.v1.PromptImage\x12\x1b\n\x13\x64\x65\x63ode_data_address\x18\n \x01(\t\x12\x18\n\x10output_token_ids\x18\x0b \x03(\x05\x12!\n\x19\x65xclude_decode_worker_ids\x18\x0c \x03(\t\"\xe2\x02\n\x0fPrefillResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12.\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x18\n\x10num_store_tokens\x18\x07 \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x08 \x01(\x01\x12\x15\n\rkv_bytes_sent\x18\t \x01(\x03\x12\x12\n\nkv_pending\x18\n \x01(\x08\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x0b \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x0c \x01(\t2\x95\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12H\n\rPrefillStream\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/prefill.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x17kvmesh/v1/encoder.proto\"\xe9\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\x15\n\rtraffic_class\x18\x08 \x01(\t\x12&\n\x06images\x18\t \x03(\x0b\x32\x16.kvmesh.v1.PromptImage\x12\x1b\n\x13\x64\x65\x63ode_data_address\x18\n \x01(\t\x12\x18\n\x10output_token_ids\x18\x0b \x03(\x05\x12!\n\x19\x65xclude_decode_worker_ids\x18\x0c \x03(\t\x12\x0e\n\x06\x63\x61nary\x18\r \x01(\x08\"\xe2\x02\n\x0fPrefillResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12.\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x18\n\x10num_store_tokens\x18\x07 \x01(\x05\x12\x17\n\x0fprefill_seconds\x18\x08 \x01(\x01\x12\x15\n\rkv_bytes_sent\x18\t \x01(\x03\x12\x12\n\nkv_pending\x18\n \x01(\x08\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x0b \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x0c \x01(\t2\x95\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12H\n\rPrefillStream\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.prefill_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=88
-  _globals['_PREFILLREQUEST']._serialized_end=433
-  _globals['_PREFILLRESPONSE']._serialized_start=436
-  _globals['_PREFILLRESPONSE']._serialized_end=790
-  _globals['_PREFILL']._serialized_start=793
-  _globals['_PREFILL']._serialized_end=942
+  _globals['_PREFILLREQUEST']._serialized_end=449
+  _globals['_PREFILLRESPONSE']._serialized_start=452
+  _globals['_PREFILLRESPONSE']._serialized_end=806
+  _globals['_PREFILL']._serialized_start=809
+  _globals['_PREFILL']._serialized_end=958
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "cache_salt", "decode_address", "decode_worker_id", "traffic_class", "images", "decode_data_address", "output_token_ids", "exclude_decode_worker_ids")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "cache_salt", "decode_address", "decode_worker_id", "traffic_class", "images", "decode_data_address", "output_token_ids", "exclude_decode_worker_ids", "canary")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class PrefillRequest(_message.Message):
     DECODE_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_DECODE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -34,7 +35,8 @@ class PrefillRequest(_message.Message):
     decode_data_address: str
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     exclude_decode_worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., traffic_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_encoder_pb2.PromptImage, _Mapping]]] = ..., decode_data_address: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., exclude_decode_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    canary: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., traffic_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[_encoder_pb2.PromptImage, _Mapping]]] = ..., decode_data_address: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., exclude_decode_worker_ids: _Optional[_Iterable[str]] = ..., canary: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("worker_id", "first_token_id", "first_logprob", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_store_tokens", "prefill_seconds", "kv_bytes_sent", "kv_pending", "decode_worker_id", "decode_address")

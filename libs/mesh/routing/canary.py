@@ -56,17 +56,14 @@ def is_canary_request(split: Split, request: RouteRequest) -> bool:
 def side_of(split: Split, request: RouteRequest, pool: Sequence[WorkerState]) -> list[WorkerState]:
     """The workers of `pool` (one model's, in worker-id order) on the request's side of the split, excluded
     workers left out; the other side's when its own has none."""
+    return side(split, is_canary_request(split, request), request, pool)
+
+
+def side(split: Split, is_canary: bool, request: RouteRequest, pool: Sequence[WorkerState]) -> list[WorkerState]:
+    """The workers of `pool` on one side of the split (late binding: the side the route chose, carried to the
+    binding), excluded workers left out; the other side's when that one has none."""
     available = [w for w in pool if w.worker_id not in request.exclude_worker_ids]
     canary = [w for w in available if w.version == split.canary_version]
     stable = [w for w in available if w.version != split.canary_version]
-    preferred, other = (canary, stable) if is_canary_request(split, request) else (stable, canary)
-    return preferred or other
-
-
-def side_of_version(split: Split, version: str, pool: Sequence[WorkerState]) -> list[WorkerState]:
-    """The workers of `pool` on the side a worker of `version` is on (late binding: the decode worker goes with the
-    side of the prefill worker that computed the KV); the other side's when its own has none."""
-    canary = [w for w in pool if w.version == split.canary_version]
-    stable = [w for w in pool if w.version != split.canary_version]
-    preferred, other = (canary, stable) if version == split.canary_version else (stable, canary)
+    preferred, other = (canary, stable) if is_canary else (stable, canary)
     return preferred or other

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mesh.routing.canary import Split, side_of, side_of_version
+from mesh.routing.canary import Split, is_canary_request, side, side_of
 from mesh.routing.context import CacheIndex, PickContext
 from mesh.routing.cost import CostModel
 from mesh.routing.decode import DecodePolicy, DeepSeekDecode, LeastKVDecode, LeastRequestsDecode, RoundRobinDecode
@@ -134,22 +134,23 @@ class Router:
         )
         self._apply(assignment)
         self.num_routes += 1
-        return Route(pick.worker_id, decode_id, pick.num_cached_tokens, pick.predicted_ttft_s), assignment
+        split = self.splits.get(request.model)
+        is_canary = split is not None and is_canary_request(split, request)
+        return Route(pick.worker_id, decode_id, pick.num_cached_tokens, pick.predicted_ttft_s, is_canary), assignment
 
     def bind_decode(
-        self, request: RouteRequest, decode: Sequence[WorkerState], now_s: float, prefill_version: str = ""
+        self, request: RouteRequest, decode: Sequence[WorkerState], now_s: float, is_canary: bool = False
     ) -> tuple[str, Assignment]:
         """Late binding: the decode worker for a request whose KV is ready now (`request.num_prompt_tokens`: its KV
         tokens), by the same decode policy `route` uses early, its KV expected there after the transfer. Choosing
         now, the policy knows every request routed after this one whose KV got there sooner (docs/balancer.md).
-        During a rollout the decode worker is on the side of the prefill worker's version (`prefill_version`).
+        During a rollout the decode worker is on the side the route chose (`is_canary`: Route.is_canary).
         NoWorkerError when the pool has nobody left."""
         if request.num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must not be negative, got {request.num_prompt_tokens}")
         split = self.splits.get(request.model)
         if split is not None:
-            available = [w for w in decode if w.worker_id not in request.exclude_worker_ids]
-            decode = side_of_version(split, prefill_version, available) or decode  # empty: _eligible names it
+            decode = side(split, is_canary, request, decode) or decode  # empty: _eligible names the pool
         pool = self._eligible(request, decode, "decode")
         for worker in pool:
             self.view.update(worker)

@@ -56,6 +56,7 @@ class Route:
     decode_worker_id: str
     num_cached_tokens: int
     predicted_ttft_s: float
+    is_canary: bool = False  # on a rollout's canary side (late binding carries it to Router.bind_decode)
 
 
 @dataclass(frozen=True)
