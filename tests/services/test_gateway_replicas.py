@@ -106,7 +106,10 @@ async def test_replicas_share_the_port_and_a_killed_one_takes_only_its_streams(
                 seen.add(await served_by(url))
             except aiohttp.ClientConnectionError:
                 await asyncio.sleep(0.5)
-        fakes.script.batch_delay_s = 0.2  # a 12 s stream: still running when a gateway dies
+        # A 30 s stream of text: still running when a gateway dies. Ids 100-190 are raw bytes that the gateway
+        # holds back until they form a character (18 s at this pace before a first chunk); 270 and 305 are
+        # " the" and " and" in deepseek-tiny's tokenizer, text from the first token.
+        fakes.script.token_ids, fakes.script.batch_delay_s = [270, 305] * 75, 0.2
 
         streams: dict[str, list[tuple[aiohttp.ClientSession, aiohttp.ClientResponse]]] = {
             "gateway-0": [],
@@ -133,7 +136,7 @@ async def test_replicas_share_the_port_and_a_killed_one_takes_only_its_streams(
             body = await asyncio.wait_for(response.read(), timeout=60)
             assert body.endswith(b"data: [DONE]\n\n")
             await session.close()
-        fakes.script.batch_delay_s = 0.0
+        fakes.script.token_ids, fakes.script.batch_delay_s = tokenizer_ids, 0.0
         assert [await served_by(url) for _ in range(6)] == ["gateway-1"] * 6  # new connections: the survivor
     finally:
         for gateway in gateways:
