@@ -114,6 +114,8 @@ async def one_request(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the gateway ends a failed stream with an error frame, not a chunk
+                raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
             if chunk.get("usage"):
                 sample.num_tokens = chunk["usage"]["completion_tokens"]
             if not chunk["choices"] or not chunk["choices"][0]["delta"].get("content"):
