@@ -127,14 +127,20 @@ def step(scheduler, seconds):
     return plan(output)
 
 
-def test_the_scheduler_prices_a_long_prompt_beside_decodes():
-    """Before the budget: 64 tokens a step (the token cap) whatever a step cost."""
+def priced_scheduler(max_num_batched_tokens: int) -> Scheduler:
+    """A scheduler pricing prefill at 2x, with one request "a" (3 prompt tokens, 100 to generate) waiting."""
     scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, long_prefill_token_threshold=64),
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=64),
         KVCacheManager(128, 16),
         PrefillBudget(2.0, SPAN),
     )
     scheduler.add_request(make_request("a", list(range(3)), SamplingParams(max_tokens=100, ignore_eos=True)))
+    return scheduler
+
+
+def test_the_scheduler_prices_a_long_prompt_beside_decodes():
+    """Before the budget: 64 tokens a step (the token cap) whatever a step cost."""
+    scheduler = priced_scheduler(256)
     assert step(scheduler, 0.5) == [("a", 3)]  # a prefill alone: the whole budget, and not measured
     assert step(scheduler, 0.1) == [("a", 1)]  # decode-only: 100 ms
     scheduler.add_request(make_request("long", list(range(100, 400)), SamplingParams(max_tokens=1)))
@@ -145,12 +151,7 @@ def test_the_scheduler_prices_a_long_prompt_beside_decodes():
 
 
 def test_a_prompt_with_only_its_last_token_left_is_no_stream_to_protect():
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2, long_prefill_token_threshold=64),
-        KVCacheManager(128, 16),
-        PrefillBudget(2.0, SPAN),
-    )
-    scheduler.add_request(make_request("a", list(range(3)), SamplingParams(max_tokens=100, ignore_eos=True)))
+    scheduler = priced_scheduler(2)
     assert step(scheduler, 0.1) == [("a", 2)]  # one token of its prompt left: it waits for its first
     scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=256)
     scheduler.add_request(make_request("long", list(range(100, 400)), SamplingParams(max_tokens=1)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import grpc
 import grpc.aio
@@ -54,6 +54,17 @@ async def test_worker_rejection_is_a_400(mesh: Mesh, script: Script) -> None:
     assert len(script.prefills) == 1
 
 
+async def stream_whole_completion(mesh: Mesh) -> Mapping[str, str]:
+    """A streamed chat that must end whole, with the script's completion, despite failures on the way: its headers."""
+    status, headers, raw = await post(
+        mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    )
+    events = sse_events(raw)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
+    return headers
+
+
 async def test_error_after_the_stream_started_is_an_sse_frame(mesh: Mesh, script: Script) -> None:
     script.decode_error_after = 0  # every decode stream fails: the first attempt, then both migrations
     status, _, raw = await post(mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True})
@@ -66,12 +77,7 @@ async def test_error_after_the_stream_started_is_an_sse_frame(mesh: Mesh, script
 
 async def test_a_decode_failure_mid_stream_migrates_and_the_output_goes_on(mesh: Mesh, script: Script) -> None:
     script.decode_error_after, script.decode_errors = 1, 1
-    status, headers, raw = await post(
-        mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
-    )
-    events = sse_events(raw)
-    assert status == 200 and events[-1] == "[DONE]"
-    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
+    headers = await stream_whole_completion(mesh)
     first_decode = headers["x-kvmesh-decode-worker"]
     # the second attempt: routed without the failed decode worker, with the first's prompt and, as its output so
     # far, the 3 tokens sent (prefill's, then decode's first batch of 2)
@@ -87,12 +93,7 @@ async def test_with_late_binding_prefill_names_the_decode_worker_and_a_migration
 ) -> None:
     script.late_binding = True
     script.decode_error_after, script.decode_errors = 1, 1
-    status, headers, raw = await post(
-        mesh, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
-    )
-    events = sse_events(raw)
-    assert status == 200 and events[-1] == "[DONE]"
-    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == COMPLETION
+    headers = await stream_whole_completion(mesh)
     first, second = script.prefills
     # no decode address: prefill bound decode-a (the header says so), then the migration's prefill avoided it
     assert (first.decode_address, list(first.exclude_decode_worker_ids)) == ("", [])
