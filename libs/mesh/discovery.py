@@ -158,6 +158,14 @@ def model_block_size(info: common_pb2.WorkerInfo, model: str) -> int:
     return info.model_block_sizes.get(model) or info.block_size
 
 
+def worker_block_size(info: common_pb2.WorkerInfo) -> int | None:
+    """Tokens per block shared by every model the worker serves (`model_block_size`), so that a count of its blocks
+    over all its engines (WorkerLoad's) is that many tokens per block; None when its models' block sizes differ
+    (a V4-Flash engine's 128 beside Llama's 16): such a count has no one size in tokens."""
+    sizes = {model_block_size(info, model) for model in info.models} or {info.block_size}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 @dataclass
 class KnownWorker:
     info: common_pb2.WorkerInfo

@@ -8,9 +8,15 @@ the first balancer that answers).
                                         "load": {"num_running": ..., "num_waiting": ...,
                                                  "num_queued_prompt_tokens": ..., "num_kv_tokens": ...},
                                         "kv": {"usage": 0.42, "num_blocks": ..., "num_free_blocks": ...,
-                                               "block_size": 16},
+                                               "block_size": 16, "block_sizes": {"deepseek-tiny": 16}},
                                         "cache": {"num_blocks": ..., "num_tokens": ...}}]},
                "decode": {...}}}
+
+`kv.block_sizes` is each served model's tokens per block (its engine's: DeepSeek-V4's is a multiple of its compress
+ratios); `kv.block_size` is the worker's KVMESH_BLOCK_SIZE, kept for older readers, and is a model's only when the
+worker announces none per model. The block counts are over all the worker's engines, so `cache.num_tokens` is
+`cache.num_blocks` x the block size its models share, and null when their block sizes differ: the load reports
+one count, not one per model, and any single figure would be a guess.
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ import grpc.aio
 from aiohttp import web
 
 from mesh import rpc
-from mesh.discovery import ROLE_NAMES
+from mesh.discovery import ROLE_NAMES, model_block_size, worker_block_size
 from mesh.logging import get_logger
-from mesh.pb import balancer_pb2, balancer_pb2_grpc
+from mesh.pb import balancer_pb2, balancer_pb2_grpc, common_pb2
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.rest import CORE_KEY
 from services.gateway.tenancy.admin_api import require_admin
@@ -52,9 +58,15 @@ def worker_json(status: balancer_pb2.WorkerStatus) -> dict[str, Any]:
             "num_blocks": info.num_kv_blocks,
             "num_free_blocks": load.num_free_kv_blocks,
             "block_size": info.block_size,
+            "block_sizes": {model: model_block_size(info, model) for model in info.models},
         },
-        "cache": {"num_blocks": load.num_cached_blocks, "num_tokens": load.num_cached_blocks * info.block_size},
+        "cache": {"num_blocks": load.num_cached_blocks, "num_tokens": num_cached_tokens(info, load)},
     }
+
+
+def num_cached_tokens(info: common_pb2.WorkerInfo, load: common_pb2.WorkerLoad) -> int | None:
+    block_size = worker_block_size(info)
+    return None if block_size is None else load.num_cached_blocks * block_size
 
 
 def mesh_json(response: balancer_pb2.ListWorkersResponse, balancer_id: str) -> dict[str, Any]:

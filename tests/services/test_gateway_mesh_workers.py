@@ -11,11 +11,12 @@ from engine_core import model_store
 from kvmesh.nats_server import EmbeddedNats, free_port
 from mesh.bus import Bus
 from mesh.discovery import Announcer
-from mesh.pb import common_pb2
+from mesh.pb import balancer_pb2, common_pb2
 from services.balancer.config import BalancerSettings
 from services.balancer.server import serve as serve_balancer
 from services.gateway.catalog import ModelCatalog, load_model
 from services.gateway.config import GatewaySettings
+from services.gateway.mesh_workers import worker_json
 from services.gateway.server import GatewayServer
 from tests.services.harness import serving, wait_until
 
@@ -111,7 +112,41 @@ async def test_mesh_workers_lists_pools_with_load_kv_usage_and_cache_size(tmp_pa
         "1.0.0",
     )
     assert worker["load"] == {"num_running": 1, "num_waiting": 0, "num_queued_prompt_tokens": 300, "num_kv_tokens": 0}
-    assert worker["kv"] == {"usage": 0.25, "num_blocks": 100, "num_free_blocks": 75, "block_size": 16}
+    assert worker["kv"] == {
+        "usage": 0.25,
+        "num_blocks": 100,
+        "num_free_blocks": 75,
+        "block_size": 16,
+        "block_sizes": {MODEL: 16},  # announced none per model: the worker's one size
+    }
     assert worker["cache"] == {"num_blocks": 12, "num_tokens": 192}
     assert decode["workers"][0]["version"] == "1.1.0-canary"
     assert decode["workers"][0]["load"]["num_kv_tokens"] == 640 and decode["workers"][0]["kv"]["usage"] == 0.4
+
+
+def test_a_worker_lists_each_models_block_size_and_counts_cached_tokens_only_by_a_shared_one() -> None:
+    """V4-Flash's engine blocks are 128 tokens beside KVMESH_BLOCK_SIZE 16: a worker serving only it counts its
+    cached blocks in 128s; one serving it beside a model of 16 reports one block count for both engines, which
+    no single size turns into tokens."""
+    load = common_pb2.WorkerLoad(num_cached_blocks=12, num_free_kv_blocks=40)
+    v4_only = common_pb2.WorkerInfo(
+        worker_id="prefill-v4",
+        models=["v4-flash"],
+        block_size=16,
+        num_kv_blocks=50,
+        model_block_sizes={"v4-flash": 128},
+    )
+    status = balancer_pb2.WorkerStatus(worker=v4_only, load=load)
+    listed = worker_json(status)
+    assert (listed["kv"]["block_size"], listed["kv"]["block_sizes"]) == (16, {"v4-flash": 128})
+    assert listed["cache"] == {"num_blocks": 12, "num_tokens": 1536}  # 12 x 128, not 12 x 16
+    mixed = common_pb2.WorkerInfo(
+        worker_id="prefill-mixed",
+        models=["v4-flash", MODEL],
+        block_size=16,
+        num_kv_blocks=50,
+        model_block_sizes={"v4-flash": 128, MODEL: 16},
+    )
+    listed = worker_json(balancer_pb2.WorkerStatus(worker=mixed, load=load))
+    assert listed["kv"]["block_sizes"] == {"v4-flash": 128, MODEL: 16}
+    assert listed["cache"] == {"num_blocks": 12, "num_tokens": None}
