@@ -63,6 +63,7 @@ def worker_state(worker: KnownWorker, model: str | None = None) -> WorkerState:
         num_waiting=load.num_waiting,
         num_queued_prompt_tokens=load.num_queued_prompt_tokens,
         num_kv_tokens=load.num_kv_tokens,
+        kv_usage=load.kv_usage,
         num_cached_blocks=load.num_cached_blocks,
         version=info.version,
     )

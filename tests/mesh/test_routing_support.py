@@ -145,7 +145,7 @@ def test_capacity_planner_recommends_the_pool_size_for_the_target_utilization() 
     recommendation = planner.recommend("prefill", 4)
     assert (recommendation.utilization, recommendation.num_recommended) == (0.75, 4)  # half-way to 1.0
     decode = [
-        WorkerState("d-a", 0.0, block_size=16, max_num_seqs=8, num_kv_blocks=100, num_running=2, num_kv_tokens=800),
+        WorkerState("d-a", 0.0, block_size=16, max_num_seqs=8, num_kv_blocks=100, num_running=2, kv_usage=0.5),
         WorkerState("d-b", 0.0, max_num_seqs=8, num_running=6),
     ]
     planner.observe("decode", decode, 0.0)  # max(0.5 KV, 0.25 seqs) and 0.75 seqs

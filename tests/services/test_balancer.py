@@ -362,6 +362,43 @@ async def test_replicas_share_decisions_and_recommend_pool_sizes(nats_url: str) 
     await stop_workers(workers)
 
 
+async def test_decode_kv_in_use_is_the_share_of_blocks_held_whatever_a_models_block_size(nats_url: str) -> None:
+    """A V4-Flash decode worker's blocks are 128 tokens beside its block_size of 16: 3,840 tokens hold 30 of its 80
+    blocks (0.375), where 80 x 16 tokens would read as 3 times full. A worker serving V4-Flash beside a model of 16
+    reports one block count for both engines: its share of blocks held is all it can say."""
+    loads = {
+        "d-3": ({"v4": 128}, common_pb2.WorkerLoad(num_running=1, num_kv_tokens=3840, kv_usage=0.375)),
+        "d-4": ({"v4": 128, "m": 16}, common_pb2.WorkerLoad(num_running=3, num_kv_tokens=2000, kv_usage=0.375)),
+    }
+    workers = {}
+    for worker_id, (block_sizes, load) in loads.items():
+        info = common_pb2.WorkerInfo(
+            worker_id=worker_id,
+            role=common_pb2.ROLE_DECODE,
+            address=f"127.0.0.1:{7000 + int(worker_id[-1])}",
+            models=list(block_sizes),
+            max_num_seqs=8,
+            num_kv_blocks=80,
+            block_size=BLOCK_SIZE,
+            model_block_sizes=block_sizes,
+        )
+        workers[worker_id] = Announcer(await Bus.connect(nats_url, name=worker_id), info, lambda load=load: load, 0.2)
+        await workers[worker_id].start()
+    async with serving(serve, settings(nats_url, "balancer-k")) as channel:
+        stub = balancer_pb2_grpc.BalancerStub(channel)
+        decode: list[balancer_pb2.PoolStatus] = []
+
+        async def both_planned() -> bool:
+            pools = (await listed(stub)).pools  # both heard and observed (a pool not yet observed reads 0)
+            decode[:] = [p for p in pools if p.pool == "decode" and p.num_workers == 2 and p.utilization > 0]
+            return bool(decode)
+
+        await wait_until(both_planned, timeout_s=5)
+    await stop_workers(workers)
+    # each: max(0.375 of blocks held, d-3 1/8 and d-4 3/8 of batch slots); ceil(2 x 0.375 / 0.8) = 1
+    assert (decode[0].utilization, decode[0].num_recommended) == (0.375, 1)
+
+
 async def _lists(stub: balancer_pb2_grpc.BalancerStub, names: set[str]) -> bool:
     return await listed_ids(stub) == names
 

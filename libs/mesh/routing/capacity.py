@@ -4,9 +4,12 @@
 Utilization comes from heartbeats only, so it needs no calibration: a prefill or encoder worker is busy when it
 reports work (running, waiting or queued prompt tokens; an encoder's images in flight), and the pool's
 utilization is the smoothed share of busy reports; a decode worker's is the larger of its KV in use and its batch
-slots in use. The recommendation is the pool size that would run at `target_utilization`: ceil(workers x
-utilization / target), at least 1. A saturated prefill pool (utilization 1) therefore asks for workers / target:
-more than it has, until queues drain.
+slots in use. KV in use is the share of its blocks that requests hold, as the worker counts them (`kv_usage`), not
+its tokens over blocks x one block size: a block's tokens are each model's own (128 for DeepSeek-V4-Flash beside
+a `block_size` of 16), and a worker serving models of different block sizes reports one block count for all of
+them, which no one size turns into tokens. The recommendation is the pool size that would run at
+`target_utilization`: ceil(workers x utilization / target), at least 1. A saturated prefill pool (utilization 1)
+therefore asks for workers / target: more than it has, until queues drain.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class PoolRecommendation:
 
 def worker_utilization(pool: str, worker: WorkerState) -> float:
     if pool == "decode":
-        kv = worker.num_kv_tokens / worker.num_kv_capacity_tokens if worker.num_kv_capacity_tokens > 0 else 0.0
+        kv = worker.kv_usage
         seqs = worker.num_running / worker.max_num_seqs if worker.max_num_seqs > 0 else 0.0
         return min(max(kv, seqs), 1.0)
     is_busy = worker.num_running > 0 or worker.num_waiting > 0 or worker.num_queued_prompt_tokens > 0

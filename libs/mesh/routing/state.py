@@ -22,6 +22,7 @@ class WorkerState:
     num_waiting: int = 0
     num_queued_prompt_tokens: int = 0  # prefill: prompt tokens admitted but not yet computed
     num_kv_tokens: int = 0  # decode: KV held by running requests
+    kv_usage: float = 0.0  # share of its KV blocks held by requests, over all its engines (WorkerLoad.kv_usage)
     num_cached_blocks: int = 0  # prefill: size of its prefix cache
     version: str = ""  # the build it runs (WorkerInfo.version): a rollout splits traffic by it
 
