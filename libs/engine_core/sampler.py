@@ -6,13 +6,17 @@ distribution, before any of these.
 
 Cost: sampling must stay a small share of a model step for any settings (`kvmesh bench sampler`), so nothing
 here sorts the vocabulary or draws noise over it:
-- a draw is one uniform number per row and an inverse-CDF pick (a cumulative sum and a binary search);
+- a draw is one uniform number per row and an inverse-CDF pick (a binary search in the running sum), which over
+  the whole vocabulary sums chunks first and runs the sum inside one chunk only (`sampling_pick.py`: the same
+  token as the full running sum, always);
 - top-k takes the k largest logits (`topk`, a partial selection) and the rest works on those k candidates;
 - top-p and min-p without top-k gather only the tokens down to where a histogram of the row's mass shows the
   kept set ends (`sampling_candidates.py`) and sort those few;
 - penalties touch only the tokens that occurred, for all rows in one gather and scatter.
 Rows that need the same work (greedy; the whole distribution; top-k of one k; top-p/min-p candidates) run as one
-batched op per group.
+batched op per group. Vocabulary-wide intermediates (the sampler's copy of the logits, a group's rows, tempered
+logits, probabilities) go into tensors the sampler keeps from call to call (`Workspace`): fresh ones of that size
+cost more in page faults than the arithmetic done on them.
 
 Seeds: a seeded request's uniform is a hash of (seed, output position), so its tokens depend only on its own
 logits and parameters: the same seed gives the same tokens whatever else is in the batch, and the stream continues
@@ -29,8 +33,16 @@ from dataclasses import dataclass
 import torch
 
 from engine_core.request import Request, TokenLogprobs
-from engine_core.sampling_candidates import Candidates, full_distribution, nucleus_candidates, top_k_candidates
+from engine_core.sampling_candidates import (
+    Candidates,
+    Workspace,
+    full_distribution,
+    nucleus_candidates,
+    tempered,
+    top_k_candidates,
+)
 from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_pick import pick
 
 _MASK64 = 2**64 - 1
 
@@ -45,15 +57,20 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         # uniforms of unseeded requests; only this sampler draws from it, in batch order
         self._generator = torch.Generator().manual_seed(seed)
+        self._workspace = Workspace()  # vocabulary-wide tensors reused by every call
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits (B, V), one row per request (any float dtype, any device); the caller's tensor is not written."""
         raw_logprobs = _raw_logprobs(logits, requests)
-        logits = logits.to(torch.float32, copy=_writes_logits(requests))  # masks and penalties write in place
-        logits = _apply_masks(logits, requests)
-        logits = _apply_penalties(logits, requests)
-        logits = _apply_min_tokens(logits, requests)
-        token_ids = self._choose(logits, requests)
+        if _writes_logits(requests):  # masks and penalties write in place, on the sampler's own copy
+            own = self._workspace.take("logits", (logits.shape[0], logits.shape[1]), logits).copy_(logits)
+        else:
+            own = logits.to(torch.float32)
+        is_owned = own is not logits  # a copy: temperature may scale it in place too
+        own = _apply_masks(own, requests)
+        own = _apply_penalties(own, requests)
+        own = _apply_min_tokens(own, requests)
+        token_ids = self._choose(own, requests, is_owned)
         logprobs = [
             _token_logprobs(raw_logprobs[i], token_ids[i], r.sampling_params.logprobs)
             if i in raw_logprobs and r.sampling_params.logprobs is not None
@@ -62,7 +79,7 @@ class Sampler:
         ]
         return SamplerOutput(token_ids, logprobs)
 
-    def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    def _choose(self, logits: torch.Tensor, requests: Sequence[Request], is_owned: bool) -> list[int]:
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if not random_rows:
             return logits.argmax(dim=-1).tolist()
@@ -75,7 +92,12 @@ class Sampler:
         uniforms = dict(zip(random_rows, self._uniforms([requests[i] for i in random_rows]), strict=True))
         for rows in _groups(random_rows, requests, logits.shape[-1]).values():
             params = [requests[i].sampling_params for i in rows]
-            candidates = _candidates(logits[_index(rows, logits)], params)
+            if rows == list(range(logits.shape[0])):  # every row: no copy
+                candidates = _candidates(logits, params, self._workspace, is_owned)
+            else:
+                group = self._workspace.take("rows", (len(rows), logits.shape[-1]), logits)
+                torch.index_select(logits, 0, _index(rows, logits), out=group)
+                candidates = _candidates(group, params, self._workspace, in_place=True)
             chosen = _draw(candidates, params, [uniforms[i] for i in rows]).tolist()
             for row, token in zip(rows, chosen, strict=True):
                 token_ids[row] = token
@@ -120,8 +142,14 @@ def _groups(rows: list[int], requests: Sequence[Request], vocab_size: int) -> di
     return groups
 
 
-def _candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Candidates:
-    """The tokens a group's rows can draw, with their probabilities (see sampling_candidates)."""
+def _candidates(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    workspace: Workspace | None = None,
+    in_place: bool = False,
+) -> Candidates:
+    """The tokens a group's rows can draw, with their probabilities (see sampling_candidates); in_place: logits
+    may be overwritten (the sampler's own copy)."""
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
     top_k = params[0].top_k  # a group shares its top-k (or has none within the vocabulary)
     if 0 < top_k < logits.shape[-1]:
@@ -129,8 +157,8 @@ def _candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Candi
     if any(p.top_p < 1.0 or p.min_p > 0.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-        return nucleus_candidates(logits, temperature, top_p, min_p)
-    return full_distribution(logits, temperature)
+        return nucleus_candidates(*tempered(logits, temperature, workspace, in_place), top_p, min_p, workspace)
+    return full_distribution(tempered(logits, temperature, workspace, in_place)[1])
 
 
 def _draw(candidates: Candidates, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> torch.Tensor:
@@ -157,18 +185,6 @@ def filtered_probs(candidates: Candidates, params: Sequence[SamplingParams]) -> 
     if bool((min_p > 0.0).any()):  # relative to the best token: a row with min_p 0 drops nothing
         probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p[:, None], 0.0)
     return probs
-
-
-def pick(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF: per row of probs (b, K) (any non-negative weights), the first index whose cumulative weight
-    exceeds uniform x total; uniforms (b,) float64 in [0, 1). A zero-weight index is never picked."""
-    cdf = probs.to(torch.float64).cumsum(dim=-1)  # (b, K); float64: no rounding drift over 49k terms
-    total = cdf[:, -1:]  # (b, 1)
-    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    # strictly below the total, the first index whose cdf exceeds the target is one where the cdf rose
-    picked = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)  # (b, 1)
-    picked = torch.where(total > 0, picked, probs.argmax(dim=-1, keepdim=True))  # a row with nothing left
-    return picked[:, 0]
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:

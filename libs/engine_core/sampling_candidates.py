@@ -50,19 +50,62 @@ def top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: int
     return Candidates((values / temperature[:, None]).softmax(dim=-1), token_ids, is_sorted=True)
 
 
-def full_distribution(logits: torch.Tensor, temperature: torch.Tensor) -> Candidates:
-    return Candidates((logits / temperature[:, None]).softmax(dim=-1), None, is_sorted=False)  # (b, V)
+def full_distribution(probs: torch.Tensor) -> Candidates:
+    return Candidates(probs, None, is_sorted=False)  # (b, V)
+
+
+class Workspace:
+    """Vocabulary-wide tensors that one Sampler reuses call after call (only its calls write them, one at
+    a time). A fresh tensor of that size costs a page fault per 4 KiB on first touch: about 3,000 per call for a
+    temperature-only batch of 32 x 49,152, which took longer than the arithmetic on those tensors."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}  # grown to the largest batch seen, never shrunk
+
+    def take(
+        self, name: str, shape: tuple[int, int], like: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """An uninitialized tensor of `shape` on like's device: the memory `name` had last time."""
+        numel = shape[0] * shape[1]
+        held = self._tensors.get(name)
+        if held is None or held.numel() < numel or held.device != like.device or held.dtype != dtype:
+            held = torch.empty(numel, dtype=dtype, device=like.device)
+            self._tensors[name] = held
+        return held[:numel].view(shape)
+
+
+def tempered(
+    logits: torch.Tensor, temperature: torch.Tensor, workspace: Workspace | None = None, in_place: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scaled, probs), each (b, V): logits (b, V) float32 / temperature (b,) bit for bit (logits themselves at
+    temperature 1; in place when the caller lets logits be overwritten) and its softmax, in workspace's tensors
+    when given."""
+    shape = (logits.shape[0], logits.shape[1])
+    if bool((temperature == 1.0).all()):
+        scaled = logits
+    elif in_place:
+        scaled = logits.div_(temperature[:, None])
+    elif workspace is not None:
+        scaled = torch.div(logits, temperature[:, None], out=workspace.take("scaled", shape, logits))
+    else:
+        scaled = logits / temperature[:, None]
+    if workspace is None:
+        return scaled, scaled.softmax(dim=-1)
+    return scaled, torch.softmax(scaled, dim=-1, out=workspace.take("probs", shape, logits))
 
 
 def nucleus_candidates(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    scaled: torch.Tensor,
+    probs: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    workspace: Workspace | None = None,
 ) -> Candidates:
-    """logits (b, V) float32; temperature, top_p, min_p (b,). The tokens that top-p and min-p may keep, sorted.
+    """scaled (b, V) tempered logits and probs their softmax; top_p, min_p (b,). The tokens that top-p and min-p
+    may keep, sorted.
 
     First the NUCLEUS_WIDTH most likely tokens of every row (one partial selection); a row whose kept set provably
     ends inside them is done. The others (flatter rows) take the histogram's bound (`_histogram_candidates`)."""
-    scaled = logits / temperature[:, None]  # (b, V)
-    probs = scaled.softmax(dim=-1)  # (b, V)
     values, token_ids = probs.topk(min(NUCLEUS_WIDTH, probs.shape[-1]), dim=-1)  # (b, W) descending
     # top-p ends inside once the candidates' mass reaches top_p (the cumulative sum the exact top-p takes);
     # min-p once the last candidate falls below its cut
@@ -70,7 +113,9 @@ def nucleus_candidates(
     if values.shape[-1] == probs.shape[-1] or bool(covered.all()):  # the whole vocabulary, or every row done
         return Candidates(values, token_ids, is_sorted=True)
     rows = (~covered).nonzero()[:, 0]  # (r,)
-    wide_probs, wide_ids = _histogram_candidates(scaled[rows], probs[rows], top_p[rows], min_p[rows])  # (r, K)
+    wide_probs, wide_ids = _histogram_candidates(
+        scaled, probs, rows, top_p[rows], min_p[rows], workspace or Workspace()
+    )
     width = max(values.shape[-1], wide_probs.shape[-1])
     values, token_ids = _pad(values, width, 0.0), _pad(token_ids, width, 0)
     values[rows], token_ids[rows] = _pad(wide_probs, width, 0.0), _pad(wide_ids, width, 0)
@@ -78,15 +123,24 @@ def nucleus_candidates(
 
 
 def _histogram_candidates(
-    scaled: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    scaled: torch.Tensor,
+    probs: torch.Tensor,
+    rows: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    workspace: Workspace,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """scaled, probs (r, V); top_p, min_p (r,). Each row's tokens down to the bucket where its kept set provably
-    ends, most likely first, as (probs, token ids), each (r, K): one scatter-add and one sort of those tokens,
-    however flat the row."""
-    below = scaled - scaled.amax(dim=-1, keepdim=True)  # (r, V) <= 0: log-probability relative to the best
-    buckets = below.mul_(-1.0 / BUCKET_NATS).clamp_(max=NUM_BUCKETS - 1).long()  # (r, V) non-decreasing in rank
-    last = _last_buckets(buckets, probs, top_p, min_p)  # (r,)
-    return _sorted(probs, buckets <= last[:, None])
+    """scaled, probs (b, V); rows (r,) the rows to bound; top_p, min_p (r,). Each row's tokens down to the bucket
+    where its kept set provably ends, most likely first, as (probs, token ids), each (r, K): one scatter-add and one
+    sort of those tokens, however flat the row. The rows' copies live in the workspace."""
+    shape = (rows.shape[0], scaled.shape[-1])
+    below = torch.index_select(scaled, 0, rows, out=workspace.take("below", shape, scaled))  # (r, V)
+    below.sub_(below.amax(dim=-1, keepdim=True))  # <= 0: log-probability relative to the best
+    buckets = workspace.take("buckets", shape, scaled, torch.long)  # (r, V) non-decreasing in rank
+    buckets.copy_(below.mul_(-1.0 / BUCKET_NATS).clamp_(max=NUM_BUCKETS - 1))  # truncated, as .long() does
+    wide_probs = torch.index_select(probs, 0, rows, out=workspace.take("wide_probs", shape, probs))  # (r, V)
+    last = _last_buckets(buckets, wide_probs, top_p, min_p)  # (r,)
+    return _sorted(wide_probs, buckets <= last[:, None])
 
 
 def _last_buckets(buckets: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

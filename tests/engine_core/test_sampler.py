@@ -222,7 +222,7 @@ def test_wide_top_p_rows_get_candidates_only_two_buckets_past_the_kept_set() -> 
 
 
 def test_the_pick_is_the_inverse_cdf_and_never_a_zero_weight_token() -> None:
-    from engine_core.sampler import pick
+    from engine_core.sampling_pick import pick
 
     probs = torch.tensor([[0.5, 0.3, 0.0, 0.2]] * 6 + [[0.0, 0.0, 0.0, 0.0]])
     uniforms = torch.tensor([0.0, 0.49, 0.5, 0.79, 0.81, 1 - 2**-53, 0.3], dtype=torch.float64)
@@ -287,3 +287,96 @@ def test_the_callers_logits_are_not_written() -> None:
     requests = [make_request("r", [1, 2], params)]
     Sampler()(rows, requests)
     assert torch.equal(rows, before)
+
+
+def test_the_two_level_pick_is_the_running_sums_pick_even_at_the_edges() -> None:
+    from engine_core.sampling_pick import PICK_CHUNK, exact_pick, pick
+
+    generator = torch.Generator().manual_seed(5)
+    width = 40 * PICK_CHUNK + 77  # a shorter last chunk
+    logits = torch.randn(6, width, generator=generator) * torch.tensor([[4.0], [4.0], [0.3], [0.3], [8.0], [1.0]])
+    probs = logits.softmax(dim=-1)
+    probs[5] = 0.0  # nothing left: the best (first) token
+    probs[4, ::3] = 0.0  # zero weights between the others
+    uniforms = torch.rand(200, 6, generator=generator, dtype=torch.float64)
+    # targets exactly on the running sum's edges, where only the exact sum decides (the fallback's case)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    edges = torch.randint(0, width, (50, 6), generator=generator)
+    on_edge = (cdf.gather(-1, edges.T).T / cdf[:, -1]).nan_to_num(0.0)
+    for u in torch.cat([uniforms, on_edge, torch.zeros(1, 6), torch.full((1, 6), 1 - 2**-53)]):
+        assert pick(probs, u).tolist() == exact_pick(probs, u).tolist()
+    assert pick(probs, uniforms[0]).tolist()[5] == 0
+
+
+PIN_VOCAB = 5000  # wide enough for the two-level pick and for top-p rows past NUCLEUS_WIDTH
+PIN_SETTINGS = {
+    "temperature": {"temperature": 0.8},
+    "top_k": {"temperature": 0.8, "top_k": 50},
+    "top_p": {"temperature": 0.8, "top_p": 0.95},
+    "min_p": {"temperature": 0.8, "min_p": 0.05},
+    "typical": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1},
+    "penalties": {"temperature": 0.8, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+}
+# Drawn by the sampler of main at 5413cea (before the two-level pick and the reused tensors): a change here changes
+# the tokens every seeded request gets. Three steps per setting, 8 rows: 4 peaked, 4 flat (top-p keeps thousands).
+PINNED_TOKENS = {
+    "temperature": [
+        [2341, 4097, 3627, 4202, 2108, 3590, 3814, 1720],
+        [2341, 2856, 3627, 3745, 1554, 4231, 3660, 383],
+        [2341, 3984, 3627, 4202, 1799, 1958, 1987, 3519],
+    ],
+    "top_k": [
+        [2341, 3642, 3627, 4202, 3675, 3756, 54, 4295],
+        [2341, 2856, 3627, 4202, 535, 2728, 919, 1381],
+        [2341, 3981, 3627, 2198, 408, 2392, 489, 2013],
+    ],
+    "top_p": [
+        [2341, 4097, 3627, 4202, 2757, 4339, 684, 2477],
+        [2341, 2856, 3627, 4202, 3619, 173, 1867, 2953],
+        [2341, 3981, 3627, 2198, 3121, 310, 2800, 1212],
+    ],
+    "min_p": [
+        [2341, 640, 3627, 4202, 448, 337, 1857, 3589],
+        [2341, 4565, 3627, 4202, 2307, 82, 4077, 4123],
+        [2341, 549, 3627, 4202, 1650, 2967, 2763, 2822],
+    ],
+    "typical": [
+        [2341, 4285, 3627, 4202, 3675, 1648, 919, 4295],
+        [2341, 2856, 3627, 4202, 3869, 4726, 2000, 1381],
+        [2341, 640, 3627, 2198, 408, 4454, 489, 3286],
+    ],
+    "penalties": [
+        [2341, 4097, 3627, 4202, 2109, 3590, 3815, 1721],
+        [2341, 2856, 3627, 3745, 1555, 4231, 3661, 385],
+        [2341, 3984, 3627, 4202, 1801, 1959, 1990, 3520],
+    ],
+    "mixed": [  # row i, step s: setting (i + s) mod 6 of the above
+        [2341, 3642, 3627, 4202, 3675, 3590, 3814, 4295],
+        [2341, 2856, 3627, 4202, 1555, 4231, 919, 2953],
+        [2341, 549, 3627, 4202, 1799, 2392, 2800, 2822],
+    ],
+}
+
+
+def pinned_batch(setting: str, step: int) -> list:
+    names = list(PIN_SETTINGS)
+    requests = []
+    for i in range(8):
+        kwargs = PIN_SETTINGS[names[(i + step) % len(names)] if setting == "mixed" else setting]
+        request = make_request(f"r{i}", [i, 7 * i + 1, 99], SamplingParams(seed=100 * i + 7, **kwargs))
+        for t in range(step + 2):
+            request.append_output_token((13 * i + 31 * t) % PIN_VOCAB)
+        requests.append(request)
+    return requests
+
+
+@pytest.mark.parametrize("setting", list(PINNED_TOKENS))
+def test_seeded_tokens_stay_what_they_were(setting: str) -> None:
+    generator = torch.Generator().manual_seed(2026)
+    peaked = torch.randn(4, PIN_VOCAB, generator=generator) * 4
+    rows = torch.cat([peaked, torch.randn(4, PIN_VOCAB, generator=generator) * 0.3])
+    reused = Sampler()  # its reused tensors must not carry anything from one call to the next
+    for step, expected in enumerate(PINNED_TOKENS[setting]):
+        assert Sampler()(rows, pinned_batch(setting, step)).token_ids == expected
+        assert reused(rows[: 3 + step], pinned_batch(setting, step)[: 3 + step]).token_ids == expected[: 3 + step]
+        assert reused(rows, pinned_batch(setting, step)).token_ids == expected
