@@ -13,10 +13,11 @@ Decodes come first in the token budget, whatever their arrival order: a prefill 
 decodes leave. While any request decodes, all prefills together compute at most `long_prefill_token_threshold`
 tokens a step (vLLM's knob of that name): a step's time is what every running stream waits between two tokens,
 so a long prompt arriving is prefilled in small chunks beside them instead of stalling them for whole seconds.
-With a `PrefillBudget` (the engine's default) the chunks are also priced: a step's prefills get the work that keeps
-the step within a multiple of a decode-only step, from measured step times, chunks late in a long prompt costing
-more than early ones (`prefill_budget.py`); the token cap stays their upper bound. With nothing decoding, a prefill
-takes the whole budget.
+With a `PrefillBudget` (the engine's default) the chunks of long prompts (over that cap) are also priced: a step's
+long prefills get the work that keeps the step within a multiple of a decode-only step, from measured step times,
+chunks late in a long prompt costing more than early ones (`prefill_budget.py`); the token cap stays their upper
+bound. Short prompts are not priced: a burst of them is what continuous batching is for. With nothing decoding, a
+prefill takes the whole budget.
 
 The scheduler is the only writer of the queues and of each request's status, tokens and progress.
 """
@@ -141,7 +142,7 @@ class Scheduler:
                 num_new = min(
                     request.num_tokens - request.num_computed_tokens, budget - num_decodes_ahead, prefill_budget
                 )
-                if allowance is not None and num_new > 0:
+                if allowance is not None and num_new > 0 and self._is_long(request):
                     num_new = allowance.take(request.num_computed_tokens, num_new)
                 if num_new <= 0:
                     index += 1
@@ -174,6 +175,12 @@ class Scheduler:
             return threshold
         return self.config.max_num_batched_tokens
 
+    def _is_long(self, request: Request) -> bool:
+        """Whether the budget prices this prompt: one over the token cap (all of them when the cap is off). A
+        burst of short prompts is what continuous batching is for: priced, 32 of them arriving together
+        trickled in beside the first to stream and halved the engine's throughput (`kvmesh bench engine`)."""
+        return request.num_prompt_tokens > self.config.long_prefill_token_threshold
+
     def _is_streaming(self) -> bool:
         """Whether a running request has streamed a token and waits for its next: the time the budget protects (a
         prompt whose last token alone is left, all the rest cached, waits for its first)."""
@@ -186,7 +193,7 @@ class Scheduler:
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if allowance is not None:
+            if allowance is not None and self._is_long(request):
                 num_new = allowance.take(num_hit_tokens, num_new)
             if num_new <= 0:
                 break

@@ -150,6 +150,16 @@ def test_the_scheduler_prices_a_long_prompt_beside_decodes():
     assert step(scheduler, 0.2) == [("a", 1), ("long", 46)]  # 56 in: 46 (49.657); 47 (50.76) would not
 
 
+def test_a_short_prompt_beside_streams_is_not_priced():
+    """Only prompts over the token cap (64 here) are priced: a short one arriving beside a stream comes in whole,
+    where the long prompt of the test above got the unmeasured floor of 8."""
+    scheduler = priced_scheduler(256)
+    assert step(scheduler, 0.5) == [("a", 3)]
+    assert step(scheduler, 0.1) == [("a", 1)]  # decode-only: 100 ms
+    scheduler.add_request(make_request("short", list(range(100, 164)), SamplingParams(max_tokens=1)))
+    assert step(scheduler, 0.3) == [("a", 1), ("short", 64)]
+
+
 def test_a_prompt_with_only_its_last_token_left_is_no_stream_to_protect():
     scheduler = priced_scheduler(2)
     assert step(scheduler, 0.1) == [("a", 2)]  # one token of its prompt left: it waits for its first
