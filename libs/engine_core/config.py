@@ -407,9 +407,12 @@ class EngineConfig:
     # while requests decode, a prefill computes at most this many prompt tokens a step (0: no cap), so that a long
     # prompt arriving cannot stall the running streams (vLLM's long_prefill_token_threshold)
     long_prefill_token_threshold: int = 256
-    # while requests decode, prefill chunks are also sized from measured step times so that a step with prefill
-    # work takes at most this many times a decode-only step (engine_core.prefill_budget; 0: the token cap alone)
-    long_prefill_step_ratio: float = 1.5
+    # while requests stream, long prompts' chunks are also sized from measured step times so that a step with
+    # prefill work takes at most this many times a decode-only step (engine_core.prefill_budget; 0: the token cap
+    # alone). Off here, for offline batches, where nobody waits between two tokens and it costs throughput (a batch
+    # whose last prompts trickle in beside the first to stream); the serving workers turn it on
+    # (mesh.compute.settings: KVMESH_LONG_PREFILL_STEP_RATIO, 1.5).
+    long_prefill_step_ratio: float = 0.0
     device_cache_policy: str = "lru"  # which free cached block goes first: a mesh.eviction policy (POLICIES)
 
     def __post_init__(self) -> None:

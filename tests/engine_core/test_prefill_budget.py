@@ -15,6 +15,8 @@ from engine_core.prefill_budget import (
 )
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler, SchedulerConfig
+from mesh.compute.settings import WorkerSettings
+from mesh.config import load_settings
 
 from .helpers import make_request
 
@@ -114,6 +116,12 @@ def test_a_ratio_below_one_is_refused():
         with pytest.raises(ConfigError, match="long_prefill_step_ratio"):
             EngineConfig("smollm2-135m", long_prefill_step_ratio=bad)
     assert EngineConfig("smollm2-135m", long_prefill_step_ratio=0).long_prefill_step_ratio == 0
+
+
+def test_the_budget_is_on_where_clients_stream_and_off_for_offline_batches():
+    assert EngineConfig("smollm2-135m").long_prefill_step_ratio == 0  # LLM.generate: nobody waits between tokens
+    worker = load_settings(WorkerSettings, env={})  # a serving worker's engine: its clients stream
+    assert worker.engine_config("smollm2-135m").long_prefill_step_ratio == 1.5
 
 
 def plan(output):

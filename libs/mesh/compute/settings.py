@@ -31,9 +31,9 @@ class WorkerSettings(ServiceSettings):
     )
     long_prefill_step_ratio: float = setting(
         1.5,
-        "while requests decode, prefill chunks are also sized from measured step times so that a step with prefill "
-        "work takes at most this many times a decode-only step (0: the token cap alone; at least 1 otherwise; "
-        "docs/engine.md)",
+        "while requests stream, long prompts' chunks (over the token cap) are also sized from measured step times "
+        "so that a step with prefill work takes at most this many times a decode-only step (0: the token cap alone; "
+        "at least 1 otherwise; docs/engine.md)",
     )
     quantization: str = setting(
         "none",
