@@ -145,7 +145,7 @@ def _groups(rows: list[int], requests: Sequence[Request], vocab_size: int) -> di
 def _candidates(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    workspace: Workspace | None = None,
+    workspace: Workspace,
     in_place: bool = False,
 ) -> Candidates:
     """The tokens a group's rows can draw, with their probabilities (see sampling_candidates); in_place: logits

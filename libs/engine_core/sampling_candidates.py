@@ -75,22 +75,17 @@ class Workspace:
 
 
 def tempered(
-    logits: torch.Tensor, temperature: torch.Tensor, workspace: Workspace | None = None, in_place: bool = False
+    logits: torch.Tensor, temperature: torch.Tensor, workspace: Workspace, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scaled, probs), each (b, V): logits (b, V) float32 / temperature (b,) bit for bit (logits themselves at
-    temperature 1; in place when the caller lets logits be overwritten) and its softmax, in workspace's tensors
-    when given."""
+    temperature 1; in place when the caller lets logits be overwritten) and its softmax, in workspace's tensors."""
     shape = (logits.shape[0], logits.shape[1])
     if bool((temperature == 1.0).all()):
         scaled = logits
     elif in_place:
         scaled = logits.div_(temperature[:, None])
-    elif workspace is not None:
-        scaled = torch.div(logits, temperature[:, None], out=workspace.take("scaled", shape, logits))
     else:
-        scaled = logits / temperature[:, None]
-    if workspace is None:
-        return scaled, scaled.softmax(dim=-1)
+        scaled = torch.div(logits, temperature[:, None], out=workspace.take("scaled", shape, logits))
     return scaled, torch.softmax(scaled, dim=-1, out=workspace.take("probs", shape, logits))
 
 
@@ -99,7 +94,7 @@ def nucleus_candidates(
     probs: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
-    workspace: Workspace | None = None,
+    workspace: Workspace,
 ) -> Candidates:
     """scaled (b, V) tempered logits and probs their softmax; top_p, min_p (b,). The tokens that top-p and min-p
     may keep, sorted.
@@ -113,9 +108,7 @@ def nucleus_candidates(
     if values.shape[-1] == probs.shape[-1] or bool(covered.all()):  # the whole vocabulary, or every row done
         return Candidates(values, token_ids, is_sorted=True)
     rows = (~covered).nonzero()[:, 0]  # (r,)
-    wide_probs, wide_ids = _histogram_candidates(
-        scaled, probs, rows, top_p[rows], min_p[rows], workspace or Workspace()
-    )
+    wide_probs, wide_ids = _histogram_candidates(scaled, probs, rows, top_p[rows], min_p[rows], workspace)
     width = max(values.shape[-1], wide_probs.shape[-1])
     values, token_ids = _pad(values, width, 0.0), _pad(token_ids, width, 0)
     values[rows], token_ids[rows] = _pad(wide_probs, width, 0.0), _pad(wide_ids, width, 0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine_core.sampler import Sampler
+from engine_core.sampling_candidates import Workspace
 from engine_core.sampling_params import SamplingParams, SamplingParamsError
 
 from .helpers import make_request
@@ -192,7 +193,7 @@ def test_the_candidates_hold_exactly_the_distribution_a_full_sort_defines(params
 
     rows = wide_rows()
     batch = [params] * len(rows)
-    candidates = _candidates(rows, batch)
+    candidates = _candidates(rows, batch, Workspace())
     probs = filtered_probs(candidates, batch)
     ids = candidates.token_ids if candidates.token_ids is not None else torch.arange(WIDE_VOCAB).expand_as(probs)
     for i, row in enumerate(rows):
@@ -211,7 +212,7 @@ def test_wide_top_p_rows_get_candidates_only_two_buckets_past_the_kept_set() -> 
     # the flat rows and a row 0.004 nats a step: all keep more than NUCLEUS_WIDTH tokens
     rows = torch.cat([wide_rows()[2:], torch.linspace(0.0, 4.0, WIDE_VOCAB)[None]])
     params = [SamplingParams(temperature=1.0, top_p=0.9)] * len(rows)
-    candidates = _candidates(rows, params)
+    candidates = _candidates(rows, params, Workspace())
     assert candidates.token_ids is not None
     kept = filtered_probs(candidates, params) > 0  # (3, K)
     assert int(kept[2].sum()) == int((reference_probs(rows[2], params[2]) > 0).sum()) > NUCLEUS_WIDTH

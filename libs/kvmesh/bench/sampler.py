@@ -142,9 +142,7 @@ def run_sampler_bench(
 ) -> dict[str, Any]:
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     # every prompt prefills at once (no cap beside decodes): the bench measures decode steps, not the way in
-    llm = LLM(
-        model, device="cpu", enable_prefix_caching=False, long_prefill_token_threshold=0, long_prefill_step_ratio=0
-    )
+    llm = LLM(model, device="cpu", enable_prefix_caching=False, long_prefill_token_threshold=0)
     logits, requests, step_timings = capture_decode_batch(llm, batch, prompt_tokens, decode_steps)
     timings = time_settings(logits, requests, settings, repeats)
     step_ms = statistics.median(wall for wall, _ in step_timings) * 1e3
