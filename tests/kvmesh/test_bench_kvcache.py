@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from kvmesh.bench.kvcache import (
@@ -40,6 +43,19 @@ def test_an_lru_that_skips_blocks_never_used_again_keeps_the_chain() -> None:
     assert reuse_oracle_lru_hit_rate(one_off, capacity_blocks=2) == 2 / 5  # [9] was never stored
     # [1, 2] misses as under LRU, but 1 is not stored again (never used again), so [3] survives to hit
     assert reuse_oracle_lru_hit_rate(TRACE, capacity_blocks=2) == 1 / 6
+
+
+def test_a_mooncake_request_keeps_its_full_blocks_only(tmp_path: Path) -> None:
+    # input_length 1100 is two full blocks and 76 tokens: hash_id 3 is a partial block no live store holds.
+    records = [(0, 1100, [1, 2, 3]), (1000, 1100, [1, 2, 3]), (2000, 1024, [1, 2]), (3000, 300, [4])]
+    path = tmp_path / "trace.jsonl"
+    lines = [json.dumps({"timestamp": t, "input_length": n, "hash_ids": ids}) for t, n, ids in records]
+    path.write_text("\n".join(lines) + "\n")
+    requests = load_trace(path)
+    assert requests == [(0.0, [1, 2]), (1.0, [1, 2]), (2.0, [1, 2]), (3.0, [])]
+    # The same prompt sent again hits its two full blocks, not the partial one (which would make it 5 of 9).
+    assert ideal_hit_rate(requests) == replay(requests, capacity_blocks=2, policy="lru") == 4 / 6
+    assert belady_hit_rate(requests, capacity_blocks=2) == reuse_oracle_lru_hit_rate(requests, 2) == 4 / 6
 
 
 def test_the_generated_trace_is_the_same_every_run() -> None:
