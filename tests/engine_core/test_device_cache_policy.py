@@ -86,7 +86,7 @@ def test_the_manager_builds_the_named_policy():
 
 def test_an_unknown_policy_is_refused_at_start_naming_the_setting():
     with pytest.raises(
-        SettingError, match="KVMESH_DEVICE_CACHE_POLICY='mru': must be one of lru, s3fifo, lfuda, reuse, admit"
+        SettingError, match="KVMESH_DEVICE_CACHE_POLICY='mru': must be one of lru, s3fifo, lfuda, reuse, admit, chain"
     ):
         load_settings(WorkerSettings, env={"KVMESH_DEVICE_CACHE_POLICY": "mru"})
     assert (
@@ -95,6 +95,6 @@ def test_an_unknown_policy_is_refused_at_start_naming_the_setting():
         .device_cache_policy
         == "lfuda"
     )
-    expected = "device_cache_policy must be one of lru, s3fifo, lfuda, reuse, admit, got 'mru'"
+    expected = "device_cache_policy must be one of lru, s3fifo, lfuda, reuse, admit, chain, got 'mru'"
     with pytest.raises(ConfigError, match=expected):
         EngineConfig("smollm2-135m", device_cache_policy="mru")

@@ -19,7 +19,7 @@ def add_parsers(bench_commands: Any) -> None:
         "--trace", required=True, help="a Mooncake trace (JSON lines with hash_ids), or `generated` (kvcache_trace)"
     )
     kvcache.add_argument("--capacity-blocks", type=int, default=None, help="default: 25%% of the trace's unique blocks")
-    kvcache.add_argument("--policy", default="lfuda", help="lru | s3fifo | lfuda | reuse | admit")
+    kvcache.add_argument("--policy", default="lfuda", help="lru | s3fifo | lfuda | reuse | admit | chain")
     kvcache.add_argument(
         "--sweep",
         nargs="*",

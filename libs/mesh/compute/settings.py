@@ -45,8 +45,9 @@ class WorkerSettings(ServiceSettings):
     )
     device_cache_policy: str = setting(
         "lru",
-        "which cached block the device prefix cache gives up first: lru, s3fifo, lfuda, reuse or admit (mesh.eviction, "
-        "as the KV store's KVMESH_EVICTION_POLICY; docs/kvcache.md)",
+        "which cached block the device prefix cache gives up first: "
+        + ", ".join(POLICIES)
+        + " (mesh.eviction, as the KV store's KVMESH_EVICTION_POLICY; docs/kvcache.md)",
     )
     block_size: int = setting(
         16,

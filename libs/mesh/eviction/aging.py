@@ -1,4 +1,4 @@
-"""The priority queue behind the LFU-with-dynamic-aging policies (`lfuda`, and `reuse` behind its filter)."""
+"""The priority queue behind the LFU-with-dynamic-aging policies (`lfuda`, `reuse` behind its filter) and `chain`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ class AgingHeap:
     last key popped: a policy gives new keys priorities above it, so they outrank every key older than it."""
 
     def __init__(self) -> None:
-        self.floor = 0
-        self._entry: dict[bytes, tuple[int, int]] = {}  # key -> its live heap entry's (priority, order)
-        self._heap: list[tuple[int, int, bytes]] = []  # (priority, order, key)
+        self.floor: float = 0
+        self._entry: dict[bytes, tuple[float, int]] = {}  # key -> its live heap entry's (priority, order)
+        self._heap: list[tuple[float, int, bytes]] = []  # (priority, order, key)
         self._order = itertools.count()
 
-    def push(self, key: bytes, priority: int) -> None:
+    def push(self, key: bytes, priority: float) -> None:
         """Add `key`, or move it, to `priority`."""
         entry = (priority, next(self._order))
         self._entry[key] = entry
@@ -38,6 +38,9 @@ class AgingHeap:
                 del self._entry[key]
                 return key
         return None
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entry
 
     def __len__(self) -> int:
         return len(self._entry)

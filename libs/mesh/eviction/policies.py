@@ -20,6 +20,8 @@ victims.
 - `reuse`: an admission filter that predicts reuse in front of lfuda's order (`reuse.py`), whether to filter and
   whether to order by frequency chosen by miniature caches that replay a sample of the keys under each choice
   (`duel.py`).
+- `chain`: LRU in which a Put's new blocks sit just below the prefix they extend, deeper blocks older, so a chain
+  is given up from its end (`chain.py`); without hints (a device cache) it is LRU.
 - `admit`: the same filter in front of LRU's order, holding back only classes reused at less than 0.6 times the
   average (`reuse.ADMIT_LRU_RATIO`), so it gives up little where every class comes back alike. At or above LRU on
   every trace and capacity of `kvmesh bench kvcache --sweep` (docs/kvcache.md), not the default: at 25% of the
@@ -32,11 +34,12 @@ from collections import OrderedDict
 from typing import Protocol
 
 from mesh.eviction.aging import AgingHeap
+from mesh.eviction.chain import ChainPolicy
 from mesh.eviction.duel import DuelingReusePolicy
 from mesh.eviction.hint import NO_HINT, BlockHint
 from mesh.eviction.reuse import ADMIT_LRU_RATIO, ReusePolicy
 
-POLICIES = ("lru", "s3fifo", "lfuda", "reuse", "admit")
+POLICIES = ("lru", "s3fifo", "lfuda", "reuse", "admit", "chain")
 DEFAULT_POLICY = "lfuda"
 
 
@@ -197,4 +200,6 @@ def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
         return DuelingReusePolicy(capacity_bytes)
     if name == "admit":
         return ReusePolicy(capacity_bytes, admission=True, max_freq=1, admit_ratio=ADMIT_LRU_RATIO)
+    if name == "chain":
+        return ChainPolicy(capacity_bytes)
     raise ValueError(f"unknown eviction policy {name!r}: expected one of {', '.join(POLICIES)}")
