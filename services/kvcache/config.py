@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mesh.config import LaneSettings, ServiceSettings, check_lane_settings, require, require_data_port, setting
-from mesh.eviction.policies import POLICIES
+from mesh.eviction.policies import DEFAULT_POLICY, POLICIES
 from services.kvcache.store import DAY_S, StoreConfig
 
 
@@ -29,7 +29,7 @@ class KVCacheSettings(ServiceSettings, LaneSettings):
         "(empty: host memory only)",
     )
     ssd_capacity_bytes: int = setting(16 * 2**30, "the SSD tier's size")
-    eviction_policy: str = setting("lfuda", "the eviction policy: " + ", ".join(POLICIES))
+    eviction_policy: str = setting(DEFAULT_POLICY, "the eviction policy: " + ", ".join(POLICIES))
     ttls: str = setting(
         f"agent={3 * DAY_S:.0f},chat={7 * DAY_S:.0f}",
         "TTL in seconds per traffic class: class=seconds, comma separated",

@@ -12,6 +12,8 @@ COMMANDS = ("kvcache", "kv-transfer", "kv-push", "kv-ttft", "kv-fetch", "kv-inde
 
 
 def add_parsers(bench_commands: Any) -> None:
+    from mesh.eviction.policies import DEFAULT_POLICY, POLICIES  # standard library only
+
     kvcache = bench_commands.add_parser(
         "kvcache", help="replay a Mooncake trace through the KV store: hit rate vs ideal"
     )
@@ -19,7 +21,7 @@ def add_parsers(bench_commands: Any) -> None:
         "--trace", required=True, help="a Mooncake trace (JSON lines with hash_ids), or `generated` (kvcache_trace)"
     )
     kvcache.add_argument("--capacity-blocks", type=int, default=None, help="default: 25%% of the trace's unique blocks")
-    kvcache.add_argument("--policy", default="lfuda", help="lru | s3fifo | lfuda | reuse | admit | chain")
+    kvcache.add_argument("--policy", default=DEFAULT_POLICY, help=" | ".join(POLICIES))
     kvcache.add_argument(
         "--sweep",
         nargs="*",
