@@ -1,7 +1,7 @@
-"""Late binding's balancer client: which decode worker takes a request's KV, asked (Balancer.BindDecode) once
-prefill has sampled the first token, when the KV is ready. The balancers are those heard on NATS; each call starts
-with the next one, and one that errs or cannot be reached passes the question to the next, as the gateway's
-Route does."""
+"""Late binding's balancer client: which decode worker takes a request's KV, asked (Balancer.BindDecode) as the KV
+becomes ready (when the step that computes the whole prompt starts, or once the first token is sampled). The
+balancers are those heard on NATS; each call starts with the next one, and one that errs or cannot be reached passes
+the question to the next, as the gateway's Route does."""
 
 from __future__ import annotations
 

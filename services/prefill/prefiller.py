@@ -6,9 +6,11 @@ One request, in order:
      the prefix cache right before the request is admitted (one engine call, so nothing evicts them in between);
   2. the request runs with the user's sampling but one token, kept (keep_kv) so its KV survives finishing;
   3. unless that token already ends the request, the KV is exported and pushed to the decode worker: the one the
-     job names (early binding), or, when it names none (late binding), the one a balancer binds now that the KV is
+     job names (early binding), or, when it names none (late binding), the one a balancer binds as the KV becomes
      ready (`DecodeBinder`), told to the caller with the first token. The push starts only after the first token
-     (the export reads finished blocks), so binding then delays no push; it adds one balancer call to the TTFT;
+     (the export reads finished blocks), so binding then delays no push. A prompt the engine's next step computes
+     whole (nothing queued ahead, within one step's tokens) is bound as that step starts, the balancer call
+     running beside the compute instead of after it; any other is bound once its first token is sampled;
   4. the kept request is always released (success, failure or cancellation).
 Talking to decode, to the balancers and to the store is behind small interfaces (`KVPusher`, `DecodeBinder`,
 `StoreReader`) implemented by the gRPC clients; this module holds no gRPC.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -238,17 +241,19 @@ class Prefiller:
         on_first: Callable[[PrefillResult], None],
     ) -> PrefillResult:
         arrived = time.monotonic()
+        outer = contextvars.copy_context()  # the request's span: where a binding started later is traced
         await engine.prepare_grammar(job.params)  # off the engine thread, bounded; GrammarError: a bad request
         lookup = self._lookup(engine, job)
         request_id = job.request_id
         outputs = engine.open_stream(request_id)
         feeding: asyncio.Task[None] | None = None
+        binding: asyncio.Task[DecodeTarget] | None = None  # a decode worker bound while the prompt computes
         hit: _StoreHit | None = None
         decision: FetchDecision | None = None
         num_injected, load = 0, None
         try:
             started = time.monotonic()
-            num_local, is_admitted = await self._admit_unless_stored(engine, job, first_params, lookup)
+            num_local, is_admitted, is_next = await self._admit_unless_stored(engine, job, first_params, lookup)
             if not is_admitted:
                 assert lookup is not None, "only a lookup defers the admission"
                 decision = self._decide(engine, job, lookup, num_local)
@@ -256,10 +261,13 @@ class Prefiller:
                     hit = await self._fetch_from_store(engine, job, lookup, num_local, decision.num_fetch_blocks)
             elif self.store is not None and lookup is not None and num_local < len(lookup.block_hashes):
                 self.store.note_skipped()
+            if is_admitted:
+                binding = self._bind_ahead(job, is_next, outer)
             with span("kvmesh.prefill.compute") as computing:
                 if not is_admitted:
                     started = time.monotonic()
-                    num_injected, load = await engine.call(lambda e: self._admit(e, job, first_params, hit))
+                    num_injected, load, is_next = await engine.call(lambda e: self._admit(e, job, first_params, hit))
+                    binding = self._bind_ahead(job, is_next, outer)
                 feeding = self._feed(engine, job, hit, load)
                 first = await _first_output(engine, request_id, outputs)
                 computing.set_attribute("kvmesh.num_computed_tokens", first.num_prompt_tokens - first.num_cached_tokens)
@@ -284,7 +292,7 @@ class Prefiller:
                     first.num_prompt_tokens - first.num_cached_tokens, seconds - result.queue_seconds
                 )
             if finish_reason is None and not job.decode_address:
-                job = await self._bind(job)
+                job = await self._bind(job, binding)
                 result = dataclasses.replace(
                     result, decode=DecodeTarget(job.decode_worker_id, job.decode_address, job.decode_data_address)
                 )
@@ -305,16 +313,30 @@ class Prefiller:
             engine.close_stream(request_id)
             engine.call_soon(lambda e: _discard(e, request_id))
             _settle(feeding)
+            _settle(binding)
         return result
 
-    async def _bind(self, job: PrefillJob) -> PrefillJob:
-        """Late binding: the job, now naming the decode worker a balancer bound for its KV (traced, the balancer
-        call carrying the span's traceparent)."""
-        assert self.binder is not None, "checked when the job came"
-        num_kv_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
-        with span("kvmesh.decode.bind", attributes={"kvmesh.num_kv_tokens": num_kv_tokens}) as binding:
-            target = await self.binder.bind(job, num_kv_tokens)
-            binding.set_attribute("kvmesh.decode_worker_id", target.worker_id)
+    def _bind_ahead(
+        self, job: PrefillJob, is_next: bool, outer: contextvars.Context
+    ) -> asyncio.Task[DecodeTarget] | None:
+        """Late binding for a prompt the engine's next step computes whole: the balancer call starts now, beside
+        that step, rather than after the first token (one balancer round trip off the TTFT). What the balancer
+        sees is then at most one step older than the KV. None when the job names its decode worker, when the
+        prompt takes more than the next step, or when the first token surely ends the request (nothing to bind;
+        a stop token cannot be foreseen: that binding goes unused, as an early binding's does)."""
+        if job.decode_address or self.binder is None or not is_next:
+            return None
+        num_outputs = len(job.output_token_ids) + 1
+        if job.params.max_tokens == num_outputs:
+            return None
+        if len(job.prompt_token_ids) + num_outputs >= self.engines.max_model_len(job.model):
+            return None
+        return asyncio.get_running_loop().create_task(self._bind_call(job, "admission"), context=outer)
+
+    async def _bind(self, job: PrefillJob, binding: asyncio.Task[DecodeTarget] | None) -> PrefillJob:
+        """Late binding: the job, now naming the decode worker a balancer bound for its KV (the binding started
+        at admission, or one now)."""
+        target = await binding if binding is not None else await self._bind_call(job, "first_token")
         return dataclasses.replace(
             job,
             decode_address=target.address,
@@ -322,33 +344,45 @@ class Prefiller:
             decode_data_address=target.data_address,
         )
 
+    async def _bind_call(self, job: PrefillJob, moment: str) -> DecodeTarget:
+        """The balancer call, traced (carrying the span's traceparent); `moment` says when it was made."""
+        assert self.binder is not None, "checked when the job came"
+        num_kv_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
+        attributes = {"kvmesh.num_kv_tokens": num_kv_tokens, "kvmesh.decode.bind_at": moment}
+        with span("kvmesh.decode.bind", attributes=attributes) as binding:
+            target = await self.binder.bind(job, num_kv_tokens)
+            binding.set_attribute("kvmesh.decode_worker_id", target.worker_id)
+        return target
+
     async def _admit_unless_stored(
         self, engine: AsyncEngine, job: PrefillJob, params: SamplingParams, lookup: _Lookup | None
-    ) -> tuple[int, bool]:
-        """How many of the lookup's blocks the engine holds, and whether the request was admitted: in one engine
-        call (each waits for the step in flight), unless the store may hold the next block (then the caller fetches
-        it and admits). The call is the device cache's lookup, so it is traced as one."""
+    ) -> tuple[int, bool, bool]:
+        """How many of the lookup's blocks the engine holds, whether the request was admitted, and whether the
+        next step computes it whole: in one engine call (each waits for the step in flight), unless the store may
+        hold the next block (then the caller fetches it and admits). The call is the device cache's lookup, so it
+        is traced as one."""
         if lookup is None:
             return await engine.call(lambda e: self._admit_now(e, job, params, None))
         with span("kvmesh.kv.read device", attributes=_read_attributes("lookup", len(lookup.block_hashes))) as reading:
-            num_local, is_admitted = await engine.call(lambda e: self._admit_now(e, job, params, lookup))
+            num_local, is_admitted, is_next = await engine.call(lambda e: self._admit_now(e, job, params, lookup))
             reading.set_attribute("kvmesh.kv.num_blocks", num_local)
-        return num_local, is_admitted
+        return num_local, is_admitted, is_next
 
     def _admit_now(
         self, engine: LLMEngine, job: PrefillJob, params: SamplingParams, lookup: _Lookup | None
-    ) -> tuple[int, bool]:
-        """On the engine thread: `_admit_unless_stored`'s count and admission."""
+    ) -> tuple[int, bool, bool]:
+        """On the engine thread: `_admit_unless_stored`'s count, admission and next-step answer."""
         num_local = 0 if lookup is None else engine.num_cached_blocks(lookup.block_hashes)
         if lookup is not None and lookup.may_extend(num_local):
-            return num_local, False
-        self._admit(engine, job, params, None)
-        return num_local, True
+            return num_local, False, False
+        _, _, is_next = self._admit(engine, job, params, None)
+        return num_local, True, is_next
 
     def _admit(
         self, engine: LLMEngine, job: PrefillJob, params: SamplingParams, hit: _StoreHit | None
-    ) -> tuple[int, LayerLoad | None]:
-        """On the engine thread: enter the store's blocks, then the request (so it finds them still cached)."""
+    ) -> tuple[int, LayerLoad | None, bool]:
+        """On the engine thread: enter the store's blocks, then the request (so it finds them still cached);
+        also whether the next step computes it whole (`_is_next_step`)."""
         num_injected, load = 0, None
         if hit is not None and hit.stream is not None:  # cached now, their KV written layer by layer as it comes
             load = engine.loads.begin(hit.parent_hash, hit.block_hashes, hit.token_ids)
@@ -368,7 +402,7 @@ class Prefiller:
             embeddings=job.images,
             output_token_ids=job.output_token_ids,
         )
-        return num_injected, load
+        return num_injected, load, _is_next_step(engine, len(job.prompt_token_ids) + len(job.output_token_ids))
 
     def _feed(
         self, engine: AsyncEngine, job: PrefillJob, hit: _StoreHit | None, load: LayerLoad | None
@@ -541,10 +575,26 @@ async def _first_output(
     raise EngineFailure(f"request {request_id!r} produced no output")
 
 
-def _settle(feeding: asyncio.Task[None] | None) -> None:
-    """The store stream is over by the first token (the last layer gates it); on any other way out, stop it."""
-    if feeding is not None and not feeding.done():
-        feeding.cancel()  # its load fails, so the engine never waits on it
+def _settle(task: asyncio.Task[None] | asyncio.Task[DecodeTarget] | None) -> None:
+    """A task beside the compute (the store stream: over by the first token, the last layer gates it; a binding:
+    awaited by then), on any other way out stopped. A stopped store stream fails its load, so the engine never
+    waits on it."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()  # retrieved: a binding that failed while the compute failed first is not reported twice
+
+
+def _is_next_step(engine: LLMEngine, num_tokens: int) -> bool:
+    """On the engine thread, right after admitting a request of `num_tokens`: whether the next step computes it
+    whole, its KV ready one step from now. Only when nothing else waits or runs (a prefill engine's running
+    requests are prompts still in chunks) and the prompt fits one step's tokens; a prefix cache hit only shortens it."""
+    scheduler = engine.scheduler
+    return (
+        len(scheduler.waiting) == 1 and not scheduler.running and num_tokens <= scheduler.config.max_num_batched_tokens
+    )
 
 
 def _discard(engine: LLMEngine, request_id: str) -> None:

@@ -70,6 +70,7 @@ def test_late_binding_completes_with_the_tokens_of_early_binding(mesh, receiver:
     (binding,) = children(spans, one(spans, "kvmesh-prefill", "kvmesh.v1.Prefill/PrefillStream"), "kvmesh.decode.bind")
     assert one(spans, *bind_call).parent_id == binding.span_id  # the traceparent went with the call
     assert binding.attributes["kvmesh.decode_worker_id"] == decode_worker
+    assert binding.attributes["kvmesh.decode.bind_at"] == "admission"  # a short prompt: bound beside its compute
     assert one(spans, "kvmesh-decode", "kvmesh.v1.Decode/Stream").instance == decode_worker
     assert answer(client, 1)[1:] == (late_tokens[:1], 1)  # the first token ends it: nothing to bind
     assert scrape(late.http_port, BINDINGS) == {'{binding="late"}': 1.0}
