@@ -218,9 +218,14 @@ class Bus:
         await self.client.publish(subject, message.SerializeToString(), headers=headers or None)
 
     async def subscribe(
-        self, subject: str, message_type: type[M], handler: Callable[[M, str], Awaitable[None]]
+        self,
+        subject: str,
+        message_type: type[M],
+        handler: Callable[[M, str], Awaitable[None]],
+        ignore: Callable[[M], bool] | None = None,
     ) -> Subscription:
-        """Call `handler(message, subject)` for each message; undecodable ones are logged and dropped."""
+        """Call `handler(message, subject)` for each message; undecodable ones are logged and dropped, and those
+        `ignore` names (a subscriber's own messages, heard back) are dropped before any span or handler."""
 
         async def on_message(msg: Msg) -> None:
             message = message_type()
@@ -228,6 +233,8 @@ class Bus:
                 message.ParseFromString(msg.data)
             except DecodeError:
                 log.warning("undecodable message dropped", subject=msg.subject, type=message_type.__name__)
+                return
+            if ignore is not None and ignore(message):
                 return
             headers = msg.headers or {}
             with bind_request_id(headers.get(REQUEST_ID_KEY)), traced(headers, msg.subject):

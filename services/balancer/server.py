@@ -425,14 +425,16 @@ async def serve(settings: BalancerSettings) -> None:
         metrics.BALANCER_FINISHED_HEARD.inc()
 
     async def on_peer(message: balancer_pb2.Assignment, subject: str) -> None:
-        if message.balancer_id != settings.worker_id:
-            router.apply(assignment_from_pb(message))
-            metrics.BALANCER_PEER_ASSIGNMENTS.inc()
+        router.apply(assignment_from_pb(message))
+        metrics.BALANCER_PEER_ASSIGNMENTS.inc()
+
+    def is_own(message: balancer_pb2.Assignment) -> bool:  # heard back: counted when made, and traced as no span
+        return message.balancer_id == settings.worker_id
 
     await registry.start()
     stop_kv = await follow_kv_events(bus, index, settings)
     peers = (
-        await bus.subscribe(subjects.BALANCER_ASSIGN, balancer_pb2.Assignment, on_peer)
+        await bus.subscribe(subjects.BALANCER_ASSIGN, balancer_pb2.Assignment, on_peer, ignore=is_own)
         if settings.balancer_share_assignments
         else None
     )

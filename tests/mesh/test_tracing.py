@@ -224,3 +224,48 @@ def test_the_traceparent_sent_is_the_propagators(monkeypatch, receiver):
         span_id = format(root.get_span_context().span_id, "016x")
         assert tracing.traceparent() == carrier["traceparent"] == f"00-{TRACE}-{span_id}-01"
     assert tracing.traceparent() == ""
+
+
+async def test_a_message_sent_in_a_trace_is_handled_in_a_consumer_span_and_an_ignored_one_in_none(
+    monkeypatch, receiver, tmp_path
+):
+    """NATS headers carry the traceparent; a subscriber's `ignore` (a balancer hearing its own assignment) drops the
+    message before the CONSUMER span and the handler."""
+    from kvmesh.nats_server import EmbeddedNats
+    from mesh.bus import Bus
+    from mesh.pb import balancer_pb2
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    assert tracing.configure_tracing("balancer", "balancer-0") is True
+    heard: list[str] = []
+
+    async def on_assignment(message: balancer_pb2.Assignment, subject: str) -> None:
+        heard.append(message.balancer_id)
+
+    with EmbeddedNats(store_dir=tmp_path / "nats") as nats:
+        bus = await Bus.connect(nats.url, "test-tracing")
+        try:
+            await bus.subscribe(
+                "test.assign", balancer_pb2.Assignment, on_assignment, ignore=lambda m: m.balancer_id == "balancer-0"
+            )
+            with tracing.span("route") as route:
+                await bus.publish("test.assign", balancer_pb2.Assignment(balancer_id="balancer-0"), "r-1")
+                await bus.publish("test.assign", balancer_pb2.Assignment(balancer_id="balancer-1"), "r-1")
+                trace_id = format(route.get_span_context().trace_id, "032x")
+                route_id = format(route.get_span_context().span_id, "016x")
+            await bus.flush()
+            for _ in range(100):
+                if heard:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await bus.close()
+    tracing.shutdown_tracing()  # flushes
+
+    assert heard == ["balancer-1"]
+    spans = receiver.spans(trace_id)
+    assert sorted(s.name for s in spans) == ["process test.assign", "route"]
+    (consumer,) = (s for s in spans if s.name == "process test.assign")
+    assert (consumer.parent_id, consumer.kind) == (route_id, "CONSUMER")
+    assert consumer.attributes["messaging.system"] == "nats"
