@@ -61,3 +61,15 @@ def test_where_every_choice_hits_alike_it_stays_with_lru() -> None:
     assert isinstance(duel, DuelingReusePolicy)
     assert hits(duel, accesses, 64) == hits(LRUPolicy(), accesses, 64) == 4000 - 40
     assert CONFIG_NAMES[duel.followed] == "lru"
+
+
+def test_a_shadow_is_followed_only_when_it_leads_by_the_margin() -> None:
+    # A 1% margin let late switches to the filter fall below LRU on the synthetic trace at 50% and 75%.
+    duel = make_policy("reuse", 64)
+    assert isinstance(duel, DuelingReusePolicy)
+    duel.insert(b"k", 1, HOT)  # makes the shadows
+    for lead, followed in ((104.0, "lru"), (106.0, "filter+lfuda")):
+        for shadow, num_hits in zip(duel.shadows, (100.0, 0.0, lead), strict=True):
+            shadow.num_hits = num_hits
+        duel._choose()  # the choice alone, without replaying enough keys to reach a decision
+        assert CONFIG_NAMES[duel.followed] == followed

@@ -20,15 +20,16 @@ victims.
   the synthetic trace at 5% and 10%.
 - `reuse`: an admission filter that predicts reuse in front of lfuda's order (`reuse.py`), whether to filter and
   whether to order by frequency chosen by miniature caches that replay a sample of the keys under each choice
-  (`duel.py`).
+  (`duel.py`). The default: at or above LRU on every trace and capacity of `kvmesh bench kvcache --sweep`
+  (docs/kvcache.md), the project's rule for a default, and of the two policies that are (with `chain`), the one
+  that gains most where the cache is scarce.
 - `admit`: the same filter in front of LRU's order, holding back only classes reused at less than 0.6 times the
   average (`reuse.ADMIT_LRU_RATIO`), so it gives up little where every class comes back alike. At or above LRU on
   every trace and capacity of `kvmesh bench kvcache --sweep` until the replay kept full blocks only; now below it
   on the conversation trace at 15% and 35% (docs/kvcache.md).
 - `chain`: LRU in which a Put's new blocks sit just below the prefix they extend, deeper blocks older, so a chain
-  is given up from its end (`chain.py`); without hints (a device cache) it is LRU. The default: the only policy at
-  or above LRU on every trace and capacity of `kvmesh bench kvcache --sweep` (docs/kvcache.md), the project's
-  rule for a default, though below `lfuda` at 25% of the unique blocks on all three traces.
+  is given up from its end (`chain.py`); without hints (a device cache) it is LRU. At or above LRU on every trace
+  and capacity of `kvmesh bench kvcache --sweep`, by at most 2.1% (docs/kvcache.md).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from mesh.eviction.hint import NO_HINT, BlockHint
 from mesh.eviction.reuse import ADMIT_LRU_RATIO, ReusePolicy
 
 POLICIES = ("lru", "s3fifo", "lfuda", "reuse", "admit", "chain")
-DEFAULT_POLICY = "chain"
+DEFAULT_POLICY = "reuse"
 
 
 class EvictionPolicy(Protocol):
