@@ -326,10 +326,7 @@ class Prefiller:
         a stop token cannot be foreseen: that binding goes unused, as an early binding's does)."""
         if job.decode_address or self.binder is None or not is_next:
             return None
-        num_outputs = len(job.output_token_ids) + 1
-        if job.params.max_tokens == num_outputs:
-            return None
-        if len(job.prompt_token_ids) + num_outputs >= self.engines.max_model_len(job.model):
+        if self._ends_by_length(job, len(job.prompt_token_ids)):
             return None
         return asyncio.get_running_loop().create_task(self._bind_call(job, "admission"), context=outer)
 
@@ -436,12 +433,14 @@ class Prefiller:
         """Whether prefill's one token ends the request for real: a stop, max_tokens reached, or a full context."""
         if first.finish_reason == "stop":
             return "stop"
+        return "length" if self._ends_by_length(job, first.num_prompt_tokens) else None
+
+    def _ends_by_length(self, job: PrefillJob, num_prompt_tokens: int) -> bool:
+        """Whether prefill's one token reaches max_tokens or fills the context: known before it is sampled."""
         num_outputs = len(job.output_token_ids) + 1
-        if job.params.max_tokens == num_outputs or first.num_prompt_tokens + num_outputs >= self.engines.max_model_len(
+        return job.params.max_tokens == num_outputs or num_prompt_tokens + num_outputs >= self.engines.max_model_len(
             job.model
-        ):
-            return "length"
-        return None
+        )
 
     async def _read_chunks(self, export: KVExport) -> AsyncIterator[KVChunk]:
         # Read off the engine thread: a kept request's blocks are immutable until `release` (it finished, so no
@@ -584,7 +583,7 @@ def _settle(task: asyncio.Task[None] | asyncio.Task[DecodeTarget] | None) -> Non
     if not task.done():
         task.cancel()
     elif not task.cancelled():
-        task.exception()  # retrieved: a binding that failed while the compute failed first is not reported twice
+        task.exception()  # retrieved, so a binding that failed after the compute had failed logs no "never retrieved"
 
 
 def _is_next_step(engine: LLMEngine, num_tokens: int) -> bool:
