@@ -44,8 +44,11 @@ IS_LONG = os.environ.get("EVAL_GATE_LONG") == "1"
 NUM_CONVERSATIONS, NUM_DOCUMENT_WORDS, NUM_REPEATS = (6, 1500, 8) if IS_LONG else (2, 800, 5)
 # the long version is a benchmark: on a shared machine its uncached mesh alone can take longer than the suite's 600 s
 pytestmark = [pytest.mark.timeout(3600)] if IS_LONG else []
-# TTFT on the conversations (the machine is shared: a slower baseline must not fail a run), quality on the requests
-THRESHOLDS = {"conversations": "ttft_p50=50%", "requests": "golden=0,checks=0"}
+# TTFT on the conversations, quality on the requests. The machine is shared, so load alone moves TTFT between two
+# runs on one mesh: CI once saw p50 110 -> 211 ms (+92%, its interval wholly above zero) and failed (a). The
+# uncached mesh's p50 was 4.6x the baseline's (186 -> 850 ms, 2026-12-06, load 6-10). A threshold of 120% (2.2x)
+# lets a load shift like CI's through and still fails the uncached mesh with a factor of two to spare (4.6 / 2.2).
+THRESHOLDS = {"conversations": "ttft_p50=120%", "requests": "golden=0,checks=0"}
 WORDS = ["river", "stone", "cloud", "garden", "lantern", "harbor", "meadow", "signal", "copper", "violet", "orbit"]
 
 
