@@ -52,22 +52,32 @@ def request(arrival_s: float, *hash_ids: int, num_output: int = 3) -> TraceReque
 def test_traces_read_spread_and_ideal_hit_rate(tmp_path: Path) -> None:
     trace = write_trace(
         tmp_path / "t.jsonl",
-        [(1000, 1024, 5, [1, 2]), (1000, 1500, 5, [1, 3, 4]), (1000, 1024, 5, [1, 2]), (4000, 600, 1, [5, 6])],
+        [(1000, 1024, 5, [1, 2]), (1000, 1500, 5, [1, 3, 4]), (1000, 1500, 5, [1, 3, 4]), (4000, 600, 1, [5, 6])],
     )
-    requests = load_trace(trace)
+    requests = load_trace(trace)  # full blocks only: 1500 tokens are 2 blocks (block 4 is partial), 600 one
     # three requests share the first timestamp: spread over the 3 s to the next one; the last one has no next
     assert [r.arrival_s for r in requests] == [0.0, 1.0, 2.0, 3.0]
     assert [r.arrival_s for r in load_trace(trace, spread=False)] == [0.0, 0.0, 0.0, 3.0]
-    assert (requests[1].num_prompt_tokens, requests[1].num_output_tokens, len(requests[1].block_hashes)) == (1500, 5, 3)
-    assert ideal_hit_rate(requests) == 3 / 9  # block 1 twice, block 2 once, of 9 blocks
+    assert [r.block_hashes for r in requests] == [
+        (block_key(1), block_key(2)),
+        (block_key(1), block_key(3)),
+        (block_key(1), block_key(3)),
+        (block_key(5),),
+    ]
+    assert (requests[1].num_prompt_tokens, requests[1].num_output_tokens) == (1500, 5)
+    assert ideal_hit_rate(requests) == 3 / 7  # block 1 twice, block 3 once, of 7 (partial block 4 is never a hit)
     assert len(load_trace(trace, limit=2)) == 2
     csv = tmp_path / "azure.csv"
     csv.write_text(
         "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,1000,10\n"
-        "2023-11-16 18:15:47.6805900,513,20\n"
+        "2023-11-16 18:15:47.6805900,1024,20\n2023-11-16 18:15:48.6805900,511,20\n"
     )
     azure = load_trace(csv)
-    assert [(r.arrival_s, r.num_prompt_tokens, len(r.block_hashes)) for r in azure] == [(0.0, 1000, 2), (1.0, 513, 2)]
+    assert [(r.arrival_s, r.num_prompt_tokens, len(r.block_hashes)) for r in azure] == [
+        (0.0, 1000, 1),
+        (1.0, 1024, 2),
+        (2.0, 511, 0),
+    ]
     assert ideal_hit_rate(azure) == 0.0
 
 

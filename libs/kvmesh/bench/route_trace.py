@@ -21,7 +21,7 @@ class TraceRequest:
     arrival_s: float
     num_prompt_tokens: int
     num_output_tokens: int
-    block_hashes: tuple[bytes, ...]  # one key per 512-token block (the last may be partial)
+    block_hashes: tuple[bytes, ...]  # one key per full 512-token block of the prompt
 
 
 def block_key(hash_id: int) -> bytes:
@@ -30,6 +30,10 @@ def block_key(hash_id: int) -> bytes:
 
 def load_trace(path: str | Path, limit: int | None = None, spread: bool = True) -> list[TraceRequest]:
     """The trace's requests in arrival order, arrivals relative to the first (at most `limit` of them).
+
+    Full blocks only, as a live prefill keys them (engine_core's `hash_token_blocks`) and `kvmesh bench kvcache`
+    replays them: a Mooncake hash_id is one 512-token block, the last covering `input_length % 512` tokens when
+    that is not 0; no cache ever holds that one, so it is dropped (a prompt under 512 tokens has no block).
 
     `spread`: requests that share a timestamp arrive evenly spaced, in trace order, until the next distinct
     timestamp. Mooncake's conversation trace stamps arrivals in 3-second buckets (~10 requests per bucket at
@@ -68,12 +72,13 @@ def _load_mooncake(path: Path, limit: int | None) -> list[TraceRequest]:
                 break
             if line.strip():
                 record = json.loads(line)
+                num_prompt = int(record["input_length"])
                 requests.append(
                     TraceRequest(
                         record["timestamp"] / 1000.0,
-                        int(record["input_length"]),
+                        num_prompt,
                         int(record["output_length"]),
-                        tuple(block_key(i) for i in record["hash_ids"]),
+                        tuple(block_key(i) for i in record["hash_ids"][: num_prompt // MOONCAKE_BLOCK_TOKENS]),
                     )
                 )
     requests.sort(key=lambda r: r.arrival_s)  # stable: equal timestamps keep the trace's order
@@ -88,7 +93,7 @@ def _load_azure(path: Path, limit: int | None) -> list[TraceRequest]:
             if limit is not None and len(requests) >= limit:
                 break
             num_prompt = int(row["ContextTokens"])
-            num_blocks = -(-num_prompt // MOONCAKE_BLOCK_TOKENS)
+            num_blocks = num_prompt // MOONCAKE_BLOCK_TOKENS
             keys = tuple(block_key(next_id - n) for n in range(num_blocks))
             next_id -= num_blocks
             stamp = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
