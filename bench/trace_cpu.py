@@ -1,9 +1,13 @@
 """CPU time tracing costs one request, with the exporter on and off: the spans a streamed chat makes in every role
-(gateway, balancer, prefill, kvcache, decode; 11 spans, their attributes, the traceparent carried between them,
+(gateway, balancer, prefill, kvcache, decode; 12 spans, their attributes, the traceparent carried between them,
 16 token batches on decode's stream, a log line per role), made by mesh.tracing's own helpers in one process and
 exported over OTLP/gRPC to an in-process receiver (kvmesh.bench.otlp_sink). Prints one JSON object on stdout.
 
-    .venv/bin/python bench/trace_cpu.py [--requests 2000] [--repeats 5] [--batches 16]
+    .venv/bin/python bench/trace_cpu.py [--requests 2000] [--repeats 5] [--batches 16] [--consumer-spans 0]
+
+  --consumer-spans N   the balancers' CONSUMER spans per request (mesh.bus.traced): 0 as the mesh makes them now
+                       (their bookkeeping subscriptions are untraced); 4 as it made them before (two balancers, each
+                       hearing the other's assignment for Route or BindDecode and both hearing requests.finished)
 
   off_us, on_us        CPU of the thread making the request's spans, per request (median over repeats); on - off is
                        what tracing adds to the request path
@@ -44,7 +48,7 @@ from services.decode.server import trace_batch  # noqa: E402
 
 MODEL = "deepseek-tiny"
 CLIENT_TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-NUM_SPANS = 11
+NUM_SPANS = 16  # at most, per request: the queue is sized for it
 
 
 class _Context:
@@ -108,6 +112,17 @@ def _push_kv(traceparent: str) -> None:
         tracing.current_span().set_attribute(tracing.BYTES_MOVED, 4 << 20)
 
 
+def _bind() -> None:
+    """prefill: the late binding's call, and the balancer's SERVER span for it (services/prefill/prefiller.py)."""
+    attributes = {"kvmesh.num_kv_tokens": 300, "kvmesh.decode.bind_at": "admission"}
+    with tracing.span("kvmesh.decode.bind", attributes=attributes) as binding:
+        rpc_attributes = {"rpc.system": "grpc", "rpc.service": "kvmesh.v1.Balancer", "rpc.method": "BindDecode"}
+        with tracing.span("kvmesh.v1.Balancer/BindDecode", tracing.SpanKind.SERVER, rpc_attributes,
+                          tracing.context_from(dict(rpc.metadata("r")))):  # fmt: skip
+            _log("balancer")
+        binding.set_attribute("kvmesh.decode_worker_id", "decode-0")
+
+
 def _read_attributes(kind: str, num_blocks: int) -> dict[str, Any]:
     return {"kvmesh.kv.read": kind, "kvmesh.kv.num_blocks_asked": num_blocks}
 
@@ -124,6 +139,7 @@ def _prefill(request: Any) -> Iterator[int]:
             reading.set_attribute("kvmesh.kv.num_blocks", 3)
             reading.set_attribute(tracing.BYTES_MOVED, 3 << 20)
         computing.set_attribute("kvmesh.num_computed_tokens", 40)
+    _bind()
     with tracing.span("kvmesh.kv.push", attributes={"kvmesh.decode_worker_id": "decode-0"}) as pushing:
         _push_kv(tracing.traceparent())
         pushing.set_attribute(tracing.BYTES_MOVED, 4 << 20)
@@ -157,12 +173,14 @@ def _stream(num_batches: int) -> Any:
     return body
 
 
-def _finished(headers: dict[str, str]) -> None:
-    """The balancer handling decode's kvmesh.requests.finished, in a CONSUMER span (mesh.bus.traced)."""
+def _consumed(headers: dict[str, str], num_spans: int) -> None:
+    """The balancers hearing a request's events (assignments, kvmesh.requests.finished), each in a CONSUMER span
+    (mesh.bus.traced): `num_spans` of them."""
     from mesh.bus import traced
 
-    with traced(headers, "kvmesh.requests.finished"):
-        pass
+    for _ in range(num_spans):
+        with traced(headers, "kvmesh.requests.finished"):
+            pass
 
 
 async def _call(server: Any, metadata: tuple[tuple[str, str], ...]) -> None:
@@ -181,7 +199,7 @@ async def _call(server: Any, metadata: tuple[tuple[str, str], ...]) -> None:
         await traced.unary_unary(None, context)
 
 
-async def _request(servers: dict[str, Any]) -> None:
+async def _request(servers: dict[str, Any], num_consumer_spans: int) -> None:
     """gateway: the request's root span (services/gateway/rest.py, telemetry.py), the calls it makes."""
     attributes = {"http.request.method": "POST", "http.route": "/v1/chat/completions", tracing.REQUEST_ID: "r"}
     parent = tracing.context_from({tracing.TRACEPARENT: CLIENT_TRACEPARENT})
@@ -200,7 +218,7 @@ async def _request(servers: dict[str, Any]) -> None:
         await _call(servers["route"], rpc.metadata("r"))
         await _call(servers["prefill"], rpc.metadata("r"))
         await _call(servers["stream"], rpc.metadata("r"))
-        _finished({"x-request-id": "r", **tracing.headers()})
+        _consumed({"x-request-id": "r", **tracing.headers()}, num_consumer_spans)
         root.set_attributes(
             {
                 "kvmesh.status_code": 200,
@@ -225,7 +243,7 @@ def _servers(num_batches: int) -> dict[str, Any]:
     }
 
 
-def _calls_per_request(num_batches: int, num_requests: int = 20) -> float:
+def _calls_per_request(num_batches: int, num_consumer_spans: int, num_requests: int = 20) -> float:
     """Python and C function calls one request makes (sys.setprofile): CPU's deterministic proxy."""
     servers = _servers(num_batches)
     count = [0]
@@ -237,18 +255,18 @@ def _calls_per_request(num_batches: int, num_requests: int = 20) -> float:
     async def requests() -> None:
         sys.setprofile(profile)
         for _ in range(num_requests):
-            await _request(servers)
+            await _request(servers, num_consumer_spans)
         sys.setprofile(None)
 
     asyncio.run(requests())
     return count[0] / num_requests
 
 
-async def _requests_cpu_us(num_requests: int, num_batches: int) -> float:
+async def _requests_cpu_us(num_requests: int, num_batches: int, num_consumer_spans: int) -> float:
     servers = _servers(num_batches)
     started = time.thread_time()
     for _ in range(num_requests):
-        await _request(servers)
+        await _request(servers, num_consumer_spans)
     return (time.thread_time() - started) / num_requests * 1e6
 
 
@@ -270,17 +288,19 @@ def _root_of(span: Any, by_id: dict[str, Any]) -> Any:
     return span
 
 
-def run(num_requests: int, repeats: int, num_batches: int) -> dict[str, Any]:
+def run(num_requests: int, repeats: int, num_batches: int, num_consumer_spans: int) -> dict[str, Any]:
     tracing.shutdown_tracing()
-    off = statistics.median(asyncio.run(_requests_cpu_us(num_requests, num_batches)) for _ in range(repeats))
-    off_calls = _calls_per_request(num_batches)
-    measures = [_traced_cpu_us(num_requests, num_batches) for _ in range(repeats)]
+    shape = (num_batches, num_consumer_spans)
+    off = statistics.median(asyncio.run(_requests_cpu_us(num_requests, *shape)) for _ in range(repeats))
+    off_calls = _calls_per_request(*shape)
+    measures = [_traced_cpu_us(num_requests, *shape) for _ in range(repeats)]
     on = statistics.median(m[0] for m in measures)
     export = statistics.median(m[1] for m in measures)
     return {
         "num_requests": num_requests,
         "repeats": repeats,
         "num_batches": num_batches,
+        "num_consumer_spans": num_consumer_spans,
         "off_calls": off_calls,
         "on_calls": measures[0][4],
         "off_us": round(off, 1),
@@ -293,7 +313,9 @@ def run(num_requests: int, repeats: int, num_batches: int) -> dict[str, Any]:
     }
 
 
-def _traced_cpu_us(num_requests: int, num_batches: int) -> tuple[float, float, int, dict[str, Any], float]:
+def _traced_cpu_us(
+    num_requests: int, num_batches: int, num_consumer_spans: int
+) -> tuple[float, float, int, dict[str, Any], float]:
     """With the exporter on: the request path's CPU per request; the export's (the batch processor's thread, which
     wakes at each full batch, and the flush of the rest on this thread after the timing; not gRPC's own I/O
     threads); the spans exported; one request's tree."""
@@ -309,13 +331,13 @@ def _traced_cpu_us(num_requests: int, num_batches: int) -> tuple[float, float, i
             os.environ.update(saved)
         (exporter,) = [t for t in threading.enumerate() if t.name.startswith("OtelBatch")]
         before = _schedstat_s(exporter.native_id)
-        on = asyncio.run(_requests_cpu_us(num_requests, num_batches))
+        on = asyncio.run(_requests_cpu_us(num_requests, num_batches, num_consumer_spans))
         flushing = time.thread_time()
         tracing._State.provider.force_flush()  # what is still queued, exported on this thread
         flush_s = time.thread_time() - flushing
         export = (_schedstat_s(exporter.native_id) - before + flush_s) / num_requests * 1e6
         num_exported = len(sink.spans())  # each export returns once the receiver has taken it
-        calls = _calls_per_request(num_batches)
+        calls = _calls_per_request(num_batches, num_consumer_spans)
         tracing.shutdown_tracing()
         return on, export, num_exported, _check_tree(sink), calls
 
@@ -329,8 +351,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, default=16, help="token batches on decode's stream")
+    parser.add_argument("--consumer-spans", type=int, default=0, help="the balancers' CONSUMER spans per request")
     args = parser.parse_args()
-    print(json.dumps(run(args.requests, args.repeats, args.batches)))
+    print(json.dumps(run(args.requests, args.repeats, args.batches, args.consumer_spans)))
 
 
 if __name__ == "__main__":

@@ -223,9 +223,14 @@ class Bus:
         message_type: type[M],
         handler: Callable[[M, str], Awaitable[None]],
         ignore: Callable[[M], bool] | None = None,
+        is_traced: bool = True,
     ) -> Subscription:
         """Call `handler(message, subject)` for each message; undecodable ones are logged and dropped, and those
-        `ignore` names (a subscriber's own messages, heard back) are dropped before any span or handler."""
+        `ignore` names (a subscriber's own messages, heard back) are dropped before any span or handler.
+
+        `is_traced`: a message sent inside a trace is handled in a CONSUMER span of it. False for bookkeeping that
+        answers no request (a balancer hearing a peer's assignment or a finished request): the trace already
+        holds the span that made the event, and a span costs every process's CPU (docs/operations.md)."""
 
         async def on_message(msg: Msg) -> None:
             message = message_type()
@@ -237,7 +242,8 @@ class Bus:
             if ignore is not None and ignore(message):
                 return
             headers = msg.headers or {}
-            with bind_request_id(headers.get(REQUEST_ID_KEY)), traced(headers, msg.subject):
+            scope = traced(headers, msg.subject) if is_traced else contextlib.nullcontext()
+            with bind_request_id(headers.get(REQUEST_ID_KEY)), scope:
                 try:
                     await handler(message, msg.subject)
                 except Exception:  # one bad event must not stop the subscription

@@ -12,9 +12,8 @@ Spans name what happened, never what was said: no prompt or output text, no API 
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 import grpc
@@ -174,7 +173,7 @@ class span:  # lower case: used as the function it replaced, `with span(...) as 
     A class, not generator context managers nested three deep as the SDK's is: every hop of every request
     opens several, and the worker id goes in with the attributes it starts with, not as a second call."""
 
-    __slots__ = ("_span", "_token")
+    __slots__ = ("_context", "_span", "_token")
 
     def __init__(
         self,
@@ -184,38 +183,32 @@ class span:  # lower case: used as the function it replaced, `with span(...) as 
         parent: otel_context.Context | None = None,
     ) -> None:
         tracer = _State.tracer
+        self._token: object = None
         if tracer is None:
             self._span: Span = _INVALID
-            self._token: object = None
+            self._context: otel_context.Context | None = None
             return
         with_worker = {**attributes, WORKER_ID: _State.worker_id} if attributes else _State.worker_attributes
         self._span = tracer.start_span(name, context=parent, kind=kind, attributes=with_worker)
-        self._token = None
+        # made once (a Context is immutable): a streaming call attaches it again at every step
+        self._context = trace.set_span_in_context(self._span)
 
     def __enter__(self) -> Span:
-        if self._span is not _INVALID:
-            self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        if self._context is not None:
+            self._token = otel_context.attach(self._context)
         return self._span
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
-        if self._span is _INVALID:
+        if self._context is None:
             return
         otel_context.detach(self._token)  # type: ignore[arg-type]
         self.finish(error)
 
-    @contextlib.contextmanager
-    def current(self) -> Iterator[Span]:
+    def current(self) -> _Current:
         """The span current for one step only, attached and detached in the same task: for an async generator,
         which may be resumed or closed from another task's context, where a token attached across its yields
         could not be detached."""
-        if self._span is _INVALID:
-            yield self._span
-            return
-        token = otel_context.attach(trace.set_span_in_context(self._span))
-        try:
-            yield self._span
-        finally:
-            otel_context.detach(token)
+        return _Current(self._span, self._context)
 
     def finish(self, error: BaseException | None = None) -> None:
         """End the span; an Exception (not GeneratorExit, CancelledError and the like, as the SDK) is recorded on
@@ -226,6 +219,26 @@ class span:  # lower case: used as the function it replaced, `with span(...) as 
             self._span.record_exception(error)
             self._span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         self._span.end()
+
+
+class _Current:
+    """`span.current()`: a class, not a generator context manager, as it is entered at every step of a stream."""
+
+    __slots__ = ("_context", "_span", "_token")
+
+    def __init__(self, target: Span, context: otel_context.Context | None) -> None:
+        self._span = target
+        self._context = context
+        self._token: object = None
+
+    def __enter__(self) -> Span:
+        if self._context is not None:
+            self._token = otel_context.attach(self._context)
+        return self._span
+
+    def __exit__(self, *_: object) -> None:
+        if self._context is not None:
+            otel_context.detach(self._token)  # type: ignore[arg-type]
 
 
 def traceparent() -> str:
@@ -328,6 +341,7 @@ def _traced(handler: Any, method: str, is_public: bool) -> Any:
 
 _NO_SPAN = span.__new__(span)  # no caller's trace on an internal call: nothing is recorded
 _NO_SPAN._span = _INVALID
+_NO_SPAN._context = None
 _NO_SPAN._token = None
 
 

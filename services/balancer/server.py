@@ -434,11 +434,12 @@ async def serve(settings: BalancerSettings) -> None:
     await registry.start()
     stop_kv = await follow_kv_events(bus, index, settings)
     peers = (
-        await bus.subscribe(subjects.BALANCER_ASSIGN, balancer_pb2.Assignment, on_peer, ignore=is_own)
+        await bus.subscribe(subjects.BALANCER_ASSIGN, balancer_pb2.Assignment, on_peer, ignore=is_own, is_traced=False)
         if settings.balancer_share_assignments
         else None
     )
-    finished = await bus.subscribe(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished, on_finished)
+    # bookkeeping, untraced: the request's trace holds the span that made each event (Route or BindDecode, Stream)
+    finished = await bus.subscribe(subjects.REQUESTS_FINISHED, events_pb2.RequestFinished, on_finished, is_traced=False)
     stop_rollouts = await follow_rollouts(bus, router, RolloutController(RolloutStore(bus.client), registry))
     planner_task = asyncio.create_task(publish_pools(bus, pools, settings.worker_id, settings.heartbeat_interval_s))
     export_pool_sizes(pools)

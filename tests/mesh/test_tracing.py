@@ -18,7 +18,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvmesh.bench.otlp_sink import OTLPSink
 from mesh import rpc, tracing
-from mesh.logging import configure_logging, get_logger
+from mesh.logging import configure_logging, current_request_id, get_logger
 
 ECHO = "/kvmesh.v1.Test/Echo"
 
@@ -230,7 +230,8 @@ async def test_a_message_sent_in_a_trace_is_handled_in_a_consumer_span_and_an_ig
     monkeypatch, receiver, tmp_path
 ):
     """NATS headers carry the traceparent; a subscriber's `ignore` (a balancer hearing its own assignment) drops the
-    message before the CONSUMER span and the handler."""
+    message before the CONSUMER span and the handler; an untraced subscription (bookkeeping) handles it in none,
+    with the request id still bound."""
     from kvmesh.nats_server import EmbeddedNats
     from mesh.bus import Bus
     from mesh.pb import balancer_pb2
@@ -239,9 +240,13 @@ async def test_a_message_sent_in_a_trace_is_handled_in_a_consumer_span_and_an_ig
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
     assert tracing.configure_tracing("balancer", "balancer-0") is True
     heard: list[str] = []
+    kept: list[tuple[str, str, str]] = []
 
     async def on_assignment(message: balancer_pb2.Assignment, subject: str) -> None:
         heard.append(message.balancer_id)
+
+    async def on_bookkeeping(message: balancer_pb2.Assignment, subject: str) -> None:
+        kept.append((message.balancer_id, current_request_id(), tracing.traceparent()))
 
     with EmbeddedNats(store_dir=tmp_path / "nats") as nats:
         bus = await Bus.connect(nats.url, "test-tracing")
@@ -249,14 +254,16 @@ async def test_a_message_sent_in_a_trace_is_handled_in_a_consumer_span_and_an_ig
             await bus.subscribe(
                 "test.assign", balancer_pb2.Assignment, on_assignment, ignore=lambda m: m.balancer_id == "balancer-0"
             )
+            await bus.subscribe("test.finished", balancer_pb2.Assignment, on_bookkeeping, is_traced=False)
             with tracing.span("route") as route:
                 await bus.publish("test.assign", balancer_pb2.Assignment(balancer_id="balancer-0"), "r-1")
                 await bus.publish("test.assign", balancer_pb2.Assignment(balancer_id="balancer-1"), "r-1")
+                await bus.publish("test.finished", balancer_pb2.Assignment(balancer_id="balancer-2"), "r-2")
                 trace_id = format(route.get_span_context().trace_id, "032x")
                 route_id = format(route.get_span_context().span_id, "016x")
             await bus.flush()
             for _ in range(100):
-                if heard:
+                if heard and kept:
                     break
                 await asyncio.sleep(0.02)
         finally:
@@ -264,6 +271,7 @@ async def test_a_message_sent_in_a_trace_is_handled_in_a_consumer_span_and_an_ig
     tracing.shutdown_tracing()  # flushes
 
     assert heard == ["balancer-1"]
+    assert kept == [("balancer-2", "r-2", "")]  # handled, under its request id, in no span
     spans = receiver.spans(trace_id)
     assert sorted(s.name for s in spans) == ["process test.assign", "route"]
     (consumer,) = (s for s in spans if s.name == "process test.assign")
