@@ -288,7 +288,7 @@ def _root_of(span: Any, by_id: dict[str, Any]) -> Any:
     return span
 
 
-def run(num_requests: int, repeats: int, num_batches: int, num_consumer_spans: int) -> dict[str, Any]:
+def run(num_requests: int, repeats: int, num_batches: int, num_consumer_spans: int = 0) -> dict[str, Any]:
     tracing.shutdown_tracing()
     shape = (num_batches, num_consumer_spans)
     off = statistics.median(asyncio.run(_requests_cpu_us(num_requests, *shape)) for _ in range(repeats))
