@@ -33,6 +33,7 @@ class ReceivedSpan:
     events: tuple[str, ...]
     is_error: bool
     duration_s: float = 0.0  # end minus start, by the clock of the process that made it
+    start_s: float = 0.0  # the wall clock's, in seconds: comparable across the processes of one machine
 
 
 def value_of(value: common_pb2.AnyValue) -> Any:
@@ -115,6 +116,7 @@ def _flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> Iterator[R
                     events=tuple(event.name for event in span.events),
                     is_error=span.status.code == trace_pb2.Status.STATUS_CODE_ERROR,
                     duration_s=(span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
+                    start_s=span.start_time_unix_nano / 1e9,
                 )
 
 
