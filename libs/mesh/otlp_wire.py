@@ -56,6 +56,8 @@ def _value(value: Any) -> bytes:
     if isinstance(value, str):
         return _field(0x0A, value.encode())
     if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"{value} is out of an int64's range")  # as protobuf: the exporter drops it
         return b"\x18" + _varint(value)
     if isinstance(value, float):
         return b"\x21" + _DOUBLE(value)
@@ -140,7 +142,8 @@ def _scope(scope: Any) -> bytes:
 
 def encode_request(spans: Sequence[Any]) -> bytes | None:
     """An ExportTraceServiceRequest's bytes: the spans grouped by resource, then by instrumentation scope, in the
-    order first seen (as the exporter groups them). None when a span has links: the exporter's encoder does it."""
+    order first seen (as the exporter groups them). None when a span has links: the exporter's encoder does it.
+    ValueError or TypeError for an attribute protobuf cannot hold (the exporter's encoder logs and drops it)."""
     grouped: dict[Any, dict[Any, list[bytes]]] = {}
     for span in spans:
         if span.links:

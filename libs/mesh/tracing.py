@@ -114,8 +114,11 @@ def _wire_encoded() -> Any:
 
     class WireEncoded(OTLPSpanExporter):
         def _translate_data(self, data: Any) -> ExportTraceServiceRequest:
-            encoded = encode_request(data)
-            if encoded is None:  # a span with links
+            try:
+                encoded = encode_request(data)
+            except (ValueError, TypeError):  # a value protobuf cannot hold: the exporter's encoder drops it
+                encoded = None
+            if encoded is None:  # or a span with links
                 return super()._translate_data(data)
             return ExportTraceServiceRequest.FromString(encoded)  # parsed in C; the stub serializes it again
 

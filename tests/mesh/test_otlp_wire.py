@@ -4,6 +4,7 @@ attributes and events, several resources and scopes."""
 
 from __future__ import annotations
 
+import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -14,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
 
-from mesh import otlp_wire
+from mesh import otlp_wire, tracing
 
 VALUES = {
     "text": "prefill-0",
@@ -97,6 +98,18 @@ def test_a_span_with_links_is_left_to_the_exporters_encoder() -> None:
     linked = SpanContext(1, 2, is_remote=True)
     provider.get_tracer("t").start_span("linked", links=[Link(linked)]).end()
     assert otlp_wire.encode_request(memory.get_finished_spans()) is None
+
+
+def test_a_value_protobuf_cannot_hold_is_left_to_the_exporters_encoder_which_drops_it() -> None:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    provider.get_tracer("t").start_span("s", attributes={"huge": 2**64, "kept": 1}).end()
+    spans = memory.get_finished_spans()
+    with pytest.raises(ValueError, match="out of an int64's range"):
+        otlp_wire.encode_request(spans)
+    request = tracing._wire_encoded()._translate_data(spans)  # the exporter kvmesh's OTLP/gRPC export uses
+    assert [kv.key for kv in request.resource_spans[0].scope_spans[0].spans[0].attributes] == ["kept"]
 
 
 def test_the_cache_is_bounded() -> None:
