@@ -404,6 +404,9 @@ class EngineConfig:
     expert_parallel_size: int = 1
     num_redundant_experts: int = 0
     quantization: str = "none"  # none | int8 (linear layers in int8 on the cpu: engine_core.quantization)
+    # float32 on the cpu without quantization: linear layers run a weight reordered once for oneDNN at 2 rows or
+    # more (engine_core.packed_linear; a second copy of the linear weights in memory); elsewhere ignored
+    cpu_packed_linear: bool = False
     # while requests decode, a prefill computes at most this many prompt tokens a step (0: no cap), so that a long
     # prompt arriving cannot stall the running streams (vLLM's long_prefill_token_threshold)
     long_prefill_token_threshold: int = 256
@@ -434,6 +437,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.cpu_packed_linear, bool):
+            raise ConfigError(f"cpu_packed_linear must be true or false, got {self.cpu_packed_linear!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         threshold = self.long_prefill_token_threshold

@@ -41,6 +41,7 @@ from engine_core.model_runner import ModelRunner
 from engine_core.models import build_model
 from engine_core.models.deepseek_v4.state import SequenceState
 from engine_core.models.deepseek_v4.transfer import block_sections, layer_from_bytes, layer_to_bytes, state_sections
+from engine_core.packed_linear import can_pack, pack_linear_layers
 from engine_core.prefill_budget import PrefillBudget, model_span
 from engine_core.quantization import calibration_ids, check_quantization, quantize_model
 from engine_core.request import EmbeddingSpan, Request, RequestStatus
@@ -90,6 +91,8 @@ class LLMEngine:
             calibration_ids(self.tokenizer, self.model_config.vocab_size),
             self.model_config.num_layers,
         )
+        if config.cpu_packed_linear and can_pack(self.ops.name, self.dtype, config.quantization):
+            pack_linear_layers(model)
         self.config = config = self._model_block_size(config, model)
         self.max_num_seqs, slot_bytes = self._state_slots(model)
         num_slots = self.max_num_seqs if slot_bytes else 0

@@ -1,0 +1,82 @@
+"""Linear layers with their weight reordered once for oneDNN, applied after the weights load:
+`EngineConfig.cpu_packed_linear`, float32 on the cpu only.
+
+`F.linear` hands MKL's sgemm the weight as stored, and at a decode step's few rows MKL spends much of each call
+packing it (bench/linear_kernels.py: the tied head of SmolLM2-135M takes longer at 8 rows than at 32). oneDNN's
+weight reordered once ahead (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing uses) serves
+any number of rows, so a batch that changes every step keeps it. At one row the plain call is faster, so
+`PackedLinear` keeps the stored weight too and takes `F.linear` below `MIN_PACKED_ROWS` rows: the reordered copy
+costs a second copy of every linear layer's weight (docs/engine.md gives the figures).
+
+The kernels sum in another order than MKL's, so outputs differ from `F.linear`'s by float32 rounding (about 5e-6
+on SmolLM2-135M's layers), as MKL's own differ between batch sizes. The pass swaps the model's `nn.Linear`
+modules, whatever their names, and keeps each one's `weight` Parameter, so tied embeddings and models that read
+a weight directly (DeepSeek's absorbed MLA) see the same tensor; a change to that weight in place (the fault
+injection's noise) reorders it again at the next call. Int8 layers (engine_core.quantization) and other devices
+and dtypes are left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows from which the reordered weight is faster than F.linear: bench/linear_kernels.py, SmolLM2-135M's shapes, one
+# thread (docs/engine.md): 1 row 0.81-0.86x, 2 rows and more faster.
+MIN_PACKED_ROWS = 2
+
+
+def can_pack(device_name: str, dtype: torch.dtype, quantization: str) -> bool:
+    """Whether the pass applies: float32 on the cpu, no quantization, and a torch built with oneDNN."""
+    return (
+        device_name == "cpu"
+        and dtype == torch.float32
+        and quantization == "none"
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace the model's `nn.Linear` modules in place by `PackedLinear`; return how many. Call after loading."""
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PackedLinear.from_linear(linear))
+    return len(targets)
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T + b: through oneDNN's reordered weight at `MIN_PACKED_ROWS` rows or more, `F.linear` below."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight  # (O, I): the loaded Parameter itself (tied embeddings share it)
+        self.bias = bias  # (O,) or None
+        # opaque oneDNN tensor (O, I), blocked for its kernel; not a buffer: it is derived, never saved
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.packed_version = weight._version  # the weight's version the reordered copy was made from
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        assert linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+        return cls(linear.weight, linear.bias)
+
+    def uses_packed(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` runs the reordered weight: x (..., I) has MIN_PACKED_ROWS rows or more."""
+        return x.numel() >= MIN_PACKED_ROWS * self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.uses_packed(x):
+            return F.linear(x, self.weight, self.bias)
+        if self.weight._version != self.packed_version:  # changed in place since (a fault injection's noise)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            self.packed_version = self.weight._version
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # (..., O)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, min_packed_rows={MIN_PACKED_ROWS}"
