@@ -88,41 +88,18 @@ def configure_tracing(role: str, worker_id: str) -> bool:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     if protocol == "grpc":
-        exporter = _wire_encoded()
-    else:  # its exporter encodes inside export(): the exporter's own encoder
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter()
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
     resource = _hashed_once(Resource.create({"service.name": f"kvmesh-{role}", "service.instance.id": worker_id}))
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     shutdown_tracing()
     _State.provider = provider
     _State.tracer = provider.get_tracer("kvmesh")
     _State.worker_id = worker_id
     _State.worker_attributes = {WORKER_ID: worker_id}
     return True
-
-
-def _wire_encoded() -> Any:
-    """The OTLP/gRPC exporter, its request written by mesh.otlp_wire: the bytes the exporter's encoder writes, for a
-    third of its CPU (docs/operations.md), in the export thread of every process."""
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    from mesh.otlp_wire import encode_request
-
-    class WireEncoded(OTLPSpanExporter):
-        def _translate_data(self, data: Any) -> ExportTraceServiceRequest:
-            try:
-                encoded = encode_request(data)
-            except (ValueError, TypeError):  # a value protobuf cannot hold: the exporter's encoder drops it
-                encoded = None
-            if encoded is None:  # or a span with links
-                return super()._translate_data(data)
-            return ExportTraceServiceRequest.FromString(encoded)  # parsed in C; the stub serializes it again
-
-    return WireEncoded()
 
 
 def _hashed_once(resource: Any) -> Any:

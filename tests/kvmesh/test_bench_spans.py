@@ -13,5 +13,5 @@ def test_bench_spans_prices_a_span_off_and_on_and_exports_every_one(capsys) -> N
     result = json.loads(capsys.readouterr().out)
     assert (result["num_spans"], result["repeats"], result["num_exported"]) == (200, 2, 400)
     assert 0 < result["off_cpu_us_per_span"] < result["on_cpu_us_per_span"]
-    assert result["encode_cpu_us_per_span"] > 0 and result["wire_encode_cpu_us_per_span"] > 0
+    assert result["encode_cpu_us_per_span"] > 0
     assert not tracing.is_enabled()  # the bench leaves the process as it found it

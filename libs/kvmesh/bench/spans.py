@@ -2,8 +2,7 @@
 wall time, so the figure holds on a loaded machine; not the process's, which counts the receiver's threads): a
 span with two attributes and its traceparent injected into a call's metadata, as mesh.tracing makes them, with
 tracing off (a flag check) and on (the SDK, queued to the batch processor); and the OTLP encoding of a finished
-span, which the batch processor's thread does before export: by the exporter's own encoder and by mesh.otlp_wire,
-which kvmesh's OTLP/gRPC export uses (the same bytes). A request makes about ten spans across its
+span, which the batch processor's thread does before export. A request makes about ten spans across its
 processes (`kvmesh bench serve --trace` reports how many).
 """
 
@@ -29,14 +28,11 @@ def _span_cpu_us(num_spans: int) -> float:
     return (time.thread_time() - started) / num_spans * 1e6
 
 
-def _encode_cpu_us(num_spans: int) -> tuple[float, float]:
-    """The exporter's encoder's CPU per span, and mesh.otlp_wire's, on the same spans."""
+def _encode_cpu_us(num_spans: int) -> float:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from mesh.otlp_wire import encode_request
 
     memory = InMemorySpanExporter()
     provider = TracerProvider()
@@ -48,11 +44,7 @@ def _encode_cpu_us(num_spans: int) -> tuple[float, float]:
     spans = memory.get_finished_spans()
     started = time.thread_time()
     encode_spans(spans).SerializeToString()
-    library = time.thread_time() - started
-    started = time.thread_time()
-    encode_request(spans)
-    wire = time.thread_time() - started
-    return library / len(spans) * 1e6, wire / len(spans) * 1e6
+    return (time.thread_time() - started) / len(spans) * 1e6
 
 
 @contextlib.contextmanager
@@ -85,13 +77,12 @@ def run_span_bench(num_spans: int = 5000, repeats: int = 5) -> dict[str, Any]:
             finally:
                 tracing.shutdown_tracing()
         num_exported = len(sink.spans())
-    encodes = [_encode_cpu_us(num_spans) for _ in range(repeats)]
+    encode = statistics.median(_encode_cpu_us(num_spans) for _ in range(repeats))
     return {
         "num_spans": num_spans,
         "repeats": repeats,
         "off_cpu_us_per_span": round(off, 2),
         "on_cpu_us_per_span": round(on, 2),
-        "encode_cpu_us_per_span": round(statistics.median(e[0] for e in encodes), 2),
-        "wire_encode_cpu_us_per_span": round(statistics.median(e[1] for e in encodes), 2),
+        "encode_cpu_us_per_span": round(encode, 2),
         "num_exported": num_exported,
     }
