@@ -92,7 +92,9 @@ async def test_replicas_share_the_port_and_a_killed_one_takes_only_its_streams(
     fakes: Fakes, nats: EmbeddedNats, tmp_path: Path
 ) -> None:
     tokenizer_ids = list(range(100, 160))
-    fakes.script = Script(token_ids=tokenizer_ids, batch_size=1, batch_delay_s=0.05)  # a 3 s stream
+    # Instant answers while the gateways start: which replica a new connection reaches is the kernel's choice,
+    # not a matter of time, and each unanswered probe is a connection error (retried) rather than a wait.
+    fakes.script = Script(token_ids=tokenizer_ids, batch_size=1)
     http_port, grpc_port = free_port(), free_port()
     url = f"http://127.0.0.1:{http_port}"
     gateways = [start_gateway(i, nats.url, http_port, grpc_port, tmp_path) for i in range(2)]
