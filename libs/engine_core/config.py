@@ -406,7 +406,7 @@ class EngineConfig:
     quantization: str = "none"  # none | int8 (linear layers in int8 on the cpu: engine_core.quantization)
     # float32 on the cpu without quantization: linear layers run a weight reordered once for oneDNN at 2 rows or
     # more (engine_core.packed_linear; a second copy of the linear weights in memory); elsewhere ignored
-    cpu_packed_linear: bool = False
+    cpu_packed_linear: bool = True
     # while requests decode, a prefill computes at most this many prompt tokens a step (0: no cap), so that a long
     # prompt arriving cannot stall the running streams (vLLM's long_prefill_token_threshold)
     long_prefill_token_threshold: int = 256
