@@ -11,6 +11,8 @@ from torch import nn
 from engine_core import LLM, EngineConfig
 from engine_core.config import ConfigError
 from engine_core.packed_linear import MIN_PACKED_ROWS, PackedLinear, can_pack
+from mesh.compute.settings import WorkerSettings
+from mesh.config import load_settings
 
 # The two kernels sum in another order: measured at most 1.0e-5 on SmolLM2-135M's layer shapes
 # (bench/linear_kernels.py, outputs of magnitude ~1); these small layers stay well inside.
@@ -91,3 +93,9 @@ def test_the_pass_runs_only_where_its_kernel_does() -> None:
     assert not can_pack("cpu", torch.bfloat16, "none")
     with pytest.raises(ConfigError, match="cpu_packed_linear must be true or false, got 'yes'"):
         EngineConfig(model="smollm2-135m", cpu_packed_linear="yes")  # type: ignore[arg-type]
+
+
+def test_workers_take_the_setting_from_their_environment() -> None:
+    assert load_settings(WorkerSettings, env={}).engine_config("m").cpu_packed_linear is True
+    off = load_settings(WorkerSettings, env={"KVMESH_CPU_PACKED_LINEAR": "false"})
+    assert off.engine_config("m").cpu_packed_linear is False

@@ -39,6 +39,11 @@ class WorkerSettings(ServiceSettings):
         "none",
         "none, or int8: linear layers with int8 weights and activations on the cpu (llama models; docs/engine.md)",
     )
+    cpu_packed_linear: bool = setting(
+        True,
+        "float32 on the cpu: linear layers run a weight reordered once for oneDNN at 2 rows or more, a second copy "
+        "of the linear weights in memory (off: F.linear alone; docs/engine.md)",
+    )
     torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
     prefix_caching_enabled: bool = setting(
         True, "reuse the KV of a prompt's leading blocks this worker already holds (off: every prompt computed in full)"
@@ -139,6 +144,7 @@ class WorkerSettings(ServiceSettings):
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             long_prefill_step_ratio=self.long_prefill_step_ratio,
             quantization=self.quantization,
+            cpu_packed_linear=self.cpu_packed_linear,
             enable_prefix_caching=self.prefix_caching_enabled,
             device_cache_policy=self.device_cache_policy,
             served_name=model,
