@@ -18,14 +18,10 @@ from torch import nn
 
 from devices.base import DecodeBatch, DeviceOps
 from engine_core.kv_transfer import KVLayout, block_bytes_to_tensor, layer_bytes_to_tensor, tensor_to_bytes
-from engine_core.models.batch import ForwardBatch, PrefillContext, PrefillSegment, SequenceRows
+from engine_core.models.batch import ForwardBatch, PrefillSegment, SequenceRows
 from engine_core.models.deepseek_v4.paged_pools import PagedPools
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import ScheduledRequest, SchedulerOutput
-
-# Bytes of every request's PrefillContext together: 512 MiB holds an 11k-token prompt of SmolLM2-135M in fp32
-# (30 layers x 2 x 3 kv heads x 64 x 4 bytes = 46,080 bytes a token); a prompt that does not fit gathers instead.
-MAX_PREFILL_CONTEXT_BYTES = 512 << 20
 
 
 class ModelRunner:
@@ -38,7 +34,6 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         num_state_slots: int = 0,
-        max_prefill_context_bytes: int = MAX_PREFILL_CONTEXT_BYTES,
     ):
         self.model = model
         self.ops = ops
@@ -59,11 +54,6 @@ class ModelRunner:
         self.keeps_sequence_state: bool = getattr(model, "keeps_sequence_state", False)
         self.pools = model.new_state_pools(num_state_slots) if self.keeps_sequence_state else None  # type: ignore[operator]
         self._slots: dict[str, _SlotState] = {}
-        # A prompt computed in several chunks keeps its context contiguous between them (models.batch.PrefillContext)
-        # for models whose attention reads it; per request, dropped when its prefill ends, it is preempted or aborted.
-        uses_context = getattr(model, "uses_prefill_context", False)
-        self.max_prefill_context_bytes = max_prefill_context_bytes if uses_context else 0
-        self._contexts: dict[str, tuple[Request, PrefillContext]] = {}
 
     @property
     def state_pool_bytes(self) -> int:
@@ -100,7 +90,6 @@ class ModelRunner:
         `wait_for_layer`: called before each layer (KV still arriving layer by layer: engine_core.kv_load)."""
         device = self.ops.torch_device
         self.drop_finished_states()
-        self._drop_contexts(output.preempted_ids)
         if self.keeps_sequence_state and wait_for_layer is not None:
             # a state rebuilt from prefix blocks reads every layer's rows before the forward: the loaded ones must
             # all be there (no overlap of compute and transfer for these models yet)
@@ -116,7 +105,7 @@ class ModelRunner:
             if item.num_new_tokens == 1:
                 rows.add_decode(item)
             else:
-                segments.append(rows.add_prefill(item, device, self._prefill_context(item)))
+                segments.append(rows.add_prefill(item, device))
             if self.keeps_sequence_state:
                 state = self._load_state(item)
                 loaded.append((item.request.request_id, state))
@@ -140,52 +129,8 @@ class ModelRunner:
                 continue
             entry.num_tokens = state.num_tokens  # type: ignore[attr-defined]
             self.model.store_sequence_state(self.pools, entry.slot, state)  # type: ignore[operator]
-        # prefill done (its last token may come as a single-token step, among the decodes)
-        self._drop_contexts([item.request.request_id for item in output.scheduled if item.needs_sample])
         sample_rows = [rows.last_row[id(item)] for item in output.scheduled if item.needs_sample]
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])  # type: ignore[operator]
-
-    @property
-    def prefill_context_bytes(self) -> int:
-        """Bytes the live PrefillContexts hold now."""
-        return sum(context.num_bytes for _, context in self._contexts.values())
-
-    def has_prefill_context(self, request_id: str) -> bool:
-        return request_id in self._contexts
-
-    def _prefill_context(self, item: ScheduledRequest) -> PrefillContext | None:
-        """The request's kept context if its prefill spans several chunks and fits the budget, else None."""
-        request = item.request
-        kept = self._contexts.get(request.request_id)
-        if kept is not None:
-            context = kept[1]
-            if item.block_ids[: len(context.block_ids)] != context.block_ids:  # its blocks changed under it
-                context.reset(item.block_ids)
-            context.block_ids = item.block_ids
-            return context
-        if item.needs_sample or not self.max_prefill_context_bytes:  # one chunk: nothing to keep
-            return None
-        capacity = -(-request.num_tokens // self.block_size) * self.block_size
-        reserved = sum(c.capacity for _, c in self._contexts.values()) + capacity
-        if reserved * self._context_bytes_per_token > self.max_prefill_context_bytes:
-            return None
-        context = PrefillContext(capacity, item.block_ids)
-        self._contexts[request.request_id] = (request, context)
-        return context
-
-    @property
-    def _context_bytes_per_token(self) -> int:
-        """Every layer's keys and values of one token (the cache's bytes over its token slots)."""
-        cache = self._uniform_cache
-        return cache.numel() * cache.element_size() // (cache.shape[self.block_axis + 1] * self.block_size)
-
-    def _drop_contexts(self, request_ids: Sequence[str]) -> None:
-        """Forget the kept contexts of these requests and of any that finished or went back to waiting."""
-        for request_id in request_ids:
-            self._contexts.pop(request_id, None)
-        for request_id, (request, _) in list(self._contexts.items()):
-            if request.status.is_finished or request.status is RequestStatus.WAITING:
-                del self._contexts[request_id]
 
     def _load_state(self, item: ScheduledRequest) -> object:
         """The request's state for this step; from its first token when it computes from there (first time or
@@ -241,9 +186,8 @@ class ModelRunner:
         return sorted(self._slots[request_id].missing_layers)
 
     def forget_sequence_state(self, request_id: str) -> None:
-        """The request was aborted, or the kept request released: drop its state and its kept prefill context."""
+        """The kept request was released."""
         self._slots.pop(request_id, None)
-        self._contexts.pop(request_id, None)
 
     def _prepare_decode(self, decodes: list[ScheduledRequest]) -> DecodeBatch | None:
         if not decodes:
@@ -339,9 +283,7 @@ class _StepRows:
         self.positions.append(position)
         self.slots.append(item.block_ids[position // size] * size + position % size)
 
-    def add_prefill(
-        self, item: ScheduledRequest, device: torch.device, context: PrefillContext | None
-    ) -> PrefillSegment:
+    def add_prefill(self, item: ScheduledRequest, device: torch.device) -> PrefillSegment:
         request, start, count, size = (
             item.request,
             item.request.num_computed_tokens,
@@ -357,7 +299,7 @@ class _StepRows:
         self.slots.extend(blocks[pos // size] * size + pos % size for pos in range(start, start + count))
         num_context_blocks = -(-(start + count) // size)
         block_ids = torch.tensor(blocks[:num_context_blocks], dtype=torch.long).to(device)
-        return PrefillSegment(first_row, first_row + count, start, block_ids, context)
+        return PrefillSegment(first_row, first_row + count, start, block_ids)
 
     def _note_embeddings(self, request: Request, start: int, count: int) -> None:
         if request.embedding_spans:

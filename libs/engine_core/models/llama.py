@@ -12,16 +12,15 @@ from torch import nn
 
 from devices.base import DeviceOps
 from engine_core.config import ModelConfig
-from engine_core.models.batch import ForwardBatch, PrefillSegment, write_cache
+from engine_core.models.batch import ForwardBatch, write_cache
 from engine_core.models.layers import CausalLM, CosSin, DecoderLayer, GatedMLP
 from engine_core.models.loading import Target
 from engine_core.models.rope import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: DeviceOps, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
         super().__init__()
-        self.layer_index = layer_index  # keys this layer's buffers in a request's PrefillContext
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
@@ -56,50 +55,27 @@ class LlamaAttention(nn.Module):
                 q[:num_decode], k_cache, v_cache, batch.decode, self.scale
             )
         for seg in batch.prefills:
-            seg_k, seg_v = self._context(seg, k, v, k_cache, v_cache, batch.slot_mapping)
+            if seg.num_cached == 0:  # the whole context is this segment: use the fresh k, v
+                seg_k, seg_v = k[seg.start : seg.end], v[seg.start : seg.end]
+            else:
+                num_total = seg.num_cached + seg.end - seg.start
+                seg_k = self.ops.gather_cache(k_cache, seg.block_ids, num_total)
+                seg_v = self.ops.gather_cache(v_cache, seg.block_ids, num_total)
             out[seg.start : seg.end] = self.ops.prefill_attention(
                 q[seg.start : seg.end], seg_k, seg_v, seg.num_cached, self.scale
             )
         return self.o_proj(out.view(num_tokens, -1))
 
-    def _context(
-        self,
-        seg: PrefillSegment,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The segment's context keys and values, (num_cached + its tokens, K, D) each."""
-        if seg.context is not None:  # kept between chunks: copy in only this chunk's entries
-            slots = slot_mapping[seg.start : seg.end]
-            keys = seg.context.extend((self.layer_index, "k"), self.ops, k_cache, seg, slots)
-            values = seg.context.extend((self.layer_index, "v"), self.ops, v_cache, seg, slots)
-            if seg.num_cached:
-                return keys, values
-        if seg.num_cached == 0:  # the whole context is this segment: use the fresh k, v
-            return k[seg.start : seg.end], v[seg.start : seg.end]
-        num_total = seg.num_cached + seg.end - seg.start
-        return (
-            self.ops.gather_cache(k_cache, seg.block_ids, num_total),
-            self.ops.gather_cache(v_cache, seg.block_ids, num_total),
-        )
-
 
 class LlamaForCausalLM(CausalLM):
     kv_block_axis = 1
-    uses_prefill_context = True  # its attention reads a PrefillSegment's kept context (model_runner)
 
     def __init__(self, config: ModelConfig, ops: DeviceOps) -> None:
         layers = (
             DecoderLayer(
-                config,
-                ops,
-                LlamaAttention(config, ops, index),
-                GatedMLP(config.hidden_size, config.intermediate_size, ops),
+                config, ops, LlamaAttention(config, ops), GatedMLP(config.hidden_size, config.intermediate_size, ops)
             )
-            for index in range(config.num_layers)
+            for _ in range(config.num_layers)
         )
         rope = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, interleaved=False
