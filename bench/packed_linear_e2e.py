@@ -24,45 +24,9 @@ from typing import Any
 
 import torch
 
-from engine_core import LLM, model_store
-from kvmesh.bench.engine import BLOCK_SIZE, DEFAULT, SAMPLING, EngineBenchConfig, HFSystem, Run, Workload, make_workload
+from engine_core import model_store
+from kvmesh.bench.engine import DEFAULT, SAMPLING, HFSystem, OurSystem, Run, Workload, make_workload
 from kvmesh.bench.engine import PROMPT_TEXT as TEXT
-
-
-class Engine:
-    """Our `LLM` with the setting given, run as `kvmesh bench engine` runs it (all requests submitted at once)."""
-
-    def __init__(self, model: str, config: EngineBenchConfig, packed: bool) -> None:
-        max_blocks_per_request = -(-(config.prompt_lens[1] + config.output_lens[1]) // BLOCK_SIZE)
-        num_requests = max(config.concurrencies)
-        self.llm = LLM(
-            model,
-            device="cpu",
-            enable_prefix_caching=False,
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=num_requests * max_blocks_per_request,
-            max_num_seqs=max(64, num_requests),
-            cpu_packed_linear=packed,
-        )
-        self.num_runs = 0
-
-    def e2e(self, workload: Workload) -> Run:
-        engine = self.llm.engine
-        params = [replace(SAMPLING["greedy"], max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-        self.num_runs += 1
-        ids = [f"run{self.num_runs}-{i}" for i in range(workload.num_requests)]
-        start, started_at, tokens_then = time.perf_counter(), None, 0
-        generated = dict.fromkeys(ids, 0)
-        for request_id, prompt, param in zip(ids, workload.prompts, params, strict=True):
-            engine.add_request(request_id, prompt, param)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                generated[output.request_id] += len(output.new_token_ids)
-            if started_at is None and all(generated.values()):
-                started_at, tokens_then = time.perf_counter(), sum(generated.values())
-        end = time.perf_counter()
-        assert started_at is not None and list(generated.values()) == workload.output_lens
-        return Run(end - start, end - started_at, workload.num_output_tokens - tokens_then)
 
 
 def timed(call: Callable[[], Run]) -> tuple[Run, float]:
@@ -108,7 +72,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     config = replace(DEFAULT, concurrencies=tuple(args.concurrency), repeats=args.repeats)
     load_before = os.getloadavg()
-    packed, plain = Engine(args.model, config, True), Engine(args.model, config, False)
+    packed = OurSystem(args.model, "cpu", config, {"cpu_packed_linear": True})
+    plain = OurSystem(args.model, "cpu", config, {"cpu_packed_linear": False})
     hf = HFSystem(model_store.resolve(args.model), torch.device("cpu"), torch.float32, SAMPLING["greedy"])
     tokenizer = packed.llm.tokenizer
     source = None if tokenizer is None else tokenizer.encode(TEXT, add_special_tokens=False)

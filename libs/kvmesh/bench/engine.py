@@ -146,7 +146,10 @@ def make_workload(
 class OurSystem:
     """One `LLM` for the whole benchmark; prefix caching off because the same prompts run repeatedly."""
 
-    def __init__(self, model: str, device: str, config: EngineBenchConfig) -> None:
+    def __init__(
+        self, model: str, device: str, config: EngineBenchConfig, engine_args: dict[str, Any] | None = None
+    ) -> None:
+        """`engine_args`: further `LLM` arguments, for a bench comparing two settings of the engine."""
         # A KV cache that holds the largest workload whole: a preemption would measure the cache size instead.
         max_blocks_per_request = -(-(config.prompt_lens[1] + config.output_lens[1]) // BLOCK_SIZE)
         num_requests = max(config.concurrencies)
@@ -158,6 +161,7 @@ class OurSystem:
             num_kv_blocks=num_requests * max_blocks_per_request,
             max_num_seqs=max(64, num_requests),
             **quantization_args(config.quantization),
+            **(engine_args or {}),
         )
         self.sampling = SAMPLING[config.sampling]
         self.ops = self.llm.engine.ops
