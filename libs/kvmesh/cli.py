@@ -242,6 +242,7 @@ def _bench(args: argparse.Namespace) -> int:
             sampling=args.sampling,
             quantization=args.quantization,
             with_llama_cpp=args.with_llama_cpp,
+            llama_server=args.llama_server,
         )
     elif args.bench_command == "quant":
         from kvmesh.bench.quant import run_quant_bench
@@ -417,7 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--with-llama-cpp",
         action="store_true",
-        help="also llama.cpp's server on the same GGUF (llama-cpp-python[server]; skipped with a message if absent)",
+        help="also llama.cpp's server on the same GGUF: llama-server (from PATH or --llama-server) with parallel "
+        "slots = concurrency, else llama-cpp-python[server]; skipped with a message if neither is there",
+    )
+    engine.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        default=None,
+        help="llama.cpp's llama-server binary for the side-by-side (implies --with-llama-cpp)",
     )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--json", action="store_true", help="one line of JSON")

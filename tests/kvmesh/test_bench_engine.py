@@ -103,7 +103,36 @@ def test_cli_passes_the_options() -> None:
     assert (args.quick, args.max_output_tokens, args.repeats, args.concurrency) == (True, 8, 2, None)
     assert (args.sampling, args.quantization, args.with_llama_cpp) == ("greedy", "none", False)
     args = build_parser().parse_args(["bench", "engine", "--sampling", "typical", "--with-llama-cpp"])
-    assert (args.sampling, args.with_llama_cpp) == ("typical", True)
+    assert (args.sampling, args.with_llama_cpp, args.llama_server) == ("typical", True, None)
+    args = build_parser().parse_args(["bench", "engine", "--llama-server", "/opt/llama/llama-server"])
+    assert args.llama_server == "/opt/llama/llama-server"
+
+
+def test_llama_server_gets_one_slot_per_request(tmp_path: Path) -> None:
+    from kvmesh.bench.llama_cpp import find_llama_server, llama_server_command, why_unavailable
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    with pytest.raises(ValueError, match=f"--llama-server: {binary} is not an executable file"):
+        find_llama_server(str(binary))
+    binary.chmod(0o755)
+    assert find_llama_server(str(binary)) == binary
+    gguf = tmp_path / "model.gguf"
+    assert why_unavailable(gguf, binary) is None  # the binary is enough: llama-cpp-python is not needed
+    assert why_unavailable(tmp_path / "model.safetensors", binary) == (
+        "llama.cpp needs a GGUF file; model.safetensors is not one"
+    )
+    # 32 slots of 384 tokens: llama-server's --ctx-size is the total it divides among its slots
+    assert llama_server_command(binary, gguf, 8080, 2, 32, 384) == [
+        str(binary),
+        "--model", str(gguf),
+        "--host", "127.0.0.1",
+        "--port", "8080",
+        "--ctx-size", "12288",
+        "--parallel", "32",
+        "--threads", "2",
+        "--threads-batch", "2",
+    ]  # fmt: skip
 
 
 def test_both_systems_sample_with_the_same_settings() -> None:

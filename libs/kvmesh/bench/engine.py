@@ -418,13 +418,20 @@ def run_engine_bench(
     sampling: str = "greedy",
     quantization: str = "none",
     with_llama_cpp: bool = False,
+    llama_server: str | None = None,
 ) -> dict[str, Any]:
-    """The whole benchmark as a JSON-ready dict (see the module docstring for what is measured)."""
+    """The whole benchmark as a JSON-ready dict (see the module docstring for what is measured).
+    `llama_server`: llama.cpp's llama-server binary (implies `with_llama_cpp`); else one on PATH is used."""
     config = replace(
         bench_config(concurrencies, quick, max_prompt_tokens, max_output_tokens, repeats),
         sampling=sampling,
         quantization=quantization,
     )
+    binary = None
+    if with_llama_cpp or llama_server is not None:
+        from kvmesh.bench.llama_cpp import find_llama_server
+
+        with_llama_cpp, binary = True, find_llama_server(llama_server)  # a bad path fails here, before any run
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     path = model_store.resolve(model)
     ours = OurSystem(model, device, config)
@@ -438,7 +445,7 @@ def run_engine_bench(
     _warm_up(ours, hf, warmup)
     machine = roofline.measure(ours.llm.engine.runner.model, ours.llm.engine.model_config)
     results = {str(c): bench_concurrency(ours, hf, w, config, machine["roofline_tok_s"]) for c, w in workloads.items()}
-    llama_cpp = _with_llama_cpp(path, ours, workloads, results, config) if with_llama_cpp else None
+    llama_cpp = _with_llama_cpp(path, ours, workloads, results, config, binary) if with_llama_cpp else None
     return {
         "model": model,
         "model_path": str(path),
@@ -501,24 +508,38 @@ def _settings(params: SamplingParams) -> str:
 
 
 def _with_llama_cpp(
-    path: Path, ours: OurSystem, workloads: dict[int, Workload], results: dict[str, Any], config: EngineBenchConfig
+    path: Path,
+    ours: OurSystem,
+    workloads: dict[int, Workload],
+    results: dict[str, Any],
+    config: EngineBenchConfig,
+    llama_server: Path | None,
 ) -> dict[str, Any]:
     """llama.cpp's server on the same GGUF, each workload `repeats` times after ours (not interleaved: its
-    server is a separate process); figures go into each concurrency's results, the setup into the return."""
-    from kvmesh.bench.llama_cpp import SERVER, LlamaCppServer, why_unavailable
+    server is a separate process); figures go into each concurrency's results, the setup into the return.
+    llama-server is started per concurrency with that many parallel slots; llama-cpp-python's server once."""
+    from kvmesh.bench.llama_cpp import CPP_SERVER, PYTHON_SERVER, LlamaCppServer, why_unavailable
 
     tokenizer = ours.llm.tokenizer
-    reason = why_unavailable(path) or (None if tokenizer is not None else "the model has no tokenizer")
+    reason = why_unavailable(path, llama_server) or (None if tokenizer is not None else "the model has no tokenizer")
     if reason is not None:
         print(f"kvmesh bench engine: llama.cpp {reason}", file=sys.stderr)
         return {"skipped": reason}
     context = config.prompt_lens[1] + config.output_lens[1] + 64  # room for re-tokenization differences
-    server = LlamaCppServer(path, torch.get_num_threads(), context)
+    threads = torch.get_num_threads()
     eos = sorted(ours.llm.engine.eos_token_ids)
+    server = None if llama_server else LlamaCppServer(path, threads, context)
     try:
         for concurrency, workload in workloads.items():
-            prompts = [tokenizer.decode(p) for p in workload.prompts]
-            runs = [server.run(prompts, workload.output_lens, ours.sampling, eos) for _ in range(config.repeats)]
+            if llama_server is not None:
+                server = LlamaCppServer(path, threads, context, llama_server=llama_server, slots=concurrency)
+            assert server is not None
+            try:
+                prompts = [tokenizer.decode(p) for p in workload.prompts]
+                runs = [server.run(prompts, workload.output_lens, ours.sampling, eos) for _ in range(config.repeats)]
+            finally:
+                if llama_server is not None:
+                    server.stop()
             seconds = statistics.median(r[0] for r in runs)
             tokens = runs[0][1]
             result = results[str(concurrency)]
@@ -526,5 +547,7 @@ def _with_llama_cpp(
             result["ours_vs_llama_cpp"] = round(result["ours"]["useful_tok_s"] / (tokens / seconds), 3)
             result["seconds"]["llama_cpp"] = [round(r[0], 6) for r in runs]
     finally:
-        server.stop()
-    return {"server": SERVER, "gguf": str(path), "threads": torch.get_num_threads()}
+        if server is not None:
+            server.stop()
+    kind = {"server": CPP_SERVER, "binary": str(llama_server)} if llama_server else {"server": PYTHON_SERVER}
+    return {**kind, "gguf": str(path), "threads": threads}
