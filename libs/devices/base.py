@@ -84,8 +84,13 @@ class DeviceOps(ABC):
         """
 
     @abstractmethod
-    def gather_cache(self, cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """The first `num_tokens` entries of one sequence: cache (N, S, *F), block_ids (m,) -> (num_tokens, *F)."""
+    def gather_cache(
+        self, cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, role: str | None = None
+    ) -> torch.Tensor:
+        """The first `num_tokens` entries of one sequence: cache (N, S, *F), block_ids (m,) -> (num_tokens, *F).
+
+        With a `role` ("k", "v", "latent") the result may be a view of a buffer the module reuses for that role:
+        valid until the next gather or decode attention of the same role."""
 
     @abstractmethod
     def prefill_attention(

@@ -160,8 +160,11 @@ class CpuOps(DeviceOps):
         out = buffer[:needed].view(block_ids.numel(), *cache.shape[1:])
         return torch.index_select(cache, 0, block_ids, out=out)
 
-    def gather_cache(self, cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        return cache[block_ids].flatten(0, 1)[:num_tokens]  # (m, S, *F) -> (num_tokens, *F)
+    def gather_cache(
+        self, cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, role: str | None = None
+    ) -> torch.Tensor:
+        gathered = cache[block_ids] if role is None else self._gather(role, cache, block_ids)  # (m, S, *F)
+        return gathered.flatten(0, 1)[:num_tokens]  # (num_tokens, *F)
 
     def prefill_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float

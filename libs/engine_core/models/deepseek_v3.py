@@ -88,7 +88,7 @@ class MLAttention(nn.Module):
             seg_entries = entries[seg.start : seg.end]
             if seg.num_cached:
                 num_total = seg.num_cached + seg.end - seg.start
-                seg_entries = self.ops.gather_cache(cache, seg.block_ids, num_total)
+                seg_entries = self.ops.gather_cache(cache, seg.block_ids, num_total, role="latent")
             out[seg.start : seg.end] = self._prefill(
                 q_nope[seg.start : seg.end], q_rope[seg.start : seg.end], seg_entries, seg.num_cached
             )

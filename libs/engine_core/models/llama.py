@@ -59,8 +59,8 @@ class LlamaAttention(nn.Module):
                 seg_k, seg_v = k[seg.start : seg.end], v[seg.start : seg.end]
             else:
                 num_total = seg.num_cached + seg.end - seg.start
-                seg_k = self.ops.gather_cache(k_cache, seg.block_ids, num_total)
-                seg_v = self.ops.gather_cache(v_cache, seg.block_ids, num_total)
+                seg_k = self.ops.gather_cache(k_cache, seg.block_ids, num_total, role="k")
+                seg_v = self.ops.gather_cache(v_cache, seg.block_ids, num_total, role="v")
             out[seg.start : seg.end] = self.ops.prefill_attention(
                 q[seg.start : seg.end], seg_k, seg_v, seg.num_cached, self.scale
             )
