@@ -15,6 +15,13 @@ from devices.base import DecodeBatch, DeviceOps
 # segments and timed alike within the machine's noise, all well under one padded segment; 256 is the middle.
 SEGMENT_OVERHEAD_TOKENS = 256
 
+# A chunk of at most this many queries over a context of at least this many tokens attends by grouped GEMMs
+# (`chunk_attention`), the rest by SDPA. One layer of SmolLM2-135M's shapes at 1 thread (bench/prefill_attention.py,
+# CPU time): the GEMMs take 0.74-0.89x SDPA's time at contexts up to 2,048, 1.1-1.6x less at 4,096 for 1-16
+# queries and 1.15-1.7x less at 8,192, and lose again from 32 queries on (docs/engine.md).
+CHUNK_GEMM_MAX_QUERIES = 16
+CHUNK_GEMM_MIN_CONTEXT = 4096
+
 
 @dataclass(frozen=True)
 class DecodeSegment:
@@ -69,6 +76,52 @@ def plan_segments(num_blocks: list[int], overhead_blocks: float) -> list[tuple[i
         segments.append((bounds[i], bounds[j], max(count for _, count in runs[i:j])))
         j = i
     return segments[::-1]
+
+
+def sdpa_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
+) -> torch.Tensor:
+    """`DeviceOps.prefill_attention` by torch's SDPA: q (Lq, H, D), k (L, K, D), v (L, K, Dv) -> (Lq, H, Dv)."""
+    num_new, num_total = q.shape[0], k.shape[0]
+    mask = None
+    if num_cached > 0:
+        # query i sits at position num_cached + i and sees keys 0 .. num_cached + i
+        rows = torch.arange(num_new, device=q.device)[:, None] + num_cached
+        mask = torch.arange(num_total, device=q.device)[None, :] <= rows  # (Lq, L)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # (1, H, Lq, D)
+        k.transpose(0, 1).unsqueeze(0),  # (1, K, L, D)
+        v.transpose(0, 1).unsqueeze(0),  # (1, K, L, Dv)
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)  # (Lq, H, Dv)
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
+    """Attention of a few new queries over a long context (a chunk of a long prompt) as two GEMMs per KV head.
+
+    q (Lq, H, D) at positions num_cached .. num_cached+Lq-1; k (L, K, D), v (L, K, Dv) with L = num_cached + Lq.
+    Query head h reads KV head h // (H / K), as SDPA's `enable_gqa`: the G = H / K query heads of a KV head and all
+    Lq queries form one (Lq * G, D) operand, so each KV head's keys and values are read once for the whole chunk
+    (SDPA reads them once per query head, in tiles too small for 8 queries). One KV head at a time keeps its
+    (Lq * G, L) scores in the core's cache between the two GEMMs. Only the last Lq columns can be masked (every
+    cached position is visible to every query): no (Lq, L) mask is built. Returns (Lq, H, Dv).
+    """
+    num_new, num_heads, head_dim = q.shape
+    num_total, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    queries = (q * scale).view(num_new, num_kv_heads, group, head_dim)  # (Lq, K, G, D)
+    future = torch.ones(num_new, num_new, dtype=torch.bool, device=q.device).triu_(1)  # (Lq, Lq): key after query
+    out = q.new_empty(num_new, num_kv_heads, group, v.shape[2])  # (Lq, K, G, Dv)
+    for head in range(num_kv_heads):
+        scores = queries[:, head].reshape(num_new * group, head_dim) @ k[:, head].T  # (Lq * G, L)
+        scores.view(num_new, group, num_total)[..., num_cached:].masked_fill_(future[:, None, :], -torch.inf)
+        probs = torch.softmax(scores, dim=-1)  # every row sees key 0: none is all -inf
+        out[:, head] = (probs @ v[:, head]).view(num_new, group, -1)
+    return out.view(num_new, num_heads, -1)
 
 
 class CpuOps(DeviceOps):
@@ -169,22 +222,12 @@ class CpuOps(DeviceOps):
     def prefill_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
     ) -> torch.Tensor:
-        num_new, num_total = q.shape[0], k.shape[0]
-        mask = None
-        if num_cached > 0:
-            # query i sits at position num_cached + i and sees keys 0 .. num_cached + i
-            rows = torch.arange(num_new, device=q.device)[:, None] + num_cached
-            mask = torch.arange(num_total, device=q.device)[None, :] <= rows  # (Lq, L)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # (1, H, Lq, D)
-            k.transpose(0, 1).unsqueeze(0),  # (1, K, L, D)
-            v.transpose(0, 1).unsqueeze(0),  # (1, K, L, Dv)
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(0).transpose(0, 1)  # (Lq, H, Dv)
+        # on the CPU only: the cuda and ascend modules inherit this method, and SDPA's kernels there are fused
+        is_chunk = q.shape[0] <= CHUNK_GEMM_MAX_QUERIES and k.shape[0] >= CHUNK_GEMM_MIN_CONTEXT
+        is_grouped = q.shape[1] > k.shape[1] and q.shape[1] % k.shape[1] == 0  # GQA: MLA's expanded heads are not
+        if q.device.type == "cpu" and is_chunk and is_grouped:
+            return chunk_attention(q, k, v, num_cached, scale)
+        return sdpa_prefill_attention(q, k, v, num_cached, scale)
 
     def moe_experts(
         self,

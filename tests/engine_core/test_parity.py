@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import devices.cpu
 from engine_core import LLM, SamplingParams
 
 ATOL = 2e-4  # fp32 rounding differs between fused/paged and reference kernels; real bugs are orders larger
@@ -38,7 +39,11 @@ def check_against_reference(llm: LLM, model, prompts: list[list[int]]) -> None:
     ours = prefill_logits(llm, prompts)
     for row, prompt in zip(ours, prompts, strict=True):
         torch.testing.assert_close(row, reference_logits(model, prompt)[-1], atol=ATOL, rtol=0)
+    check_generate_against_reference(llm, model, prompts)
 
+
+def check_generate_against_reference(llm: LLM, model, prompts: list[list[int]]) -> None:
+    """Greedy tokens equal to the reference's, and every step's logprobs within ATOL of its teacher-forced ones."""
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -74,6 +79,23 @@ def test_llama_gqa_matches_transformers(llama_reference):
     path, model = llama_reference
     llm = LLM(str(path), device="cpu", num_kv_blocks=64)
     check_against_reference(llm, model, random_prompts(500))
+
+
+def test_llama_chunks_attended_by_gemm_match_transformers(llama_reference, monkeypatch):
+    # every chunk of 8 tokens over any context takes the cpu module's grouped GEMMs, not only late chunks of long
+    # prompts (which this model's 1,024 positions cannot reach)
+    monkeypatch.setattr(devices.cpu, "CHUNK_GEMM_MIN_CONTEXT", 1)
+    num_calls, chunk_attention = [0], devices.cpu.chunk_attention
+
+    def counted(*args):
+        num_calls[0] += 1
+        return chunk_attention(*args)
+
+    monkeypatch.setattr(devices.cpu, "chunk_attention", counted)
+    path, model = llama_reference
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, max_num_batched_tokens=8)
+    check_generate_against_reference(llm, model, random_prompts(500))
+    assert num_calls[0] >= 3 * 12  # 3 layers; at least the 1, 2, 3 and 6 chunks of the 5, 16, 23 and 41 tokens
 
 
 def test_chunked_prefill_and_prefix_reuse_change_nothing(deepseek_reference):
