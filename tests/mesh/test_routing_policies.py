@@ -10,6 +10,7 @@ import pytest
 
 from mesh.kv_index import GlobalKVIndex
 from mesh.routing import Assignment, CostModel, NoWorkerError, PrefillPick, Router, RouteRequest, WorkerState
+from mesh.routing.context import PickContext
 from mesh.routing.kvmesh import KvmeshDecode, KvmeshPrefill
 from mesh.routing.view import LoadView
 
@@ -241,6 +242,23 @@ def test_kvmesh_counts_blocks_still_being_computed_as_cached_on_their_worker() -
     # the index never heard of those blocks: once the first turn is predicted done (+ 1 s), they stop counting
     late, _ = router.route(request(80, 1, 2, 3, 4, 5, request_id="turn-3"), PREFILL, DECODE, 5.0)
     assert late.num_cached_tokens == 0
+
+
+def test_the_tail_guard_counts_a_worker_busy_only_past_half_a_typical_prefill() -> None:
+    policy = KvmeshPrefill()
+    policy.tail_ttft_s, policy.typical_prefill_s = 2.0, 1.0  # as if tracked
+    picks = {
+        "p-a": PrefillPick("p-a", 40_000, 0.04, 2.1),  # cached: 2.06 s of queue
+        "p-b": PrefillPick("p-b", 0, 0.74, 0.8),  # quickest: 0.06 s of queue
+        "p-c": PrefillPick("p-c", 0, 0.74, 1.5),  # 0.76 s
+        "p-d": PrefillPick("p-d", 0, 0.74, 0.9),  # 0.16 s
+    }
+    ctx = PickContext(request(40_000), 0.0, LoadView(COST), GlobalKVIndex())
+    # every worker has some queue (busy 1: the recompute weight, 30, prices the 0.70 s saved at 21 s), but only p-a
+    # and p-c one past 0.5 s: the price is 0.5 / (1 - 0.5) = 1, 0.70 s against the 1.3 s p-a's wait adds
+    assert sorted(policy.scores(ctx, picks)) == ["p-b", "p-c", "p-d"]
+    policy.queued_typical = 0.0  # any queue counts: the price is the weight, and p-a's wait pays
+    assert sorted(policy.scores(ctx, picks)) == ["p-a", "p-b", "p-c", "p-d"]
 
 
 def test_kvmesh_decode_predicts_kv_when_the_request_arrives() -> None:

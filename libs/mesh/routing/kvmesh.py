@@ -17,8 +17,9 @@ computed elsewhere instead of waiting seconds to save less (these waits were the
 trace). And a wait into the tail must pay: a worker whose TTFT would pass the tracked 99th percentile of the
 picks' predicted TTFTs (`tail_quantile`) is left out when the wait costs this request more than the compute it saves
 would cost the requests queued behind it on the quickest worker (busy / (1 - busy) of them: an M/M/1 queue at the
-pool's busy share). On a lightly loaded pool a cached turn stuck behind a long prompt, or a hot prefix, is then
-computed (copied) on a free worker instead of landing in the tail; a busy pool still waits for the cache.
+share of workers whose queue is longer than half a typical full prefill). On a lightly loaded pool a cached turn
+stuck behind a long prompt, or a hot prefix, is then computed (copied) on a free worker instead of landing in the
+tail; a busy pool still waits for the cache.
 The bounds and the weight are relative (to this prompt's prefill, to the busy share), so they hold on any
 hardware; only the queue's drain between heartbeats runs on the real clock (KVMESH_BALANCER_COST_SCALE fits the cost
 model to the hardware, docs/balancer.md).
@@ -65,8 +66,9 @@ class KvmeshPrefill:
         typical_smoothing: float = 0.01,
         tail_quantile: float = 0.99,
         tail_step_typical: float = 0.1,
+        queued_typical: float = 0.5,
     ) -> None:
-        assert 0 <= tail_quantile < 1 and tail_step_typical > 0
+        assert 0 <= tail_quantile < 1 and tail_step_typical > 0 and queued_typical >= 0
         self.recompute_weight = recompute_weight
         self.max_wait_gap_rel = max_wait_gap_rel
         self.max_wait_gap_prefills = max_wait_gap_prefills
@@ -78,11 +80,13 @@ class KvmeshPrefill:
         self.tail_quantile = tail_quantile  # 0: no tail guard
         self.tail_step_typical = tail_step_typical  # the tracker's step, in typical full prefills
         self.tail_ttft_s = 0.0  # tracked `tail_quantile` of the picks' predicted TTFT; only `pick` writes it
+        self.queued_typical = queued_typical  # the tail guard's busy share: queues past this many typical prefills
 
     def scores(self, ctx: PickContext, picks: dict[str, PrefillPick]) -> dict[str, float]:
         """Predicted TTFT plus the weighted compute a worker would spend beyond the best-cached one, the weight
         scaled by the share of busy workers; workers past the imbalance bound, and waits into the tail that do not
-        pay (`is_tail_wait`), are left out."""
+        pay (`is_tail_wait`, its busy share counting queues longer than `queued_typical` typical prefills), are
+        left out."""
         least_s = min(p.predicted_s for p in picks.values())
         most_s = max(p.predicted_s for p in picks.values())
         quickest = min(picks.values(), key=lambda p: p.predicted_ttft_s)
@@ -92,10 +96,14 @@ class KvmeshPrefill:
             bound = min(bound, least_ttft + self.max_extra_wait_typical * self.typical_prefill_s)
         busy = sum(p.predicted_ttft_s > p.predicted_s for p in picks.values()) / len(picks)
         weight = self.recompute_weight * busy
+        # the tail guard prices by workers with a real queue: one ending within a fraction of a typical prefill is
+        # about as free as an idle one, and counted busy it made a burst's pool look saturated (M/M/1 at 1)
+        queue_s = self.queued_typical * self.typical_prefill_s
+        queued = sum(p.predicted_ttft_s - p.predicted_s > queue_s for p in picks.values())
         return {
             worker_id: p.predicted_ttft_s + weight * (p.predicted_s - least_s)
             for worker_id, p in picks.items()
-            if p.predicted_ttft_s <= bound and not self.is_tail_wait(p, quickest, busy)
+            if p.predicted_ttft_s <= bound and not self.is_tail_wait(p, quickest, queued / len(picks))
         }
 
     def is_tail_wait(self, pick: PrefillPick, quickest: PrefillPick, busy: float) -> bool:
