@@ -445,3 +445,30 @@ async def test_a_full_queue_drops_and_counts_and_a_stop_flushes(tmp_path: Path) 
         publisher.submit(_record("req-late", 1, 0, 1))  # after close: dropped and counted, never raised
         assert publisher.num_dropped == 3
         await bus.close()
+
+
+async def test_an_open_record_waits_out_its_delay_and_is_dropped_when_its_request_record_comes_first(
+    tmp_path: Path,
+) -> None:
+    with EmbeddedNats(store_dir=tmp_path / "nats") as nats:
+        bus = await Bus.connect(nats.url, name="publisher")
+        publisher = UsagePublisher(bus, open_delay_s=0.05)
+        publisher.submit_open(_record("req-slow", 1, 0, 0))
+        publisher.submit_open(_record("req-quick", 1, 0, 0))
+        assert publisher.num_queued == 0  # neither goes out with the first token
+        publisher.submit(_record("req-quick", 1, 0, 1))  # finished within the delay: its open record is moot
+        assert publisher.num_queued == 1
+        await asyncio.sleep(0.15)
+        assert publisher.num_queued == 2  # req-slow's open record, after its delay
+        publisher.submit_open(_record("req-stopping", 1, 0, 0))
+        await publisher.start()
+        await publisher.close()  # a stop queues the open records still waiting, then flushes
+        js = bus.client.jetstream()
+        sent = [events_pb2.UsageRecord.FromString((await js.get_msg("KVMESH_USAGE", seq)).data) for seq in (1, 2, 3)]
+        assert [(r.request_id, r.status) for r in sent] == [
+            ("req-quick", "finished"),
+            ("req-slow", "open"),
+            ("req-stopping", "open"),
+        ]
+        assert (await js.stream_info("KVMESH_USAGE")).state.messages == 3
+        await bus.close()

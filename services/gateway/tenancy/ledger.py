@@ -13,7 +13,10 @@
    on request_id (a redelivered record is written once) and acks only after the commit.
 4. A request that started generating is announced by an "open" record first (telemetry.RequestRecord.start); the
    consumer keeps it in open_requests until the request's own record comes, in the same transaction. One whose
-   gateway died never gets its record: abandoned.py settles it as "aborted".
+   gateway died never gets its record: abandoned.py settles it as "aborted". The open record waits
+   OPEN_RECORD_DELAY_S before it is queued (dropped if the request's own record comes first): its publish, NATS
+   storing it and the consumer's SQLite transaction otherwise took both cores in the very milliseconds the client
+   needed one to read its first token (about 3 ms of TTFT at C=1: docs/benchmarks.md#where-the-overhead-goes).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ DROP_LOG_INTERVAL_S = 10.0
 DEFAULT_PLAN = "default"  # a tenant without a row (the `default` tenant of KVMESH_API_KEYS) is priced by it
 STATUSES = ("finished", "client_gone", "failed", "timeout", "aborted", "refused")
 OPEN = "open"  # the status of an open record: the request started generating (not a ledger status)
+OPEN_RECORD_DELAY_S = 0.02  # an open record is queued this long after the first token went out (module docstring)
 log = get_logger(__name__)
 
 
@@ -98,6 +102,7 @@ class UsagePublisher:
         *,
         gateway: tuple[str, int] = ("", 0),
         settle_after_s: float = 660.0,
+        open_delay_s: float = OPEN_RECORD_DELAY_S,
     ) -> None:
         self.bus = bus
         self.gateway_id, self.gateway_started_at_ms = gateway  # this process: its worker id and start (open records)
@@ -108,7 +113,10 @@ class UsagePublisher:
         self.num_published = 0
         self.num_dropped = 0
         self.num_retries = 0  # publishes that failed (NATS away, no ack in time) and went back in the queue
+        self.open_delay_s = open_delay_s
         self._queue: collections.deque[events_pb2.UsageRecord] = collections.deque()
+        # open records waiting out open_delay_s, by request id; written only by submit_open, submit and close
+        self._delayed_opens: dict[str, tuple[events_pb2.UsageRecord, asyncio.TimerHandle]] = {}
         self._num_in_flight = 0
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
@@ -121,7 +129,9 @@ class UsagePublisher:
         return len(self._queue) + self._num_in_flight
 
     def submit(self, record: events_pb2.UsageRecord) -> None:
-        """Queue one record; never blocks, never raises."""
+        """Queue one record; never blocks, never raises. A request's own record makes its delayed open one moot."""
+        if record.status != OPEN and (delayed := self._delayed_opens.pop(record.request_id, None)) is not None:
+            delayed[1].cancel()
         if self._is_closed:
             self._drop(1, "the usage publisher is closed", record.request_id)
             return
@@ -137,7 +147,21 @@ class UsagePublisher:
         record.status = OPEN
         record.gateway_id, record.gateway_started_at_ms = self.gateway_id, self.gateway_started_at_ms
         record.settle_after_ms = record.started_at_ms + int(self.settle_after_s * 1000)
-        self.submit(record)
+        if self.open_delay_s <= 0 or self._is_closed or record.request_id in self._delayed_opens:
+            self.submit(record)
+            return
+        handle = asyncio.get_running_loop().call_later(self.open_delay_s, self._submit_delayed, record.request_id)
+        self._delayed_opens[record.request_id] = (record, handle)
+
+    def _submit_delayed(self, request_id: str) -> None:
+        delayed = self._delayed_opens.pop(request_id, None)
+        if delayed is not None:
+            self.submit(delayed[0])
+
+    def _submit_all_delayed(self) -> None:
+        for request_id in list(self._delayed_opens):
+            self._delayed_opens[request_id][1].cancel()
+            self._submit_delayed(request_id)
 
     async def start(self) -> None:
         with contextlib.suppress(Exception):  # NATS away: the pump creates the stream once it is back
@@ -146,6 +170,7 @@ class UsagePublisher:
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Flush what is queued (up to `timeout_s`), then stop; what is left is dropped, counted and logged."""
+        self._submit_all_delayed()
         self._is_closed = True
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self.num_queued and asyncio.get_running_loop().time() < deadline:
