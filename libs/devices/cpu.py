@@ -32,7 +32,11 @@ class DecodeSegment:
     end: int
     num_blocks: int
     offset: int  # where the segment's blocks start in the step's gathered blocks
-    valid: torch.Tensor | None  # (n, num_blocks * S) bool: position < context length; None: every position is
+    num_positions: int  # positions each row attends: num_blocks * S, or its rows' one context length
+    valid: torch.Tensor | None  # (n, num_positions) bool: position < context length; None: every position is
+    # valid as SDPA's additive mask, (n, 1, 1, num_positions) float32: 0 or -inf (what SDPA would build from the
+    # boolean mask in every layer, built once a step)
+    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -150,11 +154,16 @@ class CpuOps(DeviceOps):
         pieces, segments, offset = [], [], 0
         for start, end, most in plan_segments(num_blocks, self.segment_overhead_tokens / block_size):
             pieces.append(block_tables[start:end, :most].flatten())
-            valid = None
-            if any(n != most * block_size for n in lens[start:end]):
-                positions = torch.arange(most * block_size, device=context_lens.device)
+            num_positions, valid, bias = most * block_size, None, None
+            shortest, longest = min(lens[start:end]), max(lens[start:end])
+            if shortest == longest:  # rows of one length (a row alone): read that many positions, no mask
+                num_positions = longest
+            else:
+                positions = torch.arange(num_positions, device=context_lens.device)
                 valid = positions[None, :] < context_lens[start:end, None]  # (n, most * S)
-            segments.append(DecodeSegment(start, end, most, offset, valid))
+                bias = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))
+                bias = bias[:, None, None, :]
+            segments.append(DecodeSegment(start, end, most, offset, num_positions, valid, bias))
             offset += (end - start) * most
         plan = _CpuDecodePlan(tuple(segments), torch.cat(pieces).long())
         return DecodeBatch(block_tables, context_lens, block_size, plan)
@@ -167,15 +176,18 @@ class CpuOps(DeviceOps):
         values = self._gather("v", v_cache, plan.block_ids)  # (G, S, K, Dv)
         outs = []
         for seg in plan.segments:
-            num_rows, num_positions = seg.end - seg.start, seg.num_blocks * batch.block_size
+            num_rows, num_gathered = seg.end - seg.start, seg.num_blocks * batch.block_size
             blocks = slice(seg.offset, seg.offset + num_rows * seg.num_blocks)
-            k = keys[blocks].view(num_rows, num_positions, *k_cache.shape[2:])  # (n, L, K, D)
-            v = values[blocks].view(num_rows, num_positions, *v_cache.shape[2:])  # (n, L, K, Dv)
+            k = keys[blocks].view(num_rows, num_gathered, *k_cache.shape[2:])[:, : seg.num_positions]  # (n, L, K, D)
+            v = values[blocks].view(num_rows, num_gathered, *v_cache.shape[2:])[:, : seg.num_positions]
+            bias = seg.bias
+            if bias is not None and bias.dtype != q.dtype:
+                bias = bias.to(q.dtype)
             out = F.scaled_dot_product_attention(
                 q[seg.start : seg.end].unsqueeze(2),  # (n, H, 1, D)
                 k.transpose(1, 2),  # (n, K, L, D)
                 v.transpose(1, 2),
-                attn_mask=None if seg.valid is None else seg.valid[:, None, None, :],  # (n, 1, 1, L)
+                attn_mask=bias,  # (n, 1, 1, L)
                 scale=scale,
                 enable_gqa=True,
             )
@@ -193,7 +205,7 @@ class CpuOps(DeviceOps):
         for seg in plan.segments:
             num_rows = seg.end - seg.start
             blocks = slice(seg.offset, seg.offset + num_rows * seg.num_blocks)
-            entries = gathered[blocks].view(num_rows, seg.num_blocks * batch.block_size, -1)  # (n, L, R+P)
+            entries = gathered[blocks].view(num_rows, seg.num_blocks * batch.block_size, -1)[:, : seg.num_positions]
             scores = torch.bmm(q[seg.start : seg.end], entries.float().transpose(1, 2)) * scale  # (n, H, L)
             if seg.valid is not None:
                 scores = scores.masked_fill(~seg.valid[:, None, :], float("-inf"))

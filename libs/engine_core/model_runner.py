@@ -130,7 +130,9 @@ class ModelRunner:
             entry.num_tokens = state.num_tokens  # type: ignore[attr-defined]
             self.model.store_sequence_state(self.pools, entry.slot, state)  # type: ignore[operator]
         sample_rows = [rows.last_row[id(item)] for item in output.scheduled if item.needs_sample]
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)])  # type: ignore[operator]
+        if sample_rows != list(range(hidden.shape[0])):  # not every row in order (prefills, decodes reordered)
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=device)]
+        return self.model.compute_logits(hidden)  # type: ignore[operator]
 
     def _load_state(self, item: ScheduledRequest) -> object:
         """The request's state for this step; from its first token when it computes from there (first time or

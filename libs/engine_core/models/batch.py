@@ -56,4 +56,6 @@ class ForwardBatch:
 
 def write_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
     """Store each token's entry at its slot: cache (N, S, *F), values (T, *F)."""
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
+    if values.dtype != cache.dtype:
+        values = values.to(cache.dtype)
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values)

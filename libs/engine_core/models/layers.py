@@ -92,7 +92,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (T, Hd)
         if batch.embed_rows is not None and batch.embed_values is not None:
             x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
-        cos_sin = self.rope.cos_sin(batch.positions)
+        cos_sin = self.rope.rotation(batch.positions)  # once per step, for every layer
         for index, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             if batch.wait_for_layer is not None:
                 batch.wait_for_layer(index)  # KV loaded from elsewhere: this layer's has arrived

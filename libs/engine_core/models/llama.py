@@ -47,8 +47,12 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = cache[0], cache[1]  # (N, S, K, D) each
         write_cache(k_cache, batch.slot_mapping, k)
         write_cache(v_cache, batch.slot_mapping, v)
-        out = q.new_empty(num_tokens, num_heads, self.head_dim)  # (T, H, D)
         num_decode = batch.num_decode_tokens
+        if num_decode == num_tokens:  # decodes only: their attention is the whole output, no copy into one
+            assert batch.decode is not None
+            out = self.ops.paged_decode_attention(q, k_cache, v_cache, batch.decode, self.scale)
+            return self.o_proj(out.reshape(num_tokens, -1))
+        out = q.new_empty(num_tokens, num_heads, self.head_dim)  # (T, H, D)
         if num_decode:
             assert batch.decode is not None
             out[:num_decode] = self.ops.paged_decode_attention(

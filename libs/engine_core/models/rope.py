@@ -96,11 +96,20 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, d/2)
         return (freqs.cos() * self.attention_factor)[:, None, :], (freqs.sin() * self.attention_factor)[:, None, :]
 
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> the tables __call__ takes, once per step: cos (T, 1, d) repeated over both halves and
+        sin (T, 1, d) negated on the first, so that a rotation is x * cos + (x2, x1) * sin in three ops."""
+        cos, sin = self.cos_sin(positions)
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (T, h, d) -> x rotated; cos, sin (T, 1, d/2) from cos_sin()."""
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        """x (T, h, d) -> x rotated, in halves; cos, sin (T, 1, d) from rotation().
+
+        The halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin): the same products and sums as written out,
+        since adding a negated product is the same IEEE operation as subtracting it."""
+        if self.interleaved:  # pairs (x0, x1), (x2, x3)... -> halves (x0, x2, ..., x1, x3, ...)
+            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        if cos.dtype != x.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1), a new tensor
+        return (x * cos).add_(swapped.mul_(sin))
