@@ -1,15 +1,17 @@
 """The decode step's linear layers on a CPU, three ways, at the batch sizes decode runs: torch's `F.linear` (MKL's
 sgemm, what the engine calls today), oneDNN with the weight reordered once ahead (`torch.ops.mkldnn
 ._reorder_linear_weight` + `_linear_pointwise`, what inductor's CPU freezing uses) and MKL with the weight packed
-once (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`, packed for one batch size). Prints one JSON
-object on stdout.
+once (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`, packed for one batch size); and the int8 layer
+(`engine_core.quantization.Int8Linear`, whole: smoothing, per-token quantization, kernel, rescale) through each of
+its kernels, fbgemm's dynamic linear and oneDNN's qlinear (where `can_use_onednn`). Prints one JSON object on stdout.
 
-    .venv/bin/python bench/linear_kernels.py [--batches 1 8 32] [--threads 1] [--calls 40] [--rounds 5]
+    PYTHONPATH=libs .venv/bin/python bench/linear_kernels.py [--batches 1 8 32] [--threads 1] [--calls 40] [--rounds 5]
 
 Shapes are SmolLM2-135M's (hidden 576, fused q/k/v 960, MLP 1536 with gate and up fused, tied 49,152-token head);
 `per_step_ms` sums one step's worth (30 layers of the four, and the head once). Times are process CPU per call
 (time.process_time), median over interleaved rounds, so a loaded machine moves them less than wall time; float32
-weights; `max_abs_diff` is against `F.linear` on the same input (the kernels sum in another order: not bit-equal).
+weights; `max_abs_diff` is against `F.linear` on the same input (the kernels sum in another order: not bit-equal;
+the int8 layers also round).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from engine_core.quantization import Int8Linear, can_use_onednn
 
 HIDDEN, QKV, MLP, VOCAB, LAYERS = 576, 960, 1536, 49152, 30
 SHAPES = {  # name: (in, out, times a step)
@@ -51,9 +56,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    int8_kernels = ["fbgemm", "onednn"] if can_use_onednn() else ["fbgemm"]
     results = []
     for batch in args.batches:
-        per_step = {"linear": 0.0, "onednn_packed": 0.0, "mkl_packed": 0.0}
+        per_step = dict.fromkeys(["linear", "onednn_packed", "mkl_packed", *(f"int8_{k}" for k in int8_kernels)], 0.0)
         shapes = {}
         for name, (k, n, times) in SHAPES.items():
             weight = torch.randn(n, k) * 0.05
@@ -67,6 +73,11 @@ def main() -> None:
                 ),
                 "mkl_packed": functools.partial(torch.ops.mkl._mkl_linear, x, mkl_weight, weight, None, batch),
             }
+            linear = nn.Linear(k, n, bias=False)
+            linear.weight.data = weight
+            input_range = torch.randn(256, k).abs().amax(dim=0)  # (k,): the calibration pass's max |x_j|
+            for kernel in int8_kernels:
+                kernels[f"int8_{kernel}"] = functools.partial(Int8Linear.from_linear(linear, input_range, kernel), x)
             reference = kernels["linear"]()
             samples: dict[str, list[float]] = {kernel: [] for kernel in kernels}
             for _ in range(args.rounds):

@@ -2,9 +2,10 @@
 
 `int8` runs every linear layer (attention projections, the MLP, the LM head) with int8 weights, one scale per
 output channel, and int8 activations quantized on the fly at each call (one scale per token, from its own
-range; see `Int8Linear`): PyTorch's own dynamic-quantization kernels (`torch.ops.quantized.linear_dynamic`,
-fbgemm or oneDNN under the `x86` backend). The weights take a quarter of the bytes and the multiplies run on
-int8 dot products, which is where a CPU decode step spends most of its time. Norms, embeddings, rope,
+range; see `Int8Linear`): PyTorch's own int8 kernels, oneDNN's (`torch.ops.onednn.qlinear_pointwise`, AMX or
+AVX-512 VNNI, what inductor's x86 int8 path calls) where the CPU has VNNI, fbgemm's dynamic linear
+(`torch.ops.quantized.linear_dynamic`) elsewhere. The weights take a quarter of the bytes and the multiplies run
+on int8 dot products, which is where a CPU decode step spends most of its time. Norms, embeddings, rope,
 attention and the KV cache stay float32.
 
 One scale per token is still coarse when a few channels carry outliers (they do in LLMs: the inputs of
@@ -43,6 +44,9 @@ CALIBRATION_TEXT = (
     "and a dog barked twice at a passing bicycle. Tomorrow, she thought, the letters would finally arrive."
 )
 MAX_CALIBRATION_TOKENS = 256
+# torch.ops.onednn.qlinear_pointwise's arguments after the weight's: no bias (added in float32 after the rescale),
+# output scale 1 and zero point 0 with float32 output (no requantization), no fused post-op
+ONEDNN_FLOAT32_OUTPUT: tuple[object, ...] = (None, 1.0, 0, torch.float32, "none", [], "")
 
 
 def check_quantization(mode: str, model_type: str, device_name: str, dtype: torch.dtype) -> None:
@@ -130,58 +134,96 @@ def prefill_logits(model: nn.Module, token_ids: list[int], num_layers: int) -> t
     return model.compute_logits(hidden)  # type: ignore[operator]
 
 
+def can_use_onednn() -> bool:
+    """Whether oneDNN's int8 linear (`torch.ops.onednn.qlinear_pointwise`, what inductor's x86 int8 path calls)
+    serves here: a torch built with oneDNN, on a CPU with AVX-512 VNNI int8 dot products (AMX implies them).
+    Elsewhere (AVX2 only) fbgemm's dynamic kernel, which has AVX2 code, runs instead."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.onednn, "qlinear_pointwise")
+        and torch.cpu._is_vnni_supported()
+    )
+
+
 class Int8Linear(nn.Module):
     """y = r * ((x / s / r) @ (W * s).T) + b: the weight int8 per output channel, each row of activations
-    quantized with its own range r (per token) at each call.
+    quantized with its own range r (per token) at each call, so a row's result depends only on the row: int8
+    outputs are as independent of the batch as float32's, and one outlier token does not coarsen the others.
 
-    PyTorch's dynamic kernel takes one range for the whole input, from its min and max; dividing each row by its
-    own max |x| puts every row in [-1, 1], and two extra input channels of zero weight holding 1 and -1 make the
-    input's range exactly [-1, 1] at every call. So each token gets its full 8 bits whatever else is in the
-    batch (one outlier token no longer coarsens the others' steps), and a row's result depends only on the row:
-    int8 outputs are as independent of the batch as float32's.
+    `kernel` "onednn" (where `can_use_onednn`): each row divided by its own max |x| lies in [-1, 1], so it is
+    quantized with the fixed scale 1/127 (int8, zero point 0) and one oneDNN int8 GEMM (AMX or VNNI) returns
+    float32 with the weight's per-channel scales folded in; no per-call range search.
 
-    `reduce_range` (7-bit activations) is off: on this project's machines (AVX-512 VNNI) 8 bits measured better
-    (docs/engine.md); fbgemm's AVX2-only kernels can saturate 16-bit pair sums with it off."""
+    `kernel` "fbgemm" (the fallback): PyTorch's dynamic kernel takes one range for the whole input, from its min
+    and max; two extra input channels of zero weight holding 1 and -1 pin that range to [-1, 1] at every call.
+    `reduce_range` (7-bit activations) is off: on AVX-512 VNNI 8 bits measured better (docs/engine.md); fbgemm's
+    AVX2-only kernels can saturate 16-bit pair sums with it off."""
 
     input_scale: torch.Tensor
+    output_scale: torch.Tensor
+    weight_zero_points: torch.Tensor
     range_channels: torch.Tensor
 
-    def __init__(
-        self, packed: torch.Tensor, input_scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, input_scale: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> None:
+        """`weight`: the smoothed float32 weight (O, I), quantized here per output channel, symmetric."""
         super().__init__()
-        self.packed = packed  # torch.ops.quantized.linear_prepack's opaque packed weight (I + 2 input channels)
+        assert kernel in ("onednn", "fbgemm")
+        self.kernel = kernel
         self.register_buffer("input_scale", input_scale)  # (I,): 1 / s, applied to x before quantizing
-        self.register_buffer("range_channels", torch.tensor([1.0, -1.0]))  # (2,): pin the input's range
         self.bias = bias  # (O,) or None, added in float32
         self.in_features = input_scale.shape[0]
-        self.out_features = out_features
+        self.out_features = weight.shape[0]
         self.reduce_range = False
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (O,): symmetric, so zero points are 0
+        if kernel == "onednn":
+            qweight = _quantize_per_channel(weight, scales).int_repr()  # (O, I) int8
+            self.packed = torch.ops.onednn.qlinear_prepack(qweight, None)  # opaque oneDNN int8 (I, O), blocked
+            self.register_buffer("output_scale", scales / 127.0)  # (O,): weight step times the activations' 1/127
+            self.register_buffer("weight_zero_points", torch.zeros(self.out_features, dtype=torch.long))
+        else:
+            padded = torch.cat([weight, weight.new_zeros(weight.shape[0], 2)], dim=1)  # (O, I + 2)
+            self.packed = torch.ops.quantized.linear_prepack(_quantize_per_channel(padded, scales), None)  # opaque
+            self.register_buffer("range_channels", torch.tensor([1.0, -1.0]))  # (2,): pin the input's range
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, input_range: torch.Tensor) -> Int8Linear:
-        """`input_range`: max |x_j| per input channel (I,), measured on calibration tokens."""
+    def from_linear(cls, linear: nn.Linear, input_range: torch.Tensor, kernel: str | None = None) -> Int8Linear:
+        """`input_range`: max |x_j| per input channel (I,), measured on calibration tokens. `kernel`: "onednn" or
+        "fbgemm"; None takes oneDNN where `can_use_onednn`."""
         weight = linear.weight.detach().float()  # (O, I)
         weight_range = weight.abs().amax(dim=0).clamp(min=1e-5)  # (I,)
         smooth = (input_range.float().clamp(min=1e-5) / weight_range).sqrt()  # (I,): s_j
-        weight = weight * smooth  # (O, I)
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (O,): symmetric, so zero points are 0
-        weight = torch.cat([weight, weight.new_zeros(weight.shape[0], 2)], dim=1)  # (O, I + 2)
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            # PyTorch 2.10+ deprecates creating quantized tensors; prepacking still needs one, once, at load.
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            qweight = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(qweight, None)
         bias = None if linear.bias is None else linear.bias.detach().float()
-        return cls(packed, 1.0 / smooth, bias, linear.out_features)
+        if kernel is None:
+            kernel = "onednn" if can_use_onednn() else "fbgemm"
+        return cls(weight * smooth, 1.0 / smooth, bias, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x * self.input_scale  # (..., I)
         row_range = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)  # (..., 1)
-        pinned = torch.cat([x / row_range, self.range_channels.expand(*x.shape[:-1], 2)], dim=-1)  # (..., I + 2)
-        y = torch.ops.quantized.linear_dynamic(pinned, self.packed, self.reduce_range) * row_range  # (..., O)
+        y = self._onednn(x, row_range) if self.kernel == "onednn" else self._fbgemm(x, row_range)  # (..., O)
+        y = y.mul_(row_range)
         return y if self.bias is None else y + self.bias
 
+    def _onednn(self, x: torch.Tensor, row_range: torch.Tensor) -> torch.Tensor:
+        """The int32 sums of x quantized with step row_range / 127, times `output_scale`: float32 (..., O)."""
+        qx = (x * (127.0 / row_range)).round_().to(torch.int8)  # (..., I): in [-127, 127]
+        # activation scale 1 and zero point 0, then ONEDNN_FLOAT32_OUTPUT (positional: keywords cost ~4 us a call)
+        return torch.ops.onednn.qlinear_pointwise(
+            qx, 1.0, 0, self.packed, self.output_scale, self.weight_zero_points, *ONEDNN_FLOAT32_OUTPUT
+        )
+
+    def _fbgemm(self, x: torch.Tensor, row_range: torch.Tensor) -> torch.Tensor:
+        pinned = torch.cat([x / row_range, self.range_channels.expand(*x.shape[:-1], 2)], dim=-1)  # (..., I + 2)
+        return torch.ops.quantized.linear_dynamic(pinned, self.packed, self.reduce_range)  # (..., O)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, reduce_range={self.reduce_range}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+
+
+def _quantize_per_channel(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`weight` (O, I) as a qint8 tensor, one scale per output channel, zero points 0."""
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        # PyTorch 2.10+ deprecates creating quantized tensors; prepacking still needs one, once, at load.
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        return torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)

@@ -10,7 +10,18 @@ from torch import nn
 
 from engine_core import LLM, EngineConfig
 from engine_core.config import ConfigError
-from engine_core.quantization import Int8Linear, check_quantization, measure_input_ranges, prefill_logits
+from engine_core.quantization import (
+    Int8Linear,
+    can_use_onednn,
+    check_quantization,
+    measure_input_ranges,
+    prefill_logits,
+)
+
+KERNELS = [
+    "fbgemm",
+    pytest.param("onednn", marks=pytest.mark.skipif(not can_use_onednn(), reason="needs AVX-512 VNNI and oneDNN")),
+]
 
 
 def test_an_unknown_quantization_mode_is_refused_naming_the_setting() -> None:
@@ -39,7 +50,8 @@ def test_an_unsupported_model_is_refused_at_start(deepseek_reference) -> None:
         LLM(str(deepseek_reference[0]), quantization="int8", num_kv_blocks=16)
 
 
-def test_an_int8_linear_layer_stays_close_despite_an_outlier_channel() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_an_int8_linear_layer_stays_close_despite_an_outlier_channel(kernel: str) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(64, 32)
     x = torch.randn(16, 64)
@@ -47,16 +59,18 @@ def test_an_int8_linear_layer_stays_close_despite_an_outlier_channel() -> None:
     ranges = measure_input_ranges(linear, lambda: linear(x))
     assert torch.equal(ranges[""], x.abs().amax(dim=0))
     expected = linear(x)
-    error = (Int8Linear.from_linear(linear, ranges[""])(x) - expected).abs().max() / expected.abs().max()
+    error = (Int8Linear.from_linear(linear, ranges[""], kernel)(x) - expected).abs().max() / expected.abs().max()
     assert error < 0.02
 
 
-def test_an_int8_row_is_the_same_whatever_else_is_in_the_batch() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_an_int8_row_is_the_same_whatever_else_is_in_the_batch(kernel: str) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(64, 32)
     x = torch.randn(16, 64)
     x[3] *= 40  # one outlier token: with one scale per call it would coarsen every other row's steps
-    layer = Int8Linear.from_linear(linear, x.abs().amax(dim=0))
+    layer = Int8Linear.from_linear(linear, x.abs().amax(dim=0), kernel)
+    assert layer.kernel == kernel
     with torch.no_grad():
         batch = layer(x)
         for i in range(len(x)):
@@ -64,6 +78,31 @@ def test_an_int8_row_is_the_same_whatever_else_is_in_the_batch() -> None:
         expected = linear(x)
     error = (batch - expected).abs().amax(dim=-1) / expected.abs().amax(dim=-1)  # (16,) each row's own scale
     assert float(error.max()) < 0.05  # 0.026 here; 0.16 with one scale for the whole call
+
+
+@pytest.mark.skipif(not can_use_onednn(), reason="needs AVX-512 VNNI and oneDNN")
+def test_the_onednn_kernel_computes_the_int8_product_exactly() -> None:
+    """Smoothed row / its max |x| quantized with step 1/127, the smoothed weight per output channel with step
+    max |W_o| / 127: the int32 sums are exact, so the float32 output is that product to the last bit."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=True)
+    x = torch.randn(7, 96)
+    x[:, 9] *= 30
+    input_range = x.abs().amax(dim=0)
+    layer = Int8Linear.from_linear(linear, input_range, "onednn")
+    with torch.no_grad():
+        got = layer(x)
+        weight = linear.weight.float()
+        smooth = (input_range.clamp(min=1e-5) / weight.abs().amax(dim=0).clamp(min=1e-5)).sqrt()  # (I,)
+        weight = weight * smooth
+        step = weight.abs().amax(dim=1) / 127.0  # (O,)
+        qweight = (weight / step[:, None]).round().clamp(-127, 127)  # (O, I)
+        xs = x * (1.0 / smooth)
+        row_range = xs.abs().amax(dim=-1, keepdim=True)  # (T, 1)
+        qx = (xs * (127.0 / row_range)).round()  # (T, I)
+        sums = qx @ qweight.T  # (T, O): integers below 2**24, exact in float32
+        expected = sums * (step / 127.0) * row_range + linear.bias
+    assert torch.equal(got, expected)
 
 
 def test_int8_replaces_every_linear_layer_and_keeps_the_logits_close(llama_reference) -> None:
