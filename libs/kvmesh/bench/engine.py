@@ -528,17 +528,16 @@ def _with_llama_cpp(
     context = config.prompt_lens[1] + config.output_lens[1] + 64  # room for re-tokenization differences
     threads = torch.get_num_threads()
     eos = sorted(ours.llm.engine.eos_token_ids)
-    server = None if llama_server else LlamaCppServer(path, threads, context)
+    # llama-cpp-python's server once for every workload; llama-server per workload, its slots = the concurrency
+    shared = None if llama_server else LlamaCppServer(path, threads, context)
     try:
         for concurrency, workload in workloads.items():
-            if llama_server is not None:
-                server = LlamaCppServer(path, threads, context, llama_server=llama_server, slots=concurrency)
-            assert server is not None
+            server = shared or LlamaCppServer(path, threads, context, llama_server=llama_server, slots=concurrency)
             try:
                 prompts = [tokenizer.decode(p) for p in workload.prompts]
                 runs = [server.run(prompts, workload.output_lens, ours.sampling, eos) for _ in range(config.repeats)]
             finally:
-                if llama_server is not None:
+                if server is not shared:
                     server.stop()
             seconds = statistics.median(r[0] for r in runs)
             tokens = runs[0][1]
@@ -547,7 +546,7 @@ def _with_llama_cpp(
             result["ours_vs_llama_cpp"] = round(result["ours"]["useful_tok_s"] / (tokens / seconds), 3)
             result["seconds"]["llama_cpp"] = [round(r[0], 6) for r in runs]
     finally:
-        if server is not None:
-            server.stop()
+        if shared is not None:
+            shared.stop()
     kind = {"server": CPP_SERVER, "binary": str(llama_server)} if llama_server else {"server": PYTHON_SERVER}
     return {**kind, "gguf": str(path), "threads": threads}

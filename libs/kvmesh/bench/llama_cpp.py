@@ -28,7 +28,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,7 +67,9 @@ def why_unavailable(model_path: Path, llama_server: Path | None) -> str | None:
     return None
 
 
-def llama_server_command(binary: Path, model_path: Path, port: int, threads: int, slots: int, slot_context: int):
+def llama_server_command(
+    binary: Path, model_path: Path, port: int, threads: int, slots: int, slot_context: int
+) -> list[str]:
     """llama-server's command line: `slots` parallel slots of `slot_context` tokens each (its -c is the total)."""
     return [
         str(binary),
@@ -114,7 +115,7 @@ class LlamaCppServer:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        # llama-server answers /health with 503 while it loads the model, 200 once ready
+        # llama-server answers /health with 503 while it loads the model (an HTTPError, so an OSError), 200 once ready
         probe = "/health" if self.is_cpp else "/v1/models"
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -124,7 +125,7 @@ class LlamaCppServer:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{probe}", timeout=2):
                     return
-            except (OSError, urllib.error.HTTPError):
+            except OSError:
                 time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{self.name} did not answer within {STARTUP_TIMEOUT_S:.0f} s")
