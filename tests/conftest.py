@@ -26,6 +26,29 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     return LongestFirstFileScheduling(config, log)
 
 
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """A mesh shared by a unit of files stops after the unit's last test (tests/scheduling.py)."""
+    from tests.scheduling import note_ended_unit
+
+    note_ended_unit(item, nextitem)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest sets the next test up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from tests.scheduling import finish_ended_units
+
+    finish_ended_units()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def released_memory() -> Iterator[None]:
+    """What a module's in-process models held goes back to the system when the module ends."""
+    yield
+    from tests.scheduling import release_memory
+
+    release_memory()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if path := os.environ.get("KVMESH_TEST_DURATIONS_OUT"):
         from tests.scheduling import DurationRecorder

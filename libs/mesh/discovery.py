@@ -145,7 +145,7 @@ class Announcer:
             try:
                 await self._beat()
             except Exception:  # NATS briefly away: the next beat retries
-                log.warning("heartbeat failed", exc_info=True)
+                log.warning("heartbeat failed", worker_id=self.info.worker_id, exc_info=True)
 
     async def _beat(self, leaving: bool = False) -> None:
         beat = events_pb2.WorkerHeartbeat(worker=self.info, load=self.load(), timestamp_ms=now_ms(), leaving=leaving)

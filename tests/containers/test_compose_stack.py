@@ -173,7 +173,9 @@ class RequestRun:
             started = time.monotonic()
             try:
                 _, headers = chat(self.client, f"Thread {index}, request {n}: count to ten.", max_tokens=6)
-                self.results.append((started, host_of(headers["x-kvmesh-decode-worker"], "decode"), ""))
+                # empty when the request migrated and its new prefill worker made the last token: no decode
+                decode_worker = headers["x-kvmesh-decode-worker"]
+                self.results.append((started, host_of(decode_worker, "decode") if decode_worker else "", ""))
             except openai.APIError as exc:
                 self.results.append((started, None, f"{type(exc).__name__}: {exc}"))
             n += 1

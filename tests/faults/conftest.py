@@ -1,6 +1,7 @@
 """One mesh of real processes for every fault test (`kvmesh up`'s launcher, an embedded NATS, deepseek-tiny):
 two replicas of each role a request passes through, one KV store, the expert rebalancer; and a steady load of
-streamed chats, with and without an image, that runs from the first fault test to the last."""
+streamed chats, with and without an image, that runs from the first fault test to the last. Module-scoped: the
+one module that uses it releases its processes when it ends, not at the end of the session."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kvmesh.up import Mesh
 from tests.integration.conftest import API_KEY, start_mesh
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fault_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     log_path = tmp_path_factory.mktemp("faults") / "mesh.log"
     plan = mesh_plan_args()
@@ -24,7 +25,7 @@ def fault_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     mesh.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def load(fault_mesh: Mesh) -> Iterator[Load]:
     load = Load(fault_mesh.base_url, API_KEY, MODEL, concurrency=3, kinds=("chat", "image"), max_tokens=12).start()
     time.sleep(2.0)  # a baseline before the first fault
@@ -32,6 +33,6 @@ def load(fault_mesh: Mesh) -> Iterator[Load]:
     load.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def suite(fault_mesh: Mesh, load: Load) -> FaultSuite:
     return FaultSuite(fault_mesh, load, API_KEY, observe_s=2.0, probe_tokens=12)

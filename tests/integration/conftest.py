@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.bench.otlp_sink import OTLPSink
 from kvmesh.nats_server import free_port
-from kvmesh.up import Mesh, MeshPlan
+from kvmesh.up import Child, Mesh, MeshPlan
 
 API_KEY = "sk-kvmesh-test"
 
@@ -50,6 +50,18 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def wait_child_ready(child: Child, timeout_s: float = 300) -> None:
+    """Until `child` answers /readyz; raises at once if it exits first. The bound is roomy: a worker loads its
+    model and warms up while the rest of the suite runs beside it (a loaded CI machine took over 120 s)."""
+
+    def is_ready() -> bool:
+        if child.process.poll() is not None:
+            raise RuntimeError(f"{child.name} exited ({child.process.returncode}) before it was ready")
+        return ready(child.http_port)
+
+    wait_until(is_ready, timeout_s, f"{child.name} ready")
+
+
 def start_mesh(log_path: Path, env_extra: dict[str, str] | None = None, **plan_args) -> Mesh:
     plan_args.setdefault("balancer", 1)  # kvmesh up runs two; one is enough where balancers are not under test
     plan = MeshPlan(
@@ -68,7 +80,7 @@ def start_mesh(log_path: Path, env_extra: dict[str, str] | None = None, **plan_a
     mesh.start()
     try:
         mesh.wait_ready(timeout_s=300)
-        wait_until(lambda: all(ready(c.http_port) for c in mesh.children), 120, "every child ready")
+        wait_until(lambda: all(ready(c.http_port) for c in mesh.children), 300, "every child ready")
         time.sleep(1.5)  # three heartbeats: every worker is in the balancer's pools
     except Exception as exc:
         mesh.stop()
@@ -87,7 +99,8 @@ def receiver() -> Iterator[OTLPSink]:
 def mesh(tmp_path_factory: pytest.TempPathFactory, receiver: OTLPSink) -> Iterator[Mesh]:
     """Two prefill and two decode workers, two balancers, one KV store, serving SmolLM2 (real weights), exporting
     traces to `receiver`. One mesh for test_mesh.py and test_tracing.py (tests/scheduling.py deals them to one
-    worker, in that order): a test that kills a worker starts it again unless it is the last to use the mesh."""
+    worker, in that order, and stop it when the second ends): a test that kills a worker starts it again unless it
+    is the last to use the mesh."""
     log_path = tmp_path_factory.mktemp("mesh") / "mesh.log"
     env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",

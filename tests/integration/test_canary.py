@@ -19,7 +19,7 @@ import pytest
 
 from kvmesh.up import Mesh
 
-from .conftest import API_KEY, ready, start_mesh, wait_until
+from .conftest import API_KEY, start_mesh, wait_child_ready
 
 MODEL = "smollm2-135m"
 CHECK_INTERVAL_S = 2.0
@@ -61,7 +61,7 @@ def chat(mesh: Mesh, n: int, max_tokens: int = 8) -> tuple[int, str]:
 
 def start_canary(mesh: Mesh, index: int, version: str, **env: str) -> None:
     child = mesh.spawn("decode", index, env={"KVMESH_VERSION": version, **env})
-    wait_until(lambda: ready(child.http_port), 120, f"decode-{index} ready")
+    wait_child_ready(child)
     time.sleep(1.5)  # three heartbeats: in the balancer's pool
 
 

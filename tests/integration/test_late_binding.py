@@ -15,7 +15,7 @@ import pytest
 
 from kvmesh.bench.otlp_sink import OTLPSink
 
-from .conftest import API_KEY, ready, scrape, start_mesh, wait_until
+from .conftest import API_KEY, scrape, start_mesh, wait_child_ready
 from .test_tracing import children, has_roles, one, traceparent
 
 MODEL = "smollm2-135m"
@@ -77,7 +77,7 @@ def test_late_binding_completes_with_the_tokens_of_early_binding(mesh, receiver:
 
     mesh.kill("balancer-0", signal.SIGTERM)  # leaves the pools with a `leaving` heartbeat
     early = mesh.spawn("balancer", 1, env={"KVMESH_BALANCER_DECODE_BINDING": "early"})
-    wait_until(lambda: ready(early.http_port), 120, "the early-binding balancer ready")
+    wait_child_ready(early)
     time.sleep(1.5)  # three heartbeats: the gateway knows it, and it knows every worker
     decode_worker, early_tokens, num_tokens = answer(client, 24)
     assert decode_worker in ("decode-0", "decode-1") and num_tokens == 24

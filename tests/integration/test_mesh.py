@@ -15,7 +15,7 @@ import pytest
 
 from tests.deploy.promql import PROMETHEUS_OWN, expressions, family, metric_names
 
-from .conftest import API_KEY, ready, scrape, total, wait_until
+from .conftest import API_KEY, scrape, total, wait_child_ready, wait_until
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -174,7 +174,7 @@ def test_a_killed_balancer_is_failed_over_within_each_request(mesh, client):
         failed = [line for line in log if "gateway-0 |" in line and '"route failed"' in line]
     assert failed and all('"balancer": "balancer-0"' in line and '"UNAVAILABLE"' in line for line in failed)
     child = mesh.restart(mesh.child("balancer-0"))  # back to two balancers, as the supervisor would
-    wait_until(lambda: ready(child.http_port), 120, "balancer-0 to be ready again")
+    wait_child_ready(child)
 
 
 def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_the_other_through_the_store(mesh, client):
@@ -217,7 +217,7 @@ def test_a_decode_worker_killed_mid_stream_is_migrated_around_and_the_output_is_
                 mesh.kill(serving, signal.SIGKILL)
     assert "".join(pieces) == expected
     child = mesh.spawn("decode", int(serving[-1]))  # back to two workers for the tests after this one
-    wait_until(lambda: ready(child.http_port), 120, f"{serving} to be ready again")
+    wait_child_ready(child)
     time.sleep(3)  # its heartbeats reach the balancer
 
 
@@ -228,5 +228,5 @@ def test_a_killed_decode_worker_leaves_the_pool_and_new_requests_still_succeed(m
     assert all(r.choices[0].message.content for r, _ in results)
     assert {h["x-kvmesh-decode-worker"] for _, h in results} == {"decode-0"}
     child = mesh.spawn("decode", 1)  # back to two workers for test_tracing.py, on this mesh next
-    wait_until(lambda: ready(child.http_port), 120, "decode-1 to be ready again")
+    wait_child_ready(child)
     time.sleep(3)  # its heartbeats reach the balancers
