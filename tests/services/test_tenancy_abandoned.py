@@ -127,12 +127,11 @@ async def test_an_open_request_lasts_until_its_record_in_either_order(backend: s
         final = events_pb2.UsageRecord()
         final.CopyFrom(opened("late-open"))
         final.status, final.http_status, final.completion_tokens = "finished", 200, 9
-        async with database.engine.begin() as connection:
-            assert await remember_open(connection, [opened("a"), opened("a"), opened("late-open")]) == 2
-        async with database.engine.begin() as connection:
-            assert await settle(connection, [final]) == 1  # its open row goes with it
-        async with database.engine.begin() as connection:
-            assert await remember_open(connection, [opened("late-open")]) == 0  # came after its record
+        first = [opened("a"), opened("a"), opened("late-open")]
+        assert await database.transaction(lambda connection: remember_open(connection, first)) == 2
+        assert await database.transaction(lambda connection: settle(connection, [final])) == 1  # its open row goes
+        late = [opened("late-open")]
+        assert await database.transaction(lambda connection: remember_open(connection, late)) == 0  # after its record
         assert list(await _rows(database, schema.open_requests)) == ["a"]
         assert list(await _rows(database, schema.usage_records)) == ["late-open"]
 
@@ -152,8 +151,7 @@ async def test_the_sweeper_settles_what_is_due_once_and_leaves_live_requests(
             opened("live", gateway=LIVE),  # its gateway is alive: left, whatever decode said
             opened("overdue", gateway=LIVE, settle_in_s=-1),  # past settle_after: settled, 0 tokens
         ]
-        async with database.engine.begin() as connection:
-            await remember_open(connection, records)
+        await database.transaction(lambda connection: remember_open(connection, records))
 
         replicas = [AbandonedRequests(nats_bus, database, lambda: {LIVE}, warmup_s=0.0) for _ in range(2)]
         written = await asyncio.gather(*(replica.sweep() for replica in replicas))  # two at once

@@ -1,16 +1,21 @@
-"""The tenancy database opens empty and migrates to the four tables, on SQLite and on PostgreSQL."""
+"""The tenancy database opens empty and migrates to the four tables, on SQLite and on PostgreSQL; its sync
+transactions (the ledger's) commit or roll back as a whole."""
 
 from __future__ import annotations
 
+import datetime as dt
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import inspect, select
+from sqlalchemy.engine import Connection
 
 from mesh.config import SettingError, load_settings
 from services.gateway.config import GatewaySettings
 from services.gateway.tenancy.db import DatabaseError, database_url, open_database
-from services.gateway.tenancy.schema import TABLE_NAMES
+from services.gateway.tenancy.schema import TABLE_NAMES, tenants
 
 from .tenancy_databases import BACKENDS, empty_database_url
 
@@ -78,3 +83,32 @@ def test_a_postgres_url_gets_the_async_driver_and_a_bad_one_names_the_setting() 
     with pytest.raises(DatabaseError, match="KVMESH_DATABASE_URL: not a database URL"):
         database_url(_settings(database_url="::nonsense"))
     assert issubclass(SettingError, ValueError)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_transaction_commits_what_returns_and_rolls_back_what_raises(backend: str, tmp_path: Path) -> None:
+    at = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+
+    def add(name: str, fail: bool) -> Callable[[Connection], int]:
+        def work(connection: Connection) -> int:
+            row = {"id": f"ten_{name}", "name": name, "limits": {}, "price_plan": "pro", "created_at": at}
+            connection.execute(tenants.insert().values(**row, updated_at=at))
+            if fail:
+                raise RuntimeError("the work failed")
+            return threading.get_ident()
+
+        return work
+
+    async with empty_database_url(backend, tmp_path) as url:
+        database = await open_database(_settings(database_url=url))
+        try:
+            thread_id = await database.transaction(add("kept", fail=False))
+            with pytest.raises(RuntimeError, match="the work failed"):
+                await database.transaction(add("undone", fail=True))
+            async with database.engine.connect() as connection:
+                names = (await connection.execute(select(tenants.c.name).order_by(tenants.c.name))).scalars().all()
+        finally:
+            await database.close()
+    assert names == ["kept"]
+    # SQLite: the work ran on a thread, in one trip, not on the event loop (PostgreSQL: in run_sync, on the loop)
+    assert (thread_id != threading.get_ident()) == (backend == "sqlite")

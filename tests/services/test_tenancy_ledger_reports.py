@@ -71,14 +71,14 @@ async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
                     updated_at=at,
                 )
             )
-            records = [
-                _record("r1", "m1", DAY_1, (1000, 200, 100)),  # 800 x 0.1 + 200 x 0.01 + 100 x 0.3 = 112 µ$
-                _record("r2", "m1", DAY_1, (3, 0, 7)),  # 0.3 + 2.1 = 2.4 micro-dollars
-                _record("r3", "m2", DAY_1, (50, 0, 5)),  # no price for m2: 0
-                _record("r4", "m1", DAY_2, (1, 1, 1)),  # 0.01 + 0.3
-                _record("r5", "m1", DAY_2, (9, 0, 9), tenant="ten_00000000000000cc"),  # another tenant
-            ]
-            assert await settle(connection, records) == 5
+        records = [
+            _record("r1", "m1", DAY_1, (1000, 200, 100)),  # 800 x 0.1 + 200 x 0.01 + 100 x 0.3 = 112 µ$
+            _record("r2", "m1", DAY_1, (3, 0, 7)),  # 0.3 + 2.1 = 2.4 micro-dollars
+            _record("r3", "m2", DAY_1, (50, 0, 5)),  # no price for m2: 0
+            _record("r4", "m1", DAY_2, (1, 1, 1)),  # 0.01 + 0.3
+            _record("r5", "m1", DAY_2, (9, 0, 9), tenant="ten_00000000000000cc"),  # another tenant
+        ]
+        assert await database.transaction(lambda connection: settle(connection, records)) == 5
         try:
             yield database
         finally:

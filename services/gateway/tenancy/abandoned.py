@@ -204,8 +204,7 @@ class AbandonedRequests:
             record = events_pb2.UsageRecord()
             record.ParseFromString(row.record)
             records.append(aborted_record(record, emitted.get(row.request_id), now_ms))
-        async with self.database.engine.begin() as connection:
-            num_new = await settle(connection, records)
+        num_new = await self.database.transaction(lambda connection: settle(connection, records))
         self.num_settled += num_new
         log.info("abandoned requests settled", count=num_new, request_ids=[r.request_id for r in due][:10])
         return num_new
