@@ -13,6 +13,7 @@ connects with `Bus.connect(server.url, ..., tls=...)`; without, the tests stay o
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import socket
@@ -51,13 +52,45 @@ def _ephemeral_range() -> tuple[int, int]:
         return 49152, 65535
 
 
+RESERVATION_S = 900.0  # a claimed port is another process's for this long (its child binds it well within)
+
+
+def reservation_dir() -> Path:
+    """Where processes of this user on this machine claim ports (a file per port, its mtime the claim's time)."""
+    return Path(tempfile.gettempdir()) / f"kvmesh-ports-{os.getuid()}"
+
+
+def claim(port: int, directory: Path | None = None, now: float | None = None) -> bool:
+    """Claim `port` against every other process that calls free_port on this machine: True when it is ours.
+
+    A claim older than RESERVATION_S is taken over (its owner's child bound the port long ago, or never will).
+    Two processes taking over the same stale claim at the same instant could both win; a fresh port never."""
+    directory = directory or reservation_dir()
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / str(port)
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            try:
+                age_s = (time.time() if now is None else now) - path.stat().st_mtime
+            except FileNotFoundError:
+                continue  # released between the two calls: try again
+            if age_s < RESERVATION_S:
+                return False
+            path.unlink(missing_ok=True)
+    return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, for a process started later to bind.
 
     Chosen below the kernel's ephemeral range: a port found by binding port 0 is back in that range once released,
     so another process's bind to 0 or any outgoing connection can take it before the intended one binds (seen as
     "address already in use" when a mesh starts under load). Below the range only another caller of this function
-    could, and within this process it never hands out a port twice."""
+    could: each port handed out is claimed for RESERVATION_S in a file of reservation_dir(), so parallel meshes,
+    benchmarks and test workers on one machine never get the same port while its child is still starting."""
     low, _ = _ephemeral_range()
     start = max(1024, low - 16384)
     for _ in range(200 if low - start >= 1024 else 0):
@@ -69,6 +102,8 @@ def free_port(host: str = "127.0.0.1") -> int:
                 sock.bind((host, port))
             except OSError:
                 continue
+        if not claim(port):
+            continue
         _handed_out.add(port)
         return port
     with socket.socket() as sock:  # a crowded range: fall back to the kernel's choice

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+TAIL_LINES = 40  # a child's last output lines kept, for the error that says it died
+
 
 @dataclass
 class Child:
@@ -37,6 +39,11 @@ class Child:
     num_restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
     reported: bool = False  # its exit has been reported
+    last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # its output's end, for errors
+    pump: threading.Thread | None = None  # copies `process`'s output (replaced with it)
+
+    def output_tail(self) -> str:
+        return "\n".join(self.last_lines)
 
 
 @dataclass(frozen=True)

@@ -225,7 +225,7 @@ class Mesh:
             grpc_port,
             dict(env or {}),
         )
-        threading.Thread(target=self._pump, args=(child, child.process), daemon=True).start()
+        self._start_pump(child, child.process)
         with self._lock:
             self.children = [c for c in self.children if c.name != child.name] + [child]
         return child
@@ -239,7 +239,7 @@ class Mesh:
             child.num_restarts += 1
             child.started_at = time.monotonic()
             child.reported = False
-        threading.Thread(target=self._pump, args=(child, process), daemon=True).start()
+        self._start_pump(child, process)
         return child
 
     def _popen(self, role: str, index: int, http_port: int, grpc_port: int, env: dict[str, str]) -> subprocess.Popen:
@@ -252,9 +252,14 @@ class Mesh:
             start_new_session=True,
         )
 
+    def _start_pump(self, child: Child, process: subprocess.Popen) -> None:
+        child.pump = threading.Thread(target=self._pump, args=(child, process), daemon=True)
+        child.pump.start()
+
     def _pump(self, child: Child, process: subprocess.Popen) -> None:
         assert process.stdout is not None
         for line in process.stdout:
+            child.last_lines.append(line.rstrip())
             self.say(f"{child.name:>11} | {line.rstrip()}")
 
     def say(self, text: str) -> None:
@@ -266,8 +271,12 @@ class Mesh:
         while time.monotonic() < deadline:
             dead = self.dead_children()
             if dead:
+                for child in dead:  # its output to the end
+                    if child.pump is not None:
+                        child.pump.join(timeout=5)
                 names = ", ".join(f"{c.name} (exit {c.process.returncode})" for c in dead)
-                raise RuntimeError(f"mesh failed to start: {names} exited")
+                tails = "".join(f"\n--- the end of {c.name}'s output:\n{c.output_tail()}" for c in dead)
+                raise RuntimeError(f"mesh failed to start: {names} exited{tails}")
             try:
                 with urllib.request.urlopen(f"{self.base_url}/readyz", timeout=2) as response:
                     if response.status == 200:

@@ -46,7 +46,10 @@ OPTIONS = [
 # killed our own connections). Bounded per peer: streams per connection (past it a client queues its calls), the
 # metadata of a call, connections idle 5 minutes (closed; a client redials on its next call), and calls in flight
 # in all (MAX_CONCURRENT_RPCS: past it RESOURCE_EXHAUSTED). Messages are capped by MAX_MESSAGE_BYTES as they
-# arrive (gRPC refuses a larger one from its length prefix, before reading it).
+# arrive (gRPC refuses a larger one from its length prefix, before reading it). A port in use is an error at bind:
+# gRPC sets SO_REUSEPORT by default on Linux, so a second server on a taken port would share it with the first,
+# the kernel handing each new connection to either process (another mesh's worker, or a stale one); only the
+# gateway's replicas share their port, and they ask for it (create_public_server(reuse_port=True)).
 MAX_CONCURRENT_STREAMS = 4096  # per connection: above any decode worker's batch, so a gateway never waits on it
 MAX_CONCURRENT_RPCS = 16384  # per server, every connection together
 SERVER_OPTIONS = [
@@ -56,6 +59,7 @@ SERVER_OPTIONS = [
     ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
     ("grpc.max_metadata_size", 16 * 1024),
     ("grpc.max_connection_idle_ms", 300_000),
+    ("grpc.so_reuseport", 0),
 ]
 
 # Deadlines (seconds) for calls between roles.
@@ -80,10 +84,13 @@ def create_server(credentials: MeshCredentials | None) -> grpc.aio.Server:
     )
 
 
-def create_public_server() -> grpc.aio.Server:
-    """The gateway's API for clients: API keys authenticate them, not certificates (bind it with credentials=None)."""
+def create_public_server(reuse_port: bool = False) -> grpc.aio.Server:
+    """The gateway's API for clients: API keys authenticate them, not certificates (bind it with credentials=None).
+    reuse_port: SO_REUSEPORT, for gateway replicas sharing the port."""
     return grpc.aio.server(
-        options=SERVER_OPTIONS,
+        options=[(key, 1 if key == "grpc.so_reuseport" else value) for key, value in SERVER_OPTIONS]
+        if reuse_port
+        else SERVER_OPTIONS,  # gRPC takes a key's first value: replaced, not appended
         interceptors=server_interceptors(is_public=True),
         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
     )

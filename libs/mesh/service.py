@@ -133,19 +133,21 @@ class ServiceRuntime:
         serve_status: bool = True,
         data_port: int = 0,
         public_grpc: bool = False,
+        reuse_port: bool = False,
     ) -> None:
         """Serve gRPC and status, then announce (so nobody routes here before we can answer).
 
         serve_status=False: the role serves /healthz, /readyz and /metrics itself (the gateway's REST app).
         data_port: the port of a bulk lane the role already listens on (mesh.lane), announced beside gRPC's.
         public_grpc: the gRPC server is for clients (the gateway's API): no client certificates, no role checks.
+        reuse_port: the public gRPC port is shared with other processes (gateway replicas, SO_REUSEPORT).
         model_block_sizes: each served model's engine block size (the routing keys' block size for that model).
         """
         if self.bus is None:
             await self.connect_bus()
         assert self.bus is not None
         credentials = None if public_grpc else self.credentials
-        self.server = rpc.create_public_server() if public_grpc else rpc.create_server(credentials)
+        self.server = rpc.create_public_server(reuse_port) if public_grpc else rpc.create_server(credentials)
         register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(
             HealthServicer(self.worker_id, lambda: not self._stop.is_set()), self.server

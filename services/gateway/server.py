@@ -152,6 +152,7 @@ class GatewayServer:
             models=catalog.names,
             serve_status=False,
             public_grpc=True,  # API keys guard the Gateway service, not client certificates
+            reuse_port=settings.reuse_port,
         )  # the REST app serves /healthz, /readyz and /metrics on http_port itself
         log.info("gateway serving", http_port=self.http_port, grpc_port=self.grpc_port, models=catalog.names)
 

@@ -104,3 +104,17 @@ def test_a_killed_child_comes_back_as_itself_and_a_crash_loop_stays_down(mesh: t
         "above says why; restart kvmesh up once it is fixed)",
     ]
     assert mesh.restart_counts() == {"balancer-0": 1, "balancer-1": 2}
+
+
+def test_a_child_that_cannot_start_fails_the_wait_with_its_own_words(mesh: tuple[Mesh, io.StringIO]) -> None:
+    """wait_ready's error quotes the dead child's last output, so a failed start says why where it is reported
+    (a benchmark's mesh log is a temporary file; the error is what a test or CI prints)."""
+    mesh, _ = mesh
+    mesh.spawn("balancer", 0, env={"KVMESH_LOG_LEVEL": "loud"})
+    with pytest.raises(RuntimeError) as failure:
+        mesh.wait_ready(timeout_s=120)
+    assert str(failure.value) == (
+        "mesh failed to start: balancer-0 (exit 2) exited\n"
+        "--- the end of balancer-0's output:\n"
+        "kvmesh: error: KVMESH_LOG_LEVEL='loud': must be debug, info, warning or error"
+    )
