@@ -3,10 +3,10 @@
 `int8` runs every linear layer (attention projections, the MLP, the LM head) with int8 weights, one scale per
 output channel, and int8 activations quantized on the fly at each call (one scale per token, from its own
 range; see `Int8Linear`): PyTorch's own int8 kernels, oneDNN's (`torch.ops.onednn.qlinear_pointwise`, AMX or
-AVX-512 VNNI, what inductor's x86 int8 path calls) where the CPU has VNNI, fbgemm's dynamic linear
-(`torch.ops.quantized.linear_dynamic`) elsewhere. The weights take a quarter of the bytes and the multiplies run
-on int8 dot products, which is where a CPU decode step spends most of its time. Norms, embeddings, rope,
-attention and the KV cache stay float32.
+AVX-512 VNNI, what inductor's x86 int8 path calls) where the CPU has VNNI and a probe finds it the faster
+(`int8_kernel`), fbgemm's dynamic linear (`torch.ops.quantized.linear_dynamic`) elsewhere. The weights take a
+quarter of the bytes and the multiplies run on int8 dot products, which is where a CPU decode step spends most of
+its time. Norms, embeddings, rope, attention and the KV cache stay float32.
 
 One scale per token is still coarse when a few channels carry outliers (they do in LLMs: the inputs of
 `down_proj` most): their range sets the step for every other channel. So each linear layer is first smoothed,
@@ -22,7 +22,9 @@ are not supported and say so at start; so are devices and dtypes the kernels do 
 
 from __future__ import annotations
 
+import functools
 import random
+import time
 import warnings
 from collections.abc import Callable
 
@@ -145,6 +147,49 @@ def can_use_onednn() -> bool:
     )
 
 
+# rows, in, out: a batch of 32 through a SmolLM2-sized layer. Not 8: on a Xeon with AMX the two kernels take the
+# same time at 8 rows (15.8 and 16.2 ms for a decode step's layers, bench/linear_kernels.py, 2026-12-07), so a
+# probe there chose either from one process to the next; at 32 rows oneDNN is 1.7-1.9x fbgemm there, and on a CPU
+# where oneDNN falls back to its reference matmul a thousand times slower, far from a tie either way.
+PROBE_SHAPE = (32, 576, 1536)
+PROBE_CALLS = 5
+
+
+@functools.cache
+def int8_kernel() -> str:
+    """The int8 kernel this process uses: "onednn" where `can_use_onednn` and a probe finds it faster than fbgemm
+    on one layer at 32 rows (the best of PROBE_CALLS calls each, after one warm-up), else "fbgemm".
+
+    VNNI alone does not say: on an AMD EPYC with AVX-512 VNNI and no AMX (2026-12-07) oneDNN 3.12 ran this call
+    shape in its reference matmul (`ref_int8:any` in ONEDNN_VERBOSE), 93 ms a call at 8 rows and 385 at 32 against
+    fbgemm's 0.1-0.3 ms, where on an Intel host with AMX it ran its brgemm kernel and was the faster. The probe
+    takes milliseconds where both kernels are fast; where oneDNN falls back, two of its calls (under a second)."""
+    if not can_use_onednn():
+        return "fbgemm"
+    rows, in_features, out_features = PROBE_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) * 0.05)
+    x = torch.randn(rows, in_features, generator=generator)
+    input_range = x.abs().amax(dim=0)
+
+    def best_s(kernel: str, give_up_after_s: float) -> float:
+        layer = Int8Linear.from_linear(linear, input_range, kernel)
+        layer(x)  # warm-up: first-call setup is not the kernel's pace
+        best = float("inf")
+        for _ in range(PROBE_CALLS):
+            started = time.perf_counter()
+            layer(x)
+            best = min(best, time.perf_counter() - started)
+            if best > give_up_after_s:
+                break  # clearly the slower: the rest would not change that
+        return best
+
+    fbgemm = best_s("fbgemm", float("inf"))
+    return "onednn" if best_s("onednn", 20 * fbgemm) < fbgemm else "fbgemm"
+
+
 class Int8Linear(nn.Module):
     """y = r * ((x / s / r) @ (W * s).T) + b: the weight int8 per output channel, each row of activations
     quantized with its own range r (per token) at each call, so a row's result depends only on the row: int8
@@ -156,8 +201,9 @@ class Int8Linear(nn.Module):
 
     `kernel` "fbgemm" (the fallback): PyTorch's dynamic kernel takes one range for the whole input, from its min
     and max; two extra input channels of zero weight holding 1 and -1 pin that range to [-1, 1] at every call.
-    `reduce_range` (7-bit activations) is off: on AVX-512 VNNI 8 bits measured better (docs/engine.md); fbgemm's
-    AVX2-only kernels can saturate 16-bit pair sums with it off."""
+    `reduce_range` (7-bit activations) is on only where the CPU lacks VNNI: there fbgemm's AVX2 kernels sum pairs of
+    u8 x s8 products in 16 bits, which saturate with 8-bit activations (measured on an AVX2 AMD EPYC: a layer's
+    error 0.17 of its output's range instead of under 0.02); with VNNI 8 bits measured better (docs/engine.md)."""
 
     input_scale: torch.Tensor
     output_scale: torch.Tensor
@@ -173,7 +219,7 @@ class Int8Linear(nn.Module):
         self.bias = bias  # (O,) or None, added in float32
         self.in_features = input_scale.shape[0]
         self.out_features = weight.shape[0]
-        self.reduce_range = False
+        self.reduce_range = kernel == "fbgemm" and not torch.cpu._is_vnni_supported()  # docstring
         scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (O,): symmetric, so zero points are 0
         if kernel == "onednn":
             qweight = _quantize_per_channel(weight, scales).int_repr()  # (O, I) int8
@@ -188,13 +234,13 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_range: torch.Tensor, kernel: str | None = None) -> Int8Linear:
         """`input_range`: max |x_j| per input channel (I,), measured on calibration tokens. `kernel`: "onednn" or
-        "fbgemm"; None takes oneDNN where `can_use_onednn`."""
+        "fbgemm"; None takes `int8_kernel()`'s."""
         weight = linear.weight.detach().float()  # (O, I)
         weight_range = weight.abs().amax(dim=0).clamp(min=1e-5)  # (I,)
         smooth = (input_range.float().clamp(min=1e-5) / weight_range).sqrt()  # (I,): s_j
         bias = None if linear.bias is None else linear.bias.detach().float()
         if kernel is None:
-            kernel = "onednn" if can_use_onednn() else "fbgemm"
+            kernel = int8_kernel()
         return cls(weight * smooth, 1.0 / smooth, bias, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

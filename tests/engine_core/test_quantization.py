@@ -14,6 +14,7 @@ from engine_core.quantization import (
     Int8Linear,
     can_use_onednn,
     check_quantization,
+    int8_kernel,
     measure_input_ranges,
     prefill_logits,
 )
@@ -130,3 +131,12 @@ def test_a_worker_refuses_an_unknown_quantization_naming_the_variable() -> None:
     settings = load_settings(WorkerSettings, env={"KVMESH_QUANTIZATION": "int8"})
     config = settings.engine_config("smollm2-135m")
     assert (config.quantization, config.long_prefill_token_threshold) == ("int8", 256)
+
+
+def test_the_int8_kernel_is_fbgemm_unless_onednn_serves_and_is_measured_faster() -> None:
+    kernel = int8_kernel()
+    assert kernel in ("fbgemm", "onednn") and int8_kernel() == kernel  # decided once a process
+    if not can_use_onednn():
+        assert kernel == "fbgemm"
+    linear = nn.Linear(16, 8, bias=False)
+    assert Int8Linear.from_linear(linear, torch.ones(16)).kernel == kernel  # the default a model's layers take

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from engine_core import LLM, SamplingParams
-from engine_core.quantization import prefill_logits
+from engine_core.quantization import int8_kernel, prefill_logits
 from kvmesh.bench.engine import PROMPT_TEXT, EngineBenchConfig, Workload, make_workload
 
 TEXT_PATH = Path(__file__).resolve().parents[3] / "tests" / "data" / "tinyshakespeare" / "input_first120.txt"
@@ -85,6 +85,7 @@ def run_quant_bench(
         "model": model,
         "torch_threads": torch.get_num_threads(),
         "quantized_engine": torch.backends.quantized.engine,
+        "int8_kernel": int8_kernel(),
         "greedy": greedy,
         "text": {"path": str(TEXT_PATH.relative_to(TEXT_PATH.parents[3])), **text},
         "speed": speed,
