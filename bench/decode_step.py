@@ -1,6 +1,7 @@
 """Time and profile one decode step of the engine at a given batch size (the figures in docs/engine.md).
 
     PYTHONPATH=libs:. python bench/decode_step.py --batch 32 --steps 20 [--profile] [--model smollm2-135m]
+        [--quantization int8] [--cpu-decode-kernel]
 
 Builds an `LLM`, admits `batch` greedy requests whose prompts are slices of the engine bench's paragraph with
 lengths drawn from 32..256 (seeded: the same contexts every run), runs until every request decodes, then times
@@ -32,10 +33,21 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--quantization", default="none", help="none or int8 (the engine's KVMESH_QUANTIZATION)")
+    parser.add_argument(
+        "--cpu-decode-kernel", action="store_true", help="decode attention by the C++ kernel (KVMESH_CPU_DECODE_KERNEL)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, enable_prefix_caching=False, block_size=16, max_num_seqs=max(64, args.batch))
+    llm = LLM(
+        args.model,
+        enable_prefix_caching=False,
+        block_size=16,
+        max_num_seqs=max(64, args.batch),
+        quantization=args.quantization,
+        cpu_decode_kernel=args.cpu_decode_kernel,
+    )
     engine = llm.engine
     source = engine.tokenizer.encode(PROMPT_TEXT, add_special_tokens=False) if engine.tokenizer else list(range(500))
     rng = random.Random(args.seed)

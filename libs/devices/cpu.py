@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from devices.base import DecodeBatch, DeviceOps
+from devices.cpu_kernels import PagedDecode, paged_decode_kernel
 
 # What one more segment costs, in context tokens of attention work: a segment's fixed price (an SDPA call, its
 # views, its share of the output copy) against the padding it saves. From a 1-thread timing of one layer's decode
@@ -50,6 +51,14 @@ class _CpuDecodePlan:
 
     segments: tuple[DecodeSegment, ...]
     block_ids: torch.Tensor  # (G,) int64: G = sum over segments of rows x num_blocks
+
+
+def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C++ decode kernel reads these as they are: float32 on the cpu, caches contiguous (the engine's
+    layer views are; a copy of a whole cache per layer would cost more than the gather it saves)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k_cache, v_cache)) and (
+        k_cache.is_contiguous() and v_cache.is_contiguous()
+    )
 
 
 def plan_segments(num_blocks: list[int], overhead_blocks: float) -> list[tuple[int, int, int]]:
@@ -136,6 +145,13 @@ class CpuOps(DeviceOps):
         super().__init__(torch_device or torch.device("cpu"))
         # gather buffers of decode attention, by role; written only by the thread that runs the model
         self._workspaces: dict[str, torch.Tensor] = {}
+        self.decode_kernel: PagedDecode | None = None  # use_decode_kernel(): attention over the paged cache in place
+
+    def use_decode_kernel(self) -> bool:
+        """Run float32 decode attention by the C++ kernel that reads the paged cache in place (devices.cpu_kernels)
+        instead of gathering each layer's blocks for SDPA; False (and the gather stays) where it cannot be built."""
+        self.decode_kernel = paged_decode_kernel()
+        return self.decode_kernel is not None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -171,6 +187,16 @@ class CpuOps(DeviceOps):
     def paged_decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
     ) -> torch.Tensor:
+        if self.decode_kernel is not None and _kernel_takes(q, k_cache, v_cache):
+            tables, lens = batch.block_tables, batch.context_lens
+            return self.decode_kernel(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                tables if tables.dtype == torch.int32 else tables.int(),
+                lens if lens.dtype == torch.int32 else lens.int(),
+                scale,
+            )
         plan: _CpuDecodePlan = batch.extra
         keys = self._gather("k", k_cache, plan.block_ids)  # (G, S, K, D)
         values = self._gather("v", v_cache, plan.block_ids)  # (G, S, K, Dv)

@@ -407,6 +407,9 @@ class EngineConfig:
     # float32 on the cpu without quantization: linear layers run a weight reordered once for oneDNN at 2 rows or
     # more (engine_core.packed_linear; a second copy of the linear weights in memory); elsewhere ignored
     cpu_packed_linear: bool = True
+    # float32 decode attention on the cpu by a C++ kernel that reads the paged cache in place (devices.cpu_kernels,
+    # built at first use; off: each layer gathers its blocks for SDPA); elsewhere ignored
+    cpu_decode_kernel: bool = False
     # while requests decode, a prefill computes at most this many prompt tokens a step (0: no cap), so that a long
     # prompt arriving cannot stall the running streams (vLLM's long_prefill_token_threshold)
     long_prefill_token_threshold: int = 256
@@ -437,8 +440,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
-        if not isinstance(self.cpu_packed_linear, bool):
-            raise ConfigError(f"cpu_packed_linear must be true or false, got {self.cpu_packed_linear!r}")
+        for name in ("cpu_packed_linear", "cpu_decode_kernel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         threshold = self.long_prefill_token_threshold

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from devices import get_device
+from devices import CpuOps, DeviceOps, get_device
 from engine_core import model_store
 from engine_core.config import ConfigError, EngineConfig, ModelConfig
 from engine_core.expert_parallel import ExpertLayout, ExpertLoadReport, ExpertParallel, PreparedPlacement
@@ -43,7 +43,7 @@ from engine_core.models.deepseek_v4.state import SequenceState
 from engine_core.models.deepseek_v4.transfer import block_sections, layer_from_bytes, layer_to_bytes, state_sections
 from engine_core.packed_linear import can_pack, pack_linear_layers
 from engine_core.prefill_budget import PrefillBudget, model_span
-from engine_core.quantization import calibration_ids, check_quantization, quantize_model
+from engine_core.quantization import calibration_ids, check_quantization, int8_kernel, quantize_model
 from engine_core.request import EmbeddingSpan, Request, RequestStatus
 from engine_core.sampler import Sampler
 from engine_core.sampling_params import SamplingParams
@@ -51,6 +51,12 @@ from engine_core.scheduler import RequestOutput, Scheduler, SchedulerConfig, Sch
 from engine_core.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
+
+
+def uses_cpu_decode_kernel(ops: DeviceOps, dtype: torch.dtype) -> bool:
+    """Turn on the C++ decode attention where it applies: the cpu family itself at float32 (the cuda and ascend
+    modules inherit CpuOps, and their tensors are not the kernel's); True when it was built."""
+    return ops.name == "cpu" and dtype == torch.float32 and isinstance(ops, CpuOps) and ops.use_decode_kernel()
 
 
 class PromptError(ValueError):
@@ -91,6 +97,8 @@ class LLMEngine:
             calibration_ids(self.tokenizer, self.model_config.vocab_size),
             self.model_config.num_layers,
         )
+        if config.cpu_decode_kernel and uses_cpu_decode_kernel(self.ops, self.dtype):
+            log.info("decode attention: the C++ kernel over the paged cache (devices.cpu_kernels)")
         if config.cpu_packed_linear and can_pack(self.ops.name, self.dtype, config.quantization):
             pack_linear_layers(model)
         self.config = config = self._model_block_size(config, model)
@@ -125,7 +133,7 @@ class LLMEngine:
             "engine ready: %s on %s (quantization %s), %d KV blocks (%d MiB), %d state slots (%d MiB), context %d",
             self.served_name,
             self.ops.name,
-            config.quantization,
+            f"int8, {int8_kernel()}'s kernel" if config.quantization == "int8" else config.quantization,
             num_blocks,
             self.runner.kv_cache_bytes >> 20,
             num_slots,

@@ -241,6 +241,7 @@ def _bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             sampling=args.sampling,
             quantization=args.quantization,
+            cpu_decode_kernel=args.cpu_decode_kernel,
             with_llama_cpp=args.with_llama_cpp,
             llama_server=args.llama_server,
         )
@@ -415,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="typical: temperature 0.8, top_p 0.95, top_k 50, repetition_penalty 1.1 (default greedy)",
     )
     engine.add_argument("--quantization", default="none", help="the engine's quantization mode (default none)")
+    engine.add_argument(
+        "--cpu-decode-kernel",
+        action="store_true",
+        help="our engine's decode attention by the C++ kernel over the paged cache (KVMESH_CPU_DECODE_KERNEL)",
+    )
     engine.add_argument(
         "--with-llama-cpp",
         action="store_true",

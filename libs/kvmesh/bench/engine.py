@@ -75,6 +75,7 @@ class EngineBenchConfig:
     max_repeated_sequential: int  # transformers one request at a time runs once above this many requests
     sampling: str = "greedy"  # a key of SAMPLING
     quantization: str = "none"  # the engine's quantization mode (transformers always runs float32)
+    cpu_decode_kernel: bool = False  # the engine's C++ decode attention (KVMESH_CPU_DECODE_KERNEL)
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLING:
@@ -161,6 +162,7 @@ class OurSystem:
             num_kv_blocks=num_requests * max_blocks_per_request,
             max_num_seqs=max(64, num_requests),
             **quantization_args(config.quantization),
+            cpu_decode_kernel=config.cpu_decode_kernel,
             **(engine_args or {}),
         )
         self.sampling = SAMPLING[config.sampling]
@@ -417,6 +419,7 @@ def run_engine_bench(
     repeats: int | None = None,
     sampling: str = "greedy",
     quantization: str = "none",
+    cpu_decode_kernel: bool = False,
     with_llama_cpp: bool = False,
     llama_server: str | None = None,
 ) -> dict[str, Any]:
@@ -426,6 +429,7 @@ def run_engine_bench(
         bench_config(concurrencies, quick, max_prompt_tokens, max_output_tokens, repeats),
         sampling=sampling,
         quantization=quantization,
+        cpu_decode_kernel=cpu_decode_kernel,
     )
     binary = None
     if with_llama_cpp or llama_server is not None:
@@ -452,6 +456,7 @@ def run_engine_bench(
         "device": ours.ops.name,
         "dtype": str(ours.llm.engine.dtype).removeprefix("torch."),
         "quantization": config.quantization,
+        "cpu_decode_kernel": getattr(ours.ops, "decode_kernel", None) is not None,
         "torch_threads": torch.get_num_threads(),
         "workload": _describe(config, seed, source_ids is not None),
         "roofline": machine,

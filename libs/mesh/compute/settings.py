@@ -44,6 +44,11 @@ class WorkerSettings(ServiceSettings):
         "float32 on the cpu: linear layers run a weight reordered once for oneDNN at 2 rows or more, a second copy "
         "of the linear weights in memory (off: F.linear alone; docs/engine.md)",
     )
+    cpu_decode_kernel: bool = setting(
+        False,
+        "float32 on the cpu: decode attention by a C++ kernel that reads the paged KV cache in place, built at first "
+        "use (needs g++ and ninja; where it cannot be built, a warning and the gather + SDPA path; docs/engine.md)",
+    )
     torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
     prefix_caching_enabled: bool = setting(
         True, "reuse the KV of a prompt's leading blocks this worker already holds (off: every prompt computed in full)"
@@ -145,6 +150,7 @@ class WorkerSettings(ServiceSettings):
             long_prefill_step_ratio=self.long_prefill_step_ratio,
             quantization=self.quantization,
             cpu_packed_linear=self.cpu_packed_linear,
+            cpu_decode_kernel=self.cpu_decode_kernel,
             enable_prefix_caching=self.prefix_caching_enabled,
             device_cache_policy=self.device_cache_policy,
             served_name=model,

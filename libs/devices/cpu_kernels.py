@@ -1,0 +1,75 @@
+"""Kernels of our own for the cpu module, built from C++ (`csrc/`) at first use by torch's extension builder.
+
+    kernel = paged_decode_kernel()   # None where it cannot be built here (no compiler, no ninja): say why, once
+    out = kernel(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+Built with `-O3 -march=native -fopenmp` (vectorized for this CPU, torch's threads), so the build is named after
+this CPU's flags and the source: a cache directory shared by hosts with other instruction sets never loads a
+binary this one cannot run. The first build takes ~20 s; later processes load it from torch's extension cache
+(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) in well under a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)  # the engine's libraries log through the standard library
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def build_name(source: Path) -> str:
+    digest = hashlib.sha256(source.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
+    return f"kvmesh_{source.stem}_{digest}"
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` package's binary is beside this Python, which a process
+    started as .venv/bin/python (not from an activated environment) does not have on its PATH."""
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    directory = str(ninja.BIN_DIR)
+    if directory not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, [directory, os.environ.get("PATH", "")]))
+
+
+@functools.cache
+def paged_decode_kernel() -> PagedDecode | None:
+    """The decode attention kernel over the paged cache (`csrc/paged_decode.cpp`), or None where it cannot be
+    built (a warning says why; the cpu module then gathers blocks and calls SDPA, as without the kernel)."""
+    source = SOURCE_DIR / "paged_decode.cpp"
+    _put_ninja_on_path()
+    try:
+        from torch.utils import cpp_extension  # builds our C++ source and imports it; nothing is deserialized
+
+        module = cpp_extension.load(
+            name=build_name(source),
+            sources=[str(source)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as error:  # a missing compiler or ninja, a failed build: the plain path serves instead
+        log.warning("cpu decode kernel unavailable; gathering blocks for SDPA instead: %s", str(error)[-500:])
+        return None
+    return module.paged_decode  # type: ignore[no-any-return]

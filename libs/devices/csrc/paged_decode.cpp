@@ -1,0 +1,98 @@
+// Decode attention that reads the paged KV cache in place (the cpu module's `paged_decode_attention`, float32).
+//
+// One query token per sequence attends over its own context, block by block through its block table: no copy of
+// the blocks into a gathered buffer, no padding to a longer row's length. Work is split by (sequence, KV head):
+// the G query heads that share a KV head read each of its K and V vectors once. Softmax in float32 with the
+// running maximum subtracted, as SDPA does; sums run in position order, so a row's result does not depend on the
+// other rows of the batch.
+//
+//   q            (B, H, D)       float32, contiguous
+//   k_cache      (N, S, K, D)    float32, contiguous: N blocks of S positions, K KV heads
+//   v_cache      (N, S, K, Dv)   float32, contiguous
+//   block_tables (B, M)          int32: block ids per sequence
+//   context_lens (B,)            int32: positions each sequence attends (its new token included)
+//   -> (B, H, Dv) float32
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu() && context_lens.device().is_cpu(),
+              "paged_decode: cpu tensors only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+                  v_cache.dtype() == torch::kFloat32,
+              "paged_decode: float32 only");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32,
+              "paged_decode: int32 block tables and context lengths");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "paged_decode: contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: shapes");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t S = k_cache.size(1), K = k_cache.size(2), Dv = v_cache.size(3), M = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && K > 0 && H % K == 0, "paged_decode: head shapes");
+  const int64_t G = H / K;
+  auto out = torch::empty({B, H, Dv}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+
+  at::parallel_for(0, B * K, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // (G, L) of this (sequence, KV head)
+    std::vector<float> acc;     // (G, Dv)
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / K, kv_head = item % K, L = lens[b];
+      TORCH_CHECK(L > 0 && L <= M * S, "paged_decode: a context length outside its block table");
+      scores.assign(G * L, 0.f);
+      acc.assign(G * Dv, 0.f);
+      const float* q_heads = qp + (b * H + kv_head * G) * D;
+      const int32_t* table = tables + b * M;
+      for (int64_t l = 0; l < L; ++l) {
+        const float* key = kc + ((static_cast<int64_t>(table[l / S]) * S + l % S) * K + kv_head) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* query = q_heads + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += query[d] * key[d];
+          scores[g * L + l] = dot * sc;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = scores.data() + g * L;
+        const float most = *std::max_element(row, row + L);
+        float total = 0.f;
+        for (int64_t l = 0; l < L; ++l) {
+          row[l] = std::exp(row[l] - most);
+          total += row[l];
+        }
+        const float inverse = 1.f / total;
+        for (int64_t l = 0; l < L; ++l) row[l] *= inverse;
+      }
+      for (int64_t l = 0; l < L; ++l) {
+        const float* value = vc + ((static_cast<int64_t>(table[l / S]) * S + l % S) * K + kv_head) * Dv;
+        for (int64_t g = 0; g < G; ++g) {
+          const float weight = scores[g * L + l];
+          float* sum = acc.data() + g * Dv;
+#pragma omp simd
+          for (int64_t d = 0; d < Dv; ++d) sum[d] += weight * value[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        std::copy(acc.begin() + g * Dv, acc.begin() + (g + 1) * Dv, op + (b * H + kv_head * G + g) * Dv);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "decode attention over the paged cache"); }

@@ -1,0 +1,110 @@
+"""The cpu module's C++ decode attention (devices/csrc/paged_decode.cpp), built here: it reads each sequence's
+blocks in place and must give what the gather + SDPA path gives, row by row, whatever else is in the batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from devices.cpu import CpuOps
+from devices.cpu_kernels import SOURCE_DIR, build_name, paged_decode_kernel
+from engine_core import LLM, SamplingParams
+from engine_core.config import ConfigError, EngineConfig
+from engine_core.engine import uses_cpu_decode_kernel
+from tests.devices.test_cpu_decode import BLOCK_SIZE, LENGTHS, _tables
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuOps:
+    ops = CpuOps()
+    assert ops.use_decode_kernel(), "the kernel did not build (g++ and ninja are part of the test environment)"
+    return ops
+
+
+@pytest.mark.parametrize("context_lens", LENGTHS)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (9, 3)])
+def test_the_kernel_gives_what_gather_and_sdpa_give(
+    ops: CpuOps, context_lens: list[int], num_heads: int, num_kv_heads: int
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    head_dim, num_blocks = 64, 64
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen)
+    tables, _ = _tables(context_lens, num_blocks)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    plain = CpuOps()
+    expected = plain.paged_decode_attention(q, k_cache, v_cache, plain.prepare_decode(tables, lens, BLOCK_SIZE), 0.125)
+    batch = ops.prepare_decode(tables, lens, BLOCK_SIZE)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, batch, 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for row in range(len(context_lens)):  # a row alone: the same bits as in the batch
+        alone = ops.prepare_decode(tables[row : row + 1], lens[row : row + 1], BLOCK_SIZE)
+        assert torch.equal(ops.paged_decode_attention(q[row : row + 1], k_cache, v_cache, alone, 0.125)[0], out[row])
+
+
+def test_int64_tables_are_taken_and_a_length_past_the_table_is_refused(ops: CpuOps) -> None:
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.randn(8, BLOCK_SIZE, 2, 16, generator=gen)
+    v_cache = torch.randn(8, BLOCK_SIZE, 2, 16, generator=gen)
+    q = torch.randn(1, 4, 16, generator=gen)
+    tables = torch.tensor([[3, 5]])
+    batch = ops.prepare_decode(tables, torch.tensor([6]), BLOCK_SIZE)  # int64, as a caller might pass them
+    plain = CpuOps()
+    plain_batch = plain.prepare_decode(tables, torch.tensor([6]), BLOCK_SIZE)
+    expected = plain.paged_decode_attention(q, k_cache, v_cache, plain_batch, 1.0)
+    torch.testing.assert_close(ops.paged_decode_attention(q, k_cache, v_cache, batch, 1.0), expected)
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    with pytest.raises(RuntimeError, match="context length outside its block table"):
+        kernel(q, k_cache, v_cache, tables.int(), torch.tensor([9], dtype=torch.int32), 1.0)
+
+
+def test_the_build_is_named_after_the_source_and_this_cpu() -> None:
+    source = SOURCE_DIR / "paged_decode.cpp"
+    name = build_name(source)
+    assert name.startswith("kvmesh_paged_decode_") and len(name) == len("kvmesh_paged_decode_") + 16
+    assert build_name(source) == name
+
+
+def test_the_engine_decodes_the_same_tokens_with_the_kernel(llama_reference) -> None:
+    path = str(llama_reference[0])
+    prompts = [[1, 5, 9, 2, 7, 3, 8, 4, 6, 10, 11, 12, 13, 14, 15, 16, 17], [4, 4, 2]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for on in (False, True):
+        llm = LLM(path, device="cpu", num_kv_blocks=32, block_size=4, cpu_decode_kernel=on)
+        assert (llm.engine.ops.decode_kernel is not None) is on
+        outputs[on] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
+    assert [len(ids) for ids in outputs[True]] == [24, 24]
+    with pytest.raises(ConfigError, match="cpu_decode_kernel must be true or false"):
+        EngineConfig(model="smollm2-135m", cpu_decode_kernel="yes")  # type: ignore[arg-type]
+
+
+def test_without_a_compiler_the_gather_path_serves(tmp_path) -> None:
+    """Where the kernel cannot be built (the compose image has no g++), use_decode_kernel says so and the cpu
+    module keeps gathering blocks for SDPA: a warning, not a failed start."""
+    script = "from devices.cpu import CpuOps\nops = CpuOps()\nprint(ops.use_decode_kernel(), ops.decode_kernel)\n"
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "False None"
+    assert "cpu decode kernel unavailable" in result.stdout + result.stderr
+
+
+def test_the_engine_turns_it_on_only_for_the_cpu_family_at_float32() -> None:
+    """The cuda and ascend modules inherit CpuOps; their tensors are not the kernel's, so it stays off there."""
+
+    class OtherFamily(CpuOps):
+        name = "ascend"
+
+    other, half = OtherFamily(), CpuOps()
+    assert not uses_cpu_decode_kernel(other, torch.float32) and other.decode_kernel is None
+    assert not uses_cpu_decode_kernel(half, torch.bfloat16) and half.decode_kernel is None
+    cpu = CpuOps()
+    assert uses_cpu_decode_kernel(cpu, torch.float32) and cpu.decode_kernel is not None
