@@ -6,6 +6,10 @@ each stream's gaps between two tokens are the baseline TPOT samples. Then one lo
 leaves once prefilled, so what is measured is its prefill, not the longer decode attention it would add afterwards)
 and the engine steps until it is done; the streams' gaps meanwhile are the TPOT samples under load. Reported per
 arm: TPOT p50/p99 in both phases, their p99 ratio (the goal: at most 2), and the long prompt's time to first token.
+Two readings of TPOT: per gap (every gap between two tokens of any stream is a sample: the skeptical one, since a
+single slow step shows in its p99) and per request (vLLM's definition, (e2e - TTFT) / (tokens - 1): each stream's
+mean gap over the phase is one sample, so the p99 is about the slowest stream's mean). Also how many runs of
+consecutive block ids the long prompt's KV blocks formed (a run can be read in place, without a gather).
 With several rounds the arms alternate round by round, so that load elsewhere on the machine hits each alike, and
 each figure's median over the rounds is reported beside the rounds' own.
 """
@@ -69,10 +73,11 @@ def _arm_name(threshold: int, ratio: float) -> str:
 
 def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """An arm's rounds: the median of each figure, and the rounds themselves."""
-    figures = ("tpot_p99_ratio", "long_prompt_ttft_s")
+    figures = ("tpot_p99_ratio", "request_tpot_p99_ratio", "long_prompt_ttft_s")
     summary: dict[str, Any] = {f: round(statistics.median(run[f] for run in runs), 3) for f in figures}
-    for phase in ("tpot_baseline_ms", "tpot_with_long_prompt_ms"):
-        summary[phase] = {p: round(statistics.median(run[phase][p] for run in runs), 2) for p in ("p50", "p99")}
+    for reading in ("tpot", "request_tpot"):
+        for phase in (f"{reading}_baseline_ms", f"{reading}_with_long_prompt_ms"):
+            summary[phase] = {p: round(statistics.median(run[phase][p] for run in runs), 2) for p in ("p50", "p99")}
     summary["rounds"] = runs
     return summary
 
@@ -107,30 +112,37 @@ def _one_arm(
         engine.add_request(request_id, [rng.randrange(vocab) for _ in range(STREAM_PROMPT_TOKENS)], stream_params)
     last_token_at: dict[str, float] = {}
     while len(last_token_at) < streams:  # prefill the streams; the clock starts at each one's first token
-        _step(engine, last_token_at, [])
-    baseline: list[float] = []
+        _step(engine, last_token_at, {})
+    baseline: dict[str, list[float]] = {}
     for _ in range(BASELINE_STEPS):
         _step(engine, last_token_at, baseline)
-    loaded: list[float] = []
+    loaded: dict[str, list[float]] = {}
+    long_block_ids: list[int] = []
     arrived = time.perf_counter()
     engine.add_request("long", [rng.randrange(vocab) for _ in range(prompt_tokens)], SamplingParams(max_tokens=1))
     while "long" not in last_token_at:
+        long_block_ids = engine.kv.block_ids("long") or long_block_ids  # freed in the step that finishes it
         _step(engine, last_token_at, loaded)
     ttft = last_token_at["long"] - arrived
     for request_id in stream_ids:
         engine.abort_request(request_id)
+    gaps_baseline, gaps_loaded = _flat(baseline), _flat(loaded)
     return {
-        "tpot_baseline_ms": _percentiles(baseline),
-        "tpot_with_long_prompt_ms": _percentiles(loaded),
-        "tpot_p99_ratio": round(_p99(loaded) / _p99(baseline), 3),
+        "tpot_baseline_ms": _percentiles(gaps_baseline),
+        "tpot_with_long_prompt_ms": _percentiles(gaps_loaded),
+        "tpot_p99_ratio": round(_p99(gaps_loaded) / _p99(gaps_baseline), 3),
+        "request_tpot_baseline_ms": _percentiles(request_tpots(baseline)),
+        "request_tpot_with_long_prompt_ms": _percentiles(request_tpots(loaded)),
+        "request_tpot_p99_ratio": round(_p99(request_tpots(loaded)) / _p99(request_tpots(baseline)), 3),
         "long_prompt_ttft_s": round(ttft, 3),
-        "num_samples": [len(baseline), len(loaded)],
+        "long_prompt_block_runs": count_runs(long_block_ids),
+        "num_samples": [len(gaps_baseline), len(gaps_loaded)],
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
 
-def _step(engine: LLMEngine, last_token_at: dict[str, float], gaps: list[float]) -> None:
-    """One engine step; each stream's time since its previous token goes to `gaps`."""
+def _step(engine: LLMEngine, last_token_at: dict[str, float], gaps: dict[str, list[float]]) -> None:
+    """One engine step; each stream's time since its previous token goes to `gaps[stream id]`."""
     outputs = engine.step()
     now = time.perf_counter()
     for output in outputs:
@@ -138,8 +150,22 @@ def _step(engine: LLMEngine, last_token_at: dict[str, float], gaps: list[float])
             continue
         previous = last_token_at.get(output.request_id)
         if previous is not None and output.request_id != "long":
-            gaps.append(now - previous)
+            gaps.setdefault(output.request_id, []).append(now - previous)
         last_token_at[output.request_id] = now
+
+
+def _flat(gaps: dict[str, list[float]]) -> list[float]:
+    return [gap for stream_gaps in gaps.values() for gap in stream_gaps]
+
+
+def request_tpots(gaps: dict[str, list[float]]) -> list[float]:
+    """Each stream's TPOT over the phase as vLLM defines it: (e2e - TTFT) / (tokens - 1), its mean gap."""
+    return [statistics.fmean(stream_gaps) for stream_gaps in gaps.values()]
+
+
+def count_runs(block_ids: Sequence[int]) -> int:
+    """How many runs of consecutive ids (each one more than the last) `block_ids` forms."""
+    return sum(1 for i, block_id in enumerate(block_ids) if i == 0 or block_id != block_ids[i - 1] + 1)
 
 
 def _p99(samples: list[float]) -> float:
