@@ -395,6 +395,12 @@ ROLLOUT_DECISIONS = _counter(
     roles="balancer",
     note="action: start, hold, step, promote, rollback, abort (start and abort come from the admin API)",
 )
+ROLLOUT_SAMPLES = _counter(
+    "kvmesh_rollout_samples_total",
+    "Requests' outcomes (usage records naming a known worker) this balancer's rollout controller kept as samples",
+    ["model"],
+    roles="balancer",
+)
 ROLLOUT_QUALITY_PROBES = _counter(
     "kvmesh_rollout_quality_probes_total",
     "Runs of a rollout's quality probe (golden prompts, greedy, canary against stable) whose outcome this gateway "

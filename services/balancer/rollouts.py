@@ -61,16 +61,18 @@ class RolloutController:
         metrics.ROLLOUT_WEIGHT.labels(model=rollout.model).set(latest.weight)
 
     def on_usage(self, record: events_pb2.UsageRecord) -> None:
-        """A request ended: a sample of the version that served it, if its model is being rolled out."""
-        if record.status == "open" or not any(
-            r.state == RUNNING and r.model == record.model for r in self.rollouts.values()
-        ):
+        """A request ended: a sample of the version that served it. Kept whether or not this replica has heard of a
+        rollout of its model yet: the rollout comes through the bucket's watch and the record through core NATS, in
+        no set order, so a record heard first would otherwise be lost (`samples` counts only those since the rollout
+        started). Bounded: the newest MAX_SAMPLES per model."""
+        if record.status == "open":
             return
         worker = self.registry.get(record.decode_worker or record.prefill_worker)
         if worker is None:  # never routed, or the worker left: no version to blame
             return
         samples = self._samples.setdefault(record.model, collections.deque(maxlen=MAX_SAMPLES))
         samples.append((worker.info.version, ServedSample.from_usage(record)))
+        metrics.ROLLOUT_SAMPLES.labels(model=record.model).inc()
 
     def samples(self, rollout: events_pb2.Rollout) -> tuple[list[ServedSample], list[ServedSample]]:
         """(stable's since the rollout started, canary's since its step started)."""

@@ -288,11 +288,17 @@ async def test_the_controller_judges_by_the_quality_probe_the_gateways_recorded(
             probed.model = "q"
             probed.gates.quality_prompts.append(prompt)
             probed.gates.min_samples = 1
-            revision = await store.create(probed)
+            counted_before = REGISTRY.get_sample_value("kvmesh_rollout_samples_total", {"model": "q"}) or 0
             for n, worker in enumerate(("d-1", "d-2")):
                 record = usage(f"q{n}", worker, 100.0, now_ms)
                 record.model = "q"
                 await buses["gateway"].publish("kvmesh.usage.t", record)
+
+            async def counted() -> bool:  # kept though no rollout of "q" is heard yet; ended at its start
+                return REGISTRY.get_sample_value("kvmesh_rollout_samples_total", {"model": "q"}) == counted_before + 2
+
+            await wait_until(counted)
+            await store.create(probed)
 
             async def decisions() -> list[tuple[str, str]]:
                 found = await store.get("probed")
