@@ -41,7 +41,7 @@ from engine_core.model_runner import ModelRunner
 from engine_core.models import build_model
 from engine_core.models.deepseek_v4.state import SequenceState
 from engine_core.models.deepseek_v4.transfer import block_sections, layer_from_bytes, layer_to_bytes, state_sections
-from engine_core.packed_linear import can_pack, pack_linear_layers
+from engine_core.packed_linear import can_pack, min_packed_rows, pack_linear_layers
 from engine_core.prefill_budget import PrefillBudget, model_span
 from engine_core.quantization import calibration_ids, check_quantization, int8_kernel, quantize_model
 from engine_core.request import EmbeddingSpan, Request, RequestStatus
@@ -101,6 +101,7 @@ class LLMEngine:
             log.info("decode attention: the C++ kernel over the paged cache (devices.cpu_kernels)")
         if config.cpu_packed_linear and can_pack(self.ops.name, self.dtype, config.quantization):
             pack_linear_layers(model)
+            log.info("linear layers: oneDNN's reordered weights from %d row(s) a call", min_packed_rows())
         self.config = config = self._model_block_size(config, model)
         self.max_num_seqs, slot_bytes = self._state_slots(model)
         num_slots = self.max_num_seqs if slot_bytes else 0

@@ -10,7 +10,13 @@ from torch import nn
 
 from engine_core import LLM, EngineConfig
 from engine_core.config import ConfigError
-from engine_core.packed_linear import MIN_PACKED_ROWS, PackedLinear, can_pack
+from engine_core.packed_linear import (
+    MIN_PACKED_ROWS,
+    PackedLinear,
+    can_pack,
+    min_packed_rows,
+    pack_linear_layers,
+)
 from mesh.compute.settings import WorkerSettings
 from mesh.config import load_settings
 
@@ -30,7 +36,7 @@ def layer() -> PackedLinear:
 
 
 def test_one_row_takes_f_linear_and_two_rows_the_reordered_weight(layer: PackedLinear) -> None:
-    assert MIN_PACKED_ROWS == 2
+    assert MIN_PACKED_ROWS == 2 and layer.min_rows == MIN_PACKED_ROWS
     x = torch.randn(8, 576)
     plain, packed = F.linear(x, layer.weight, layer.bias), onednn(x, layer)
     assert not torch.equal(plain, packed)  # the kernels differ in the last bits, so equality below tells them apart
@@ -43,6 +49,25 @@ def test_one_row_takes_f_linear_and_two_rows_the_reordered_weight(layer: PackedL
     assert torch.equal(many, packed)
     assert torch.equal(two, onednn(x[:2], layer))
     torch.testing.assert_close(many, plain, atol=ATOL, rtol=0)
+
+
+def test_a_layer_packed_from_one_row_takes_the_reordered_weight_for_one_row() -> None:
+    torch.manual_seed(0)
+    layer = PackedLinear.from_linear(nn.Linear(576, 960).requires_grad_(False), min_rows=1)
+    x = torch.randn(1, 576)
+    with torch.inference_mode():
+        one = layer(x)
+    assert layer.uses_packed(x) and torch.equal(one, onednn(x, layer))
+    assert "min_packed_rows=1" in repr(layer)
+
+
+def test_the_pass_gives_every_layer_the_probed_row_count() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).requires_grad_(False)
+    assert pack_linear_layers(model, min_rows=1) == 2
+    assert [m.min_rows for m in model.modules() if isinstance(m, PackedLinear)] == [1, 1]
+    probed = nn.Sequential(nn.Linear(8, 16)).requires_grad_(False)
+    pack_linear_layers(probed)
+    assert [m.min_rows for m in probed.modules() if isinstance(m, PackedLinear)] == [min_packed_rows()]
 
 
 def test_rows_count_across_leading_dimensions(layer: PackedLinear) -> None:
