@@ -223,10 +223,22 @@ class CpuOps(DeviceOps):
     def mla_decode_attention(
         self, q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float
     ) -> torch.Tensor:
-        plan: _CpuDecodePlan = batch.extra
         rank = q_latent.shape[-1]
-        gathered = self._gather("latent", kv_cache, plan.block_ids)  # (G, S, R+P)
         q = torch.cat([q_latent, q_rope], dim=-1).float()  # (B, H, R+P)
+        if self.decode_kernel is not None and _kernel_takes(q, kv_cache, kv_cache):
+            entries = kv_cache.unsqueeze(2)  # (N, S, 1, R+P): one "KV head" that every query head reads
+            tables, lens = batch.block_tables, batch.context_lens
+            return self.decode_kernel(
+                q,
+                entries,
+                entries,
+                tables if tables.dtype == torch.int32 else tables.int(),
+                lens if lens.dtype == torch.int32 else lens.int(),
+                scale,
+                rank,  # the value: a position's latent vector, without its rope part
+            )
+        plan: _CpuDecodePlan = batch.extra
+        gathered = self._gather("latent", kv_cache, plan.block_ids)  # (G, S, R+P)
         outs = []
         for seg in plan.segments:
             num_rows = seg.end - seg.start

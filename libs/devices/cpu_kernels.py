@@ -1,7 +1,8 @@
 """Kernels of our own for the cpu module, built from C++ (`csrc/`) at first use by torch's extension builder.
 
     kernel = paged_decode_kernel()   # None where it cannot be built here (no compiler, no ninja): say why, once
-    out = kernel(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = kernel(q, k_cache, v_cache, block_tables, context_lens, scale)             # (B, H, Dv)
+    out = kernel(q, latent, latent, block_tables, context_lens, scale, value_dim=R)   # MLA: latent (N, S, 1, R+P)
 
 Built with `-O3 -march=native -fopenmp` (vectorized for this CPU, torch's threads), so the build is named after
 this CPU's flags and the source: a cache directory shared by hosts with other instruction sets never loads a
@@ -23,7 +24,8 @@ import torch
 log = logging.getLogger(__name__)  # the engine's libraries log through the standard library
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (q, k_cache, v_cache, block_tables, context_lens, scale[, value_dim]) -> out: csrc/paged_decode.cpp
+PagedDecode = Callable[..., torch.Tensor]
 
 
 def _cpu_flags() -> str:

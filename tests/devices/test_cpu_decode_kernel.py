@@ -47,6 +47,38 @@ def test_the_kernel_gives_what_gather_and_sdpa_give(
         assert torch.equal(ops.paged_decode_attention(q[row : row + 1], k_cache, v_cache, alone, 0.125)[0], out[row])
 
 
+@pytest.mark.parametrize("context_lens", LENGTHS)
+def test_mla_reads_the_latent_cache_in_place_and_gives_what_the_gather_gives(
+    ops: CpuOps, context_lens: list[int]
+) -> None:
+    """MLA's latent cache is both the keys (latent and rope parts) and the values (the latent part alone)."""
+    gen = torch.Generator().manual_seed(5)
+    num_heads, rank, rope_dims, num_blocks = 4, 32, 16, 64
+    kv_cache = torch.randn(num_blocks, BLOCK_SIZE, rank + rope_dims, generator=gen)
+    q_latent = torch.randn(len(context_lens), num_heads, rank, generator=gen)
+    q_rope = torch.randn(len(context_lens), num_heads, rope_dims, generator=gen)
+    tables, _ = _tables(context_lens, num_blocks)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    plain = CpuOps()
+    expected = plain.mla_decode_attention(q_latent, q_rope, kv_cache, plain.prepare_decode(tables, lens, BLOCK_SIZE), 0.2)
+    out = ops.mla_decode_attention(q_latent, q_rope, kv_cache, ops.prepare_decode(tables, lens, BLOCK_SIZE), 0.2)
+    assert out.shape == (len(context_lens), num_heads, rank)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for row in range(len(context_lens)):  # a row alone: the same bits as in the batch
+        alone = ops.prepare_decode(tables[row : row + 1], lens[row : row + 1], BLOCK_SIZE)
+        got = ops.mla_decode_attention(q_latent[row : row + 1], q_rope[row : row + 1], kv_cache, alone, 0.2)
+        assert torch.equal(got[0], out[row])
+
+
+def test_a_value_wider_than_its_row_is_refused(ops: CpuOps) -> None:
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    cache = torch.randn(4, BLOCK_SIZE, 1, 8)
+    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        kernel(torch.randn(1, 2, 8), cache, cache, tables, lens, 1.0, 9)
+
+
 def test_int64_tables_are_taken_and_a_length_past_the_table_is_refused(ops: CpuOps) -> None:
     gen = torch.Generator().manual_seed(4)
     k_cache = torch.randn(8, BLOCK_SIZE, 2, 16, generator=gen)
@@ -84,6 +116,20 @@ def test_the_engine_decodes_the_same_tokens_with_the_kernel(llama_reference) -> 
     assert [len(ids) for ids in outputs[True]] == [24, 24]
     with pytest.raises(ConfigError, match="cpu_decode_kernel must be true or false"):
         EngineConfig(model="smollm2-135m", cpu_decode_kernel="yes")  # type: ignore[arg-type]
+
+
+def test_deepseek_decodes_the_same_tokens_with_the_kernel(deepseek_reference) -> None:
+    """MLA's decode attention by the kernel: the engine's greedy tokens as without it."""
+    path = str(deepseek_reference[0])
+    prompts = [[1, 5, 9, 2, 7, 3, 8, 4, 6, 10, 11, 12, 13, 14, 15, 16, 17], [4, 4, 2]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for on in (False, True):
+        llm = LLM(path, device="cpu", num_kv_blocks=32, block_size=4, cpu_decode_kernel=on)
+        assert (llm.engine.ops.decode_kernel is not None) is on
+        outputs[on] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
+    assert [len(ids) for ids in outputs[True]] == [24, 24]
 
 
 def test_without_a_compiler_the_gather_path_serves(tmp_path) -> None:
