@@ -3,7 +3,8 @@ sgemm, what the engine calls today), oneDNN with the weight reordered once ahead
 ._reorder_linear_weight` + `_linear_pointwise`, what inductor's CPU freezing uses) and MKL with the weight packed
 once (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`, packed for one batch size); and the int8 layer
 (`engine_core.quantization.Int8Linear`, whole: smoothing, per-token quantization, kernel, rescale) through each of
-its kernels, fbgemm's dynamic linear and oneDNN's qlinear (where `can_use_onednn`). Prints one JSON object on stdout.
+its kernels, fbgemm's dynamic linear and oneDNN's qlinear (where the engine's probe takes it). One JSON object
+on stdout.
 
     PYTHONPATH=libs .venv/bin/python bench/linear_kernels.py [--batches 1 8 32] [--threads 1] [--calls 40] [--rounds 5]
 
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.quantization import Int8Linear, can_use_onednn
+from engine_core.quantization import Int8Linear, can_use_onednn, int8_kernel
 
 HIDDEN, QKV, MLP, VOCAB, LAYERS = 576, 960, 1536, 49152, 30
 SHAPES = {  # name: (in, out, times a step)
@@ -56,7 +57,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    int8_kernels = ["fbgemm", "onednn"] if can_use_onednn() else ["fbgemm"]
+    # oneDNN's int8 only where the engine's probe takes it: on a CPU where oneDNN falls back to its reference
+    # matmul (an AMD EPYC with VNNI and no AMX) one step's calls take minutes, and this bench never ended
+    int8_kernels = ["fbgemm", "onednn"] if can_use_onednn() and int8_kernel() == "onednn" else ["fbgemm"]
     results = []
     for batch in args.batches:
         per_step = dict.fromkeys(["linear", "onednn_packed", "mkl_packed", *(f"int8_{k}" for k in int8_kernels)], 0.0)
@@ -106,7 +109,11 @@ def main() -> None:
                 "shapes": shapes,
             }
         )
-    print(json.dumps({"threads": args.threads, "torch": torch.__version__, "by_batch": results}))
+    print(
+        json.dumps(
+            {"threads": args.threads, "torch": torch.__version__, "int8_kernels": int8_kernels, "by_batch": results}
+        )
+    )
 
 
 if __name__ == "__main__":
