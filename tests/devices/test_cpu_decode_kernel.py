@@ -104,8 +104,11 @@ def test_the_build_is_named_after_the_source_and_this_cpu() -> None:
     assert build_name(source) == name
 
 
-def test_the_engine_decodes_the_same_tokens_with_the_kernel(llama_reference) -> None:
-    path = str(llama_reference[0])
+@pytest.mark.parametrize("reference", ["llama_reference", "deepseek_reference"])
+def test_the_engine_decodes_the_same_tokens_with_the_kernel(reference: str, request: pytest.FixtureRequest) -> None:
+    """Llama's grouped-query attention and DeepSeek-V3's MLA (its latent cache) by the kernel: the engine's greedy
+    tokens as without it."""
+    path = str(request.getfixturevalue(reference)[0])
     prompts = [[1, 5, 9, 2, 7, 3, 8, 4, 6, 10, 11, 12, 13, 14, 15, 16, 17], [4, 4, 2]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
@@ -115,22 +118,11 @@ def test_the_engine_decodes_the_same_tokens_with_the_kernel(llama_reference) -> 
         outputs[on] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs[True] == outputs[False]
     assert [len(ids) for ids in outputs[True]] == [24, 24]
+
+
+def test_the_setting_takes_only_a_boolean() -> None:
     with pytest.raises(ConfigError, match="cpu_decode_kernel must be true or false"):
         EngineConfig(model="smollm2-135m", cpu_decode_kernel="yes")  # type: ignore[arg-type]
-
-
-def test_deepseek_decodes_the_same_tokens_with_the_kernel(deepseek_reference) -> None:
-    """MLA's decode attention by the kernel: the engine's greedy tokens as without it."""
-    path = str(deepseek_reference[0])
-    prompts = [[1, 5, 9, 2, 7, 3, 8, 4, 6, 10, 11, 12, 13, 14, 15, 16, 17], [4, 4, 2]]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    outputs = {}
-    for on in (False, True):
-        llm = LLM(path, device="cpu", num_kv_blocks=32, block_size=4, cpu_decode_kernel=on)
-        assert (llm.engine.ops.decode_kernel is not None) is on
-        outputs[on] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outputs[True] == outputs[False]
-    assert [len(ids) for ids in outputs[True]] == [24, 24]
 
 
 def test_without_a_compiler_the_gather_path_serves(tmp_path) -> None:
