@@ -12,11 +12,13 @@ binary this one cannot run. The first build takes ~20 s; later processes load it
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,6 +57,21 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join(filter(None, [directory, os.environ.get("PATH", "")]))
 
 
+@contextlib.contextmanager
+def _only_builder(build_directory: Path) -> Iterator[None]:
+    """Hold an flock on the build directory while torch builds or loads the kernel there. torch's own lock is a
+    file that its waiters poll until it is gone: a process killed mid-build (a mesh stopped during its first
+    start) leaves it behind, and every later process would wait forever. The kernel drops an flock with its
+    holder, so whoever holds ours knows no build is running, and a torch lock file it finds is such a leftover."""
+    with open(build_directory / "kvmesh.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        leftover = build_directory / "lock"
+        if leftover.exists():
+            log.warning("cpu decode kernel: removing a build lock left by a process that died building it")
+            leftover.unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def paged_decode_kernel() -> PagedDecode | None:
     """The decode attention kernel over the paged cache (`csrc/paged_decode.cpp`), or None where it cannot be
@@ -64,13 +81,16 @@ def paged_decode_kernel() -> PagedDecode | None:
     try:
         from torch.utils import cpp_extension  # builds our C++ source and imports it; nothing is deserialized
 
-        module = cpp_extension.load(
-            name=build_name(source),
-            sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = build_name(source)
+        build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _only_builder(build_directory):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as error:  # a missing compiler or ninja, a failed build: the plain path serves instead
         log.warning("cpu decode kernel unavailable; gathering blocks for SDPA instead: %s", str(error)[-500:])
         return None

@@ -136,6 +136,24 @@ def test_without_a_compiler_the_gather_path_serves(tmp_path) -> None:
     assert "cpu decode kernel unavailable" in result.stdout + result.stderr
 
 
+def test_a_build_lock_left_by_a_dead_builder_does_not_stop_the_next(tmp_path) -> None:
+    """torch's build lock is a file its waiters poll until it is gone; one left by a process killed mid-build
+    would make every later process wait forever. The kernel's own flock shows nobody is building: the leftover
+    is removed, with a warning, and the kernel builds (a fresh extension directory, so a real build: ~20 s)."""
+    script = (
+        "from torch.utils import cpp_extension\n"
+        "from devices.cpu_kernels import SOURCE_DIR, build_name, paged_decode_kernel\n"
+        "directory = cpp_extension._get_build_directory(build_name(SOURCE_DIR / 'paged_decode.cpp'), verbose=False)\n"
+        "open(directory + '/lock', 'w').close()  # what a builder killed mid-build leaves\n"
+        "print(paged_decode_kernel() is not None)\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "True"
+    assert "removing a build lock left by a process that died building it" in result.stdout + result.stderr
+
+
 def test_the_engine_turns_it_on_only_for_the_cpu_family_at_float32() -> None:
     """The cuda and ascend modules inherit CpuOps; their tensors are not the kernel's, so it stays off there."""
 
