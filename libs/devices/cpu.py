@@ -61,6 +61,11 @@ def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     )
 
 
+def _int32_tables(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's block tables and context lengths as the C++ kernel takes them (int32)."""
+    return batch.block_tables.to(torch.int32), batch.context_lens.to(torch.int32)  # no copy when already int32
+
+
 def plan_segments(num_blocks: list[int], overhead_blocks: float) -> list[tuple[int, int, int]]:
     """Split rows into contiguous segments (start, end, most blocks) minimising the blocks attended plus
     `overhead_blocks` per segment. Rows sorted by length (the model runner sorts decodes longest first) make the
@@ -188,15 +193,7 @@ class CpuOps(DeviceOps):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
     ) -> torch.Tensor:
         if self.decode_kernel is not None and _kernel_takes(q, k_cache, v_cache):
-            tables, lens = batch.block_tables, batch.context_lens
-            return self.decode_kernel(
-                q.contiguous(),
-                k_cache,
-                v_cache,
-                tables if tables.dtype == torch.int32 else tables.int(),
-                lens if lens.dtype == torch.int32 else lens.int(),
-                scale,
-            )
+            return self.decode_kernel(q.contiguous(), k_cache, v_cache, *_int32_tables(batch), scale)
         plan: _CpuDecodePlan = batch.extra
         keys = self._gather("k", k_cache, plan.block_ids)  # (G, S, K, D)
         values = self._gather("v", v_cache, plan.block_ids)  # (G, S, K, Dv)
@@ -227,16 +224,8 @@ class CpuOps(DeviceOps):
         q = torch.cat([q_latent, q_rope], dim=-1).float()  # (B, H, R+P)
         if self.decode_kernel is not None and _kernel_takes(q, kv_cache, kv_cache):
             entries = kv_cache.unsqueeze(2)  # (N, S, 1, R+P): one "KV head" that every query head reads
-            tables, lens = batch.block_tables, batch.context_lens
-            return self.decode_kernel(
-                q,
-                entries,
-                entries,
-                tables if tables.dtype == torch.int32 else tables.int(),
-                lens if lens.dtype == torch.int32 else lens.int(),
-                scale,
-                rank,  # the value: a position's latent vector, without its rope part
-            )
+            # the value: a position's latent vector, without its rope part (its first `rank` floats)
+            return self.decode_kernel(q, entries, entries, *_int32_tables(batch), scale, rank)
         plan: _CpuDecodePlan = batch.extra
         gathered = self._gather("latent", kv_cache, plan.block_ids)  # (G, S, R+P)
         outs = []
