@@ -35,7 +35,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--quantization", default="none", help="none or int8 (the engine's KVMESH_QUANTIZATION)")
     parser.add_argument(
-        "--cpu-decode-kernel", action="store_true", help="decode attention by the C++ kernel (KVMESH_CPU_DECODE_KERNEL)"
+        "--cpu-decode-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode attention by the C++ kernel (KVMESH_CPU_DECODE_KERNEL; --no-cpu-decode-kernel: gather + SDPA)",
     )
     args = parser.parse_args()
     if args.threads:

@@ -408,8 +408,8 @@ class EngineConfig:
     # more (engine_core.packed_linear; a second copy of the linear weights in memory); elsewhere ignored
     cpu_packed_linear: bool = True
     # float32 decode attention on the cpu by a C++ kernel that reads the paged cache in place (devices.cpu_kernels,
-    # built at first use; off: each layer gathers its blocks for SDPA); elsewhere ignored
-    cpu_decode_kernel: bool = False
+    # built at first use; off, or where it cannot be built: each layer gathers its blocks for SDPA); elsewhere ignored
+    cpu_decode_kernel: bool = True
     # while requests decode, a prefill computes at most this many prompt tokens a step (0: no cap), so that a long
     # prompt arriving cannot stall the running streams (vLLM's long_prefill_token_threshold)
     long_prefill_token_threshold: int = 256

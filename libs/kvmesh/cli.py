@@ -418,8 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--quantization", default="none", help="the engine's quantization mode (default none)")
     engine.add_argument(
         "--cpu-decode-kernel",
-        action="store_true",
-        help="our engine's decode attention by the C++ kernel over the paged cache (KVMESH_CPU_DECODE_KERNEL)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="our engine's decode attention by the C++ kernel over the paged cache (KVMESH_CPU_DECODE_KERNEL; "
+        "default on, --no-cpu-decode-kernel: gather + SDPA)",
     )
     engine.add_argument(
         "--with-llama-cpp",

@@ -50,7 +50,7 @@ def test_top_level_fields(report: dict[str, Any]) -> None:
     assert list(report["results"]) == ["1", "4"]
     assert report["goal_met"] is None  # no C=32 in quick mode
     assert report["workload"]["sampling"].startswith("typical (temperature 0.8, top_p 0.95, top_k 50")
-    assert report["quantization"] == "none" and report["cpu_decode_kernel"] is False
+    assert report["quantization"] == "none" and report["cpu_decode_kernel"] is True  # built: g++ is here
     assert report["llama_cpp"] == {
         "skipped": f"llama.cpp needs a GGUF file; {Path(report['model_path']).name} is not one"
     }
@@ -102,8 +102,8 @@ def test_cli_passes_the_options() -> None:
     args = build_parser().parse_args(["bench", "engine", "--quick", "--max-output-tokens", "8", "--repeats", "2"])
     assert (args.quick, args.max_output_tokens, args.repeats, args.concurrency) == (True, 8, 2, None)
     assert (args.sampling, args.quantization, args.with_llama_cpp) == ("greedy", "none", False)
-    assert args.cpu_decode_kernel is False
-    assert build_parser().parse_args(["bench", "engine", "--cpu-decode-kernel"]).cpu_decode_kernel is True
+    assert args.cpu_decode_kernel is True
+    assert build_parser().parse_args(["bench", "engine", "--no-cpu-decode-kernel"]).cpu_decode_kernel is False
     args = build_parser().parse_args(["bench", "engine", "--sampling", "typical", "--with-llama-cpp"])
     assert (args.sampling, args.with_llama_cpp, args.llama_server) == ("typical", True, None)
     args = build_parser().parse_args(["bench", "engine", "--llama-server", "/opt/llama/llama-server"])

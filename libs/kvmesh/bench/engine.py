@@ -75,7 +75,7 @@ class EngineBenchConfig:
     max_repeated_sequential: int  # transformers one request at a time runs once above this many requests
     sampling: str = "greedy"  # a key of SAMPLING
     quantization: str = "none"  # the engine's quantization mode (transformers always runs float32)
-    cpu_decode_kernel: bool = False  # the engine's C++ decode attention (KVMESH_CPU_DECODE_KERNEL)
+    cpu_decode_kernel: bool = True  # the engine's C++ decode attention (KVMESH_CPU_DECODE_KERNEL)
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLING:
@@ -419,7 +419,7 @@ def run_engine_bench(
     repeats: int | None = None,
     sampling: str = "greedy",
     quantization: str = "none",
-    cpu_decode_kernel: bool = False,
+    cpu_decode_kernel: bool = True,
     with_llama_cpp: bool = False,
     llama_server: str | None = None,
 ) -> dict[str, Any]:

@@ -45,9 +45,10 @@ class WorkerSettings(ServiceSettings):
         "of the linear weights in memory (off: F.linear alone; docs/engine.md)",
     )
     cpu_decode_kernel: bool = setting(
-        False,
+        True,
         "float32 on the cpu: decode attention by a C++ kernel that reads the paged KV cache in place, built at first "
-        "use (needs g++ and ninja; where it cannot be built, a warning and the gather + SDPA path; docs/engine.md)",
+        "use (needs g++ and ninja; where it cannot be built, a warning and the gather + SDPA path; off: that path "
+        "always; docs/engine.md)",
     )
     torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
     prefix_caching_enabled: bool = setting(
