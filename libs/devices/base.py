@@ -102,6 +102,24 @@ class DeviceOps(ABC):
         cover positions 0 .. L-1 with L = num_cached + Lq. Returns (Lq, H, Dv).
         """
 
+    def cached_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        num_cached: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """`prefill_attention` of one sequence whose context is in the paged cache (a chunk after earlier chunks
+        or prefix hits): q (Lq, H, D) at positions num_cached ..; k_cache (N, S, K, D), v_cache (N, S, K, Dv)
+        with the new tokens' entries already written; block_ids (m,) its blocks. Returns (Lq, H, Dv). Here: the
+        context gathered, then `prefill_attention`; a module may read the cache in place instead."""
+        num_total = num_cached + q.shape[0]
+        k = self.gather_cache(k_cache, block_ids, num_total, role="k")
+        v = self.gather_cache(v_cache, block_ids, num_total, role="v")
+        return self.prefill_attention(q, k, v, num_cached, scale)
+
     # -- mixture of experts -------------------------------------------------------------------------
     @abstractmethod
     def moe_experts(

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from devices.base import DecodeBatch, DeviceOps
-from devices.cpu_kernels import PagedDecode, paged_decode_kernel
+from devices.cpu_kernels import PagedChunk, PagedDecode, paged_chunk_kernel, paged_decode_kernel
 
 # What one more segment costs, in context tokens of attention work: a segment's fixed price (an SDPA call, its
 # views, its share of the output copy) against the padding it saves. From a 1-thread timing of one layer's decode
@@ -22,6 +22,11 @@ SEGMENT_OVERHEAD_TOKENS = 256
 # queries and 1.15-1.7x less at 8,192, and lose again from 32 queries on (docs/engine.md).
 CHUNK_GEMM_MAX_QUERIES = 16
 CHUNK_GEMM_MIN_CONTEXT = 4096
+# With the C++ kernels on (`use_decode_kernel`), a chunk over a cached context whose query rows a KV head (chunk
+# tokens x query heads per KV head) are at most this many is attended in place by `paged_chunk` at any context
+# length: no gather. SmolLM2-135M's shapes (up to 42 tokens), 2 threads, 30 layers: 1.5-6x faster than the gather
+# with SDPA or GEMMs from 64 to 7,900 cached tokens (docs/engine.md).
+CHUNK_KERNEL_MAX_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -150,12 +155,16 @@ class CpuOps(DeviceOps):
         super().__init__(torch_device or torch.device("cpu"))
         # gather buffers of decode attention, by role; written only by the thread that runs the model
         self._workspaces: dict[str, torch.Tensor] = {}
-        self.decode_kernel: PagedDecode | None = None  # use_decode_kernel(): attention over the paged cache in place
+        # use_decode_kernel(): decode attention and short chunks' attention over the paged cache in place
+        self.decode_kernel: PagedDecode | None = None
+        self.chunk_kernel: PagedChunk | None = None
 
     def use_decode_kernel(self) -> bool:
-        """Run float32 decode attention by the C++ kernel that reads the paged cache in place (devices.cpu_kernels)
-        instead of gathering each layer's blocks for SDPA; False (and the gather stays) where it cannot be built."""
+        """Run float32 decode attention, and a short chunk's attention over a cached context, by the C++ kernels
+        that read the paged cache in place (devices.cpu_kernels) instead of gathering each layer's blocks for SDPA
+        or GEMMs; False (and the gathers stay) where they cannot be built."""
         self.decode_kernel = paged_decode_kernel()
+        self.chunk_kernel = paged_chunk_kernel()
         return self.decode_kernel is not None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -257,6 +266,26 @@ class CpuOps(DeviceOps):
     ) -> torch.Tensor:
         gathered = cache[block_ids] if role is None else self._gather(role, cache, block_ids)  # (m, S, *F)
         return gathered.flatten(0, 1)[:num_tokens]  # (num_tokens, *F)
+
+    def cached_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        num_cached: int,
+        scale: float,
+    ) -> torch.Tensor:
+        num_new, num_heads, num_kv_heads = q.shape[0], q.shape[1], k_cache.shape[2]
+        if (
+            self.chunk_kernel is not None
+            and num_heads % num_kv_heads == 0
+            and num_new * (num_heads // num_kv_heads) <= CHUNK_KERNEL_MAX_ROWS
+            and v_cache.shape[3] in (16, 32, 64, 128)  # the kernel's value widths
+            and _kernel_takes(q, k_cache, v_cache)
+        ):
+            return self.chunk_kernel(q.contiguous(), k_cache, v_cache, block_ids.to(torch.int32), num_cached, scale)
+        return super().cached_prefill_attention(q, k_cache, v_cache, block_ids, num_cached, scale)
 
     def prefill_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float

@@ -3,6 +3,8 @@
     kernel = paged_decode_kernel()   # None where it cannot be built here (no compiler, no ninja): say why, once
     out = kernel(q, k_cache, v_cache, block_tables, context_lens, scale)             # (B, H, Dv)
     out = kernel(q, latent, latent, block_tables, context_lens, scale, value_dim=R)   # MLA: latent (N, S, 1, R+P)
+    chunk = paged_chunk_kernel()     # the same build
+    out = chunk(q, k_cache, v_cache, block_table, num_cached, scale)                  # (Lq, H, Dv)
 
 Built with `-O3 -march=native -fopenmp` (vectorized for this CPU, torch's threads), so the build is named after
 this CPU's flags and the source: a cache directory shared by hosts with other instruction sets never loads a
@@ -20,6 +22,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +31,8 @@ log = logging.getLogger(__name__)  # the engine's libraries log through the stan
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # (q, k_cache, v_cache, block_tables, context_lens, scale[, value_dim]) -> out: csrc/paged_decode.cpp
 PagedDecode = Callable[..., torch.Tensor]
+# (q, k_cache, v_cache, block_table, num_cached, scale[, value_dim]) -> out: the same file
+PagedChunk = Callable[..., torch.Tensor]
 
 
 def _cpu_flags() -> str:
@@ -73,9 +78,9 @@ def _only_builder(build_directory: Path) -> Iterator[None]:
 
 
 @functools.cache
-def paged_decode_kernel() -> PagedDecode | None:
-    """The decode attention kernel over the paged cache (`csrc/paged_decode.cpp`), or None where it cannot be
-    built (a warning says why; the cpu module then gathers blocks and calls SDPA, as without the kernel)."""
+def _extension() -> Any:
+    """The built extension module (csrc/paged_decode.cpp), or None where it cannot be built (a warning says why,
+    once; the cpu module then gathers blocks for SDPA or its GEMMs, as without the kernels)."""
     source = SOURCE_DIR / "paged_decode.cpp"
     _put_ninja_on_path()
     try:
@@ -84,7 +89,7 @@ def paged_decode_kernel() -> PagedDecode | None:
         name = build_name(source)
         build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
         with _only_builder(build_directory):
-            module = cpp_extension.load(
+            return cpp_extension.load(
                 name=name,
                 sources=[str(source)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -94,4 +99,24 @@ def paged_decode_kernel() -> PagedDecode | None:
     except Exception as error:  # a missing compiler or ninja, a failed build: the plain path serves instead
         log.warning("cpu decode kernel unavailable; gathering blocks for SDPA instead: %s", str(error)[-500:])
         return None
-    return module.paged_decode  # type: ignore[no-any-return]
+
+
+def paged_decode_kernel() -> PagedDecode | None:
+    """Decode attention over the paged cache, one query per sequence, or None where the kernels cannot be built."""
+    extension = _extension()
+    return None if extension is None else extension.paged_decode  # type: ignore[no-any-return]
+
+
+def paged_chunk_kernel() -> PagedChunk | None:
+    """A chunk of one sequence's new queries attending over its paged context, or None where they cannot be built."""
+    extension = _extension()
+    return None if extension is None else extension.paged_chunk  # type: ignore[no-any-return]
+
+def main() -> None:
+    """`python -c 'from devices.cpu_kernels import main; main()'`: build the kernels now (`make install` does, so that neither the first mesh
+    started nor a test run pays the build, nor a test's timing meets it). Exits 0 where they cannot be built here:
+    the engines then warn and take the plain path, which is no reason to fail an install."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    kernel = paged_decode_kernel()
+    log.info("cpu decode kernel: %s", "built" if kernel is not None else "unavailable (the gather path serves)")
+

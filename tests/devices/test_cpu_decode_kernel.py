@@ -1,5 +1,6 @@
-"""The cpu module's C++ decode attention (devices/csrc/paged_decode.cpp), built here: it reads each sequence's
-blocks in place and must give what the gather + SDPA path gives, row by row, whatever else is in the batch."""
+"""The cpu module's C++ attention kernels (devices/csrc/paged_decode.cpp), built here: they read each sequence's
+blocks in place and must give what the gather + SDPA (or GEMMs) path gives: decode row by row, whatever else is
+in the batch, and a chunk of a prompt over its cached context."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from devices.cpu import CpuOps
-from devices.cpu_kernels import SOURCE_DIR, build_name, paged_decode_kernel
+from devices.cpu import CHUNK_KERNEL_MAX_ROWS, CpuOps
+from devices.cpu_kernels import SOURCE_DIR, build_name, paged_chunk_kernel, paged_decode_kernel
 from engine_core import LLM, SamplingParams
 from engine_core.config import ConfigError, EngineConfig
 from engine_core.engine import uses_cpu_decode_kernel
@@ -97,6 +98,66 @@ def test_int64_tables_are_taken_and_a_length_past_the_table_is_refused(ops: CpuO
         kernel(q, k_cache, v_cache, tables.int(), torch.tensor([9], dtype=torch.int32), 1.0)
 
 
+@pytest.mark.parametrize(
+    ("num_cached", "num_new"), [(0, 1), (0, 7), (5, 3), (16, 16), (37, 12), (300, 8), (1001, 1), (700, 32)]
+)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "block_size", "head_dim"), [(9, 3, 16, 64), (4, 4, 4, 128), (6, 2, 32, 32)]
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_chunk_over_its_paged_context_gives_what_the_gather_gives(
+    ops: CpuOps,
+    num_cached: int,
+    num_new: int,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    threads: int,
+) -> None:
+    """The chunk kernel: every query sees the cached context and the chunk's tokens up to its own, through a
+    shuffled block table; split into one partition a thread (3 threads: merged partial softmaxes)."""
+    gen = torch.Generator().manual_seed(num_cached + num_new)
+    num_total = num_cached + num_new
+    num_blocks = -(-num_total // block_size) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(num_new, num_heads, head_dim, generator=gen)
+    block_ids = torch.randperm(num_blocks, generator=gen)[: -(-num_total // block_size)]
+    expected = CpuOps().cached_prefill_attention(q, k_cache, v_cache, block_ids, num_cached, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = ops.cached_prefill_attention(q, k_cache, v_cache, block_ids, num_cached, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (num_new, num_heads, head_dim)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_chunk_kernel_refuses_what_it_cannot_do_and_larger_chunks_take_the_gather(ops: CpuOps) -> None:
+    kernel = paged_chunk_kernel()
+    assert kernel is not None
+    cache = torch.randn(4, BLOCK_SIZE, 2, 64)
+    with pytest.raises(RuntimeError, match="context length outside its block table"):
+        kernel(torch.randn(3, 4, 64), cache, cache, torch.tensor([1, 2], dtype=torch.int32), 6, 1.0)  # 9 > 8
+    with pytest.raises(RuntimeError, match="values of 16, 32, 64 or 128 floats"):
+        kernel(torch.randn(3, 4, 64), cache, cache, torch.tensor([1, 2], dtype=torch.int32), 1, 1.0, 48)
+    with pytest.raises(RuntimeError, match="at most 128 query rows a KV head"):
+        kernel(torch.randn(65, 4, 64), cache, cache, torch.tensor([1], dtype=torch.int32), 0, 1.0)
+    calls = []
+    real = ops.chunk_kernel
+    ops.chunk_kernel = lambda *args: calls.append(args[0].shape[0]) or real(*args)  # type: ignore[misc]
+    big = torch.randn(40, BLOCK_SIZE, 2, 64)
+    try:
+        for num_new in (CHUNK_KERNEL_MAX_ROWS // 2, CHUNK_KERNEL_MAX_ROWS // 2 + 1):  # 2 query heads a KV head
+            q = torch.randn(num_new, 4, 64)
+            ops.cached_prefill_attention(q, big, big, torch.arange(40), 10, 1.0)
+    finally:
+        ops.chunk_kernel = real
+    assert calls == [CHUNK_KERNEL_MAX_ROWS // 2]
+
+
 def test_the_build_is_named_after_the_source_and_this_cpu() -> None:
     source = SOURCE_DIR / "paged_decode.cpp"
     name = build_name(source)
@@ -112,12 +173,22 @@ def test_the_engine_decodes_the_same_tokens_with_the_kernel(reference: str, requ
     prompts = [[1, 5, 9, 2, 7, 3, 8, 4, 6, 10, 11, 12, 13, 14, 15, 16, 17], [4, 4, 2]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
+    chunks = []
     for on in (False, True):
-        llm = LLM(path, device="cpu", num_kv_blocks=32, block_size=4, cpu_decode_kernel=on)
-        assert (llm.engine.ops.decode_kernel is not None) is on
+        # 6 tokens a step: the 17-token prompt is prefilled in chunks after the first, over its cached context
+        llm = LLM(path, device="cpu", num_kv_blocks=32, block_size=4, cpu_decode_kernel=on, max_num_batched_tokens=6)
+        ops = llm.engine.ops
+        assert (ops.decode_kernel is not None) is on
+        if on and ops.chunk_kernel is not None:
+            real = ops.chunk_kernel
+            ops.chunk_kernel = lambda *args: chunks.append((args[0].shape[0], args[4])) or real(*args)
         outputs[on] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs[True] == outputs[False]
     assert [len(ids) for ids in outputs[True]] == [24, 24]
+    if reference == "llama_reference":  # MLA's prefill does not take the chunk kernel
+        # (new tokens, cached): the 17-token prompt in 6 + 6 + 5, the 3-token one in 1 + 2; each once a layer
+        assert sorted(set(chunks)) == [(2, 1), (5, 12), (6, 6)]
+        assert len(chunks) == 3 * llm.engine.model_config.num_layers
 
 
 def test_the_setting_takes_only_a_boolean() -> None:
@@ -142,7 +213,7 @@ def test_a_build_lock_left_by_a_dead_builder_does_not_stop_the_next(tmp_path) ->
     is removed, with a warning, and the kernel builds (a fresh extension directory, so a real build: ~20 s)."""
     script = (
         "from torch.utils import cpp_extension\n"
-        "from devices.cpu_kernels import SOURCE_DIR, build_name, paged_decode_kernel\n"
+        "from devices.cpu_kernels import SOURCE_DIR, build_name, paged_chunk_kernel, paged_decode_kernel\n"
         "directory = cpp_extension._get_build_directory(build_name(SOURCE_DIR / 'paged_decode.cpp'), verbose=False)\n"
         "open(directory + '/lock', 'w').close()  # what a builder killed mid-build leaves\n"
         "print(paged_decode_kernel() is not None)\n"

@@ -16,11 +16,25 @@
 //                                Dv = R: a position's value is its latent vector, without the rope part
 //   -> (B, H, Dv) float32
 
+// `paged_chunk` (the cpu module's `cached_prefill_attention`): a chunk of Lq new queries of one sequence (a long
+// prompt's next chunk) over its whole context, read in place through its block table the same way. Its cost is
+// in its arithmetic (Lq x H x L dot products) more than its reads, so each block's keys are transposed into a
+// (D, S) tile and a query row's scores for the block's S positions are one vector per d; the softmax's exp is a
+// polynomial the compiler vectorizes. The context is split into contiguous partitions, one per thread, each
+// reading its positions' K and V rows front to back for every query head; their partial softmaxes are merged as
+// flash-decoding does.
+//
+//   q           (Lq, H, D)   float32, contiguous: positions num_cached .. num_cached + Lq - 1
+//   block_table (M,)         int32: the sequence's blocks, covering num_cached + Lq positions
+//   -> (Lq, H, Dv) float32; query i sees positions 0 .. num_cached + i
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -117,8 +131,256 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
+namespace {
+
+// Explicit vectors of 16 floats (GCC's vector extensions: one AVX-512 register, two AVX2 ones elsewhere).
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline vf load(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
+
+// e^x for x <= 0 (a score minus its row's maximum), as Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a
+// degree-6 polynomial, 2^n by the exponent's bits; relative error under 2e-7; exactly 0 below -87 (a masked
+// score, -inf, included). std::exp would stay scalar without -ffast-math (which would also assume no NaN).
+inline vf exp_nonpositive(vf x) {
+  const vi keep = x >= -87.0f;
+  x = x < -87.0f ? vf{} - 87.0f : x;
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 x 2^23
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf y = vf{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return (vf)((vi)(y * (vf)bits) & keep);
+}
+
+constexpr int64_t kRows = 4;  // positions scored, or rows summed, at once: independent sums in registers
+
+// One sequence's chunk: the shapes and pointers every partition reads.
+struct Chunk {
+  int64_t Lq, H, D, S, K, W, Dv, G, num_cached;
+  const int32_t* table;
+  const float* kc;
+  const float* vc;
+  const float* qt;  // (K, D, NV * kLanes): per KV head, its group's query rows (row i * G + g) transposed, scaled
+  const float* key(int64_t l, int64_t kh) const { return kc + ((int64_t)table[l / S] * S + l % S) * K * D + kh * D; }
+  const float* value(int64_t l, int64_t kh) const { return vc + ((int64_t)table[l / S] * S + l % S) * K * W + kh * W; }
+};
+
+// Positions [s0, s1) of one partition, every KV head: scores (rows as lanes), the online softmax's update of each
+// row's maximum, sum and weighted values (most, total: (K, NV * kLanes); acc: (K, NV * kLanes, Dv)). With
+// `causal` the positions are the chunk's own (num_cached ..): query i sees those up to num_cached + i.
+template <int NV, int DV>
+void attend_span(const Chunk& c, int64_t s0, int64_t s1, bool causal, float* scores, float* most, float* total,
+                 float* acc) {
+  const int64_t n = s1 - s0, width = NV * kLanes, rows = c.Lq * c.G;
+  // Scores, position by position (each position's keys of every KV head are one row, read front to back):
+  // kRows positions a pass, so that each query column is loaded once for all of them.
+  int64_t j = 0;
+  for (; j < n; j += kRows) {
+    const int64_t m = std::min(kRows, n - j);
+    for (int64_t kh = 0; kh < c.K; ++kh) {
+      const float* qt = c.qt + kh * c.D * width;
+      const float* keys[kRows];
+      for (int64_t t = 0; t < kRows; ++t) keys[t] = c.key(s0 + j + std::min(t, m - 1), kh);  // repeats: unused
+      vf dots[kRows][NV] = {};
+      for (int64_t d = 0; d < c.D; ++d) {
+        for (int v = 0; v < NV; ++v) {
+          const vf column = load(qt + d * width + v * kLanes);
+          for (int64_t t = 0; t < kRows; ++t) dots[t][v] += keys[t][d] * column;
+        }
+      }
+      float* sc = scores + kh * n * width;  // (n, width)
+      for (int64_t t = 0; t < m; ++t)
+        for (int v = 0; v < NV; ++v) store(sc + (j + t) * width + v * kLanes, dots[t][v]);
+    }
+  }
+  for (int64_t kh = 0; kh < c.K; ++kh) {
+    float* sc = scores + kh * n * width;
+    if (causal) {  // position s0 + j is the chunk's token j - (num_cached - s0); earlier queries do not see it
+      for (j = 0; j < n; ++j) {
+        const int64_t token = s0 + j - c.num_cached;
+        for (int64_t r = 0; r < std::min(token * c.G, rows); ++r) sc[j * width + r] = -INFINITY;
+      }
+    }
+    // The online softmax, lanes as rows: a new maximum rescales what each row has summed so far.
+    float* m = most + kh * width;
+    float* sum = total + kh * width;
+    float* out = acc + kh * width * c.Dv;
+    for (int v = 0; v < NV; ++v) {
+      vf top = load(m + v * kLanes);
+      const vf before = top;
+      for (j = 0; j < n; ++j) {
+        const vf x = load(sc + j * width + v * kLanes);
+        top = x > top ? x : top;
+      }
+      const vf factor = exp_nonpositive(before - top);  // 0 where nothing was summed yet (before = -inf)
+      store(m + v * kLanes, top);
+      vf s = load(sum + v * kLanes) * factor;
+      for (j = 0; j < n; ++j) {
+        const vf p = exp_nonpositive(load(sc + j * width + v * kLanes) - top);
+        store(sc + j * width + v * kLanes, p);
+        s += p;
+      }
+      store(sum + v * kLanes, s);
+      for (int64_t lane = 0; lane < kLanes && v * kLanes + lane < rows; ++lane) {
+        float* row = out + (v * kLanes + lane) * c.Dv;
+        const float f = factor[lane];
+        for (int64_t d = 0; d < c.Dv; ++d) row[d] *= f;
+      }
+    }
+    // Values: kRows rows a pass, their weighted sums in registers over the span's positions.
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      vf sums[kRows][DV] = {};
+      for (j = 0; j < n; ++j) {
+        const float* value = c.value(s0 + j, kh);
+        vf parts[DV];
+        for (int u = 0; u < DV; ++u) parts[u] = load(value + u * kLanes);
+        const float* p = sc + j * width + r0;
+        for (int64_t t = 0; t < kRows; ++t)
+          for (int u = 0; u < DV; ++u) sums[t][u] += p[t] * parts[u];
+      }
+      for (int64_t t = 0; t < kRows && r0 + t < rows; ++t) {
+        float* row = out + (r0 + t) * c.Dv;
+        for (int u = 0; u < DV; ++u) store(row + u * kLanes, load(row + u * kLanes) + sums[t][u]);
+      }
+    }
+  }
+}
+
+// Positions a span holds: its keys and values stay in the core's cache while every KV head reads them, and its
+// scores (positions x KV heads x lanes) stay under 256 KB.
+constexpr int64_t kSpan = 256, kSpanFloats = 1 << 16;
+
+template <int NV, int DV>
+torch::Tensor chunk_attention(const Chunk& c, torch::Tensor q) {
+  const int64_t width = NV * kLanes, rows = c.Lq * c.G, L = c.num_cached + c.Lq;
+  const int64_t span = std::max<int64_t>(kRows, std::min(kSpan, kSpanFloats / (c.K * width) / kRows * kRows));
+  // Partitions of the cached positions on block boundaries, one a thread; the chunk's own positions, which
+  // need the causal mask, are one more, attended after them (a few positions).
+  const int64_t cached_blocks = (c.num_cached + c.S - 1) / c.S;
+  const int64_t P = c.num_cached > 0 ? std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), cached_blocks)) : 0;
+  const int64_t blocks_per_part = P > 0 ? (cached_blocks + P - 1) / P : 0;
+  const int64_t state = c.K * width;
+  std::vector<float> most((P + 1) * state, -INFINITY), total((P + 1) * state, 0.f);
+  std::vector<float> acc((P + 1) * state * c.Dv, 0.f);
+  auto attend = [&](int64_t part, std::vector<float>& scores) {
+    const bool own = part == P;
+    const int64_t p0 = own ? c.num_cached : std::min(c.num_cached, part * blocks_per_part * c.S);
+    const int64_t p1 = own ? L : std::min(c.num_cached, (part + 1) * blocks_per_part * c.S);
+    for (int64_t s0 = p0; s0 < p1; s0 += span)
+      attend_span<NV, DV>(c, s0, std::min(p1, s0 + span), own, scores.data(), most.data() + part * state,
+                          total.data() + part * state, acc.data() + part * state * c.Dv);
+  };
+  const int64_t scores_floats = c.K * span * width;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(scores_floats);
+    for (int64_t part = begin; part < end; ++part) attend(part, scores);
+  });
+  std::vector<float> scores(scores_floats);
+  attend(P, scores);
+  // Merge the partitions in their order: each row's sums rescaled to its largest maximum.
+  auto out = torch::empty({c.Lq, c.H, c.Dv}, q.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t kh = 0; kh < c.K; ++kh) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / c.G, h = kh * c.G + r % c.G, at = kh * width + r;
+      float top = -INFINITY, sum = 0.f;
+      for (int64_t part = 0; part <= P; ++part)
+        if (total[part * state + at] > 0.f) top = std::max(top, most[part * state + at]);
+      float* row = op + (i * c.H + h) * c.Dv;
+      std::fill(row, row + c.Dv, 0.f);
+      for (int64_t part = 0; part <= P; ++part) {
+        if (total[part * state + at] == 0.f) continue;  // an empty partition
+        const float factor = std::exp(most[part * state + at] - top);
+        sum += factor * total[part * state + at];
+        const float* a = acc.data() + (part * state + at) * c.Dv;
+        for (int64_t d = 0; d < c.Dv; ++d) row[d] += factor * a[d];
+      }
+      for (int64_t d = 0; d < c.Dv; ++d) row[d] /= sum;
+    }
+  }
+  return out;
+}
+
+template <int DV>
+torch::Tensor chunk_attention_rows(const Chunk& c, torch::Tensor q, int64_t nv) {
+  switch (nv) {
+    case 1: return chunk_attention<1, DV>(c, q);
+    case 2: return chunk_attention<2, DV>(c, q);
+    case 3: return chunk_attention<3, DV>(c, q);
+    case 4: return chunk_attention<4, DV>(c, q);
+    case 5: return chunk_attention<5, DV>(c, q);
+    case 6: return chunk_attention<6, DV>(c, q);
+    case 7: return chunk_attention<7, DV>(c, q);
+    default: return chunk_attention<8, DV>(c, q);
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_chunk(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                          int64_t num_cached, double scale, int64_t value_dim) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  block_table.device().is_cpu(),
+              "paged_chunk: cpu tensors only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+                  v_cache.dtype() == torch::kFloat32,
+              "paged_chunk: float32 only");
+  TORCH_CHECK(block_table.dtype() == torch::kInt32, "paged_chunk: an int32 block table");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous(),
+              "paged_chunk: contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && block_table.dim() == 1,
+              "paged_chunk: shapes");
+  Chunk c;
+  c.Lq = q.size(0), c.H = q.size(1), c.D = q.size(2);
+  c.S = k_cache.size(1), c.K = k_cache.size(2), c.W = v_cache.size(3);
+  c.Dv = value_dim > 0 ? value_dim : c.W;
+  c.num_cached = num_cached;
+  TORCH_CHECK(k_cache.size(3) == c.D && c.K > 0 && c.H % c.K == 0 && c.Dv <= c.W, "paged_chunk: head shapes");
+  TORCH_CHECK(c.Dv == 16 || c.Dv == 32 || c.Dv == 64 || c.Dv == 128, "paged_chunk: values of 16, 32, 64 or 128 floats");
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == c.S && v_cache.size(2) == c.K,
+              "paged_chunk: K and V caches of different block shapes");
+  c.G = c.H / c.K;
+  const int64_t rows = c.Lq * c.G, nv = (rows + kLanes - 1) / kLanes;
+  TORCH_CHECK(nv <= 8, "paged_chunk: at most 128 query rows a KV head (chunk tokens x query heads per KV head)");
+  TORCH_CHECK(c.Lq > 0 && num_cached >= 0 && num_cached + c.Lq <= block_table.size(0) * c.S,
+              "paged_chunk: a context length outside its block table");
+  c.table = block_table.data_ptr<int32_t>();
+  c.kc = k_cache.data_ptr<float>();
+  c.vc = v_cache.data_ptr<float>();
+  // Each KV head's query rows (query i, head kh * G + g as row i * G + g) transposed to (D, lanes), scaled.
+  const int64_t width = nv * kLanes;
+  std::vector<float> qt(c.K * c.D * width, 0.f);
+  const float* qp = q.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  for (int64_t i = 0; i < c.Lq; ++i)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t d = 0; d < c.D; ++d)
+        qt[((h / c.G) * c.D + d) * width + i * c.G + h % c.G] = qp[(i * c.H + h) * c.D + d] * sc;
+  c.qt = qt.data();
+  switch (c.Dv) {
+    case 16: return chunk_attention_rows<1>(c, q, nv);
+    case 32: return chunk_attention_rows<2>(c, q, nv);
+    case 64: return chunk_attention_rows<4>(c, q, nv);
+    default: return chunk_attention_rows<8>(c, q, nv);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged cache", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("value_dim") = 0);
+  m.def("paged_chunk", &paged_chunk, "a chunk's attention over the paged cache", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_table"), py::arg("num_cached"), py::arg("scale"), py::arg("value_dim") = 0);
 }

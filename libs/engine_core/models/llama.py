@@ -59,15 +59,13 @@ class LlamaAttention(nn.Module):
                 q[:num_decode], k_cache, v_cache, batch.decode, self.scale
             )
         for seg in batch.prefills:
+            rows = slice(seg.start, seg.end)
             if seg.num_cached == 0:  # the whole context is this segment: use the fresh k, v
-                seg_k, seg_v = k[seg.start : seg.end], v[seg.start : seg.end]
+                out[rows] = self.ops.prefill_attention(q[rows], k[rows], v[rows], 0, self.scale)
             else:
-                num_total = seg.num_cached + seg.end - seg.start
-                seg_k = self.ops.gather_cache(k_cache, seg.block_ids, num_total, role="k")
-                seg_v = self.ops.gather_cache(v_cache, seg.block_ids, num_total, role="v")
-            out[seg.start : seg.end] = self.ops.prefill_attention(
-                q[seg.start : seg.end], seg_k, seg_v, seg.num_cached, self.scale
-            )
+                out[rows] = self.ops.cached_prefill_attention(
+                    q[rows], k_cache, v_cache, seg.block_ids, seg.num_cached, self.scale
+                )
         return self.o_proj(out.view(num_tokens, -1))
 
 
