@@ -46,16 +46,13 @@ def main() -> None:
             block_ids = torch.randperm(num_blocks, generator=gen)[: -(-(num_cached + num_new) // BLOCK_SIZE)]
             q = torch.randn(num_new, NUM_HEADS, HEAD_DIM, generator=gen)
 
-            def all_layers(ops: CpuOps) -> float:
-                began = time.perf_counter()
-                for k_cache, v_cache in caches:
-                    ops.cached_prefill_attention(q, k_cache, v_cache, block_ids, num_cached, 0.125)
-                return (time.perf_counter() - began) * 1e3
-
             times: dict[str, list[float]] = {"gather": [], "kernel": []}
             for _ in range(args.rounds):
-                times["gather"].append(all_layers(gather_ops))
-                times["kernel"].append(all_layers(kernel_ops))
+                for name, ops in (("gather", gather_ops), ("kernel", kernel_ops)):
+                    began = time.perf_counter()
+                    for k_cache, v_cache in caches:
+                        ops.cached_prefill_attention(q, k_cache, v_cache, block_ids, num_cached, 0.125)
+                    times[name].append((time.perf_counter() - began) * 1e3)
             gather_ms, kernel_ms = (statistics.median(times[name]) for name in ("gather", "kernel"))
             print(
                 json.dumps(

@@ -112,11 +112,11 @@ def paged_chunk_kernel() -> PagedChunk | None:
     extension = _extension()
     return None if extension is None else extension.paged_chunk  # type: ignore[no-any-return]
 
+
 def main() -> None:
-    """`python -c 'from devices.cpu_kernels import main; main()'`: build the kernels now (`make install` does, so that neither the first mesh
-    started nor a test run pays the build, nor a test's timing meets it). Exits 0 where they cannot be built here:
-    the engines then warn and take the plain path, which is no reason to fail an install."""
+    """Build the kernels now: `make install` does (`python -c 'from devices.cpu_kernels import main; main()'`), so
+    that neither the first mesh started nor a test run pays the build, nor a test's timing meets it. Returns
+    where they cannot be built here: the engines then warn and take the plain path, no reason to fail an install."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kernel = paged_decode_kernel()
     log.info("cpu decode kernel: %s", "built" if kernel is not None else "unavailable (the gather path serves)")
-

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -173,15 +175,22 @@ def test_the_engine_decodes_the_same_tokens_with_the_kernel(reference: str, requ
     prompts = [[1, 5, 9, 2, 7, 3, 8, 4, 6, 10, 11, 12, 13, 14, 15, 16, 17], [4, 4, 2]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
-    chunks = []
+    chunks: list[tuple[int, int]] = []
+
+    def counted(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: Any) -> torch.Tensor:
+            chunks.append((args[0].shape[0], args[4]))  # (new tokens, cached)
+            return kernel(*args)
+
+        return call
+
     for on in (False, True):
         # 6 tokens a step: the 17-token prompt is prefilled in chunks after the first, over its cached context
         llm = LLM(path, device="cpu", num_kv_blocks=32, block_size=4, cpu_decode_kernel=on, max_num_batched_tokens=6)
         ops = llm.engine.ops
         assert (ops.decode_kernel is not None) is on
         if on and ops.chunk_kernel is not None:
-            real = ops.chunk_kernel
-            ops.chunk_kernel = lambda *args: chunks.append((args[0].shape[0], args[4])) or real(*args)
+            ops.chunk_kernel = counted(ops.chunk_kernel)
         outputs[on] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs[True] == outputs[False]
     assert [len(ids) for ids in outputs[True]] == [24, 24]
