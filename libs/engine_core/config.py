@@ -407,8 +407,9 @@ class EngineConfig:
     # float32 on the cpu without quantization: linear layers run a weight reordered once for oneDNN at 2 rows or
     # more (engine_core.packed_linear; a second copy of the linear weights in memory); elsewhere ignored
     cpu_packed_linear: bool = True
-    # float32 decode attention on the cpu by a C++ kernel that reads the paged cache in place (devices.cpu_kernels,
-    # built at first use; off, or where it cannot be built: each layer gathers its blocks for SDPA); elsewhere ignored
+    # float32 decode attention on the cpu, and a prompt chunk's attention over its cached context, by C++ kernels
+    # that read the paged cache in place (devices.cpu_kernels, built by make install or at first use; off, or where
+    # they cannot be built: each layer gathers its blocks for SDPA or GEMMs); elsewhere ignored
     cpu_decode_kernel: bool = True
     # while requests decode, a prefill computes at most this many prompt tokens a step (0: no cap), so that a long
     # prompt arriving cannot stall the running streams (vLLM's long_prefill_token_threshold)

@@ -59,11 +59,11 @@ def test_work_counts_tokens_and_their_attention_pairs():
 
 def test_unmeasured_prefills_get_the_floor_and_only_the_first():
     allowance = PrefillBudget(2.0, SPAN).allowance()
-    assert allowance.take(0, 500) == MIN_CHUNK_TOKENS == 8
+    assert allowance.take(0, 500) == MIN_CHUNK_TOKENS == 2
     assert allowance.take(0, 500) == 0
     decoded_only = PrefillBudget(2.0, SPAN)
     decoded_only.observe(8, [], DECODE_MS)  # the decode step is known, the price of prefill not yet
-    assert decoded_only.allowance().take(0, 500) == 8
+    assert decoded_only.allowance().take(0, 500) == 2
 
 
 def test_chunks_shrink_as_the_prompt_goes_on():
@@ -72,7 +72,8 @@ def test_chunks_shrink_as_the_prompt_goes_on():
     # the largest n with n + (n c + n (n + 1) / 2) / 1000 <= 50
     assert budget.allowance().take(0, 500) == 48  # 49.176; 49 would be 50.225
     assert budget.allowance().take(2000, 500) == 16  # 3 n: 48.136; 17 would be 51.153
-    assert budget.allowance().take(8000, 500) == 8  # 5 fit (45.015), the floor gives 8
+    assert budget.allowance().take(8000, 500) == 5  # 45.015; 6 would be 54.021
+    assert budget.allowance().take(50_000, 500) == 2  # not even 1 fits (51.001): the floor gives 2
     assert budget.allowance().take(2000, 10) == 10  # what is left of the prompt
 
 
@@ -152,15 +153,15 @@ def test_the_scheduler_prices_a_long_prompt_beside_decodes():
     assert step(scheduler, 0.5) == [("a", 3)]  # a prefill alone: the whole budget, and not measured
     assert step(scheduler, 0.1) == [("a", 1)]  # decode-only: 100 ms
     scheduler.add_request(make_request("long", list(range(100, 400)), SamplingParams(max_tokens=1)))
-    assert step(scheduler, (DECODE_MS + 2.0 * chunk_work(0, 8, SPAN)) / 1e3) == [("a", 1), ("long", 8)]  # floor
-    # priced at 2 ms per token-equivalent: 50 of them; after 8 tokens 48 fit (49.56), 49 would not (50.617)
-    assert step(scheduler, (DECODE_MS + 2.0 * chunk_work(8, 48, SPAN)) / 1e3) == [("a", 1), ("long", 48)]
-    assert step(scheduler, 0.2) == [("a", 1), ("long", 46)]  # 56 in: 46 (49.657); 47 (50.76) would not
+    assert step(scheduler, (DECODE_MS + 2.0 * chunk_work(0, 2, SPAN)) / 1e3) == [("a", 1), ("long", 2)]  # floor
+    # priced at 2 ms per token-equivalent: 50 of them; after 2 tokens 48 fit (49.272), 49 would not (50.323)
+    assert step(scheduler, (DECODE_MS + 2.0 * chunk_work(2, 48, SPAN)) / 1e3) == [("a", 1), ("long", 48)]
+    assert step(scheduler, 0.2) == [("a", 1), ("long", 46)]  # 50 in: 46 (49.381); 47 (50.478) would not
 
 
 def test_a_short_prompt_beside_streams_is_not_priced():
     """Only prompts over the token cap (64 here) are priced: a short one arriving beside a stream comes in whole,
-    where the long prompt of the test above got the unmeasured floor of 8."""
+    where the long prompt of the test above got the unmeasured floor of 2."""
     scheduler = priced_scheduler(256)
     assert step(scheduler, 0.5) == [("a", 3)]
     assert step(scheduler, 0.1) == [("a", 1)]  # decode-only: 100 ms
@@ -173,5 +174,5 @@ def test_a_prompt_with_only_its_last_token_left_is_no_stream_to_protect():
     assert step(scheduler, 0.1) == [("a", 2)]  # one token of its prompt left: it waits for its first
     scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=256)
     scheduler.add_request(make_request("long", list(range(100, 400)), SamplingParams(max_tokens=1)))
-    assert step(scheduler, 0.1) == [("a", 1), ("long", 64)]  # the token cap, not the unmeasured floor of 8
-    assert step(scheduler, 0.1) == [("a", 1), ("long", 8)]  # "a" streams now: the floor
+    assert step(scheduler, 0.1) == [("a", 1), ("long", 64)]  # the token cap, not the unmeasured floor of 2
+    assert step(scheduler, 0.1) == [("a", 1), ("long", 2)]  # "a" streams now: the floor

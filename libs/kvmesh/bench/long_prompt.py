@@ -30,7 +30,7 @@ from engine_core import LLM, LLMEngine, SamplingParams
 BLOCK_SIZE = 16
 STREAM_PROMPT_TOKENS = 64
 STREAM_OUTPUT_TOKENS = 1024  # more than the steps any measured cap needs to prefill the long prompt
-BASELINE_STEPS = 20
+BASELINE_STEPS = 64  # decode-only steps measured first: 512 gaps with 8 streams (160 made a fragile p99)
 GOAL_RATIO = 2.0
 
 

@@ -46,9 +46,10 @@ class WorkerSettings(ServiceSettings):
     )
     cpu_decode_kernel: bool = setting(
         True,
-        "float32 on the cpu: decode attention by a C++ kernel that reads the paged KV cache in place, built at first "
-        "use (needs g++ and ninja; where it cannot be built, a warning and the gather + SDPA path; off: that path "
-        "always; docs/engine.md)",
+        "float32 on the cpu: decode attention, and a prompt chunk's attention over its cached context, by C++ "
+        "kernels that read the paged KV cache in place, built by make install or at first use (needs g++ and "
+        "ninja; where they cannot be built, a warning and the gather + SDPA path; off: that path always; "
+        "docs/engine.md)",
     )
     torch_threads: int = setting(1, "CPU threads per worker (several roles often share one machine's cores)")
     prefix_caching_enabled: bool = setting(
