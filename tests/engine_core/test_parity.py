@@ -93,9 +93,27 @@ def test_llama_chunks_attended_by_gemm_match_transformers(llama_reference, monke
 
     monkeypatch.setattr(devices.cpu, "chunk_attention", counted)
     path, model = llama_reference
-    llm = LLM(str(path), device="cpu", num_kv_blocks=64, max_num_batched_tokens=8)
+    # the C++ kernels off: with them the chunk kernel takes these chunks (the test below)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, max_num_batched_tokens=8, cpu_decode_kernel=False)
     check_generate_against_reference(llm, model, random_prompts(500))
     assert num_calls[0] >= 3 * 12  # 3 layers; at least the 1, 2, 3 and 6 chunks of the 5, 16, 23 and 41 tokens
+
+
+def test_llama_chunks_attended_by_the_chunk_kernel_match_transformers(llama_reference):
+    """Chunks of 8 tokens over their cached context, read in place by the C++ chunk kernel."""
+    path, model = llama_reference
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, max_num_batched_tokens=8)
+    ops = llm.engine.ops
+    assert ops.chunk_kernel is not None, "the kernels did not build (g++ and ninja are part of the test environment)"
+    num_calls, kernel = [0], ops.chunk_kernel
+
+    def counted(*args):
+        num_calls[0] += 1
+        return kernel(*args)
+
+    ops.chunk_kernel = counted
+    check_generate_against_reference(llm, model, random_prompts(500))
+    assert num_calls[0] >= 3 * 12  # as above
 
 
 def test_chunked_prefill_and_prefix_reuse_change_nothing(deepseek_reference):

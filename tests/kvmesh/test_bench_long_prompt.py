@@ -20,7 +20,8 @@ def test_count_runs_counts_runs_of_consecutive_ids() -> None:
 
 
 def test_an_arm_reports_both_readings_and_the_block_runs() -> None:
-    report = run_long_prompt_bench("deepseek-tiny", 2, 100, [32], 2048, 0, (0.0,))
+    # 20 baseline steps (the bench's 64 would outrun deepseek-tiny's positions)
+    report = run_long_prompt_bench("deepseek-tiny", 2, 100, [32], 2048, 0, (0.0,), baseline_steps=20)
     arm = report["results"]["threshold 32, step ratio 0"]
     (run,) = arm["rounds"]
     # the streams hold 6 blocks each (64 prompt tokens, 21 generated) and need no new one during the prompt's 4

@@ -43,6 +43,7 @@ def run_long_prompt_bench(
     seed: int,
     step_ratios: Sequence[float] = (0.0,),
     rounds: int = 1,
+    baseline_steps: int = BASELINE_STEPS,
 ) -> dict[str, Any]:
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     arms = [(t, r) for t in thresholds for r in step_ratios]
@@ -50,7 +51,7 @@ def run_long_prompt_bench(
     for _ in range(rounds):
         for threshold, ratio in arms:
             runs[_arm_name(threshold, ratio)].append(
-                _one_arm(model, streams, prompt_tokens, threshold, ratio, max_num_batched_tokens, seed)
+                _one_arm(model, streams, prompt_tokens, threshold, ratio, max_num_batched_tokens, seed, baseline_steps)
             )
     results = {name: _medians(arm_runs) for name, arm_runs in runs.items()}
     return {
@@ -90,6 +91,7 @@ def _one_arm(
     ratio: float,
     max_num_batched_tokens: int,
     seed: int,
+    baseline_steps: int = BASELINE_STEPS,
 ) -> dict[str, Any]:
     context = prompt_tokens + BLOCK_SIZE
     llm = LLM(
@@ -114,7 +116,7 @@ def _one_arm(
     while len(last_token_at) < streams:  # prefill the streams; the clock starts at each one's first token
         _step(engine, last_token_at, {})
     baseline: dict[str, list[float]] = {}
-    for _ in range(BASELINE_STEPS):
+    for _ in range(baseline_steps):
         _step(engine, last_token_at, baseline)
     loaded: dict[str, list[float]] = {}
     long_block_ids: list[int] = []
