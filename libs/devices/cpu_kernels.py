@@ -8,7 +8,7 @@
 
 Built with `-O3 -march=native -fopenmp` (vectorized for this CPU, torch's threads), so the build is named after
 this CPU's flags and the source: a cache directory shared by hosts with other instruction sets never loads a
-binary this one cannot run. The first build takes ~20 s; later processes load it from torch's extension cache
+binary this one cannot run. The first build takes ~30 s; later processes load it from torch's extension cache
 (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) in well under a second.
 """
 
