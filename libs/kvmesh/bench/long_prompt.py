@@ -1,11 +1,17 @@
 """`kvmesh bench long-prompt`: what a long prompt arriving does to the streams already decoding.
 
 For each arm, a `long_prefill_token_threshold` (0: no cap) and a `long_prefill_step_ratio` (0: off), a fresh engine
-starts `streams` requests (short prompts, long outputs) and, once all of them decode, steps `baseline_steps` times:
-each stream's gaps between two tokens are the baseline TPOT samples. Then one long prompt arrives (max_tokens 1: it
-leaves once prefilled, so what is measured is its prefill, not the longer decode attention it would add afterwards)
-and the engine steps until it is done; the streams' gaps meanwhile are the TPOT samples under load. Reported per
-arm: TPOT p50/p99 in both phases, their p99 ratio (the goal: at most 2), and the long prompt's time to first token.
+starts `streams` requests (short prompts, outputs long enough to outlast the prompt's prefill) and, once all of them
+decode, steps `baseline_steps` times: each stream's gaps between two tokens then are the "before" samples. Then one
+long prompt arrives (max_tokens 1: it leaves once prefilled, so what is measured is its prefill, not the longer
+decode attention it would add afterwards) and the engine steps until it is done; the streams' gaps meanwhile are
+the samples under load. A second engine, alike and with the same streams, then runs the control: the same
+baseline steps and as many more as the loaded phase took, with no long prompt, so its gaps are the streams' at the
+same contexts (a stream's step grows with its context: over an 8k prompt's thousands of steps they grow by as
+many tokens). The goal's ratio is the loaded phase's TPOT p99 over the control's (`tpot_p99_ratio`: what the
+prompt adds); the ratio over the "before" phase is reported beside it (`tpot_p99_ratio_vs_before`: the streams'
+own growth counted against the prompt, the harsher reading). A stream that ends before the long prompt's first
+token would leave the rest of the prefill unmeasured: the arm fails instead.
 Two readings of TPOT: per gap (every gap between two tokens of any stream is a sample: the skeptical one, since a
 single slow step shows in its p99) and per request (vLLM's definition, (e2e - TTFT) / (tokens - 1): each stream's
 mean gap over the phase is one sample, so the p99 is about the slowest stream's mean). Also how many runs of
@@ -26,10 +32,10 @@ from typing import Any
 import torch
 
 from engine_core import LLM, LLMEngine, SamplingParams
+from engine_core.prefill_budget import MIN_CHUNK_TOKENS
 
 BLOCK_SIZE = 16
 STREAM_PROMPT_TOKENS = 64
-STREAM_OUTPUT_TOKENS = 1024  # more than the steps any measured cap needs to prefill the long prompt
 BASELINE_STEPS = 64  # decode-only steps measured first: 512 gaps with 8 streams (160 made a fragile p99)
 GOAL_RATIO = 2.0
 
@@ -74,13 +80,25 @@ def _arm_name(threshold: int, ratio: float) -> str:
 
 def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """An arm's rounds: the median of each figure, and the rounds themselves."""
-    figures = ("tpot_p99_ratio", "request_tpot_p99_ratio", "long_prompt_ttft_s")
+    figures = (
+        "tpot_p99_ratio",
+        "request_tpot_p99_ratio",
+        "tpot_p99_ratio_vs_before",
+        "request_tpot_p99_ratio_vs_before",
+        "long_prompt_ttft_s",
+    )
     summary: dict[str, Any] = {f: round(statistics.median(run[f] for run in runs), 3) for f in figures}
     for reading in ("tpot", "request_tpot"):
-        for phase in (f"{reading}_baseline_ms", f"{reading}_with_long_prompt_ms"):
+        for phase in (f"{reading}_before_ms", f"{reading}_with_long_prompt_ms", f"{reading}_control_ms"):
             summary[phase] = {p: round(statistics.median(run[phase][p] for run in runs), 2) for p in ("p50", "p99")}
     summary["rounds"] = runs
     return summary
+
+
+def stream_output_tokens(prompt_tokens: int, baseline_steps: int) -> int:
+    """Tokens each stream generates: the baseline steps, then one a step for as many steps as the long prompt's
+    prefill can take (each step computes at least the budget's floor of it while streams decode), and a margin."""
+    return baseline_steps + -(-prompt_tokens // MIN_CHUNK_TOKENS) + 8
 
 
 def _one_arm(
@@ -93,52 +111,73 @@ def _one_arm(
     seed: int,
     baseline_steps: int = BASELINE_STEPS,
 ) -> dict[str, Any]:
-    context = prompt_tokens + BLOCK_SIZE
-    llm = LLM(
-        model,
-        enable_prefix_caching=False,
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=streams * -(-(STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS) // BLOCK_SIZE)
-        + -(-context // BLOCK_SIZE),
-        max_model_len=context,
-        max_num_batched_tokens=max_num_batched_tokens,
-        long_prefill_token_threshold=threshold,
-        long_prefill_step_ratio=ratio,
-    )
-    engine = llm.engine
-    rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    stream_params = SamplingParams(temperature=0.0, max_tokens=STREAM_OUTPUT_TOKENS, ignore_eos=True)
+    """One arm: the loaded run, then its control (the same streams, as many steps, no long prompt)."""
+    output_tokens = stream_output_tokens(prompt_tokens, baseline_steps)
+
+    def start() -> tuple[LLMEngine, random.Random, dict[str, float], dict[str, list[float]]]:
+        """A fresh engine whose streams have decoded `baseline_steps` steps; their gaps meanwhile."""
+        context = prompt_tokens + BLOCK_SIZE
+        llm = LLM(
+            model,
+            enable_prefix_caching=False,
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=streams * -(-(STREAM_PROMPT_TOKENS + output_tokens) // BLOCK_SIZE)
+            + -(-context // BLOCK_SIZE),
+            max_model_len=max(context, STREAM_PROMPT_TOKENS + output_tokens),
+            max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=threshold,
+            long_prefill_step_ratio=ratio,
+        )
+        engine = llm.engine
+        rng = random.Random(seed)
+        vocab = engine.model_config.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+        for request_id in stream_ids:
+            engine.add_request(request_id, [rng.randrange(vocab) for _ in range(STREAM_PROMPT_TOKENS)], params)
+        last_token_at: dict[str, float] = {}
+        while len(last_token_at) < streams:  # prefill the streams; the clock starts at each one's first token
+            _step(engine, last_token_at, {})
+        before: dict[str, list[float]] = {}
+        for _ in range(baseline_steps):
+            _step(engine, last_token_at, before)
+        return engine, rng, last_token_at, before
+
     stream_ids = [f"stream-{i}" for i in range(streams)]
-    for request_id in stream_ids:
-        engine.add_request(request_id, [rng.randrange(vocab) for _ in range(STREAM_PROMPT_TOKENS)], stream_params)
-    last_token_at: dict[str, float] = {}
-    while len(last_token_at) < streams:  # prefill the streams; the clock starts at each one's first token
-        _step(engine, last_token_at, {})
-    baseline: dict[str, list[float]] = {}
-    for _ in range(baseline_steps):
-        _step(engine, last_token_at, baseline)
+    engine, rng, last_token_at, before = start()
     loaded: dict[str, list[float]] = {}
     long_block_ids: list[int] = []
     arrived = time.perf_counter()
+    vocab = engine.model_config.vocab_size
     engine.add_request("long", [rng.randrange(vocab) for _ in range(prompt_tokens)], SamplingParams(max_tokens=1))
+    num_loaded_steps = 0
     while "long" not in last_token_at:
         long_block_ids = engine.kv.block_ids("long") or long_block_ids  # freed in the step that finishes it
         _step(engine, last_token_at, loaded)
+        num_loaded_steps += 1
     ttft = last_token_at["long"] - arrived
-    for request_id in stream_ids:
-        engine.abort_request(request_id)
-    gaps_baseline, gaps_loaded = _flat(baseline), _flat(loaded)
+    short = [r for r in stream_ids if len(loaded.get(r, ())) != num_loaded_steps]
+    if short:
+        raise RuntimeError(f"streams {short} ended before the long prompt's first token: the load was not measured")
+    del engine
+    engine, _, last_token_at, _ = start()
+    control: dict[str, list[float]] = {}
+    for _ in range(num_loaded_steps):
+        _step(engine, last_token_at, control)
+    phases = {"before": before, "with_long_prompt": loaded, "control": control}
+    report: dict[str, Any] = {}
+    for name, gaps in phases.items():
+        report[f"tpot_{name}_ms"] = _percentiles(_flat(gaps))
+        report[f"request_tpot_{name}_ms"] = _percentiles(request_tpots(gaps))
+    for reading, samples in (("tpot", _flat), ("request_tpot", request_tpots)):
+        loaded_p99 = _p99(samples(loaded))
+        report[f"{reading}_p99_ratio"] = round(loaded_p99 / _p99(samples(control)), 3)
+        report[f"{reading}_p99_ratio_vs_before"] = round(loaded_p99 / _p99(samples(before)), 3)
     return {
-        "tpot_baseline_ms": _percentiles(gaps_baseline),
-        "tpot_with_long_prompt_ms": _percentiles(gaps_loaded),
-        "tpot_p99_ratio": round(_p99(gaps_loaded) / _p99(gaps_baseline), 3),
-        "request_tpot_baseline_ms": _percentiles(request_tpots(baseline)),
-        "request_tpot_with_long_prompt_ms": _percentiles(request_tpots(loaded)),
-        "request_tpot_p99_ratio": round(_p99(request_tpots(loaded)) / _p99(request_tpots(baseline)), 3),
+        **report,
         "long_prompt_ttft_s": round(ttft, 3),
+        "long_prompt_steps": num_loaded_steps,
         "long_prompt_block_runs": count_runs(long_block_ids),
-        "num_samples": [len(gaps_baseline), len(gaps_loaded)],
+        "num_samples": [len(_flat(phase)) for phase in phases.values()],
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
