@@ -19,6 +19,14 @@ price follows the machine's load and whatever the shape leaves out (the CPU path
 per layer). A step's prefills together get the work that keeps it within `step_ratio` x decode_ms. The first
 prefill of a step always gets at least MIN_CHUNK_TOKENS, so a long prompt finishes however costly its chunks
 become; until both costs are measured, prefills get only that floor, which measures them cheaply.
+
+While a long prompt is prefilled every step carries a chunk, so no step shows what the decodes alone cost now,
+and they cost more as the streams' contexts grow (8 streams over an 8k prompt's thousands of steps: a decode-only
+step 92 ms before, 230 ms by the end). Priced against a stale decode_ms the budget saw every step as over its aim
+and gave the floor alone, so the prompt took 3,877 steps (docs/engine.md). So after REFRESH_STEPS steps in a row
+with prefill work, one step runs the decodes alone (the prompt waits a step: 3% more steps at most; asked once, so
+short prompts admitted into that step cannot starve it), and decode_ms is the median of the decode-only steps among
+the last DECODE_WINDOW_STEPS steps.
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ from engine_core.config import ModelConfig
 # what a step costs (the price allows less): with the chunk kernel 2 kept the 8k long-prompt bench's streams
 # within 2x where 8 did not, at the same TTFT (docs/engine.md).
 MIN_CHUNK_TOKENS = 2
-NUM_DECODE_STEPS = 32  # decode-only step times kept (their median is decode_ms)
+NUM_DECODE_STEPS = 32  # decode-only step times kept (the median of those still recent is decode_ms)
 NUM_PREFILL_STEPS = 16  # steps with prefill work kept (the median of their price per unit is ms_per_work)
+REFRESH_STEPS = 32  # steps with prefill work in a row after which one runs the decodes alone, to measure them
+DECODE_WINDOW_STEPS = 256  # a decode-only step older than this many measured steps no longer sets decode_ms
 
 
 def model_span(config: ModelConfig) -> float:
@@ -57,16 +67,17 @@ class StepAllowance:
     """One step's prefill work left, handed out to the step's prefills in order. Built by `PrefillBudget` for
     one `Scheduler.schedule` call, which is its only user."""
 
-    def __init__(self, work: float, span: float) -> None:
+    def __init__(self, work: float, span: float, floor: int = MIN_CHUNK_TOKENS) -> None:
         self.work = work  # token-equivalents left this step (may go negative: the floor overdraws it)
         self.span = span
+        self.floor = floor  # tokens the first prefill gets whatever the work left (0: a decode-only step)
         self.num_takes = 0
 
     def take(self, num_cached: int, num_tokens: int) -> int:
         """Tokens (at most `num_tokens`) the next prefill, `num_cached` tokens in, computes this step."""
         fits = _tokens_within(self.work, num_cached, self.span)
         if self.num_takes == 0:
-            fits = max(fits, MIN_CHUNK_TOKENS)
+            fits = max(fits, self.floor)
         taken = min(num_tokens, fits)
         if taken > 0:
             self.num_takes += 1
@@ -83,21 +94,28 @@ class PrefillBudget:
             raise ValueError(f"step_ratio must be at least 1 and span positive, got {step_ratio!r}, {span!r}")
         self.step_ratio = step_ratio  # a step with prefill work may take this many decode-only steps
         self.span = span
-        self._decode_ms: deque[float] = deque(maxlen=NUM_DECODE_STEPS)
+        self._num_steps = 0  # steps measured (those with decodes)
+        self._refreshed_at = 0  # the step number of the last decode-only step asked for
+        self._decode_ms: deque[tuple[int, float]] = deque(maxlen=NUM_DECODE_STEPS)  # (step number, ms)
         self._prefill_steps: deque[tuple[float, float]] = deque(maxlen=NUM_PREFILL_STEPS)  # (ms, work)
 
     def observe(self, num_decodes: int, chunks: Sequence[tuple[int, int]], ms: float) -> None:
         """One step's time: `num_decodes` single-token rows and the prefill chunks (num_cached, num_tokens)."""
         if num_decodes == 0:
             return  # nothing waited on it: prefill alone has the whole budget
+        self._num_steps += 1
         if not chunks:
-            self._decode_ms.append(ms)
+            self._decode_ms.append((self._num_steps, ms))
             return
         self._prefill_steps.append((ms, sum(chunk_work(c, n, self.span) for c, n in chunks)))
 
     @property
     def decode_ms(self) -> float | None:
-        return statistics.median(self._decode_ms) if self._decode_ms else None
+        """Median of the decode-only steps among the last DECODE_WINDOW_STEPS (of all kept, if none is)."""
+        if not self._decode_ms:
+            return None
+        recent = [ms for step, ms in self._decode_ms if step > self._num_steps - DECODE_WINDOW_STEPS]
+        return statistics.median(recent or [ms for _, ms in self._decode_ms])
 
     @property
     def ms_per_work(self) -> float | None:
@@ -108,7 +126,12 @@ class PrefillBudget:
         return statistics.median((ms - decode_ms) / work for ms, work in self._prefill_steps)
 
     def allowance(self) -> StepAllowance:
-        """The prefill work this step may add beside its decodes."""
+        """The prefill work this step may add beside its decodes: none, not even the floor, when REFRESH_STEPS
+        steps in a row had prefill work (this one measures the decodes alone)."""
+        if self._decode_ms and self._num_steps - max(self._decode_ms[-1][0], self._refreshed_at) >= REFRESH_STEPS:
+            # asked for once: if short prompts (not priced) fill this step anyway, the long one waits no longer
+            self._refreshed_at = self._num_steps
+            return StepAllowance(0.0, self.span, floor=0)
         decode_ms, ms_per_work = self.decode_ms, self.ms_per_work
         if decode_ms is None or ms_per_work is None:
             work = 0.0  # not measured yet: the floor alone

@@ -7,8 +7,10 @@ import pytest
 from engine_core.config import ConfigError, EngineConfig, ModelConfig
 from engine_core.kv_cache.manager import KVCacheManager
 from engine_core.prefill_budget import (
+    DECODE_WINDOW_STEPS,
     MIN_CHUNK_TOKENS,
     NUM_PREFILL_STEPS,
+    REFRESH_STEPS,
     PrefillBudget,
     chunk_work,
     model_span,
@@ -103,6 +105,47 @@ def test_steps_without_decodes_are_not_measured():
     budget.observe(0, [(0, 2048)], 9_000.0)  # a prefill alone: no stream waited on it
     budget.observe(0, [], 1.0)
     assert (budget.decode_ms, budget.allowance().take(0, 500)) == (DECODE_MS, 48)
+
+
+def test_a_long_run_of_prefill_steps_is_broken_by_one_decode_only_step():
+    budget = measured_budget(ms_per_work=2.0)  # 3 decode-only steps, then 1 with prefill work
+    for _ in range(REFRESH_STEPS - 2):
+        budget.observe(8, [(0, 8)], DECODE_MS + 2.0 * chunk_work(0, 8, SPAN))
+    assert budget.allowance().take(0, 500) == 48  # 31 steps with prefill in a row: not yet
+    budget.observe(8, [(0, 8)], DECODE_MS + 2.0 * chunk_work(0, 8, SPAN))
+    refresh = budget.allowance()  # the 32nd: this step runs the decodes alone, not even the floor
+    assert (refresh.take(0, 500), refresh.take(0, 500)) == (0, 0)
+    budget.observe(8, [], 3 * DECODE_MS)  # the decodes alone, measured now: their contexts grew
+    # decode_ms is the median of the 4 recent decode-only steps: 100 ms; with 300 ms steps it moves
+    assert budget.decode_ms == DECODE_MS
+    for _ in range(4):
+        budget.observe(8, [], 3 * DECODE_MS)
+    assert budget.decode_ms == 3 * DECODE_MS
+    assert budget.allowance().take(0, 500) == 500  # 300 ms of prefill work at ~0 ms a unit (its median now)
+
+
+def test_a_refresh_filled_by_short_prompts_is_not_asked_again_at_once():
+    budget = measured_budget(ms_per_work=2.0)
+    for _ in range(REFRESH_STEPS - 1):
+        budget.observe(8, [(0, 8)], DECODE_MS + 2.0 * chunk_work(0, 8, SPAN))
+    assert budget.allowance().take(0, 500) == 0  # asked for a decode-only step ...
+    budget.observe(8, [(0, 30)], DECODE_MS + 2.0 * chunk_work(0, 30, SPAN))  # ... a short prompt (not priced) came
+    assert budget.allowance().take(0, 500) == 48  # the long prompt is not held back again for REFRESH_STEPS steps
+    for _ in range(REFRESH_STEPS - 2):
+        budget.observe(8, [(0, 8)], DECODE_MS + 2.0 * chunk_work(0, 8, SPAN))
+    assert budget.allowance().take(0, 500) == 48
+    budget.observe(8, [(0, 8)], DECODE_MS + 2.0 * chunk_work(0, 8, SPAN))
+    assert budget.allowance().take(0, 500) == 0
+
+
+def test_decode_only_steps_out_of_the_window_price_nothing_while_recent_ones_exist():
+    budget = PrefillBudget(2.0, SPAN)
+    budget.observe(8, [], DECODE_MS)
+    for _ in range(DECODE_WINDOW_STEPS):  # the refresh asks for none: nobody calls allowance() here
+        budget.observe(8, [(0, 8)], DECODE_MS + 2.0 * chunk_work(0, 8, SPAN))
+    assert budget.decode_ms == DECODE_MS  # out of the window, but the only one: kept
+    budget.observe(8, [], 2 * DECODE_MS)
+    assert budget.decode_ms == 2 * DECODE_MS  # the old one no longer counts
 
 
 def test_free_prefill_is_bounded_by_the_token_caps_alone():
