@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from devices.base import DecodeBatch, DeviceOps
-from devices.cpu_kernels import PagedChunk, PagedDecode, paged_chunk_kernel, paged_decode_kernel
+from devices.cpu_kernels import PagedChunk, PagedDecode, chunk_kernel_pays, paged_chunk_kernel, paged_decode_kernel
 
 # What one more segment costs, in context tokens of attention work: a segment's fixed price (an SDPA call, its
 # views, its share of the output copy) against the padding it saves. From a 1-thread timing of one layer's decode
@@ -160,11 +160,11 @@ class CpuOps(DeviceOps):
         self.chunk_kernel: PagedChunk | None = None
 
     def use_decode_kernel(self) -> bool:
-        """Run float32 decode attention, and a short chunk's attention over a cached context, by the C++ kernels
-        that read the paged cache in place (devices.cpu_kernels) instead of gathering each layer's blocks for SDPA
-        or GEMMs; False (and the gathers stay) where they cannot be built."""
+        """Run float32 decode attention, and a short chunk's attention over a cached context where
+        `chunk_kernel_pays`, by the C++ kernels that read the paged cache in place (devices.cpu_kernels) instead of
+        gathering each layer's blocks for SDPA or GEMMs; False (and the gathers stay) where they cannot be built."""
         self.decode_kernel = paged_decode_kernel()
-        self.chunk_kernel = paged_chunk_kernel()
+        self.chunk_kernel = paged_chunk_kernel() if chunk_kernel_pays() else None  # slower than the gather on AVX2
         return self.decode_kernel is not None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

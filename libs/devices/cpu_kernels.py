@@ -113,6 +113,15 @@ def paged_chunk_kernel() -> PagedChunk | None:
     return None if extension is None else extension.paged_chunk  # type: ignore[no-any-return]
 
 
+def chunk_kernel_pays() -> bool:
+    """Whether the chunk kernel is the faster path on this CPU: where torch's vector capability is AVX-512. Its rows
+    are the lanes of 16-float vectors, 4 positions' sums held in registers at once: AVX-512's 32 registers hold them;
+    AVX2's 16 do not, and the spills made it slower than the gather path (`bench/chunk_kernel.py --contexts 4000
+    --queries 2 8 --threads 2`, AMD EPYC Zen 3, 2026-12-07: 208 against 172 ms at 2 tokens, 764 against 130 at 8,
+    30 layers; on a Zen 4 with AVX-512, 1.5-6x faster than the gather)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def main() -> None:
     """Build the kernels now: `make install` does (`python -c 'from devices.cpu_kernels import main; main()'`), so
     that neither the first mesh started nor a test run pays the build, nor a test's timing meets it. Returns

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from devices.cpu import CHUNK_KERNEL_MAX_ROWS, CpuOps
-from devices.cpu_kernels import SOURCE_DIR, build_name, paged_chunk_kernel, paged_decode_kernel
+from devices.cpu_kernels import SOURCE_DIR, build_name, chunk_kernel_pays, paged_chunk_kernel, paged_decode_kernel
 from engine_core import LLM, SamplingParams
 from engine_core.config import ConfigError, EngineConfig
 from engine_core.engine import uses_cpu_decode_kernel
@@ -25,6 +25,8 @@ from tests.devices.test_cpu_decode import BLOCK_SIZE, LENGTHS, _tables
 def ops() -> CpuOps:
     ops = CpuOps()
     assert ops.use_decode_kernel(), "the kernel did not build (g++ and ninja are part of the test environment)"
+    assert (ops.chunk_kernel is not None) is chunk_kernel_pays()
+    ops.chunk_kernel = paged_chunk_kernel()  # tested on every host, though the engine takes it on AVX-512 only
     return ops
 
 
@@ -160,6 +162,13 @@ def test_the_chunk_kernel_refuses_what_it_cannot_do_and_larger_chunks_take_the_g
     assert calls == [CHUNK_KERNEL_MAX_ROWS // 2]
 
 
+def test_the_chunk_kernel_is_taken_where_the_cpu_has_avx512() -> None:
+    assert chunk_kernel_pays() is (torch.backends.cpu.get_cpu_capability() == "AVX512")
+    ops = CpuOps()
+    assert ops.use_decode_kernel()
+    assert (ops.chunk_kernel is not None) is chunk_kernel_pays()
+
+
 def test_the_build_is_named_after_the_source_and_this_cpu() -> None:
     source = SOURCE_DIR / "paged_decode.cpp"
     name = build_name(source)
@@ -189,8 +198,10 @@ def test_the_engine_decodes_the_same_tokens_with_the_kernel(reference: str, requ
         llm = LLM(path, device="cpu", num_kv_blocks=32, block_size=4, cpu_decode_kernel=on, max_num_batched_tokens=6)
         ops = llm.engine.ops
         assert (ops.decode_kernel is not None) is on
-        if on and ops.chunk_kernel is not None:
-            ops.chunk_kernel = counted(ops.chunk_kernel)
+        if on:  # the chunk kernel too, even where the engine leaves it off (AVX2: chunk_kernel_pays)
+            kernel = paged_chunk_kernel()
+            assert kernel is not None
+            ops.chunk_kernel = counted(kernel)
         outputs[on] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs[True] == outputs[False]
     assert [len(ids) for ids in outputs[True]] == [24, 24]
