@@ -98,8 +98,10 @@ class LLMEngine:
             self.model_config.num_layers,
         )
         if config.cpu_decode_kernel and uses_cpu_decode_kernel(self.ops, self.dtype):
-            chunks = "and chunk" if getattr(self.ops, "chunk_kernel", None) is not None else "(chunks: the gather path)"
-            log.info("decode %s attention: the C++ kernels over the paged cache (devices.cpu_kernels)", chunks)
+            if getattr(self.ops, "chunk_kernel", None) is not None:
+                log.info("decode and chunk attention: the C++ kernels over the paged cache (devices.cpu_kernels)")
+            else:  # chunk_kernel_pays: not on AVX2
+                log.info("decode attention: the C++ kernel over the paged cache; chunk attention: the gather path")
         if config.cpu_packed_linear and can_pack(self.ops.name, self.dtype, config.quantization):
             pack_linear_layers(model)
             log.info("linear layers: oneDNN's reordered weights from %d row(s) a call", min_packed_rows())
