@@ -113,6 +113,7 @@ def _one_arm(
 ) -> dict[str, Any]:
     """One arm: the loaded run, then its control (the same streams, as many steps, no long prompt)."""
     output_tokens = stream_output_tokens(prompt_tokens, baseline_steps)
+    stream_ids = [f"stream-{i}" for i in range(streams)]
 
     def start() -> tuple[LLMEngine, random.Random, dict[str, float], dict[str, list[float]]]:
         """A fresh engine whose streams have decoded `baseline_steps` steps; their gaps meanwhile."""
@@ -142,7 +143,6 @@ def _one_arm(
             _step(engine, last_token_at, before)
         return engine, rng, last_token_at, before
 
-    stream_ids = [f"stream-{i}" for i in range(streams)]
     engine, rng, last_token_at, before = start()
     loaded: dict[str, list[float]] = {}
     long_block_ids: list[int] = []
