@@ -5,13 +5,16 @@ starts `streams` requests (short prompts, outputs long enough to outlast the pro
 decode, steps `baseline_steps` times: each stream's gaps between two tokens then are the "before" samples. Then one
 long prompt arrives (max_tokens 1: it leaves once prefilled, so what is measured is its prefill, not the longer
 decode attention it would add afterwards) and the engine steps until it is done; the streams' gaps meanwhile are
-the samples under load. A second engine, alike and with the same streams, then runs the control: the same
-baseline steps and as many more as the loaded phase took, with no long prompt, so its gaps are the streams' at the
-same contexts (a stream's step grows with its context: over an 8k prompt's thousands of steps they grow by as
-many tokens). The goal's ratio is the loaded phase's TPOT p99 over the control's (`tpot_p99_ratio`: what the
-prompt adds); the ratio over the "before" phase is reported beside it (`tpot_p99_ratio_vs_before`: the streams'
-own growth counted against the prompt, the harsher reading). A stream that ends before the long prompt's first
-token would leave the rest of the prefill unmeasured: the arm fails instead.
+the samples under load. A second engine, alike and with the same streams, is the control: it steps in turn with
+the loaded one, a step each, with no long prompt, so its gaps are the streams' at the same contexts (a stream's
+step grows with its context: over an 8k prompt's thousands of steps they grow by as many tokens) and at the same
+moments (a shared host drifts over minutes: run after the loaded phase, the control's decode-only steps cost
+10-25% more than the loaded engine's own at the same step, on a 2-core Xeon, 2026-12-07). Each engine keeps its
+own clock, the time spent in its own steps, so a gap is what a stream of an engine alone on the machine would
+wait, and the other engine's turns count in neither. The goal's ratio is the loaded phase's TPOT p99 over the
+control's (`tpot_p99_ratio`: what the prompt adds); the ratio over the "before" phase is reported beside it
+(`tpot_p99_ratio_vs_before`: the streams' own growth counted against the prompt, the harsher reading). A stream that
+ends before the long prompt's first token would leave the rest of the prefill unmeasured: the arm fails instead.
 Two readings of TPOT: per gap (every gap between two tokens of any stream is a sample: the skeptical one, since a
 single slow step shows in its p99) and per request (vLLM's definition, (e2e - TTFT) / (tokens - 1): each stream's
 mean gap over the phase is one sample, so the p99 is about the slowest stream's mean). Also how many runs of
@@ -111,11 +114,11 @@ def _one_arm(
     seed: int,
     baseline_steps: int = BASELINE_STEPS,
 ) -> dict[str, Any]:
-    """One arm: the loaded run, then its control (the same streams, as many steps, no long prompt)."""
+    """One arm: the loaded engine and its control (the same streams, no long prompt), a step each in turn."""
     output_tokens = stream_output_tokens(prompt_tokens, baseline_steps)
     stream_ids = [f"stream-{i}" for i in range(streams)]
 
-    def start() -> tuple[LLMEngine, random.Random, dict[str, float], dict[str, list[float]]]:
+    def start() -> tuple[LLMEngine, random.Random, _Clock, dict[str, list[float]]]:
         """A fresh engine whose streams have decoded `baseline_steps` steps; their gaps meanwhile."""
         context = prompt_tokens + BLOCK_SIZE
         llm = LLM(
@@ -135,34 +138,32 @@ def _one_arm(
         params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
         for request_id in stream_ids:
             engine.add_request(request_id, [rng.randrange(vocab) for _ in range(STREAM_PROMPT_TOKENS)], params)
-        last_token_at: dict[str, float] = {}
-        while len(last_token_at) < streams:  # prefill the streams; the clock starts at each one's first token
-            _step(engine, last_token_at, {})
+        clock = _Clock()
+        while len(clock.last_token_at) < streams:  # prefill the streams; the clock starts at each one's first token
+            _step(engine, clock, {})
         before: dict[str, list[float]] = {}
         for _ in range(baseline_steps):
-            _step(engine, last_token_at, before)
-        return engine, rng, last_token_at, before
+            _step(engine, clock, before)
+        return engine, rng, clock, before
 
-    engine, rng, last_token_at, before = start()
+    engine, rng, clock, before = start()
+    control_engine, _, control_clock, _ = start()
     loaded: dict[str, list[float]] = {}
+    control: dict[str, list[float]] = {}
     long_block_ids: list[int] = []
-    arrived = time.perf_counter()
+    arrived = clock.now
     vocab = engine.model_config.vocab_size
     engine.add_request("long", [rng.randrange(vocab) for _ in range(prompt_tokens)], SamplingParams(max_tokens=1))
     num_loaded_steps = 0
-    while "long" not in last_token_at:
+    while "long" not in clock.last_token_at:
         long_block_ids = engine.kv.block_ids("long") or long_block_ids  # freed in the step that finishes it
-        _step(engine, last_token_at, loaded)
+        _step(engine, clock, loaded)
+        _step(control_engine, control_clock, control)
         num_loaded_steps += 1
-    ttft = last_token_at["long"] - arrived
+    ttft = clock.last_token_at["long"] - arrived
     short = [r for r in stream_ids if len(loaded.get(r, ())) != num_loaded_steps]
     if short:
         raise RuntimeError(f"streams {short} ended before the long prompt's first token: the load was not measured")
-    del engine
-    engine, _, last_token_at, _ = start()
-    control: dict[str, list[float]] = {}
-    for _ in range(num_loaded_steps):
-        _step(engine, last_token_at, control)
     phases = {"before": before, "with_long_prompt": loaded, "control": control}
     report: dict[str, Any] = {}
     for name, gaps in phases.items():
@@ -182,17 +183,26 @@ def _one_arm(
     }
 
 
-def _step(engine: LLMEngine, last_token_at: dict[str, float], gaps: dict[str, list[float]]) -> None:
-    """One engine step; each stream's time since its previous token goes to `gaps[stream id]`."""
+class _Clock:
+    """One engine's time: the seconds spent in its own steps (`now`), and when each request last got a token."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.last_token_at: dict[str, float] = {}
+
+
+def _step(engine: LLMEngine, clock: _Clock, gaps: dict[str, list[float]]) -> None:
+    """One engine step on its clock; each stream's time since its previous token goes to `gaps[stream id]`."""
+    started = time.perf_counter()
     outputs = engine.step()
-    now = time.perf_counter()
+    clock.now += time.perf_counter() - started
     for output in outputs:
         if not output.new_token_ids:
             continue
-        previous = last_token_at.get(output.request_id)
+        previous = clock.last_token_at.get(output.request_id)
         if previous is not None and output.request_id != "long":
-            gaps.setdefault(output.request_id, []).append(now - previous)
-        last_token_at[output.request_id] = now
+            gaps.setdefault(output.request_id, []).append(clock.now - previous)
+        clock.last_token_at[output.request_id] = clock.now
 
 
 def _flat(gaps: dict[str, list[float]]) -> list[float]:
