@@ -8,17 +8,23 @@ an early one, as each of its tokens attends over everything before it.
 
 So the budget prices work, not tokens. A chunk of n tokens after c tokens already in the cache is
 
-    work(c, n) = n + (n * c + n * (n + 1) / 2) / span
+    work(c, n) = n + (n * c + n * (n + 1) / 2) / span + c / read_span
 
-token-equivalents: its linear layers, plus its attention pairs (query, key), where `span` (`model_span`) is the
-context at which one token's attention costs as much as its linear layers, from the model's shape. What a unit of
-work costs is measured: a step with decodes and prefill work takes `decode_ms + ms_per_work * work`, where
-decode_ms is the median of recent decode-only steps and ms_per_work the median of (step - decode_ms) / work over
-recent steps with prefill work; medians, so that a noisy neighbour's spike moves neither, and recent, so that the
-price follows the machine's load and whatever the shape leaves out (the CPU path gathers a chunk's whole context
-per layer). A step's prefills together get the work that keeps it within `step_ratio` x decode_ms. The first
-prefill of a step always gets at least MIN_CHUNK_TOKENS, so a long prompt finishes however costly its chunks
-become; until both costs are measured, prefills get only that floor, which measures them cheaply.
+token-equivalents: its linear layers, its attention pairs (query, key), and one read of its cached context's K/V
+(the chunk kernel reads each cached position once for all its queries; the gather path copies the context, then
+attends it). `span` is the context at which one token's attention costs as much as its linear layers, `read_span`
+the context whose one read does, both from the model's shape (`ChunkShape.of`). The read is most of what a small
+chunk late in a long prompt costs: priced without it, from such chunks, every extra token seemed to cost the
+context's read again, and chunks stayed at a few tokens where more fitted (docs/engine.md, "A chunk's price counts
+its context's read").
+
+What a unit of work costs is measured: a step with decodes and prefill work takes `decode_ms + ms_per_work * work`,
+where decode_ms is the median of recent decode-only steps and ms_per_work the median of (step - decode_ms) / work
+over recent steps with prefill work; medians, so that a noisy neighbour's spike moves neither, and recent, so that
+the price follows the machine's load and whatever the shape leaves out. A step's prefills together get the work
+that keeps it within `step_ratio` x decode_ms. The first prefill of a step always gets at least MIN_CHUNK_TOKENS,
+so a long prompt finishes however costly its chunks become; until both costs are measured, prefills get only that
+floor, which measures them cheaply.
 
 While a long prompt is prefilled every step carries a chunk, so no step shows what the decodes alone cost now,
 and they cost more as the streams' contexts grow (8 streams over an 8k prompt's thousands of steps: a decode-only
@@ -35,6 +41,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine_core.config import ModelConfig
 
@@ -48,40 +55,76 @@ REFRESH_STEPS = 32  # steps with prefill work in a row after which one runs the 
 DECODE_WINDOW_STEPS = 256  # a decode-only step older than this many measured steps no longer sets decode_ms
 
 
-def model_span(config: ModelConfig) -> float:
-    """Context length at which a token's attention (q.k and p.v over every earlier token) costs as much as its
-    linear layers (q, k, v and o projections, the gated MLP), in multiply-adds. SmolLM2-135M: 3,072 tokens.
-    A shape, not a timing: MLA and MoE layers are priced as dense attention and MLP of the same sizes, which the
-    measured price per unit then corrects near the contexts actually seen."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    linear = 2 * hidden * head_dim * (config.num_heads + config.num_kv_heads) + 3 * hidden * config.intermediate_size
-    return linear / (2 * config.num_heads * head_dim)
+# What reading one cached float once costs in multiply-adds, for `read_span`. A machine's balance of memory
+# bandwidth and arithmetic, not a shape: fitted to the 8k long-prompt bench's steps on a 2-core Xeon with AVX-512
+# (2026-12-07; 1,469 steps, each step's time over its decodes' against its chunk's (c, n): 37.5 with the chunk
+# kernel). The measured price per unit corrects the scale; this sets how a chunk's cost splits between its read
+# and its tokens.
+MACS_PER_FLOAT_READ = 32.0
 
 
-def chunk_work(num_cached: int, num_tokens: int, span: float) -> float:
-    """Token-equivalents of computing `num_tokens` prompt tokens after `num_cached` ones (see the module doc)."""
-    return num_tokens + (num_tokens * num_cached + num_tokens * (num_tokens + 1) / 2) / span
+@dataclass(frozen=True)
+class ChunkShape:
+    """What a chunk's work follows in a model's shape (see the module doc), in token-equivalents."""
+
+    span: float  # context at which one token's attention (q.k and p.v) costs its linear layers
+    read_span: float  # cached tokens whose K/V read once costs one token's linear layers (math.inf: not priced)
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> ChunkShape:
+        """SmolLM2-135M: span 3,072 tokens, read_span 288 (a token's linear layers are 3.5 M multiply-adds a layer,
+        its K and V 384 floats). A shape, not a timing: MLA and MoE layers are priced as dense attention and MLP
+        of the same sizes (MLA's read is its latent), which the measured price per unit then corrects near the
+        contexts actually seen."""
+        hidden, head_dim = config.hidden_size, config.head_dim
+        linear = (
+            2 * hidden * head_dim * (config.num_heads + config.num_kv_heads) + 3 * hidden * config.intermediate_size
+        )
+        mla = config.mla
+        cached = mla.kv_lora_rank + mla.qk_rope_head_dim if mla is not None else 2 * config.num_kv_heads * head_dim
+        return cls(linear / (2 * config.num_heads * head_dim), linear / (cached * MACS_PER_FLOAT_READ))
+
+    def work(self, num_cached: int, num_tokens: int) -> float:
+        """Token-equivalents of computing `num_tokens` prompt tokens after `num_cached` ones (0 tokens: none)."""
+        if num_tokens <= 0:
+            return 0.0
+        pairs = num_tokens * num_cached + num_tokens * (num_tokens + 1) / 2
+        return num_tokens + pairs / self.span + num_cached / self.read_span
+
+    def tokens_within(self, work: float, num_cached: int) -> int:
+        """The most tokens whose work after `num_cached` tokens stays within `work` (0 if not even one)."""
+        if math.isinf(work):
+            return 2**31
+        rest = work - num_cached / self.read_span  # what the context's read, paid by any chunk, leaves
+        if rest <= 0:
+            return 0
+        # the rest is a n^2 + b n with a = 1 / (2 span), b = 1 + (c + 1/2) / span: the positive root, floored
+        a, b = 1.0 / (2.0 * self.span), 1.0 + (num_cached + 0.5) / self.span
+        tokens = int((-b + math.sqrt(b * b + 4.0 * a * rest)) / (2.0 * a))
+        while tokens > 0 and self.work(num_cached, tokens) > work:  # the root's rounding, at most a step
+            tokens -= 1
+        return tokens
 
 
 class StepAllowance:
     """One step's prefill work left, handed out to the step's prefills in order. Built by `PrefillBudget` for
     one `Scheduler.schedule` call, which is its only user."""
 
-    def __init__(self, work: float, span: float, floor: int = MIN_CHUNK_TOKENS) -> None:
+    def __init__(self, work: float, shape: ChunkShape, floor: int = MIN_CHUNK_TOKENS) -> None:
         self.work = work  # token-equivalents left this step (may go negative: the floor overdraws it)
-        self.span = span
+        self.shape = shape
         self.floor = floor  # tokens the first prefill gets whatever the work left (0: a decode-only step)
         self.num_takes = 0
 
     def take(self, num_cached: int, num_tokens: int) -> int:
         """Tokens (at most `num_tokens`) the next prefill, `num_cached` tokens in, computes this step."""
-        fits = _tokens_within(self.work, num_cached, self.span)
+        fits = self.shape.tokens_within(self.work, num_cached)
         if self.num_takes == 0:
             fits = max(fits, self.floor)
         taken = min(num_tokens, fits)
         if taken > 0:
             self.num_takes += 1
-            self.work -= chunk_work(num_cached, taken, self.span)
+            self.work -= self.shape.work(num_cached, taken)
         return taken
 
 
@@ -89,11 +132,11 @@ class PrefillBudget:
     """Measured step costs and the prefill work they allow. The scheduler that owns it is its only writer
     (`observe` after each step, `allowance` when it schedules one)."""
 
-    def __init__(self, step_ratio: float, span: float) -> None:
-        if step_ratio < 1.0 or span <= 0:
-            raise ValueError(f"step_ratio must be at least 1 and span positive, got {step_ratio!r}, {span!r}")
+    def __init__(self, step_ratio: float, shape: ChunkShape) -> None:
+        if step_ratio < 1.0 or shape.span <= 0 or shape.read_span <= 0:
+            raise ValueError(f"step_ratio must be at least 1 and spans positive, got {step_ratio!r}, {shape!r}")
         self.step_ratio = step_ratio  # a step with prefill work may take this many decode-only steps
-        self.span = span
+        self.shape = shape
         self._num_steps = 0  # steps measured (those with decodes)
         self._refreshed_at = 0  # the step number of the last decode-only step asked for
         self._decode_ms: deque[tuple[int, float]] = deque(maxlen=NUM_DECODE_STEPS)  # (step number, ms)
@@ -107,7 +150,7 @@ class PrefillBudget:
         if not chunks:
             self._decode_ms.append((self._num_steps, ms))
             return
-        self._prefill_steps.append((ms, sum(chunk_work(c, n, self.span) for c, n in chunks)))
+        self._prefill_steps.append((ms, sum(self.shape.work(c, n) for c, n in chunks)))
 
     @property
     def decode_ms(self) -> float | None:
@@ -131,7 +174,7 @@ class PrefillBudget:
         if self._decode_ms and self._num_steps - max(self._decode_ms[-1][0], self._refreshed_at) >= REFRESH_STEPS:
             # asked for once: if short prompts (not priced) fill this step anyway, the long one waits no longer
             self._refreshed_at = self._num_steps
-            return StepAllowance(0.0, self.span, floor=0)
+            return StepAllowance(0.0, self.shape, floor=0)
         decode_ms, ms_per_work = self.decode_ms, self.ms_per_work
         if decode_ms is None or ms_per_work is None:
             work = 0.0  # not measured yet: the floor alone
@@ -139,18 +182,4 @@ class PrefillBudget:
             work = math.inf  # prefill costs nothing measurable here: only the token caps bound it
         else:
             work = (self.step_ratio - 1.0) * decode_ms / ms_per_work
-        return StepAllowance(work, self.span)
-
-
-def _tokens_within(work: float, num_cached: int, span: float) -> int:
-    """The most tokens whose chunk_work after num_cached tokens stays within `work` (0 if not even one)."""
-    if work <= 0:
-        return 0
-    if math.isinf(work):
-        return 2**31
-    # chunk_work(c, n) = a n^2 + b n with a = 1 / (2 span), b = 1 + (c + 1/2) / span: the positive root, floored
-    a, b = 1.0 / (2.0 * span), 1.0 + (num_cached + 0.5) / span
-    tokens = int((-b + math.sqrt(b * b + 4.0 * a * work)) / (2.0 * a))
-    while tokens > 0 and chunk_work(num_cached, tokens, span) > work:  # the root's rounding, at most a step
-        tokens -= 1
-    return tokens
+        return StepAllowance(work, self.shape)
