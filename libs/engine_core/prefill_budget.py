@@ -32,7 +32,10 @@ step 92 ms before, 230 ms by the end). Priced against a stale decode_ms the budg
 and gave the floor alone, so the prompt took 3,877 steps (docs/engine.md). So after REFRESH_STEPS steps in a row
 with prefill work, one step runs the decodes alone (the prompt waits a step: 3% more steps at most; asked once, so
 short prompts admitted into that step cannot starve it), and decode_ms is the median of the decode-only steps among
-the last DECODE_WINDOW_STEPS steps.
+the last DECODE_WINDOW_STEPS steps: three refreshes into a prompt only they count (a median of three still ignores
+one spike), while the decode-only steps before it came, up to 32 of them, would otherwise outvote the refreshes
+for as long as they were in the window (with 256 steps, a slow spell before an 8k prompt priced its first 5,500
+tokens against decodes 1.5x dearer than they had become, docs/engine.md).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ MIN_CHUNK_TOKENS = 2
 NUM_DECODE_STEPS = 32  # decode-only step times kept (the median of those still recent is decode_ms)
 NUM_PREFILL_STEPS = 16  # steps with prefill work kept (the median of their price per unit is ms_per_work)
 REFRESH_STEPS = 32  # steps with prefill work in a row after which one runs the decodes alone, to measure them
-DECODE_WINDOW_STEPS = 256  # a decode-only step older than this many measured steps no longer sets decode_ms
+DECODE_WINDOW_STEPS = 3 * REFRESH_STEPS  # a decode-only step older than this many measured steps sets no decode_ms
 
 
 # What reading one cached float once costs in multiply-adds, for `read_span`. A machine's balance of memory

@@ -177,6 +177,22 @@ def test_decode_only_steps_out_of_the_window_price_nothing_while_recent_ones_exi
     assert budget.decode_ms == 2 * DECODE_MS  # the old one no longer counts
 
 
+def test_three_refreshes_into_a_prompt_outvote_the_decode_steps_before_it():
+    """A slow spell before the prompt (32 decode-only steps at 150 ms) prices it only until three refreshes have
+    measured the decodes as they are now (100 ms)."""
+    budget = PrefillBudget(2.0, SHAPE)
+    for _ in range(32):
+        budget.observe(8, [], 1.5 * DECODE_MS)
+    seen = []
+    while len(seen) < 3:
+        if budget.allowance().floor == 0:  # a refresh: the decodes alone
+            budget.observe(8, [], DECODE_MS)
+            seen.append(budget.decode_ms)
+        else:
+            budget.observe(8, [(0, 8)], DECODE_MS + 2.0 * SHAPE.work(0, 8))
+    assert seen == [1.5 * DECODE_MS, 1.5 * DECODE_MS, DECODE_MS]  # 3 * REFRESH_STEPS steps in: the refreshes alone
+
+
 def test_free_prefill_is_bounded_by_the_token_caps_alone():
     budget = measured_budget(ms_per_work=0.0)
     assert budget.allowance().take(0, 500) == 500
