@@ -42,7 +42,7 @@ from engine_core.models import build_model
 from engine_core.models.deepseek_v4.state import SequenceState
 from engine_core.models.deepseek_v4.transfer import block_sections, layer_from_bytes, layer_to_bytes, state_sections
 from engine_core.packed_linear import can_pack, min_packed_rows, pack_linear_layers
-from engine_core.prefill_budget import ChunkShape, PrefillBudget
+from engine_core.prefill_budget import PrefillBudget, PrefillShape
 from engine_core.quantization import calibration_ids, check_quantization, int8_kernel, quantize_model
 from engine_core.request import EmbeddingSpan, Request, RequestStatus
 from engine_core.sampler import Sampler
@@ -119,7 +119,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
             self.kv,
-            PrefillBudget(config.long_prefill_step_ratio, ChunkShape.of(self.model_config))
+            PrefillBudget(config.long_prefill_step_ratio, PrefillShape.of(self.model_config))
             if config.long_prefill_step_ratio
             else None,
         )

@@ -13,7 +13,7 @@ So the budget prices work, not tokens. A chunk of n tokens after c tokens alread
 token-equivalents: its linear layers, its attention pairs (query, key), and one read of its cached context's K/V
 (the chunk kernel reads each cached position once for all its queries; the gather path copies the context, then
 attends it). `span` is the context at which one token's attention costs as much as its linear layers, `read_span`
-the context whose one read does, both from the model's shape (`ChunkShape.of`). The read is most of what a small
+the context whose one read does, both from the model's shape (`PrefillShape.of`). The read is most of what a small
 chunk late in a long prompt costs: priced without it, from such chunks, every extra token seemed to cost the
 context's read again, and chunks stayed at a few tokens where more fitted (docs/engine.md, "A chunk's price counts
 its context's read").
@@ -67,14 +67,14 @@ MACS_PER_FLOAT_READ = 32.0
 
 
 @dataclass(frozen=True)
-class ChunkShape:
+class PrefillShape:
     """What a chunk's work follows in a model's shape (see the module doc), in token-equivalents."""
 
     span: float  # context at which one token's attention (q.k and p.v) costs its linear layers
     read_span: float  # cached tokens whose K/V read once costs one token's linear layers (math.inf: not priced)
 
     @classmethod
-    def of(cls, config: ModelConfig) -> ChunkShape:
+    def of(cls, config: ModelConfig) -> PrefillShape:
         """SmolLM2-135M: span 3,072 tokens, read_span 288 (a token's linear layers are 3.5 M multiply-adds a layer,
         its K and V 384 floats). A shape, not a timing: MLA and MoE layers are priced as dense attention and MLP
         of the same sizes (MLA's read is its latent), which the measured price per unit then corrects near the
@@ -113,7 +113,7 @@ class StepAllowance:
     """One step's prefill work left, handed out to the step's prefills in order. Built by `PrefillBudget` for
     one `Scheduler.schedule` call, which is its only user."""
 
-    def __init__(self, work: float, shape: ChunkShape, floor: int = MIN_CHUNK_TOKENS) -> None:
+    def __init__(self, work: float, shape: PrefillShape, floor: int = MIN_CHUNK_TOKENS) -> None:
         self.work = work  # token-equivalents left this step (may go negative: the floor overdraws it)
         self.shape = shape
         self.floor = floor  # tokens the first prefill gets whatever the work left (0: a decode-only step)
@@ -135,7 +135,7 @@ class PrefillBudget:
     """Measured step costs and the prefill work they allow. The scheduler that owns it is its only writer
     (`observe` after each step, `allowance` when it schedules one)."""
 
-    def __init__(self, step_ratio: float, shape: ChunkShape) -> None:
+    def __init__(self, step_ratio: float, shape: PrefillShape) -> None:
         if step_ratio < 1.0 or shape.span <= 0 or shape.read_span <= 0:
             raise ValueError(f"step_ratio must be at least 1 and spans positive, got {step_ratio!r}, {shape!r}")
         self.step_ratio = step_ratio  # a step with prefill work may take this many decode-only steps

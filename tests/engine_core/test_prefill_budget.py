@@ -13,8 +13,8 @@ from engine_core.prefill_budget import (
     MIN_CHUNK_TOKENS,
     NUM_PREFILL_STEPS,
     REFRESH_STEPS,
-    ChunkShape,
     PrefillBudget,
+    PrefillShape,
 )
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler, SchedulerConfig
@@ -24,7 +24,7 @@ from mesh.config import load_settings
 from .helpers import make_request
 
 # round numbers: a token's attention costs its linear layers at 1,000 tokens of context, a read of 500 cached ones
-SHAPE = ChunkShape(span=1000.0, read_span=500.0)
+SHAPE = PrefillShape(span=1000.0, read_span=500.0)
 DECODE_MS = 100.0
 
 
@@ -53,7 +53,7 @@ SMOLLM2_LINEAR = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
 
 
 def test_the_spans_of_smollm2_follow_its_shape():
-    shape = ChunkShape.of(ModelConfig.from_hf(SMOLLM2))
+    shape = PrefillShape.of(ModelConfig.from_hf(SMOLLM2))
     assert shape.span == SMOLLM2_LINEAR / (2 * 9 * 64) == 3072.0  # q.k and p.v over one more key, 9 heads of 64
     assert shape.read_span == SMOLLM2_LINEAR / (2 * 3 * 64 * MACS_PER_FLOAT_READ) == 288.0  # K and V, 3 heads of 64
 
@@ -65,7 +65,7 @@ def test_an_mla_model_reads_its_latent():
             None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=False
         ),
     )
-    assert ChunkShape.of(config).read_span == SMOLLM2_LINEAR / ((512 + 64) * MACS_PER_FLOAT_READ)
+    assert PrefillShape.of(config).read_span == SMOLLM2_LINEAR / ((512 + 64) * MACS_PER_FLOAT_READ)
 
 
 def test_work_counts_tokens_their_attention_pairs_and_one_read_of_the_context():
@@ -100,7 +100,7 @@ def test_small_chunks_late_in_a_prompt_priced_with_their_read_let_larger_ones_in
     read, the budget finds the price it was fed and gives 8 tokens; priced without (as before), each unit seems
     to cost 3.6 ms, and the same 100 ms of prefill a step would get 5."""
     true_ms = DECODE_MS + 2.0 * SHAPE.work(4000, 2)  # 136.006 ms
-    for shape, price, tokens in ((SHAPE, 2.0, 8), (ChunkShape(1000.0, math.inf), 3.6, 5)):
+    for shape, price, tokens in ((SHAPE, 2.0, 8), (PrefillShape(1000.0, math.inf), 3.6, 5)):
         budget = PrefillBudget(2.0, shape)
         budget.observe(8, [], DECODE_MS)
         budget.observe(8, [(4000, 2)], true_ms)
