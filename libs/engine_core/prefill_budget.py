@@ -59,10 +59,10 @@ DECODE_WINDOW_STEPS = 3 * REFRESH_STEPS  # a decode-only step older than this ma
 
 
 # What reading one cached float once costs in multiply-adds, for `read_span`. A machine's balance of memory
-# bandwidth and arithmetic, not a shape: fitted to the 8k long-prompt bench's steps on a 2-core Xeon with AVX-512
-# (2026-12-07; 1,469 steps, each step's time over its decodes' against its chunk's (c, n): 37.5 with the chunk
-# kernel). The measured price per unit corrects the scale; this sets how a chunk's cost splits between its read
-# and its tokens.
+# bandwidth and arithmetic, not a shape: fitted to the 8k long-prompt bench's recorded steps on a 2-core Xeon with
+# AVX-512 and the chunk kernel (2026-12-07; each step's time beyond its decodes' against its chunk's (c, n)):
+# 27.7, 36.6 and 37.5 in three runs (a fourth, whose chunk sizes hardly varied, could not separate the terms). The
+# measured price per unit corrects the scale; this sets how a chunk's cost splits between its read and its tokens.
 MACS_PER_FLOAT_READ = 32.0
 
 
