@@ -59,6 +59,7 @@ async def test_route_leaves_decode_to_bind_decode_whose_choice_peers_hear(nats_u
     async with serving(serve, one) as gateway_channel, serving(serve, two) as second_gateway_channel:
         for stub in map(balancer_pb2_grpc.BalancerStub, (gateway_channel, second_gateway_channel)):
             await wait_until(lambda stub=stub: _lists(stub, set(workers)), timeout_s=5)
+        peers_before = count("kvmesh_balancer_peer_assignments_total", {})
         route = await balancer_pb2_grpc.BalancerStub(gateway_channel).Route(
             route_request(num_prompt_tokens=5000, request_id="big")
         )
@@ -68,12 +69,12 @@ async def test_route_leaves_decode_to_bind_decode_whose_choice_peers_hear(nats_u
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
         first, second = (balancer_pb2_grpc.BalancerStub(as_prefill.get(f"127.0.0.1:{s.grpc_port}")) for s in (one, two))
 
-        peers_before = count("kvmesh_balancer_peer_assignments_total", {})
         bound = await first.BindDecode(bind_request("big", 5000))
         assert (bound.decode.worker_id, bound.decode.address) == ("d-9", "127.0.0.1:7009")  # less KV than d-8
 
-        async def heard() -> bool:
-            return count("kvmesh_balancer_peer_assignments_total", {}) > peers_before
+        async def heard() -> bool:  # both of the first replica's decisions, the route's and the binding's
+            # (waiting for one more than before the binding passed when the route's came late, before the binding's)
+            return count("kvmesh_balancer_peer_assignments_total", {}) >= peers_before + 2
 
         await wait_until(heard, timeout_s=5)
         # the peer counts big's 5,000 tokens on d-9: d-8's 100 are fewer
