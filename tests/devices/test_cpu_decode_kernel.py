@@ -33,13 +33,17 @@ def ops() -> CpuOps:
     return ops
 
 
-@pytest.mark.parametrize("context_lens", LENGTHS)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (9, 3)])
+@pytest.mark.parametrize("context_lens", [*LENGTHS, [300, 17, 129]])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 64), (4, 4, 64), (9, 3, 64), (10, 2, 128), (4, 2, 8)]
+)
 def test_the_kernel_gives_what_gather_and_sdpa_give(
-    ops: CpuOps, context_lens: list[int], num_heads: int, num_kv_heads: int
+    ops: CpuOps, context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
+    """Head sizes of 16-float multiples take the vector path where the CPU has AVX-512 (10 heads over 2 KV heads:
+    value sums of 4, 4 and 2 heads at a time; 128 floats: two passes of 64), others the scalar loops."""
     gen = torch.Generator().manual_seed(3)
-    head_dim, num_blocks = 64, 64
+    num_blocks = 128
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen)

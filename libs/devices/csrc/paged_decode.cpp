@@ -3,9 +3,12 @@
 //
 // One query token per sequence attends over its own context, block by block through its block table: no copy of
 // the blocks into a gathered buffer, no padding to a longer row's length. Work is split by sequence; each
-// position's K and V rows (all KV heads) are read once, front to back, for every query head. Softmax in float32
-// with the row's maximum subtracted, as SDPA does; sums run in position order, so a row's result does not depend
-// on the other rows of the batch.
+// position's K and V rows (all KV heads) are read front to back, 16 positions at a time for every query head.
+// Where a vector is one register (AVX-512) and heads are multiples of 16 floats, a query head's 16 dot products
+// are summed across lanes at once, the softmax's exp is vectorized, a head's value sums stay in registers, and
+// the next positions' rows are prefetched (blocks lie anywhere, so the hardware prefetcher meets each cold);
+// elsewhere scalar loops. Softmax in float32 with the row's maximum subtracted, as SDPA does; each head's sums run
+// in a fixed order, so a row's result does not depend on the other rows of the batch.
 //
 //   q            (B, H, D)       float32, contiguous
 //   k_cache      (N, S, K, D)    float32, contiguous: N blocks of S positions, K KV heads
@@ -36,100 +39,6 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale, int64_t value_dim) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
-                  block_tables.device().is_cpu() && context_lens.device().is_cpu(),
-              "paged_decode: cpu tensors only");
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-                  v_cache.dtype() == torch::kFloat32,
-              "paged_decode: float32 only");
-  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32,
-              "paged_decode: int32 block tables and context lengths");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous(),
-              "paged_decode: contiguous tensors only");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: shapes");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t S = k_cache.size(1), K = k_cache.size(2), W = v_cache.size(3), M = block_tables.size(1);
-  const int64_t Dv = value_dim > 0 ? value_dim : W;
-  TORCH_CHECK(k_cache.size(3) == D && K > 0 && H % K == 0 && Dv <= W, "paged_decode: head shapes");
-  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == S && v_cache.size(2) == K,
-              "paged_decode: K and V caches of different block shapes");
-  const int64_t G = H / K;
-  auto out = torch::empty({B, H, Dv}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-
-  // Query heads [h0, h1) of sequence b. Each head's arithmetic is the same whichever heads share the call, so
-  // a row's result is the same bits however the work is split.
-  auto attend = [&](int64_t b, int64_t h0, int64_t h1, std::vector<float>& scores, std::vector<float>& acc) {
-    const int64_t L = lens[b], n = h1 - h0;
-    TORCH_CHECK(L > 0 && L <= M * S, "paged_decode: a context length outside its block table");
-    scores.resize(n * L);
-    acc.assign(n * Dv, 0.f);
-    const float* queries = qp + b * H * D;
-    const int32_t* table = tables + b * M;
-    for (int64_t l = 0; l < L; ++l) {
-      const float* keys = kc + (static_cast<int64_t>(table[l / S]) * S + l % S) * K * D;  // (K, D)
-      for (int64_t h = h0; h < h1; ++h) {
-        const float* query = queries + h * D;
-        const float* key = keys + (h / G) * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += query[d] * key[d];
-        scores[(h - h0) * L + l] = dot * sc;
-      }
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      float* row = scores.data() + i * L;
-      const float most = *std::max_element(row, row + L);
-      float total = 0.f;
-      for (int64_t l = 0; l < L; ++l) {
-        row[l] = std::exp(row[l] - most);
-        total += row[l];
-      }
-      const float inverse = 1.f / total;
-      for (int64_t l = 0; l < L; ++l) row[l] *= inverse;
-    }
-    for (int64_t l = 0; l < L; ++l) {
-      const float* values = vc + (static_cast<int64_t>(table[l / S]) * S + l % S) * K * W;  // (K, W)
-      for (int64_t h = h0; h < h1; ++h) {
-        const float weight = scores[(h - h0) * L + l];
-        const float* value = values + (h / G) * W;
-        float* sum = acc.data() + (h - h0) * Dv;
-#pragma omp simd
-        for (int64_t d = 0; d < Dv; ++d) sum[d] += weight * value[d];
-      }
-    }
-    std::copy(acc.begin(), acc.end(), op + (b * H + h0) * Dv);
-  };
-
-  // One work item per sequence where there are enough of them: each position's keys (or values) for all KV
-  // heads are one contiguous row of the block, K * D floats, read front to back; a block's rows follow each
-  // other, so the reads stream through memory as the hardware prefetcher expects. (An item per KV head read a
-  // D-float slice every K * D floats: on a cold cache, as between two layers of a real step, that ran 3x slower
-  // on one AMD host than the same call warm.) Fewer sequences than threads (a batch of one): an item per
-  // (sequence, query head), so that every thread works; a few sequences' rows are small enough to stay cached.
-  if (B >= at::get_num_threads()) {
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
-      for (int64_t b = begin; b < end; ++b) attend(b, 0, H, scores, acc);
-    });
-  } else {
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
-      for (int64_t item = begin; item < end; ++item) attend(item / H, item % H, item % H + 1, scores, acc);
-    });
-  }
-  return out;
-}
 
 namespace {
 
@@ -163,6 +72,274 @@ inline vf exp_nonpositive(vf x) {
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   return (vf)((vi)(y * (vf)bits) & keep);
 }
+
+#if defined(__clang__)
+#define KVMESH_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define KVMESH_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
+
+// Sixteen dot products' partial vectors summed across their lanes at once, as a tree of pairwise halvings (15
+// shuffle-and-add steps instead of 16 horizontal sums): lane t of the result is the sum of the lanes of
+// parts[kBitReversed[t]], always added in the same order.
+constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline vf lane_sums(const vf* parts) {
+  vf half[8], quarter[4], eighth[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: parts[2i]'s 8 partial sums; 8-15: parts[2i + 1]'s
+    const vf a = parts[2 * i], b = parts[2 * i + 1];
+    half[i] = KVMESH_SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+              KVMESH_SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {  // four lanes a part
+    const vf a = half[2 * i], b = half[2 * i + 1];
+    quarter[i] = KVMESH_SHUFFLE(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+                 KVMESH_SHUFFLE(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {  // two lanes a part
+    const vf a = quarter[2 * i], b = quarter[2 * i + 1];
+    eighth[i] = KVMESH_SHUFFLE(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+                KVMESH_SHUFFLE(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  const vf a = eighth[0], b = eighth[1];
+  return KVMESH_SHUFFLE(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         KVMESH_SHUFFLE(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+inline float sum_lanes(vf x) {  // in lane order
+  float total = 0.f;
+  for (int i = 0; i < kLanes; ++i) total += x[i];
+  return total;
+}
+
+// The batch's shapes and pointers, as every sequence's attention reads them.
+struct Decode {
+  int64_t H, D, S, K, W, Dv, G, M;
+  const float* qp;
+  const float* kc;
+  const float* vc;
+  const int32_t* tables;
+  const int32_t* lens;
+  float* op;
+  float scale;
+};
+
+// Query heads [h0, h1) of sequence b, any head size: scalar loops, sums in position order.
+void attend_any(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<float>& scores,
+                std::vector<float>& acc) {
+  const int64_t L = c.lens[b], n = h1 - h0, D = c.D, Dv = c.Dv;
+  scores.resize(n * L);
+  acc.assign(n * Dv, 0.f);
+  const float* queries = c.qp + b * c.H * D;
+  const int32_t* table = c.tables + b * c.M;
+  for (int64_t l = 0; l < L; ++l) {
+    const float* keys = c.kc + (static_cast<int64_t>(table[l / c.S]) * c.S + l % c.S) * c.K * D;  // (K, D)
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* query = queries + h * D;
+      const float* key = keys + (h / c.G) * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += query[d] * key[d];
+      scores[(h - h0) * L + l] = dot * c.scale;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = scores.data() + i * L;
+    const float most = *std::max_element(row, row + L);
+    float total = 0.f;
+    for (int64_t l = 0; l < L; ++l) {
+      row[l] = std::exp(row[l] - most);
+      total += row[l];
+    }
+    const float inverse = 1.f / total;
+    for (int64_t l = 0; l < L; ++l) row[l] *= inverse;
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const float* values = c.vc + (static_cast<int64_t>(table[l / c.S]) * c.S + l % c.S) * c.K * c.W;  // (K, W)
+    for (int64_t h = h0; h < h1; ++h) {
+      const float weight = scores[(h - h0) * L + l];
+      const float* value = values + (h / c.G) * c.W;
+      float* sum = acc.data() + (h - h0) * Dv;
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) sum[d] += weight * value[d];
+    }
+  }
+  std::copy(acc.begin(), acc.end(), c.op + (b * c.H + h0) * Dv);
+}
+
+// Heads whose value sums are held in registers at once: 4 x 4 vectors and the value row's 4 fit AVX-512's 32
+// registers.
+constexpr int kHeads = 4;
+
+// Heads [h, h + NH): their weighted sum of values over the context, VC vectors of each value from float u0 on,
+// sums in position order in registers, divided by each head's softmax total at the end.
+template <int NH, int VC>
+void weigh_values(const Decode& c, int64_t b, int64_t h, int64_t u0, int64_t L, const int64_t* entries,
+                  const float* weights, int64_t stride, const float* inverse) {
+  vf sums[NH][VC] = {};
+  const float* rows[NH];
+  for (int g = 0; g < NH; ++g) rows[g] = c.vc + ((h + g) / c.G) * c.W + u0;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t at = entries[l] * c.K * c.W;
+    for (int g = 0; g < NH; ++g) {
+      const float w = weights[g * stride + l];
+      for (int i = 0; i < VC; ++i) sums[g][i] += w * load(rows[g] + at + i * kLanes);
+    }
+  }
+  for (int g = 0; g < NH; ++g)
+    for (int i = 0; i < VC; ++i) store(c.op + (b * c.H + h + g) * c.Dv + u0 + i * kLanes, sums[g][i] * inverse[g]);
+}
+
+template <int VC>
+void weigh_values_of(const Decode& c, int64_t b, int64_t h, int64_t nh, int64_t u0, int64_t L, const int64_t* entries,
+                     const float* weights, int64_t stride, const float* inverse) {
+  switch (nh) {
+    case 1: return weigh_values<1, VC>(c, b, h, u0, L, entries, weights, stride, inverse);
+    case 2: return weigh_values<2, VC>(c, b, h, u0, L, entries, weights, stride, inverse);
+    case 3: return weigh_values<3, VC>(c, b, h, u0, L, entries, weights, stride, inverse);
+    default: return weigh_values<4, VC>(c, b, h, u0, L, entries, weights, stride, inverse);
+  }
+}
+
+// Query heads [h0, h1) of sequence b, head sizes that are multiples of 16 floats (VC vectors of a value at a
+// time): scores 16 positions a vector, the softmax's exp vectorized, values summed in registers. The scratch
+// holds the entries (L), the scaled queries (n x D) and the scores (n x L rounded up to 16).
+template <int VC>
+void attend(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<float>& scratch,
+            std::vector<int64_t>& entries) {
+  const int64_t L = c.lens[b], n = h1 - h0, D = c.D, stride = (L + kLanes - 1) / kLanes * kLanes;
+  const int32_t* table = c.tables + b * c.M;
+  entries.resize(stride);
+  for (int64_t l = 0; l < L; ++l) entries[l] = static_cast<int64_t>(table[l / c.S]) * c.S + l % c.S;
+  scratch.resize(n * D + n * stride);
+  float* queries = scratch.data();
+  float* scores = queries + n * D;
+  for (int64_t i = 0; i < n * D; ++i) queries[i] = c.qp[(b * c.H + h0) * D + i] * c.scale;
+  // Scores: a block of 16 positions at a time, every head (each position's keys are one row, read front to
+  // back; the block's rows stay in L1 while the heads read them).
+  const int64_t key_bytes = c.K * D * 4, value_bytes = c.K * c.W * 4;
+  for (int64_t l0 = 0; l0 < L; l0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, L - l0);
+    // Blocks lie anywhere in the cache, so the hardware prefetcher meets each one cold: ask for the next
+    // positions' keys, and these positions' values (the value pass reads them next), while these are scored.
+    for (int64_t t = 0; t < m; ++t) {
+      const char* value = reinterpret_cast<const char*>(c.vc + entries[l0 + t] * c.K * c.W);
+      for (int64_t at = 0; at < value_bytes; at += 64) __builtin_prefetch(value + at, 0, 3);
+      if (l0 + kLanes + t < L) {
+        const char* key = reinterpret_cast<const char*>(c.kc + entries[l0 + kLanes + t] * c.K * D);
+        for (int64_t at = 0; at < key_bytes; at += 64) __builtin_prefetch(key + at, 0, 3);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float* query = queries + i * D;
+      const int64_t kh = (h0 + i) / c.G;
+      vf parts[kLanes];
+      for (int s = 0; s < kLanes; ++s) {
+        const int t = kBitReversed[s];
+        vf dot = {};
+        if (t < m) {
+          const float* key = c.kc + entries[l0 + t] * c.K * D + kh * D;
+          for (int64_t d = 0; d < D; d += kLanes) dot += load(query + d) * load(key + d);
+        }
+        parts[s] = dot;
+      }
+      store(scores + i * stride + l0, lane_sums(parts));
+    }
+  }
+  // Softmax: each head's maximum subtracted, exp 16 positions a vector; the total in a fixed order.
+  std::vector<float> inverse(n);
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = scores + i * stride;
+    for (int64_t l = L; l < stride; ++l) row[l] = -INFINITY;  // past the context: weight 0
+    vf top = vf{} - INFINITY;
+    for (int64_t l = 0; l < stride; l += kLanes) {
+      const vf x = load(row + l);
+      top = x > top ? x : top;
+    }
+    float most = top[0];
+    for (int k = 1; k < kLanes; ++k) most = std::max(most, top[k]);
+    vf total = {};
+    for (int64_t l = 0; l < stride; l += kLanes) {
+      const vf p = exp_nonpositive(load(row + l) - most);
+      store(row + l, p);
+      total += p;
+    }
+    inverse[i] = 1.f / sum_lanes(total);
+  }
+  for (int64_t u0 = 0; u0 < c.Dv; u0 += VC * kLanes)
+    for (int64_t i = 0; i < n; i += kHeads)
+      weigh_values_of<VC>(c, b, h0 + i, std::min<int64_t>(kHeads, n - i), u0, L, entries.data(),
+                          scores + i * stride, stride, inverse.data() + i);
+}
+
+}  // namespace
+
+// Decode attention: one query token per sequence over its own context, block by block through its block table (no
+// copy of the blocks into a gathered buffer, no padding to a longer row's length). Work is split by sequence;
+// a head's arithmetic is the same whichever heads share its call, so a row's result is the same bits however the
+// batch is made up and split.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale, int64_t value_dim) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu() && context_lens.device().is_cpu(),
+              "paged_decode: cpu tensors only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+                  v_cache.dtype() == torch::kFloat32,
+              "paged_decode: float32 only");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32,
+              "paged_decode: int32 block tables and context lengths");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "paged_decode: contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: shapes");
+  Decode c;
+  const int64_t B = q.size(0);
+  c.H = q.size(1), c.D = q.size(2);
+  c.S = k_cache.size(1), c.K = k_cache.size(2), c.W = v_cache.size(3), c.M = block_tables.size(1);
+  c.Dv = value_dim > 0 ? value_dim : c.W;
+  TORCH_CHECK(k_cache.size(3) == c.D && c.K > 0 && c.H % c.K == 0 && c.Dv <= c.W, "paged_decode: head shapes");
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == c.S && v_cache.size(2) == c.K,
+              "paged_decode: K and V caches of different block shapes");
+  c.G = c.H / c.K;
+  c.lens = context_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(c.lens[b] > 0 && c.lens[b] <= c.M * c.S, "paged_decode: a context length outside its block table");
+  auto out = torch::empty({B, c.H, c.Dv}, q.options());
+  c.qp = q.data_ptr<float>();
+  c.kc = k_cache.data_ptr<float>();
+  c.vc = v_cache.data_ptr<float>();
+  c.tables = block_tables.data_ptr<int32_t>();
+  c.op = out.data_ptr<float>();
+  c.scale = static_cast<float>(scale);
+  // The vector path where a vector is one register: on AVX2 (two registers a vector) its 16 partial vectors and
+  // their lane sums spill, and it ran 3x slower than the scalar loops (haswell build on a Xeon, 2026-12-07).
+#if defined(__AVX512F__)
+  const bool vectors = c.D % kLanes == 0 && c.Dv % kLanes == 0;
+#else
+  const bool vectors = false;
+#endif
+  auto heads = [&](int64_t b, int64_t h0, int64_t h1, std::vector<float>& scratch, std::vector<float>& more,
+                   std::vector<int64_t>& entries) {
+    if (!vectors) return attend_any(c, b, h0, h1, scratch, more);
+    if (c.Dv % (4 * kLanes) == 0) return attend<4>(c, b, h0, h1, scratch, entries);
+    if (c.Dv % (2 * kLanes) == 0) return attend<2>(c, b, h0, h1, scratch, entries);
+    return attend<1>(c, b, h0, h1, scratch, entries);
+  };
+  // One work item per sequence where there are enough of them; fewer sequences than threads (a batch of one):
+  // an item per (sequence, query head), so that every thread works.
+  const int64_t H = c.H;
+  const bool by_sequence = B >= at::get_num_threads();
+  at::parallel_for(0, by_sequence ? B : B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch, more;
+    std::vector<int64_t> entries;
+    for (int64_t item = begin; item < end; ++item) {
+      if (by_sequence) heads(item, 0, H, scratch, more, entries);
+      else heads(item / H, item % H, item % H + 1, scratch, more, entries);
+    }
+  });
+  return out;
+}
+
+namespace {
 
 constexpr int64_t kRows = 4;  // positions scored, or rows summed, at once: independent sums in registers
 // Positions a span holds: its keys and values stay in the core's cache while every KV head reads them, and its
