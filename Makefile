@@ -13,7 +13,7 @@ $(BIN)/.installed: pyproject.toml
 
 # The cpu module's C++ kernels, built once here (~30 s) rather than by the first engine to start; rebuilt when
 # their source changes. Without a compiler this only warns: the engines then take the plain path.
-$(VENV)/.kernels: libs/devices/csrc/paged_decode.cpp libs/devices/cpu_kernels.py | $(BIN)/.installed
+$(VENV)/.kernels: $(wildcard libs/devices/csrc/*) libs/devices/cpu_kernels.py | $(BIN)/.installed
 	$(BIN)/python -c 'from devices.cpu_kernels import main; main()'
 	touch $@
 

@@ -5,11 +5,14 @@
     out = kernel(q, latent, latent, block_tables, context_lens, scale, value_dim=R)   # MLA: latent (N, S, 1, R+P)
     chunk = paged_chunk_kernel()     # the same build
     out = chunk(q, k_cache, v_cache, block_table, num_cached, scale)                  # (Lq, H, Dv)
+    linear = int8_linear_kernel()    # the same build
+    y = linear(x, input_scale, packed, output_scale, zero_points, bias)              # (R, O)
 
 Built with `-O3 -march=native -fopenmp` (vectorized for this CPU, torch's threads), so the build is named after
-this CPU's flags and the source: a cache directory shared by hosts with other instruction sets never loads a
-binary this one cannot run. The first build takes ~30 s; later processes load it from torch's extension cache
-(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) in well under a second.
+this CPU's flags and the sources: a cache directory shared by hosts with other instruction sets never loads a
+binary this one cannot run. The first build takes ~30-60 s (three files, compiled in parallel); later processes
+load it from torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) in well under a
+second.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 PagedDecode = Callable[..., torch.Tensor]
 # (q, k_cache, v_cache, block_table, num_cached, scale[, value_dim]) -> out: the same file
 PagedChunk = Callable[..., torch.Tensor]
+# (x, input_scale, packed, output_scale, zero_points[, bias]) -> y: csrc/int8_linear.cpp
+Int8LinearKernel = Callable[..., torch.Tensor]
 
 
 def _cpu_flags() -> str:
@@ -45,9 +50,13 @@ def _cpu_flags() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def build_name(source: Path) -> str:
-    digest = hashlib.sha256(source.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
-    return f"kvmesh_{source.stem}_{digest}"
+SOURCES = ("paged_decode.cpp", "int8_linear.cpp", "module.cpp")  # and kernels.h, which they include
+
+
+def build_name() -> str:
+    """The extension's name: after its sources and this CPU's flags (see the module's docstring)."""
+    text = b"".join((SOURCE_DIR / name).read_bytes() for name in (*SOURCES, "kernels.h"))
+    return f"kvmesh_cpu_kernels_{hashlib.sha256(text + _cpu_flags().encode()).hexdigest()[:16]}"
 
 
 def _put_ninja_on_path() -> None:
@@ -72,32 +81,31 @@ def _only_builder(build_directory: Path) -> Iterator[None]:
         fcntl.flock(held, fcntl.LOCK_EX)
         leftover = build_directory / "lock"
         if leftover.exists():
-            log.warning("cpu decode kernel: removing a build lock left by a process that died building it")
+            log.warning("cpu kernels: removing a build lock left by a process that died building it")
             leftover.unlink(missing_ok=True)
         yield
 
 
 @functools.cache
 def _extension() -> Any:
-    """The built extension module (csrc/paged_decode.cpp), or None where it cannot be built (a warning says why,
-    once; the cpu module then gathers blocks for SDPA or its GEMMs, as without the kernels)."""
-    source = SOURCE_DIR / "paged_decode.cpp"
+    """The built extension module (csrc/), or None where it cannot be built (a warning says why, once; the cpu
+    module then gathers blocks for SDPA or its GEMMs, and the int8 layers call oneDNN from Python, as without it)."""
     _put_ninja_on_path()
     try:
         from torch.utils import cpp_extension  # builds our C++ source and imports it; nothing is deserialized
 
-        name = build_name(source)
+        name = build_name()
         build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
         with _only_builder(build_directory):
             return cpp_extension.load(
                 name=name,
-                sources=[str(source)],
+                sources=[str(SOURCE_DIR / source) for source in SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
     except Exception as error:  # a missing compiler or ninja, a failed build: the plain path serves instead
-        log.warning("cpu decode kernel unavailable; gathering blocks for SDPA instead: %s", str(error)[-500:])
+        log.warning("cpu kernels unavailable; gathering blocks for SDPA instead: %s", str(error)[-500:])
         return None
 
 
@@ -111,6 +119,12 @@ def paged_chunk_kernel() -> PagedChunk | None:
     """A chunk of one sequence's new queries attending over its paged context, or None where they cannot be built."""
     extension = _extension()
     return None if extension is None else extension.paged_chunk  # type: ignore[no-any-return]
+
+
+def int8_linear_kernel() -> Int8LinearKernel | None:
+    """An int8 linear layer's forward through oneDNN's kernel in one call, or None where it cannot be built."""
+    extension = _extension()
+    return None if extension is None else extension.int8_linear  # type: ignore[no-any-return]
 
 
 def chunk_kernel_pays() -> bool:
@@ -128,4 +142,4 @@ def main() -> None:
     where they cannot be built here: the engines then warn and take the plain path, no reason to fail an install."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kernel = paged_decode_kernel()
-    log.info("cpu decode kernel: %s", "built" if kernel is not None else "unavailable (the gather path serves)")
+    log.info("cpu kernels: %s", "built" if kernel is not None else "unavailable (the plain torch paths serve)")

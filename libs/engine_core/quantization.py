@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from devices.cpu_kernels import int8_linear_kernel
 from engine_core.config import QUANTIZATION_MODES, ConfigError
 from engine_core.models.batch import ForwardBatch, PrefillSegment
 
@@ -221,6 +222,10 @@ class Int8Linear(nn.Module):
         self.out_features = weight.shape[0]
         self.reduce_range = kernel == "fbgemm" and not torch.cpu._is_vnni_supported()  # docstring
         scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (O,): symmetric, so zero points are 0
+        # oneDNN's layer in one C++ call (devices/csrc/int8_linear.cpp) where the cpu kernels are built: at a
+        # decode step's 32 rows the eight ops around the kernel, each a call from Python, cost more than the small
+        # layers' int8 GEMMs (bench/linear_kernels.py); None: those ops (`forward`)
+        self.one_call = int8_linear_kernel() if kernel == "onednn" else None
         if kernel == "onednn":
             qweight = _quantize_per_channel(weight, scales).int_repr()  # (O, I) int8
             self.packed = torch.ops.onednn.qlinear_prepack(qweight, None)  # opaque oneDNN int8 (I, O), blocked
@@ -244,6 +249,10 @@ class Int8Linear(nn.Module):
         return cls(weight * smooth, 1.0 / smooth, bias, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_call is not None:  # the C++ kernel: the ops below and the kernel's call in one, the same bits
+            rows = x.reshape(-1, self.in_features).contiguous()
+            scales = (self.input_scale, self.packed, self.output_scale, self.weight_zero_points)
+            return self.one_call(rows, *scales, self.bias).view(*x.shape[:-1], self.out_features)
         x = x * self.input_scale  # (..., I)
         row_range = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)  # (..., 1)
         y = self._onednn(x, row_range) if self.kernel == "onednn" else self._fbgemm(x, row_range)  # (..., O)

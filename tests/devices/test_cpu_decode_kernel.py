@@ -17,7 +17,14 @@ import torch
 from torch.utils import cpp_extension
 
 from devices.cpu import CHUNK_KERNEL_MAX_ROWS, CpuOps
-from devices.cpu_kernels import SOURCE_DIR, build_name, chunk_kernel_pays, paged_chunk_kernel, paged_decode_kernel
+from devices.cpu_kernels import (
+    SOURCE_DIR,
+    SOURCES,
+    build_name,
+    chunk_kernel_pays,
+    paged_chunk_kernel,
+    paged_decode_kernel,
+)
 from engine_core import LLM, SamplingParams
 from engine_core.config import ConfigError, EngineConfig
 from engine_core.engine import uses_cpu_decode_kernel
@@ -176,11 +183,11 @@ def test_the_chunk_kernel_is_taken_where_the_cpu_has_avx512() -> None:
     assert (ops.chunk_kernel is not None) is chunk_kernel_pays()
 
 
-def test_the_build_is_named_after_the_source_and_this_cpu() -> None:
-    source = SOURCE_DIR / "paged_decode.cpp"
-    name = build_name(source)
-    assert name.startswith("kvmesh_paged_decode_") and len(name) == len("kvmesh_paged_decode_") + 16
-    assert build_name(source) == name
+def test_the_build_is_named_after_the_sources_and_this_cpu() -> None:
+    name = build_name()
+    assert name.startswith("kvmesh_cpu_kernels_") and len(name) == len("kvmesh_cpu_kernels_") + 16
+    assert build_name() == name
+    assert sorted(path.name for path in SOURCE_DIR.iterdir()) == sorted([*SOURCES, "kernels.h"])  # all hashed
 
 
 @pytest.mark.parametrize("reference", ["llama_reference", "deepseek_reference"])
@@ -231,7 +238,7 @@ def test_without_a_compiler_the_gather_path_serves(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[-1] == "False None"
-    assert "cpu decode kernel unavailable" in result.stdout + result.stderr
+    assert "cpu kernels unavailable" in result.stdout + result.stderr
 
 
 def test_a_build_lock_left_by_a_dead_builder_does_not_stop_the_next(tmp_path) -> None:
@@ -241,7 +248,7 @@ def test_a_build_lock_left_by_a_dead_builder_does_not_stop_the_next(tmp_path) ->
     (timestamps kept, so torch's ninja finds nothing to do): the lock is what is tested, not a second build of the
     kernel, which took 20 s on an idle machine and 180 s on a slow one beside the other test worker."""
     assert paged_decode_kernel() is not None  # built in the suite's extension directory (`make install` did it)
-    name = build_name(SOURCE_DIR / "paged_decode.cpp")
+    name = build_name()
     built = Path(cpp_extension._get_build_directory(name, verbose=False))
     copy = tmp_path / name
     shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "kvmesh.flock"))
@@ -253,8 +260,10 @@ def test_a_build_lock_left_by_a_dead_builder_does_not_stop_the_next(tmp_path) ->
     assert result.stdout.splitlines()[-1] == "True"
     assert "removing a build lock left by a process that died building it" in result.stdout + result.stderr
     assert not (copy / "lock").exists()
-    assert sorted(p.name for p in copy.glob("*.o")) == ["paged_decode.o"]  # and nothing was compiled again:
-    assert (copy / "paged_decode.o").stat().st_mtime_ns == (built / "paged_decode.o").stat().st_mtime_ns
+    objects = sorted(p.name for p in copy.glob("*.o"))
+    assert objects == ["int8_linear.o", "module.o", "paged_decode.o"]  # and nothing was compiled again:
+    for obj in objects:
+        assert (copy / obj).stat().st_mtime_ns == (built / obj).stat().st_mtime_ns
 
 
 def test_the_engine_turns_it_on_only_for_the_cpu_family_at_float32() -> None:

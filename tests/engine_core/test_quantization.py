@@ -106,6 +106,26 @@ def test_the_onednn_kernel_computes_the_int8_product_exactly() -> None:
     assert torch.equal(got, expected)
 
 
+@pytest.mark.skipif(not can_use_onednn(), reason="needs AVX-512 VNNI and oneDNN")
+@pytest.mark.parametrize(("rows", "in_features", "out_features", "bias"), [(1, 576, 960, False), (40, 100, 24, True)])
+def test_the_one_call_kernel_gives_the_bits_of_the_ops_it_replaces(
+    rows: int, in_features: int, out_features: int, bias: bool
+) -> None:
+    """devices/csrc/int8_linear.cpp does the layer's smoothing, quantization and rescale in C++ around oneDNN's
+    kernel: the same bits as the torch ops it saves the calls of (100 input floats: a vector tail; 40 rows: more
+    than one thread's share), for 2-d and 3-d inputs."""
+    gen = torch.Generator().manual_seed(4)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    x = torch.randn(rows, in_features, generator=gen) * 3
+    layer = Int8Linear.from_linear(linear, x.abs().amax(dim=0) * 0.7, "onednn")
+    assert layer.one_call is not None, "the kernels did not build (g++ and ninja are part of the test environment)"
+    with torch.no_grad():
+        one_call, batched = layer(x), layer(x.view(1, rows, in_features))
+        layer.one_call = None
+        ops = layer(x)
+    assert torch.equal(one_call, ops) and torch.equal(batched[0], ops)
+
+
 def test_int8_replaces_every_linear_layer_and_keeps_the_logits_close(llama_reference) -> None:
     path = str(llama_reference[0])
     fp32 = LLM(path, num_kv_blocks=16)

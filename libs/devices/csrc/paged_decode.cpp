@@ -30,7 +30,8 @@
 //   q           (Lq, H, D)   float32, contiguous: positions num_cached .. num_cached + Lq - 1
 //   block_table (M,)         int32: the sequence's blocks, covering num_cached + Lq positions
 //   -> (Lq, H, Dv) float32; query i sees positions 0 .. num_cached + i
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -277,15 +278,15 @@ void attend(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<floa
 // copy of the blocks into a gathered buffer, no padding to a longer row's length). Work is split by sequence;
 // a head's arithmetic is the same whichever heads share its call, so a row's result is the same bits however the
 // batch is made up and split.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale, int64_t value_dim) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                           at::Tensor context_lens, double scale, int64_t value_dim) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && context_lens.device().is_cpu(),
               "paged_decode: cpu tensors only");
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-                  v_cache.dtype() == torch::kFloat32,
+  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat &&
+                  v_cache.dtype() == at::kFloat,
               "paged_decode: float32 only");
-  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32,
+  TORCH_CHECK(block_tables.dtype() == at::kInt && context_lens.dtype() == at::kInt,
               "paged_decode: int32 block tables and context lengths");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
@@ -303,7 +304,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   c.lens = context_lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(c.lens[b] > 0 && c.lens[b] <= c.M * c.S, "paged_decode: a context length outside its block table");
-  auto out = torch::empty({B, c.H, c.Dv}, q.options());
+  auto out = at::empty({B, c.H, c.Dv}, q.options());
   c.qp = q.data_ptr<float>();
   c.kc = k_cache.data_ptr<float>();
   c.vc = v_cache.data_ptr<float>();
@@ -454,7 +455,7 @@ void attend_span(const Chunk& c, int64_t s0, int64_t s1, bool causal, float* sco
 }
 
 template <int NV, int DV>
-torch::Tensor chunk_attention(const Chunk& c, torch::Tensor q) {
+at::Tensor chunk_attention(const Chunk& c, at::Tensor q) {
   const int64_t width = NV * kLanes, rows = c.Lq * c.G, L = c.num_cached + c.Lq;
   const int64_t span = std::max<int64_t>(kRows, std::min(kSpan, kSpanFloats / (c.K * width) / kRows * kRows));
   // Partitions of the cached positions on block boundaries, one a thread; the chunk's own positions, which
@@ -481,7 +482,7 @@ torch::Tensor chunk_attention(const Chunk& c, torch::Tensor q) {
   std::vector<float> scores(scores_floats);
   attend(P, scores);
   // Merge the partitions in their order: each row's sums rescaled to its largest maximum.
-  auto out = torch::empty({c.Lq, c.H, c.Dv}, q.options());
+  auto out = at::empty({c.Lq, c.H, c.Dv}, q.options());
   float* op = out.data_ptr<float>();
   for (int64_t kh = 0; kh < c.K; ++kh) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -505,7 +506,7 @@ torch::Tensor chunk_attention(const Chunk& c, torch::Tensor q) {
 }
 
 template <int DV>
-torch::Tensor chunk_attention_rows(const Chunk& c, torch::Tensor q, int64_t nv) {
+at::Tensor chunk_attention_rows(const Chunk& c, at::Tensor q, int64_t nv) {
   switch (nv) {
     case 1: return chunk_attention<1, DV>(c, q);
     case 2: return chunk_attention<2, DV>(c, q);
@@ -520,15 +521,15 @@ torch::Tensor chunk_attention_rows(const Chunk& c, torch::Tensor q, int64_t nv) 
 
 }  // namespace
 
-torch::Tensor paged_chunk(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+at::Tensor paged_chunk(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                           int64_t num_cached, double scale, int64_t value_dim) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   block_table.device().is_cpu(),
               "paged_chunk: cpu tensors only");
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-                  v_cache.dtype() == torch::kFloat32,
+  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat &&
+                  v_cache.dtype() == at::kFloat,
               "paged_chunk: float32 only");
-  TORCH_CHECK(block_table.dtype() == torch::kInt32, "paged_chunk: an int32 block table");
+  TORCH_CHECK(block_table.dtype() == at::kInt, "paged_chunk: an int32 block table");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous(),
               "paged_chunk: contiguous tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && block_table.dim() == 1,
@@ -566,12 +567,4 @@ torch::Tensor paged_chunk(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
     case 64: return chunk_attention_rows<4>(c, q, nv);
     default: return chunk_attention_rows<8>(c, q, nv);
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over the paged cache", py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("value_dim") = 0);
-  m.def("paged_chunk", &paged_chunk, "a chunk's attention over the paged cache", py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("block_table"), py::arg("num_cached"), py::arg("scale"), py::arg("value_dim") = 0);
 }
