@@ -3,11 +3,11 @@
 //
 // One query token per sequence attends over its own context, block by block through its block table: no copy of
 // the blocks into a gathered buffer, no padding to a longer row's length. Work is split by sequence; each
-// position's K and V rows (all KV heads) are read front to back, 16 positions at a time for every query head.
-// Where a vector is one register (AVX-512) and heads are multiples of 16 floats, a query head's 16 dot products
-// are summed across lanes at once, the softmax's exp is vectorized, a head's value sums stay in registers, and
-// the next positions' rows are prefetched (blocks lie anywhere, so the hardware prefetcher meets each cold);
-// elsewhere scalar loops. Softmax in float32 with the row's maximum subtracted, as SDPA does; each head's sums run
+// position's K and V rows (all KV heads) are read front to back, a register's width of positions at a time (16
+// floats with AVX-512, 8 with AVX2) for every query head. Where heads are multiples of that width, a query head's
+// dot products for those positions are summed across lanes at once, the softmax's exp is vectorized, a head's
+// value sums stay in registers, and the next positions' rows are prefetched (blocks lie anywhere, so the hardware
+// prefetcher meets each cold); other head sizes take scalar loops. Softmax in float32 with the row's maximum subtracted, as SDPA does; each head's sums run
 // in a fixed order, so a row's result does not depend on the other rows of the batch.
 //
 //   q            (B, H, D)       float32, contiguous
@@ -43,72 +43,107 @@
 
 namespace {
 
-// Explicit vectors of 16 floats (GCC's vector extensions: one AVX-512 register, two AVX2 ones elsewhere).
+// Explicit vectors of 16 floats (GCC's vector extensions: one AVX-512 register, two AVX2 ones elsewhere), and
+// of 8 (one AVX2 register), which the decode kernel takes where a register holds no more (`vd`, kWide).
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 16;
+#if defined(__AVX512F__)
+typedef vf vd;
+#else
+typedef v8 vd;
+#endif
+constexpr int64_t kWide = sizeof(vd) / sizeof(float);
 
-inline vf load(const float* p) {
-  vf x;
+template <typename V = vf>
+inline V load(const float* p) {
+  V x;
   std::memcpy(&x, p, sizeof x);
   return x;
 }
-inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
+template <typename V>
+inline void store(float* p, V x) {
+  std::memcpy(p, &x, sizeof x);
+}
 
 // e^x for x <= 0 (a score minus its row's maximum), as Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a
 // degree-6 polynomial, 2^n by the exponent's bits; relative error under 2e-7; exactly 0 below -87 (a masked
 // score, -inf, included). std::exp would stay scalar without -ffast-math (which would also assume no NaN).
-inline vf exp_nonpositive(vf x) {
-  const vi keep = x >= -87.0f;
-  x = x < -87.0f ? vf{} - 87.0f : x;
-  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 x 2^23
-  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf y = vf{} + 1.9875691500e-4f;
+template <typename V>
+inline V exp_nonpositive(V x) {
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  const VI keep = x >= -87.0f;
+  x = x < -87.0f ? V{} - 87.0f : x;
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 x 2^23
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V y = V{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  return (vf)((vi)(y * (vf)bits) & keep);
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  return (V)((VI)(y * (V)bits) & keep);
 }
 
 #if defined(__clang__)
-#define KVMESH_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define KVMESH_SHUFFLE(a, b, mask, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define KVMESH_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#define KVMESH_SHUFFLE(a, b, mask, ...) __builtin_shuffle(a, b, mask{__VA_ARGS__})
 #endif
 
-// Sixteen dot products' partial vectors summed across their lanes at once, as a tree of pairwise halvings (15
-// shuffle-and-add steps instead of 16 horizontal sums): lane t of the result is the sum of the lanes of
-// parts[kBitReversed[t]], always added in the same order.
-constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+// A vector's worth of dot products' partial vectors summed across their lanes at once, as a tree of pairwise
+// halvings (15 shuffle-and-add steps for 16 lanes, 7 for 8, instead of a horizontal sum each): lane t of the result
+// is the sum of the lanes of parts[kBitReversed[t]] (its index with the bits reversed), always in the same order.
+constexpr int kBitReversed[kWide] =
+#if defined(__AVX512F__)
+    {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#else
+    {0, 4, 2, 6, 1, 5, 3, 7};
+#endif
 inline vf lane_sums(const vf* parts) {
   vf half[8], quarter[4], eighth[2];
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: parts[2i]'s 8 partial sums; 8-15: parts[2i + 1]'s
     const vf a = parts[2 * i], b = parts[2 * i + 1];
-    half[i] = KVMESH_SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-              KVMESH_SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    half[i] = KVMESH_SHUFFLE(a, b, vi, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+              KVMESH_SHUFFLE(a, b, vi, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
   for (int i = 0; i < 4; ++i) {  // four lanes a part
     const vf a = half[2 * i], b = half[2 * i + 1];
-    quarter[i] = KVMESH_SHUFFLE(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-                 KVMESH_SHUFFLE(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    quarter[i] = KVMESH_SHUFFLE(a, b, vi, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+                 KVMESH_SHUFFLE(a, b, vi, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   }
   for (int i = 0; i < 2; ++i) {  // two lanes a part
     const vf a = quarter[2 * i], b = quarter[2 * i + 1];
-    eighth[i] = KVMESH_SHUFFLE(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-                KVMESH_SHUFFLE(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    eighth[i] = KVMESH_SHUFFLE(a, b, vi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+                KVMESH_SHUFFLE(a, b, vi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
   }
   const vf a = eighth[0], b = eighth[1];
-  return KVMESH_SHUFFLE(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         KVMESH_SHUFFLE(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return KVMESH_SHUFFLE(a, b, vi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         KVMESH_SHUFFLE(a, b, vi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-inline float sum_lanes(vf x) {  // in lane order
+inline v8 lane_sums(const v8* parts) {
+  v8 half[4], quarter[2];
+  for (int i = 0; i < 4; ++i) {  // lanes 0-3: parts[2i]'s 4 partial sums; 4-7: parts[2i + 1]'s
+    const v8 a = parts[2 * i], b = parts[2 * i + 1];
+    half[i] = KVMESH_SHUFFLE(a, b, vi8, 0, 1, 2, 3, 8, 9, 10, 11) + KVMESH_SHUFFLE(a, b, vi8, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {  // two lanes a part
+    const v8 a = half[2 * i], b = half[2 * i + 1];
+    quarter[i] =
+        KVMESH_SHUFFLE(a, b, vi8, 0, 1, 8, 9, 4, 5, 12, 13) + KVMESH_SHUFFLE(a, b, vi8, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  const v8 a = quarter[0], b = quarter[1];
+  return KVMESH_SHUFFLE(a, b, vi8, 0, 8, 2, 10, 4, 12, 6, 14) + KVMESH_SHUFFLE(a, b, vi8, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+inline float sum_lanes(vd x) {  // in lane order
   float total = 0.f;
-  for (int i = 0; i < kLanes; ++i) total += x[i];
+  for (int i = 0; i < kWide; ++i) total += x[i];
   return total;
 }
 
@@ -168,26 +203,26 @@ void attend_any(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<
 }
 
 // Heads whose value sums are held in registers at once: 4 x 4 vectors and the value row's 4 fit AVX-512's 32
-// registers.
-constexpr int kHeads = 4;
+// registers, 2 x 4 and 4 AVX2's 16.
+constexpr int kHeads = kWide == 16 ? 4 : 2;
 
 // Heads [h, h + NH): their weighted sum of values over the context, VC vectors of each value from float u0 on,
 // sums in position order in registers, divided by each head's softmax total at the end.
 template <int NH, int VC>
 void weigh_values(const Decode& c, int64_t b, int64_t h, int64_t u0, int64_t L, const int64_t* entries,
                   const float* weights, int64_t stride, const float* inverse) {
-  vf sums[NH][VC] = {};
+  vd sums[NH][VC] = {};
   const float* rows[NH];
   for (int g = 0; g < NH; ++g) rows[g] = c.vc + ((h + g) / c.G) * c.W + u0;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t at = entries[l] * c.K * c.W;
     for (int g = 0; g < NH; ++g) {
       const float w = weights[g * stride + l];
-      for (int i = 0; i < VC; ++i) sums[g][i] += w * load(rows[g] + at + i * kLanes);
+      for (int i = 0; i < VC; ++i) sums[g][i] += w * load<vd>(rows[g] + at + i * kWide);
     }
   }
   for (int g = 0; g < NH; ++g)
-    for (int i = 0; i < VC; ++i) store(c.op + (b * c.H + h + g) * c.Dv + u0 + i * kLanes, sums[g][i] * inverse[g]);
+    for (int i = 0; i < VC; ++i) store(c.op + (b * c.H + h + g) * c.Dv + u0 + i * kWide, sums[g][i] * inverse[g]);
 }
 
 template <int VC>
@@ -201,13 +236,13 @@ void weigh_values_of(const Decode& c, int64_t b, int64_t h, int64_t nh, int64_t 
   }
 }
 
-// Query heads [h0, h1) of sequence b, head sizes that are multiples of 16 floats (VC vectors of a value at a
-// time): scores 16 positions a vector, the softmax's exp vectorized, values summed in registers. The scratch
-// holds the entries (L), the scaled queries (n x D) and the scores (n x L rounded up to 16).
+// Query heads [h0, h1) of sequence b, head sizes that are multiples of kWide floats (VC vectors of a value at a
+// time): scores kWide positions a vector, the softmax's exp vectorized, values summed in registers. The scratch
+// holds the entries (L), the scaled queries (n x D) and the scores (n x L rounded up to kWide).
 template <int VC>
 void attend(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<float>& scratch,
             std::vector<int64_t>& entries) {
-  const int64_t L = c.lens[b], n = h1 - h0, D = c.D, stride = (L + kLanes - 1) / kLanes * kLanes;
+  const int64_t L = c.lens[b], n = h1 - h0, D = c.D, stride = (L + kWide - 1) / kWide * kWide;
   const int32_t* table = c.tables + b * c.M;
   entries.resize(stride);
   for (int64_t l = 0; l < L; ++l) entries[l] = static_cast<int64_t>(table[l / c.S]) * c.S + l % c.S;
@@ -215,58 +250,58 @@ void attend(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<floa
   float* queries = scratch.data();
   float* scores = queries + n * D;
   for (int64_t i = 0; i < n * D; ++i) queries[i] = c.qp[(b * c.H + h0) * D + i] * c.scale;
-  // Scores: a block of 16 positions at a time, every head (each position's keys are one row, read front to
+  // Scores: kWide positions at a time, every head (each position's keys are one row, read front to
   // back; the block's rows stay in L1 while the heads read them).
   const int64_t key_bytes = c.K * D * 4, value_bytes = c.K * c.W * 4;
-  for (int64_t l0 = 0; l0 < L; l0 += kLanes) {
-    const int64_t m = std::min<int64_t>(kLanes, L - l0);
+  for (int64_t l0 = 0; l0 < L; l0 += kWide) {
+    const int64_t m = std::min<int64_t>(kWide, L - l0);
     // Blocks lie anywhere in the cache, so the hardware prefetcher meets each one cold: ask for the next
     // positions' keys, and these positions' values (the value pass reads them next), while these are scored.
     for (int64_t t = 0; t < m; ++t) {
       const char* value = reinterpret_cast<const char*>(c.vc + entries[l0 + t] * c.K * c.W);
       for (int64_t at = 0; at < value_bytes; at += 64) __builtin_prefetch(value + at, 0, 3);
-      if (l0 + kLanes + t < L) {
-        const char* key = reinterpret_cast<const char*>(c.kc + entries[l0 + kLanes + t] * c.K * D);
+      if (l0 + kWide + t < L) {
+        const char* key = reinterpret_cast<const char*>(c.kc + entries[l0 + kWide + t] * c.K * D);
         for (int64_t at = 0; at < key_bytes; at += 64) __builtin_prefetch(key + at, 0, 3);
       }
     }
     for (int64_t i = 0; i < n; ++i) {
       const float* query = queries + i * D;
       const int64_t kh = (h0 + i) / c.G;
-      vf parts[kLanes];
-      for (int s = 0; s < kLanes; ++s) {
+      vd parts[kWide];
+      for (int s = 0; s < kWide; ++s) {
         const int t = kBitReversed[s];
-        vf dot = {};
+        vd dot = {};
         if (t < m) {
           const float* key = c.kc + entries[l0 + t] * c.K * D + kh * D;
-          for (int64_t d = 0; d < D; d += kLanes) dot += load(query + d) * load(key + d);
+          for (int64_t d = 0; d < D; d += kWide) dot += load<vd>(query + d) * load<vd>(key + d);
         }
         parts[s] = dot;
       }
       store(scores + i * stride + l0, lane_sums(parts));
     }
   }
-  // Softmax: each head's maximum subtracted, exp 16 positions a vector; the total in a fixed order.
+  // Softmax: each head's maximum subtracted, exp kWide positions a vector; the total in a fixed order.
   std::vector<float> inverse(n);
   for (int64_t i = 0; i < n; ++i) {
     float* row = scores + i * stride;
     for (int64_t l = L; l < stride; ++l) row[l] = -INFINITY;  // past the context: weight 0
-    vf top = vf{} - INFINITY;
-    for (int64_t l = 0; l < stride; l += kLanes) {
-      const vf x = load(row + l);
+    vd top = vd{} - INFINITY;
+    for (int64_t l = 0; l < stride; l += kWide) {
+      const vd x = load<vd>(row + l);
       top = x > top ? x : top;
     }
     float most = top[0];
-    for (int k = 1; k < kLanes; ++k) most = std::max(most, top[k]);
-    vf total = {};
-    for (int64_t l = 0; l < stride; l += kLanes) {
-      const vf p = exp_nonpositive(load(row + l) - most);
+    for (int k = 1; k < kWide; ++k) most = std::max(most, top[k]);
+    vd total = {};
+    for (int64_t l = 0; l < stride; l += kWide) {
+      const vd p = exp_nonpositive(load<vd>(row + l) - most);
       store(row + l, p);
       total += p;
     }
     inverse[i] = 1.f / sum_lanes(total);
   }
-  for (int64_t u0 = 0; u0 < c.Dv; u0 += VC * kLanes)
+  for (int64_t u0 = 0; u0 < c.Dv; u0 += VC * kWide)
     for (int64_t i = 0; i < n; i += kHeads)
       weigh_values_of<VC>(c, b, h0 + i, std::min<int64_t>(kHeads, n - i), u0, L, entries.data(),
                           scores + i * stride, stride, inverse.data() + i);
@@ -311,18 +346,12 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   c.tables = block_tables.data_ptr<int32_t>();
   c.op = out.data_ptr<float>();
   c.scale = static_cast<float>(scale);
-  // The vector path where a vector is one register: on AVX2 (two registers a vector) its 16 partial vectors and
-  // their lane sums spill, and it ran 3x slower than the scalar loops (haswell build on a Xeon, 2026-12-07).
-#if defined(__AVX512F__)
-  const bool vectors = c.D % kLanes == 0 && c.Dv % kLanes == 0;
-#else
-  const bool vectors = false;
-#endif
+  const bool vectors = c.D % kWide == 0 && c.Dv % kWide == 0;
   auto heads = [&](int64_t b, int64_t h0, int64_t h1, std::vector<float>& scratch, std::vector<float>& more,
                    std::vector<int64_t>& entries) {
     if (!vectors) return attend_any(c, b, h0, h1, scratch, more);
-    if (c.Dv % (4 * kLanes) == 0) return attend<4>(c, b, h0, h1, scratch, entries);
-    if (c.Dv % (2 * kLanes) == 0) return attend<2>(c, b, h0, h1, scratch, entries);
+    if (c.Dv % (4 * kWide) == 0) return attend<4>(c, b, h0, h1, scratch, entries);
+    if (c.Dv % (2 * kWide) == 0) return attend<2>(c, b, h0, h1, scratch, entries);
     return attend<1>(c, b, h0, h1, scratch, entries);
   };
   // One work item per sequence where there are enough of them; fewer sequences than threads (a batch of one):
