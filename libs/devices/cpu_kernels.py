@@ -105,7 +105,7 @@ def _extension() -> Any:
                 verbose=False,
             )
     except Exception as error:  # a missing compiler or ninja, a failed build: the plain path serves instead
-        log.warning("cpu kernels unavailable; gathering blocks for SDPA instead: %s", str(error)[-500:])
+        log.warning("cpu kernels unavailable; the plain torch paths serve instead: %s", str(error)[-500:])
         return None
 
 

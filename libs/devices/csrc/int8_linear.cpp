@@ -76,7 +76,7 @@ const c10::OperatorHandle& qlinear() {
 }  // namespace
 
 at::Tensor int8_linear(at::Tensor x, at::Tensor input_scale, at::Tensor packed, at::Tensor output_scale,
-                          at::Tensor zero_points, std::optional<at::Tensor> bias) {
+                       at::Tensor zero_points, std::optional<at::Tensor> bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "int8_linear: x must be a contiguous 2-d float32 cpu tensor");
   TORCH_CHECK(input_scale.dtype() == at::kFloat && input_scale.is_contiguous() &&
@@ -125,8 +125,8 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor input_scale, at::Tensor packed, 
     for (int64_t r = begin; r < end; ++r) {
       float* __restrict__ out = yp + r * width;
       const float* __restrict__ add = bp;
-      const float range = rp[r];
-      for (int64_t o = 0; o < width; ++o) out[o] *= range;
+      const float row_range = rp[r];
+      for (int64_t o = 0; o < width; ++o) out[o] *= row_range;
       if (add != nullptr)
         for (int64_t o = 0; o < width; ++o) out[o] += add[o];
     }

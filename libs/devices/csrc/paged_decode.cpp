@@ -238,7 +238,7 @@ void weigh_values_of(const Decode& c, int64_t b, int64_t h, int64_t nh, int64_t 
 
 // Query heads [h0, h1) of sequence b, head sizes that are multiples of kWide floats (VC vectors of a value at a
 // time): scores kWide positions a vector, the softmax's exp vectorized, values summed in registers. The scratch
-// holds the entries (L), the scaled queries (n x D) and the scores (n x L rounded up to kWide).
+// holds the entries (L), the scaled queries (n x D), the scores (n x L rounded up to kWide) and n inverse totals.
 template <int VC>
 void attend(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<float>& scratch,
             std::vector<int64_t>& entries) {
@@ -246,9 +246,10 @@ void attend(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<floa
   const int32_t* table = c.tables + b * c.M;
   entries.resize(stride);
   for (int64_t l = 0; l < L; ++l) entries[l] = static_cast<int64_t>(table[l / c.S]) * c.S + l % c.S;
-  scratch.resize(n * D + n * stride);
+  scratch.resize(n * D + n * stride + n);
   float* queries = scratch.data();
   float* scores = queries + n * D;
+  float* inverse = scores + n * stride;  // each head's 1 / its softmax total
   for (int64_t i = 0; i < n * D; ++i) queries[i] = c.qp[(b * c.H + h0) * D + i] * c.scale;
   // Scores: kWide positions at a time, every head (each position's keys are one row, read front to
   // back; the block's rows stay in L1 while the heads read them).
@@ -282,7 +283,6 @@ void attend(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<floa
     }
   }
   // Softmax: each head's maximum subtracted, exp kWide positions a vector; the total in a fixed order.
-  std::vector<float> inverse(n);
   for (int64_t i = 0; i < n; ++i) {
     float* row = scores + i * stride;
     for (int64_t l = L; l < stride; ++l) row[l] = -INFINITY;  // past the context: weight 0
@@ -304,7 +304,7 @@ void attend(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<floa
   for (int64_t u0 = 0; u0 < c.Dv; u0 += VC * kWide)
     for (int64_t i = 0; i < n; i += kHeads)
       weigh_values_of<VC>(c, b, h0 + i, std::min<int64_t>(kHeads, n - i), u0, L, entries.data(),
-                          scores + i * stride, stride, inverse.data() + i);
+                          scores + i * stride, stride, inverse + i);
 }
 
 }  // namespace
@@ -314,7 +314,7 @@ void attend(const Decode& c, int64_t b, int64_t h0, int64_t h1, std::vector<floa
 // a head's arithmetic is the same whichever heads share its call, so a row's result is the same bits however the
 // batch is made up and split.
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor context_lens, double scale, int64_t value_dim) {
+                        at::Tensor context_lens, double scale, int64_t value_dim) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && context_lens.device().is_cpu(),
               "paged_decode: cpu tensors only");
@@ -551,7 +551,7 @@ at::Tensor chunk_attention_rows(const Chunk& c, at::Tensor q, int64_t nv) {
 }  // namespace
 
 at::Tensor paged_chunk(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                          int64_t num_cached, double scale, int64_t value_dim) {
+                       int64_t num_cached, double scale, int64_t value_dim) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   block_table.device().is_cpu(),
               "paged_chunk: cpu tensors only");
