@@ -39,7 +39,13 @@ from services.gateway.config import GatewaySettings
 from services.gateway.server import GatewayServer
 from services.gateway.tenancy import schema
 from services.gateway.tenancy.db import Database, open_database
-from services.gateway.tenancy.ledger import MSG_ID_HEADER, LedgerConsumer, UsagePublisher, ensure_usage_stream
+from services.gateway.tenancy.ledger import (
+    LINGER_S,
+    MSG_ID_HEADER,
+    LedgerConsumer,
+    UsagePublisher,
+    ensure_usage_stream,
+)
 
 from .gateway_harness import COMPLETION, DECODES, KEY, MODEL, PREFILLS, Fakes, Script, wait_for_ready
 from .tenancy_databases import BACKENDS, empty_database_url
@@ -100,11 +106,12 @@ class LedgerMesh:
             return {row.request_id: row for row in result}
 
     async def wait_for_rows(self, count: int, timeout_s: float = 30.0) -> None:
-        """Until `count` rows are written, then a while longer: a late duplicate would show as a row too many."""
+        """Until `count` rows are written, then a while longer (past a consumer's linger): a late duplicate would show
+        as a row too many."""
         deadline = time.monotonic() + timeout_s
         while await self.num_rows() < count and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(LINGER_S + 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -472,3 +479,34 @@ async def test_an_open_record_waits_out_its_delay_and_is_dropped_when_its_reques
         ]
         assert (await js.stream_info("KVMESH_USAGE")).state.messages == 3
         await bus.close()
+
+
+async def test_a_batch_waits_for_the_records_that_come_while_it_lingers_and_a_stop_ends_the_linger(
+    tmp_path: Path,
+) -> None:
+    async with empty_database_url("sqlite", tmp_path) as url:
+        settings = load_settings(GatewaySettings, env={}, api_keys=(KEY,), database_url=url)
+        database = await open_database(settings)
+        nats = EmbeddedNats(store_dir=tmp_path / "nats").start()
+        bus = await Bus.connect(nats.url, name="test-linger")
+        consumer = LedgerConsumer(bus, database, linger_s=30.0)  # longer than the test: only the stop ends it
+        try:
+            await consumer.start()  # creates the stream
+            js = bus.client.jetstream()
+            for request_id in ("first", "second", "third"):
+                record = _record(request_id, prompt=10, cached=0, completion=5)
+                await js.publish("kvmesh.usage.t", record.SerializeToString(), headers={MSG_ID_HEADER: request_id})
+                await asyncio.sleep(0.3)  # each after the consumer fetched the one before
+            assert (consumer.num_batches, consumer.num_written) == (0, 0)  # holding "first", lingering
+            stopping = time.monotonic()
+            await consumer.stop(grace_s=5.0)
+            assert time.monotonic() - stopping < 2.0  # the stop ended the linger; it did not wait out its grace
+            assert (consumer.num_batches, consumer.num_written) == (1, 3)  # and the batch it held was written
+            async with database.engine.connect() as connection:
+                result = await connection.execute(select(schema.usage_records.c.request_id))
+                assert sorted(row.request_id for row in result) == ["first", "second", "third"]
+        finally:
+            await consumer.stop(grace_s=0)
+            await bus.client.close()
+            nats.stop()
+            await database.close()

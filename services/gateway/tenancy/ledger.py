@@ -17,6 +17,11 @@
    OPEN_RECORD_DELAY_S before it is queued (dropped if the request's own record comes first): its publish, NATS
    storing it and the consumer's SQLite transaction otherwise took both cores in the very milliseconds the client
    needed one to read its first token (about 3 ms of TTFT at C=1: docs/benchmarks.md#where-the-overhead-goes).
+5. For the same reason the consumer lingers (as Kafka's producers do): a fetch that did not fill a batch waits
+   LINGER_S for more records before its transaction, so records are written in batches, and never in the
+   milliseconds after a request ended, when a client's next request needs the gateway (C=1 back to back: docs/
+   benchmarks.md#the-ledger-lingers). A full batch does not wait; a record reaches the table within LINGER_S
+   and one transaction of JetStream storing it (ack_wait, 5 s, is far longer).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ CONSUMER = "ledger"
 DUPLICATE_WINDOW_S = 300.0  # a retry within it is dropped by the stream; past it, by the table's primary key
 MSG_ID_HEADER = "Nats-Msg-Id"
 DROP_LOG_INTERVAL_S = 10.0
+LINGER_S = 0.5  # how long the consumer holds a batch that did not fill for more records (5. above)
 DEFAULT_PLAN = "default"  # a tenant without a row (the `default` tenant of KVMESH_API_KEYS) is priced by it
 STATUSES = ("finished", "client_gone", "failed", "timeout", "aborted", "refused")
 OPEN = "open"  # the status of an open record: the request started generating (not a ledger status)
@@ -343,19 +349,28 @@ def settle_batch(
 class LedgerConsumer:
     """Moves records from KVMESH_USAGE into usage_records; the only writer of that table."""
 
-    def __init__(self, bus: Bus, database: Database, batch_size: int = 256, ack_wait_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        database: Database,
+        batch_size: int = 256,
+        ack_wait_s: float = 5.0,
+        linger_s: float = LINGER_S,
+    ) -> None:
         self.bus = bus
         self.database = database
         self.batch_size = batch_size
         self.ack_wait_s = ack_wait_s
+        self.linger_s = linger_s
         self.num_written = 0
         self.num_duplicates = 0
+        self.num_batches = 0  # transactions
         self._task: asyncio.Task[None] | None = None
         self._subscription: JetStreamContext.PullSubscription | None = None  # only the task replaces it
-        self._is_stopping = False
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
-        self._is_stopping = False
+        self._stopping = asyncio.Event()
         try:
             self._subscription = await self._subscribe()
         except Exception as exc:  # NATS away: the task subscribes once it is back
@@ -368,7 +383,7 @@ class LedgerConsumer:
         says so every ack_wait_s / 3, so a slow database never gets it redelivered meanwhile)."""
         if self._task is None:
             return
-        self._is_stopping = True
+        self._stopping.set()
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(self._task), grace_s if grace_s > 0 else 0.0)
         await cancel_until_done(self._task)
@@ -389,7 +404,7 @@ class LedgerConsumer:
             self._subscription = None
 
     async def _run(self) -> None:
-        while not self._is_stopping:
+        while not self._stopping.is_set():
             try:
                 if self._subscription is None:
                     self._subscription = await self._subscribe()
@@ -397,6 +412,8 @@ class LedgerConsumer:
                     messages = await self._subscription.fetch(self.batch_size, timeout=1.0)
                 except (asyncio.TimeoutError, nats.errors.TimeoutError):
                     continue
+                if len(messages) < self.batch_size:
+                    messages += await self._more(self._subscription, self.batch_size - len(messages))
                 await self._write(messages)
             except asyncio.CancelledError:
                 raise
@@ -404,6 +421,15 @@ class LedgerConsumer:
                 log.warning("ledger consumer retrying", error=f"{type(exc).__name__}: {exc}")
                 await self._unsubscribe()
                 await asyncio.sleep(0.5)
+
+    async def _more(self, subscription: JetStreamContext.PullSubscription, room: int) -> list[Msg]:
+        """The records that came within linger_s of a batch's first (up to `room`); a stop ends the wait early."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), self.linger_s)
+        try:
+            return await subscription.fetch(room, timeout=0.05)  # what JetStream holds now: no wait for more
+        except (asyncio.TimeoutError, nats.errors.TimeoutError):
+            return []
 
     async def _still_working(self, messages: list[Msg]) -> None:
         """Tell JetStream the batch is being written (+WPI resets each message's ack_wait), until cancelled."""
@@ -432,6 +458,7 @@ class LedgerConsumer:
             await cancel_until_done(working)
         for message in acks:  # only after the commit: a crash before this redelivers, and the insert skips them
             await message.ack()
+        self.num_batches += 1
         self.num_written += num_new
         self.num_duplicates += len(records) - num_new
         USAGE_WRITTEN.labels("written").inc(num_new)
