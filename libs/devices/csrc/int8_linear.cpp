@@ -5,9 +5,9 @@
 // x's rows are smoothed (times s, per input channel), each quantized to int8 with its own range, multiplied by the
 // int8 weight in oneDNN's kernel (`onednn::qlinear_pointwise`, called through torch's dispatcher, its weight scales
 // folded into a float32 output) and scaled back by their range. The same float32 operations in the same order as
-// the layer's torch ops (x * s; 127 / r as 127 times 1 / r; times that; round half to even), so the same bits: this only saves the
-// eight calls from Python a layer made around the kernel, which at a decode step's 32 rows cost more than the
-// int8 GEMM of the smaller layers.
+// the layer's torch ops (x * s; 127 / r as 127 times 1 / r; times that; round half to even), so the same bits:
+// this only saves the eight calls from Python a layer made around the kernel, which at a decode step's 32 rows
+// cost more than the int8 GEMM of the smaller layers.
 //
 //   x             (R, I)  float32, contiguous
 //   input_scale   (I,)    float32: 1 / s
@@ -36,8 +36,8 @@ namespace {
 // torch.round does. In AVX-512 where the CPU has it (the hosts where oneDNN's int8 kernel is the fast one): a
 // vector multiply then a conversion in the default rounding mode, the same IEEE operations as the scalar tail's
 // (no add follows a multiply, so the compiler has nothing to fuse into an FMA, which would round differently).
-void quantize_row(const float* __restrict__ x, const float* __restrict__ scale, int64_t I, float* __restrict__ smoothed,
-                  int8_t* __restrict__ out, float* range) {
+void quantize_row(const float* __restrict__ x, const float* __restrict__ scale, int64_t I,
+                  float* __restrict__ smoothed, int8_t* __restrict__ out, float* range) {
   int64_t i = 0;
   float most = 0.f;
 #if defined(__AVX512F__)

@@ -7,8 +7,9 @@
 // floats with AVX-512, 8 with AVX2) for every query head. Where heads are multiples of that width, a query head's
 // dot products for those positions are summed across lanes at once, the softmax's exp is vectorized, a head's
 // value sums stay in registers, and the next positions' rows are prefetched (blocks lie anywhere, so the hardware
-// prefetcher meets each cold); other head sizes take scalar loops. Softmax in float32 with the row's maximum subtracted, as SDPA does; each head's sums run
-// in a fixed order, so a row's result does not depend on the other rows of the batch.
+// prefetcher meets each cold); other head sizes take scalar loops. Softmax in float32 with the row's maximum
+// subtracted, as SDPA does; each head's sums run in a fixed order, so a row's result does not depend on the other
+// rows of the batch.
 //
 //   q            (B, H, D)       float32, contiguous
 //   k_cache      (N, S, K, D)    float32, contiguous: N blocks of S positions, K KV heads
@@ -130,7 +131,8 @@ inline v8 lane_sums(const v8* parts) {
   v8 half[4], quarter[2];
   for (int i = 0; i < 4; ++i) {  // lanes 0-3: parts[2i]'s 4 partial sums; 4-7: parts[2i + 1]'s
     const v8 a = parts[2 * i], b = parts[2 * i + 1];
-    half[i] = KVMESH_SHUFFLE(a, b, vi8, 0, 1, 2, 3, 8, 9, 10, 11) + KVMESH_SHUFFLE(a, b, vi8, 4, 5, 6, 7, 12, 13, 14, 15);
+    half[i] = KVMESH_SHUFFLE(a, b, vi8, 0, 1, 2, 3, 8, 9, 10, 11) +
+              KVMESH_SHUFFLE(a, b, vi8, 4, 5, 6, 7, 12, 13, 14, 15);
   }
   for (int i = 0; i < 2; ++i) {  // two lanes a part
     const v8 a = half[2 * i], b = half[2 * i + 1];
@@ -490,7 +492,8 @@ at::Tensor chunk_attention(const Chunk& c, at::Tensor q) {
   // Partitions of the cached positions on block boundaries, one a thread; the chunk's own positions, which
   // need the causal mask, are one more, attended after them (a few positions).
   const int64_t cached_blocks = (c.num_cached + c.S - 1) / c.S;
-  const int64_t P = c.num_cached > 0 ? std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), cached_blocks)) : 0;
+  const int64_t P =
+      c.num_cached > 0 ? std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), cached_blocks)) : 0;
   const int64_t blocks_per_part = P > 0 ? (cached_blocks + P - 1) / P : 0;
   const int64_t state = c.K * width;
   std::vector<float> most((P + 1) * state, -INFINITY), total((P + 1) * state, 0.f);
